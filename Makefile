@@ -1,0 +1,23 @@
+# The two commands of the README, and the developer's helpers.
+#   make train   set up (apt packages when root, .venv, pip install .) and train LeNet
+#   make test    set up the same way and run the test suite
+VENV ?= .venv
+PY := $(VENV)/bin/python
+export VENV
+
+.PHONY: setup train test test-gpu bench clean
+
+setup:
+	scripts/bootstrap.sh
+
+train: setup
+	$(PY) examples/train_lenet.py
+
+test: setup
+	$(PY) -m pytest -q -ra tests
+
+bench: setup
+	$(PY) benchmarks/bench_lenet_cpu.py
+
+clean:
+	rm -rf build $(VENV) python/*.egg-info

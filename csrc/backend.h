@@ -1,0 +1,92 @@
+/* backend.h — devices and the backend table.
+ *
+ * A backend is a table of function pointers; a device is a backend plus its
+ * context (cpu: a thread count and scratch memory; cuda: a GPU, stream and
+ * handles). Layers and models are written once against this table. Every
+ * pointer argument named x, w, y, dx, ... is device memory of that device.
+ * Shapes are in the comments: NCHW, row-major, float32.
+ */
+#ifndef DP_BACKEND_H
+#define DP_BACKEND_H
+
+#include <stdint.h>
+
+#include "dp_status.h"
+
+typedef enum dp_device_kind { DP_DEVICE_CPU = 0, DP_DEVICE_CUDA = 1 } dp_device_kind;
+
+typedef struct dp_backend dp_backend;
+
+typedef struct dp_device {
+  dp_device_kind kind;
+  int index;            /* cpu:index / cuda:index (logical) */
+  int nthreads;         /* cpu: the cores this device may use */
+  const dp_backend *backend;
+  void *ctx;            /* backend-private */
+  char name[32];        /* "cpu:0" */
+} dp_device;
+
+/* Convolution geometry: input (N, C, H, W), filter (O, C, KH, KW), output (N, O, OH, OW). */
+typedef struct dp_conv_geom {
+  int C, H, W, O, KH, KW, stride, pad, OH, OW;
+} dp_conv_geom;
+
+/* Pool geometry lives with its kernels. */
+#include "dp_kernels.h"
+
+struct dp_backend {
+  const char *name;
+  dp_status (*alloc)(dp_device *dev, size_t bytes, void **out);  /* zero-filled */
+  void (*release)(dp_device *dev, void *p);
+  dp_status (*copy_to_device)(dp_device *dev, void *dst, const void *src, size_t bytes);
+  dp_status (*copy_to_host)(dp_device *dev, void *dst, const void *src, size_t bytes);
+  dp_status (*fill)(dp_device *dev, float *x, int64_t n, float value);
+  /* y (n) = x (n uint8) / 255 */
+  dp_status (*u8_to_unit)(dp_device *dev, float *y, const uint8_t *x, int64_t n);
+
+  /* y = conv(x, w) + b.  x (N,C,H,W), w (O,C,KH,KW), b (O), y (N,O,OH,OW) */
+  dp_status (*conv2d_forward)(dp_device *dev, const dp_conv_geom *g, int64_t N, const float *x, const float *w,
+                              const float *b, float *y);
+  /* dw, db overwritten with this batch's sums; dx overwritten unless NULL (first layer). */
+  dp_status (*conv2d_backward)(dp_device *dev, const dp_conv_geom *g, int64_t N, const float *x, const float *w,
+                               const float *dy, float *dx, float *dw, float *db);
+  /* y (N,nout) = x (N,nin) w^T + b, w (nout,nin): PyTorch's Linear layout */
+  dp_status (*dense_forward)(dp_device *dev, int64_t N, int nin, int nout, const float *x, const float *w, const float *b,
+                             float *y);
+  dp_status (*dense_backward)(dp_device *dev, int64_t N, int nin, int nout, const float *x, const float *w, const float *dy,
+                              float *dx, float *dw, float *db);
+  dp_status (*relu_forward)(dp_device *dev, int64_t n, const float *x, float *y);
+  dp_status (*relu_backward)(dp_device *dev, int64_t n, const float *y, const float *dy, float *dx);
+  dp_status (*avgpool_forward)(dp_device *dev, const dp_pool_geom *g, int64_t N, const float *x, float *y);
+  dp_status (*avgpool_backward)(dp_device *dev, const dp_pool_geom *g, int64_t N, const float *dy, float *dx);
+  /* arg (N,C,OH,OW) receives the winner's offset within its input plane */
+  dp_status (*maxpool_forward)(dp_device *dev, const dp_pool_geom *g, int64_t N, const float *x, float *y,
+                               int32_t *arg);
+  dp_status (*maxpool_backward)(dp_device *dev, const dp_pool_geom *g, int64_t N, const float *dy,
+                                const int32_t *arg, float *dx);
+  /* logits (N,K), labels (N) in [0,K). dlogits = scale*(softmax - onehot) unless NULL.
+   * Host outputs: *loss_sum = sum of row losses (float64 sum), *correct = argmax hits. */
+  dp_status (*softmax_xent)(dp_device *dev, int64_t N, int K, const float *logits, const int32_t *labels,
+                            float scale, float *dlogits, double *loss_sum, int64_t *correct);
+  /* One fused SGD step over a flat buffer (see dp_sgd_elem). v may be NULL when mu == 0. */
+  dp_status (*sgd_update)(dp_device *dev, int64_t n, float *w, const float *g, float *v, float lr, float mu,
+                          float wd);
+  dp_status (*synchronize)(dp_device *dev);
+};
+
+/* The CPU backend: nthreads cores (>= 1). */
+dp_status dp_cpu_device_init(dp_device *dev, int index, int nthreads);
+void dp_device_destroy(dp_device *dev);
+
+/* Number of CPU cores this process may use (sched affinity), >= 1. */
+int dp_cpu_core_count(void);
+
+/* Allocation helpers that go through the device's backend. */
+static inline dp_status dp_device_alloc(dp_device *dev, size_t bytes, void **out) {
+  return dev->backend->alloc(dev, bytes, out);
+}
+static inline void dp_device_free(dp_device *dev, void *p) {
+  if (p) dev->backend->release(dev, p);
+}
+
+#endif

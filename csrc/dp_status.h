@@ -1,0 +1,45 @@
+/* dp_status.h — errors are values.
+ *
+ * Every fallible core function returns a dp_status. On failure the message
+ * (what failed, and the file:line that detected it) is kept in a thread-local
+ * buffer, read with dp_error_message() on the same thread. The binding turns
+ * status + message into a Python exception in exactly one place
+ * (raise_from_status in csrc/pybind.c). The core never exits or aborts.
+ */
+#ifndef DP_STATUS_H
+#define DP_STATUS_H
+
+#include <stddef.h>
+
+typedef enum dp_status {
+  DP_OK = 0,
+  DP_ERR_VALUE,        /* bad argument: shape, range, device name  -> ValueError */
+  DP_ERR_TYPE,         /* wrong kind of argument                    -> TypeError */
+  DP_ERR_MEMORY,       /* allocation failed                         -> MemoryError */
+  DP_ERR_IO,           /* file or stream                            -> OSError */
+  DP_ERR_RUNTIME,      /* internal failure                          -> dpcore.DpcoreError */
+  DP_ERR_CUDA,         /* CUDA runtime / cuDNN / cuBLAS / NCCL      -> dpcore.DeviceError */
+  DP_ERR_INTERRUPTED,  /* Ctrl-C seen between steps                 -> KeyboardInterrupt */
+  DP_ERR_UNSUPPORTED   /* not built in / not available here         -> dpcore.DpcoreError */
+} dp_status;
+
+/* Record an error (printf-style) and return code. Use through DP_FAIL. */
+dp_status dp_fail_at(dp_status code, const char *file, int line, const char *fmt, ...)
+    __attribute__((format(printf, 4, 5)));
+#define DP_FAIL(code, ...) dp_fail_at((code), __FILE__, __LINE__, __VA_ARGS__)
+
+/* Propagate a failure unchanged. */
+#define DP_TRY(expr)                       \
+  do {                                     \
+    dp_status dp_try_s_ = (expr);          \
+    if (dp_try_s_ != DP_OK) return dp_try_s_; \
+  } while (0)
+
+/* The last error message recorded on this thread ("" if none). */
+const char *dp_error_message(void);
+/* Copy another thread's message into this thread's buffer (replica threads). */
+void dp_error_set_message(const char *msg);
+void dp_error_clear(void);
+const char *dp_status_name(dp_status s);
+
+#endif

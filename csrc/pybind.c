@@ -1,0 +1,859 @@
+/* pybind.c — the CPython binding of the dpcore core (module dpcore._core).
+ *
+ * The one place where dp_status values become Python exceptions
+ * (raise_from_status). NumPy inputs go through converters that require the
+ * exact dtype, C order, alignment and native byte order; the Python layer
+ * (python/dpcore) does the friendly conversions before calling in here.
+ * The GIL is released around pure C work only; every wrapper cleans up at
+ * its `done:` label.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <numpy/arrayobject.h>
+#include <cblas.h>
+#include <omp.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "backend.h"
+#include "dp_build_config.h"
+#include "model.h"
+#ifdef DP_HAVE_CUDA
+#include "dp_cuda.h"
+#endif
+
+/* OpenBLAS extension: the build's configuration string. */
+extern char *openblas_get_config(void);
+
+static PyObject *DpcoreError;  /* dpcore.errors.DpcoreError */
+static PyObject *DeviceError;  /* dpcore.errors.DeviceError */
+
+/* ---- errors: the one place ------------------------------------------------ */
+
+static PyObject *raise_from_status(dp_status s) {
+  const char *msg = dp_error_message();
+  if (!msg || !msg[0]) msg = dp_status_name(s);
+  PyObject *type;
+  switch (s) {
+    case DP_ERR_VALUE: type = PyExc_ValueError; break;
+    case DP_ERR_TYPE: type = PyExc_TypeError; break;
+    case DP_ERR_MEMORY: type = PyExc_MemoryError; break;
+    case DP_ERR_IO: type = PyExc_OSError; break;
+    case DP_ERR_CUDA: type = DeviceError; break;
+    case DP_ERR_INTERRUPTED: type = PyExc_KeyboardInterrupt; break;
+    default: type = DpcoreError; break;
+  }
+  PyErr_SetString(type, msg);
+  dp_error_clear();
+  return NULL;
+}
+
+/* ---- array converters ----------------------------------------------------- */
+
+static const char *dtype_name(PyArrayObject *a) { return PyArray_DESCR(a)->typeobj->tp_name; }
+
+/* A C-contiguous, aligned, native float32 array of the given rank (rank < 0: any).
+ * Returns a new reference or NULL with TypeError/ValueError set. */
+static PyArrayObject *as_float32(PyObject *obj, int rank, const char *what) {
+  if (!PyArray_Check(obj)) {
+    PyErr_Format(PyExc_TypeError, "%s must be a numpy.ndarray, got %s", what, Py_TYPE(obj)->tp_name);
+    return NULL;
+  }
+  PyArrayObject *a = (PyArrayObject *)obj;
+  if (PyArray_TYPE(a) != NPY_FLOAT32) {
+    PyErr_Format(PyExc_TypeError, "%s must be float32, got %s", what, dtype_name(a));
+    return NULL;
+  }
+  if (rank >= 0 && PyArray_NDIM(a) != rank) {
+    PyErr_Format(PyExc_ValueError, "%s must have %d dimensions, got %d", what, rank, PyArray_NDIM(a));
+    return NULL;
+  }
+  return (PyArrayObject *)PyArray_FROM_OTF(obj, NPY_FLOAT32, NPY_ARRAY_IN_ARRAY | NPY_ARRAY_NOTSWAPPED);
+}
+
+static PyArrayObject *new_float32(int rank, const npy_intp *dims) {
+  return (PyArrayObject *)PyArray_ZEROS(rank, (npy_intp *)dims, NPY_FLOAT32, 0);
+}
+
+/* Images for a model: (N, C, H, W) uint8 or float32 matching the model input. */
+static int convert_images(PyObject *obj, const dp_model *m, PyArrayObject **out, int *is_u8) {
+  *out = NULL;
+  if (!PyArray_Check(obj)) {
+    PyErr_Format(PyExc_TypeError, "images must be a numpy.ndarray, got %s", Py_TYPE(obj)->tp_name);
+    return -1;
+  }
+  PyArrayObject *a = (PyArrayObject *)obj;
+  int t = PyArray_TYPE(a);
+  if (t != NPY_UINT8 && t != NPY_FLOAT32) {
+    PyErr_Format(PyExc_TypeError, "images must be uint8 or float32, got %s", dtype_name(a));
+    return -1;
+  }
+  const npy_intp *d = PyArray_DIMS(a);
+  if (PyArray_NDIM(a) != 4 || d[1] != m->in_c || d[2] != m->in_h || d[3] != m->in_w) {
+    char got[128] = "(";
+    for (int i = 0; i < PyArray_NDIM(a); ++i)
+      snprintf(got + strlen(got), sizeof got - strlen(got), "%s%ld", i ? ", " : "", (long)d[i]);
+    snprintf(got + strlen(got), sizeof got - strlen(got), ")");
+    PyErr_Format(PyExc_ValueError, "images must have shape (N, %d, %d, %d), got %s", m->in_c, m->in_h, m->in_w, got);
+    return -1;
+  }
+  *out = (PyArrayObject *)PyArray_FROM_OTF(obj, t, NPY_ARRAY_IN_ARRAY | NPY_ARRAY_NOTSWAPPED);
+  *is_u8 = t == NPY_UINT8;
+  return *out ? 0 : -1;
+}
+
+static int convert_labels(PyObject *obj, npy_intp n, PyArrayObject **out) {
+  *out = NULL;
+  if (!PyArray_Check(obj)) {
+    PyErr_Format(PyExc_TypeError, "labels must be a numpy.ndarray, got %s", Py_TYPE(obj)->tp_name);
+    return -1;
+  }
+  PyArrayObject *a = (PyArrayObject *)obj;
+  if (PyArray_TYPE(a) != NPY_INT64) {
+    PyErr_Format(PyExc_TypeError, "labels must be int64, got %s", dtype_name(a));
+    return -1;
+  }
+  if (PyArray_NDIM(a) != 1 || PyArray_DIM(a, 0) != n) {
+    PyErr_Format(PyExc_ValueError, "labels must have shape (%ld,) to match the images, got %d dimensions of length %ld",
+                 (long)n, PyArray_NDIM(a), PyArray_NDIM(a) ? (long)PyArray_DIM(a, 0) : 0L);
+    return -1;
+  }
+  *out = (PyArrayObject *)PyArray_FROM_OTF(obj, NPY_INT64, NPY_ARRAY_IN_ARRAY | NPY_ARRAY_NOTSWAPPED);
+  return *out ? 0 : -1;
+}
+
+/* ---- Model ----------------------------------------------------------------- */
+
+typedef struct {
+  PyObject_HEAD
+  dp_device device;
+  int device_ready;
+  dp_model *model;
+  int busy;  /* set while the GIL is released inside a call on this model */
+} ModelObject;
+
+static void Model_dealloc(ModelObject *self) {
+  dp_model_destroy(self->model);
+  if (self->device_ready) dp_device_destroy(&self->device);
+  Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static int layer_from_tuple(dp_model *m, PyObject *spec, dp_status *st) {
+  if (!PyTuple_Check(spec) || PyTuple_GET_SIZE(spec) < 1 || !PyUnicode_Check(PyTuple_GET_ITEM(spec, 0))) {
+    PyErr_SetString(PyExc_TypeError, "each layer must be a tuple (name, *ints)");
+    return -1;
+  }
+  const char *name = PyUnicode_AsUTF8(PyTuple_GET_ITEM(spec, 0));
+  if (!name) return -1;
+  int v[4] = {0, 0, 0, 0};
+  Py_ssize_t n = PyTuple_GET_SIZE(spec) - 1;
+  if (n > 4) {
+    PyErr_Format(PyExc_ValueError, "layer %s: too many arguments", name);
+    return -1;
+  }
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    long x = PyLong_AsLong(PyTuple_GET_ITEM(spec, i + 1));
+    if (x == -1 && PyErr_Occurred()) return -1;
+    if (x < -1 || x > (1L << 30)) {
+      PyErr_Format(PyExc_ValueError, "layer %s: argument %ld out of range", name, x);
+      return -1;
+    }
+    v[i] = (int)x;
+  }
+  struct { const char *name; int nargs; } table[] = {{"conv2d", 4}, {"dense", 1}, {"relu", 0},
+                                                      {"avgpool", 3}, {"maxpool", 3}, {"flatten", 0}};
+  for (size_t i = 0; i < sizeof table / sizeof table[0]; ++i) {
+    if (strcmp(name, table[i].name) != 0) continue;
+    if (n != table[i].nargs) {
+      PyErr_Format(PyExc_ValueError, "layer %s takes %d arguments, got %zd", name, table[i].nargs, n);
+      return -1;
+    }
+    switch (i) {
+      case 0: *st = dp_model_add_conv2d(m, v[0], v[1], v[2], v[3]); break;
+      case 1: *st = dp_model_add_dense(m, v[0]); break;
+      case 2: *st = dp_model_add_relu(m); break;
+      case 3: *st = dp_model_add_avgpool(m, v[0], v[1], v[2]); break;
+      case 4: *st = dp_model_add_maxpool(m, v[0], v[1], v[2]); break;
+      default: *st = dp_model_add_flatten(m); break;
+    }
+    return 0;
+  }
+  PyErr_Format(PyExc_ValueError, "unknown layer kind '%s'", name);
+  return -1;
+}
+
+/* Model(input_shape=(C, H, W), layers=[...], threads=0) — threads 0: every core. */
+static int Model_init(ModelObject *self, PyObject *args, PyObject *kwds) {
+  static char *kwlist[] = {"input_shape", "layers", "threads", "device_index", NULL};
+  int c, h, w, threads = 0, index = 0;
+  PyObject *layers;
+  if (!PyArg_ParseTupleAndKeywords(args, kwds, "(iii)O|ii", kwlist, &c, &h, &w, &layers, &threads, &index))
+    return -1;
+  if (self->model) {
+    PyErr_SetString(PyExc_RuntimeError, "Model is already initialized");
+    return -1;
+  }
+  if (threads < 0) {
+    PyErr_Format(PyExc_ValueError, "threads must be >= 0, got %d", threads);
+    return -1;
+  }
+  if (threads == 0) threads = dp_cpu_core_count();
+  dp_status st = dp_cpu_device_init(&self->device, index, threads);
+  if (st != DP_OK) return raise_from_status(st), -1;
+  self->device_ready = 1;
+  st = dp_model_create(&self->device, c, h, w, &self->model);
+  if (st != DP_OK) return raise_from_status(st), -1;
+  PyObject *seq = PySequence_Fast(layers, "layers must be a sequence of tuples");
+  if (!seq) return -1;
+  for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(seq); ++i) {
+    st = DP_OK;
+    if (layer_from_tuple(self->model, PySequence_Fast_GET_ITEM(seq, i), &st) < 0) {
+      Py_DECREF(seq);
+      return -1;
+    }
+    if (st != DP_OK) {
+      Py_DECREF(seq);
+      return raise_from_status(st), -1;
+    }
+  }
+  Py_DECREF(seq);
+  st = dp_model_finalize(self->model);
+  if (st != DP_OK) return raise_from_status(st), -1;
+  return 0;
+}
+
+static int model_ready(ModelObject *self) {
+  if (!self->model || !self->model->finalized) {
+    PyErr_SetString(PyExc_RuntimeError, "Model is not initialized");
+    return 0;
+  }
+  if (self->busy) {
+    PyErr_SetString(PyExc_RuntimeError, "this model is in use by another thread");
+    return 0;
+  }
+  return 1;
+}
+
+static PyObject *Model_param_layout(ModelObject *self, PyObject *unused) {
+  if (!model_ready(self)) return NULL;
+  PyObject *out = PyList_New(0);
+  if (!out) return NULL;
+  const dp_model *m = self->model;
+  for (int i = 0; i < m->nlayers; ++i) {
+    const dp_layer *l = &m->layers[i];
+    if (!l->w_len) continue;
+    PyObject *wshape = l->kind == DP_LAYER_CONV2D ? Py_BuildValue("(iiii)", l->out_c, l->in_c, l->k, l->k)
+                                                  : Py_BuildValue("(ii)", l->out_c, l->in_c);
+    PyObject *w = wshape ? Py_BuildValue("(isLN)", i, "weight", (long long)l->w_off, wshape) : NULL;
+    PyObject *b = w ? Py_BuildValue("(isL(i))", i, "bias", (long long)l->b_off, l->out_c) : NULL;
+    if (!w || !b || PyList_Append(out, w) < 0 || PyList_Append(out, b) < 0) {
+      Py_XDECREF(w);
+      Py_XDECREF(b);
+      Py_DECREF(out);
+      return NULL;
+    }
+    Py_DECREF(w);
+    Py_DECREF(b);
+  }
+  return out;
+}
+
+static PyObject *Model_layers(ModelObject *self, PyObject *unused) {
+  if (!model_ready(self)) return NULL;
+  static const char *names[] = {"conv2d", "dense", "relu", "avgpool", "maxpool", "flatten"};
+  const dp_model *m = self->model;
+  PyObject *out = PyList_New(m->nlayers);
+  if (!out) return NULL;
+  for (int i = 0; i < m->nlayers; ++i) {
+    const dp_layer *l = &m->layers[i];
+    PyObject *t = Py_BuildValue("(s(iii)(iii))", names[l->kind], l->in_c, l->in_h, l->in_w, l->out_c, l->out_h,
+                                l->out_w);
+    if (!t) {
+      Py_DECREF(out);
+      return NULL;
+    }
+    PyList_SET_ITEM(out, i, t);
+  }
+  return out;
+}
+
+typedef dp_status (*flat_getter)(dp_model *, float *);
+
+static PyObject *get_flat(ModelObject *self, flat_getter get) {
+  if (!model_ready(self)) return NULL;
+  npy_intp n = (npy_intp)self->model->nparams;
+  PyArrayObject *out = new_float32(1, &n);
+  if (!out) return NULL;
+  dp_status st = get(self->model, (float *)PyArray_DATA(out));
+  if (st != DP_OK) {
+    Py_DECREF(out);
+    return raise_from_status(st);
+  }
+  return (PyObject *)out;
+}
+
+static PyObject *Model_get_params(ModelObject *self, PyObject *unused) { return get_flat(self, dp_model_get_params); }
+static PyObject *Model_get_grads(ModelObject *self, PyObject *unused) { return get_flat(self, dp_model_get_grads); }
+
+static PyObject *Model_set_params(ModelObject *self, PyObject *arg) {
+  if (!model_ready(self)) return NULL;
+  PyArrayObject *a = as_float32(arg, 1, "params");
+  if (!a) return NULL;
+  PyObject *ret = NULL;
+  if (PyArray_DIM(a, 0) != self->model->nparams) {
+    PyErr_Format(PyExc_ValueError, "params must have %lld elements, got %ld", (long long)self->model->nparams,
+                 (long)PyArray_DIM(a, 0));
+    goto done;
+  }
+  dp_status st = dp_model_set_params(self->model, (const float *)PyArray_DATA(a));
+  if (st != DP_OK) {
+    raise_from_status(st);
+    goto done;
+  }
+  ret = Py_NewRef(Py_None);
+done:
+  Py_DECREF(a);
+  return ret;
+}
+
+static PyObject *Model_reset_velocity(ModelObject *self, PyObject *unused) {
+  if (!model_ready(self)) return NULL;
+  dp_status st = dp_model_reset_velocity(self->model);
+  if (st != DP_OK) return raise_from_status(st);
+  Py_RETURN_NONE;
+}
+
+enum batch_call { CALL_TRAIN_STEP, CALL_FORWARD_BACKWARD, CALL_EVALUATE };
+
+/* The common body of train_step / forward_backward / evaluate: convert,
+ * release the GIL, run, take the GIL back, report. */
+static PyObject *run_batch(ModelObject *self, PyObject *X, PyObject *Y, enum batch_call call, float grad_scale,
+                           float lr, float momentum, float wd) {
+  if (!model_ready(self)) return NULL;
+  PyArrayObject *xa = NULL, *ya = NULL;
+  PyObject *ret = NULL;
+  int is_u8 = 0;
+  if (convert_images(X, self->model, &xa, &is_u8) < 0) goto done;
+  if (convert_labels(Y, PyArray_DIM(xa, 0), &ya) < 0) goto done;
+  dp_batch b = {PyArray_DATA(xa), is_u8, (const int64_t *)PyArray_DATA(ya), (int64_t)PyArray_DIM(xa, 0)};
+  if (call == CALL_TRAIN_STEP) grad_scale = b.n ? 1.0f / (float)b.n : 0.0f;
+  double loss = 0.0;
+  int64_t correct = 0;
+  dp_status st = DP_OK;
+  self->busy = 1;
+  Py_BEGIN_ALLOW_THREADS
+  if (call == CALL_EVALUATE) {
+    st = dp_model_evaluate(self->model, &b, &loss, &correct);
+  } else {
+    st = dp_model_forward_backward(self->model, &b, grad_scale, &loss, &correct);
+    if (st == DP_OK && call == CALL_TRAIN_STEP) st = dp_model_sgd_step(self->model, lr, momentum, wd);
+  }
+  Py_END_ALLOW_THREADS
+  self->busy = 0;
+  if (st != DP_OK) {
+    raise_from_status(st);
+    goto done;
+  }
+  ret = Py_BuildValue("(dL)", loss, (long long)correct);
+done:
+  Py_XDECREF(xa);
+  Py_XDECREF(ya);
+  return ret;
+}
+
+static PyObject *Model_train_step(ModelObject *self, PyObject *args, PyObject *kwds) {
+  static char *kwlist[] = {"images", "labels", "lr", "momentum", "weight_decay", NULL};
+  PyObject *X, *Y;
+  float lr, mu = 0.0f, wd = 0.0f;
+  if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOf|ff", kwlist, &X, &Y, &lr, &mu, &wd)) return NULL;
+  return run_batch(self, X, Y, CALL_TRAIN_STEP, 0.0f, lr, mu, wd);
+}
+
+static PyObject *Model_forward_backward(ModelObject *self, PyObject *args, PyObject *kwds) {
+  static char *kwlist[] = {"images", "labels", "grad_scale", NULL};
+  PyObject *X, *Y;
+  float scale;
+  if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOf", kwlist, &X, &Y, &scale)) return NULL;
+  return run_batch(self, X, Y, CALL_FORWARD_BACKWARD, scale, 0, 0, 0);
+}
+
+static PyObject *Model_evaluate(ModelObject *self, PyObject *args, PyObject *kwds) {
+  static char *kwlist[] = {"images", "labels", NULL};
+  PyObject *X, *Y;
+  if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO", kwlist, &X, &Y)) return NULL;
+  return run_batch(self, X, Y, CALL_EVALUATE, 0, 0, 0, 0);
+}
+
+static PyObject *Model_sgd_step(ModelObject *self, PyObject *args, PyObject *kwds) {
+  static char *kwlist[] = {"lr", "momentum", "weight_decay", NULL};
+  float lr, mu = 0.0f, wd = 0.0f;
+  if (!PyArg_ParseTupleAndKeywords(args, kwds, "f|ff", kwlist, &lr, &mu, &wd)) return NULL;
+  if (!model_ready(self)) return NULL;
+  dp_status st;
+  Py_BEGIN_ALLOW_THREADS
+  st = dp_model_sgd_step(self->model, lr, mu, wd);
+  Py_END_ALLOW_THREADS
+  if (st != DP_OK) return raise_from_status(st);
+  Py_RETURN_NONE;
+}
+
+static PyObject *Model_predict(ModelObject *self, PyObject *X) {
+  if (!model_ready(self)) return NULL;
+  PyArrayObject *xa = NULL, *out = NULL;
+  int is_u8 = 0;
+  if (convert_images(X, self->model, &xa, &is_u8) < 0) return NULL;
+  npy_intp dims[2] = {PyArray_DIM(xa, 0), dp_model_num_classes(self->model)};
+  out = new_float32(2, dims);
+  if (!out) {
+    Py_DECREF(xa);
+    return NULL;
+  }
+  dp_batch b = {PyArray_DATA(xa), is_u8, NULL, (int64_t)dims[0]};
+  float *dst = (float *)PyArray_DATA(out);
+  dp_status st;
+  self->busy = 1;
+  Py_BEGIN_ALLOW_THREADS
+  st = dp_model_predict(self->model, &b, dst);
+  Py_END_ALLOW_THREADS
+  self->busy = 0;
+  Py_DECREF(xa);
+  if (st != DP_OK) {
+    Py_DECREF(out);
+    return raise_from_status(st);
+  }
+  return (PyObject *)out;
+}
+
+static PyObject *Model_get_nparams(ModelObject *self, void *c) {
+  return self->model ? PyLong_FromLongLong(self->model->nparams) : PyLong_FromLong(0);
+}
+static PyObject *Model_get_num_classes(ModelObject *self, void *c) {
+  return self->model ? PyLong_FromLong(dp_model_num_classes(self->model)) : PyLong_FromLong(0);
+}
+static PyObject *Model_get_threads(ModelObject *self, void *c) { return PyLong_FromLong(self->device.nthreads); }
+static PyObject *Model_get_device(ModelObject *self, void *c) { return PyUnicode_FromString(self->device.name); }
+static PyObject *Model_get_input_shape(ModelObject *self, void *c) {
+  if (!self->model) Py_RETURN_NONE;
+  return Py_BuildValue("(iii)", self->model->in_c, self->model->in_h, self->model->in_w);
+}
+
+static PyMethodDef Model_methods[] = {
+    {"param_layout", (PyCFunction)Model_param_layout, METH_NOARGS,
+     "[(layer_index, 'weight'|'bias', offset, shape)] into the flat parameter buffer"},
+    {"layers", (PyCFunction)Model_layers, METH_NOARGS, "[(kind, input_shape, output_shape)]"},
+    {"get_params", (PyCFunction)Model_get_params, METH_NOARGS, "a copy of the flat parameter buffer"},
+    {"get_grads", (PyCFunction)Model_get_grads, METH_NOARGS, "a copy of the flat gradient buffer"},
+    {"set_params", (PyCFunction)Model_set_params, METH_O, "replace the flat parameter buffer"},
+    {"reset_velocity", (PyCFunction)Model_reset_velocity, METH_NOARGS, "zero the SGD momentum buffer"},
+    {"train_step", (PyCFunction)(void (*)(void))Model_train_step, METH_VARARGS | METH_KEYWORDS,
+     "train_step(images, labels, lr, momentum=0, weight_decay=0) -> (loss_sum, correct)"},
+    {"forward_backward", (PyCFunction)(void (*)(void))Model_forward_backward, METH_VARARGS | METH_KEYWORDS,
+     "forward_backward(images, labels, grad_scale) -> (loss_sum, correct); gradients stay in the model"},
+    {"sgd_step", (PyCFunction)(void (*)(void))Model_sgd_step, METH_VARARGS | METH_KEYWORDS,
+     "sgd_step(lr, momentum=0, weight_decay=0)"},
+    {"evaluate", (PyCFunction)(void (*)(void))Model_evaluate, METH_VARARGS | METH_KEYWORDS,
+     "evaluate(images, labels) -> (loss_sum, correct)"},
+    {"predict", (PyCFunction)Model_predict, METH_O, "predict(images) -> logits (N, classes) float32"},
+    {NULL, NULL, 0, NULL}};
+
+static PyGetSetDef Model_getset[] = {
+    {"nparams", (getter)Model_get_nparams, NULL, "length of the flat parameter buffer", NULL},
+    {"num_classes", (getter)Model_get_num_classes, NULL, "width of the logits", NULL},
+    {"threads", (getter)Model_get_threads, NULL, "cores the model's device uses", NULL},
+    {"device", (getter)Model_get_device, NULL, "device name", NULL},
+    {"input_shape", (getter)Model_get_input_shape, NULL, "(C, H, W)", NULL},
+    {NULL, NULL, NULL, NULL, NULL}};
+
+static PyTypeObject ModelType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "dpcore._core.Model",
+    .tp_basicsize = sizeof(ModelObject),
+    .tp_dealloc = (destructor)Model_dealloc,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "A sequential network on one CPU device with flat parameter and gradient buffers.",
+    .tp_methods = Model_methods,
+    .tp_getset = Model_getset,
+    .tp_init = (initproc)Model_init,
+    .tp_new = PyType_GenericNew,
+};
+
+/* ---- single ops (tests, notebooks): the backend's kernels on NumPy arrays ---
+ * These run on a module-level CPU device with every core and hold the GIL
+ * (the device's scratch memory is shared). */
+
+static dp_device ops_device;
+
+static int ops_init(void) {
+  dp_status st = dp_cpu_device_init(&ops_device, 0, dp_cpu_core_count());
+  if (st != DP_OK) return raise_from_status(st), -1;
+  return 0;
+}
+
+static int check_pos(long v, const char *what) {
+  if (v < 1) {
+    PyErr_Format(PyExc_ValueError, "%s must be >= 1, got %ld", what, v);
+    return -1;
+  }
+  return 0;
+}
+
+static PyObject *ops_conv2d(PyObject *mod, PyObject *args, int backward) {
+  PyObject *xo, *wo, *third;
+  int stride, pad;
+  if (!PyArg_ParseTuple(args, "OOOii", &xo, &wo, &third, &stride, &pad)) return NULL;
+  PyArrayObject *x = NULL, *w = NULL, *t = NULL, *y = NULL, *dx = NULL, *dw = NULL, *db = NULL;
+  PyObject *ret = NULL;
+  if (!(x = as_float32(xo, 4, "x")) || !(w = as_float32(wo, 4, "w"))) goto done;
+  if (third != Py_None && !(t = as_float32(third, backward ? 4 : 1, backward ? "dy" : "b"))) goto done;
+  if (check_pos(stride, "stride") < 0) goto done;
+  if (pad < 0) {
+    PyErr_Format(PyExc_ValueError, "padding must be >= 0, got %d", pad);
+    goto done;
+  }
+  const npy_intp *xd = PyArray_DIMS(x), *wd = PyArray_DIMS(w);
+  if (xd[1] != wd[1]) {
+    PyErr_Format(PyExc_ValueError, "x has %ld channels but w expects %ld", (long)xd[1], (long)wd[1]);
+    goto done;
+  }
+  if (xd[2] + 2 * pad < wd[2] || xd[3] + 2 * pad < wd[3] || wd[0] < 1 || wd[2] < 1 || wd[3] < 1) {
+    PyErr_SetString(PyExc_ValueError, "the kernel is larger than the padded input (or empty)");
+    goto done;
+  }
+  dp_conv_geom g = {(int)xd[1], (int)xd[2], (int)xd[3], (int)wd[0], (int)wd[2], (int)wd[3], stride, pad, 0, 0};
+  g.OH = (g.H + 2 * pad - g.KH) / stride + 1;
+  g.OW = (g.W + 2 * pad - g.KW) / stride + 1;
+  npy_intp yd[4] = {xd[0], g.O, g.OH, g.OW};
+  dp_status st;
+  if (!backward) {
+    if (t && PyArray_DIM(t, 0) != g.O) {
+      PyErr_Format(PyExc_ValueError, "b must have shape (%d,), got (%ld,)", g.O, (long)PyArray_DIM(t, 0));
+      goto done;
+    }
+    if (!(y = new_float32(4, yd))) goto done;
+    st = ops_device.backend->conv2d_forward(&ops_device, &g, xd[0], PyArray_DATA(x), PyArray_DATA(w),
+                                            t ? PyArray_DATA(t) : NULL, PyArray_DATA(y));
+    if (st != DP_OK) {
+      raise_from_status(st);
+      goto done;
+    }
+    ret = (PyObject *)y;
+    y = NULL;
+  } else {
+    if (!t) {
+      PyErr_SetString(PyExc_TypeError, "dy is required");
+      goto done;
+    }
+    for (int i = 0; i < 4; ++i)
+      if (PyArray_DIM(t, i) != yd[i]) {
+        PyErr_Format(PyExc_ValueError, "dy must have shape (%ld, %ld, %ld, %ld)", (long)yd[0], (long)yd[1],
+                     (long)yd[2], (long)yd[3]);
+        goto done;
+      }
+    npy_intp bd = g.O;
+    if (!(dx = new_float32(4, xd)) || !(dw = new_float32(4, wd)) || !(db = new_float32(1, &bd))) goto done;
+    st = ops_device.backend->conv2d_backward(&ops_device, &g, xd[0], PyArray_DATA(x), PyArray_DATA(w),
+                                             PyArray_DATA(t), PyArray_DATA(dx), PyArray_DATA(dw), PyArray_DATA(db));
+    if (st != DP_OK) {
+      raise_from_status(st);
+      goto done;
+    }
+    ret = Py_BuildValue("(OOO)", dx, dw, db);
+  }
+done:
+  Py_XDECREF(x);
+  Py_XDECREF(w);
+  Py_XDECREF(t);
+  Py_XDECREF(y);
+  Py_XDECREF(dx);
+  Py_XDECREF(dw);
+  Py_XDECREF(db);
+  return ret;
+}
+
+static PyObject *op_conv2d_forward(PyObject *m, PyObject *a) { return ops_conv2d(m, a, 0); }
+static PyObject *op_conv2d_backward(PyObject *m, PyObject *a) { return ops_conv2d(m, a, 1); }
+
+static PyObject *ops_dense(PyObject *mod, PyObject *args, int backward) {
+  PyObject *xo, *wo, *third;
+  if (!PyArg_ParseTuple(args, "OOO", &xo, &wo, &third)) return NULL;
+  PyArrayObject *x = NULL, *w = NULL, *t = NULL, *y = NULL, *dx = NULL, *dw = NULL, *db = NULL;
+  PyObject *ret = NULL;
+  if (!(x = as_float32(xo, 2, "x")) || !(w = as_float32(wo, 2, "w"))) goto done;
+  if (third != Py_None && !(t = as_float32(third, backward ? 2 : 1, backward ? "dy" : "b"))) goto done;
+  npy_intp N = PyArray_DIM(x, 0), nin = PyArray_DIM(x, 1), nout = PyArray_DIM(w, 0);
+  if (PyArray_DIM(w, 1) != nin) {
+    PyErr_Format(PyExc_ValueError, "x has %ld features but w expects %ld", (long)nin, (long)PyArray_DIM(w, 1));
+    goto done;
+  }
+  dp_status st;
+  if (!backward) {
+    if (t && PyArray_DIM(t, 0) != nout) {
+      PyErr_Format(PyExc_ValueError, "b must have shape (%ld,)", (long)nout);
+      goto done;
+    }
+    npy_intp yd[2] = {N, nout};
+    if (!(y = new_float32(2, yd))) goto done;
+    st = ops_device.backend->dense_forward(&ops_device, N, (int)nin, (int)nout, PyArray_DATA(x), PyArray_DATA(w),
+                                           t ? PyArray_DATA(t) : NULL, PyArray_DATA(y));
+    if (st != DP_OK) {
+      raise_from_status(st);
+      goto done;
+    }
+    ret = (PyObject *)y;
+    y = NULL;
+  } else {
+    if (!t || PyArray_DIM(t, 0) != N || PyArray_DIM(t, 1) != nout) {
+      PyErr_Format(PyExc_ValueError, "dy must have shape (%ld, %ld)", (long)N, (long)nout);
+      goto done;
+    }
+    if (!(dx = new_float32(2, PyArray_DIMS(x))) || !(dw = new_float32(2, PyArray_DIMS(w))) ||
+        !(db = new_float32(1, &nout)))
+      goto done;
+    st = ops_device.backend->dense_backward(&ops_device, N, (int)nin, (int)nout, PyArray_DATA(x), PyArray_DATA(w),
+                                            PyArray_DATA(t), PyArray_DATA(dx), PyArray_DATA(dw), PyArray_DATA(db));
+    if (st != DP_OK) {
+      raise_from_status(st);
+      goto done;
+    }
+    ret = Py_BuildValue("(OOO)", dx, dw, db);
+  }
+done:
+  Py_XDECREF(x);
+  Py_XDECREF(w);
+  Py_XDECREF(t);
+  Py_XDECREF(y);
+  Py_XDECREF(dx);
+  Py_XDECREF(dw);
+  Py_XDECREF(db);
+  return ret;
+}
+
+static PyObject *op_dense_forward(PyObject *m, PyObject *a) { return ops_dense(m, a, 0); }
+static PyObject *op_dense_backward(PyObject *m, PyObject *a) { return ops_dense(m, a, 1); }
+
+static PyObject *op_relu_forward(PyObject *mod, PyObject *xo) {
+  PyArrayObject *x = as_float32(xo, -1, "x");
+  if (!x) return NULL;
+  PyArrayObject *y = new_float32(PyArray_NDIM(x), PyArray_DIMS(x));
+  if (y) ops_device.backend->relu_forward(&ops_device, PyArray_SIZE(x), PyArray_DATA(x), PyArray_DATA(y));
+  Py_DECREF(x);
+  return (PyObject *)y;
+}
+
+/* relu_backward(y, dy): y is the forward output */
+static PyObject *op_relu_backward(PyObject *mod, PyObject *args) {
+  PyObject *yo, *dyo;
+  if (!PyArg_ParseTuple(args, "OO", &yo, &dyo)) return NULL;
+  PyArrayObject *y = NULL, *dy = NULL, *dx = NULL;
+  if (!(y = as_float32(yo, -1, "y")) || !(dy = as_float32(dyo, PyArray_NDIM(y), "dy"))) goto done;
+  if (!PyArray_SAMESHAPE(y, dy)) {
+    PyErr_SetString(PyExc_ValueError, "y and dy must have the same shape");
+    goto done;
+  }
+  if ((dx = new_float32(PyArray_NDIM(y), PyArray_DIMS(y))))
+    ops_device.backend->relu_backward(&ops_device, PyArray_SIZE(y), PyArray_DATA(y), PyArray_DATA(dy),
+                                      PyArray_DATA(dx));
+done:
+  Py_XDECREF(y);
+  Py_XDECREF(dy);
+  return (PyObject *)dx;
+}
+
+/* pool(kind, x, k, stride, pad[, dy]) — forward returns y, backward returns dx. */
+static PyObject *ops_pool(PyObject *args, int is_max, int backward) {
+  PyObject *xo, *dyo = NULL;
+  int k, stride, pad;
+  if (backward ? !PyArg_ParseTuple(args, "OOiii", &xo, &dyo, &k, &stride, &pad)
+               : !PyArg_ParseTuple(args, "Oiii", &xo, &k, &stride, &pad))
+    return NULL;
+  PyArrayObject *x = NULL, *dy = NULL, *y = NULL, *dx = NULL;
+  int32_t *arg = NULL;
+  PyObject *ret = NULL;
+  if (!(x = as_float32(xo, 4, "x"))) goto done;
+  if (check_pos(k, "kernel") < 0 || check_pos(stride, "stride") < 0) goto done;
+  const npy_intp *xd = PyArray_DIMS(x);
+  if (pad < 0 || 2 * pad > k || xd[2] + 2 * pad < k || xd[3] + 2 * pad < k) {
+    PyErr_Format(PyExc_ValueError, "pooling: need 0 <= padding <= kernel/2 and kernel <= padded input, got kernel %d, "
+                 "padding %d, input %ldx%ld", k, pad, (long)xd[2], (long)xd[3]);
+    goto done;
+  }
+  dp_pool_geom g = {(int)xd[1], (int)xd[2], (int)xd[3], dp_pool_out_dim((int)xd[2], k, stride, pad),
+                    dp_pool_out_dim((int)xd[3], k, stride, pad), k, stride, pad};
+  npy_intp yd[4] = {xd[0], xd[1], g.OH, g.OW};
+  if (!(y = new_float32(4, yd))) goto done;
+  if (is_max) {
+    arg = malloc(sizeof(int32_t) * (size_t)(PyArray_SIZE(y) ? PyArray_SIZE(y) : 1));
+    if (!arg) {
+      PyErr_NoMemory();
+      goto done;
+    }
+    ops_device.backend->maxpool_forward(&ops_device, &g, xd[0], PyArray_DATA(x), PyArray_DATA(y), arg);
+  } else {
+    ops_device.backend->avgpool_forward(&ops_device, &g, xd[0], PyArray_DATA(x), PyArray_DATA(y));
+  }
+  if (!backward) {
+    ret = (PyObject *)y;
+    y = NULL;
+    goto done;
+  }
+  if (!(dy = as_float32(dyo, 4, "dy"))) goto done;
+  if (!PyArray_SAMESHAPE(dy, y)) {
+    PyErr_Format(PyExc_ValueError, "dy must have shape (%ld, %ld, %ld, %ld)", (long)yd[0], (long)yd[1], (long)yd[2],
+                 (long)yd[3]);
+    goto done;
+  }
+  if (!(dx = new_float32(4, xd))) goto done;
+  if (is_max)
+    ops_device.backend->maxpool_backward(&ops_device, &g, xd[0], PyArray_DATA(dy), arg, PyArray_DATA(dx));
+  else
+    ops_device.backend->avgpool_backward(&ops_device, &g, xd[0], PyArray_DATA(dy), PyArray_DATA(dx));
+  ret = (PyObject *)dx;
+  dx = NULL;
+done:
+  free(arg);
+  Py_XDECREF(x);
+  Py_XDECREF(dy);
+  Py_XDECREF(y);
+  Py_XDECREF(dx);
+  return ret;
+}
+
+static PyObject *op_avg_pool2d_forward(PyObject *m, PyObject *a) { return ops_pool(a, 0, 0); }
+static PyObject *op_avg_pool2d_backward(PyObject *m, PyObject *a) { return ops_pool(a, 0, 1); }
+static PyObject *op_max_pool2d_forward(PyObject *m, PyObject *a) { return ops_pool(a, 1, 0); }
+static PyObject *op_max_pool2d_backward(PyObject *m, PyObject *a) { return ops_pool(a, 1, 1); }
+
+/* softmax_cross_entropy(logits (N,K), labels int64 (N), scale) -> (loss_sum, correct, dlogits) */
+static PyObject *op_softmax_cross_entropy(PyObject *mod, PyObject *args) {
+  PyObject *lo, *yo;
+  float scale;
+  if (!PyArg_ParseTuple(args, "OOf", &lo, &yo, &scale)) return NULL;
+  PyArrayObject *logits = NULL, *labels = NULL, *d = NULL;
+  int32_t *lab = NULL;
+  PyObject *ret = NULL;
+  if (!(logits = as_float32(lo, 2, "logits"))) goto done;
+  npy_intp N = PyArray_DIM(logits, 0), K = PyArray_DIM(logits, 1);
+  if (K < 1) {
+    PyErr_SetString(PyExc_ValueError, "logits need at least one class");
+    goto done;
+  }
+  if (convert_labels(yo, N, &labels) < 0) goto done;
+  lab = malloc(sizeof(int32_t) * (size_t)(N ? N : 1));
+  if (!lab) {
+    PyErr_NoMemory();
+    goto done;
+  }
+  const int64_t *y64 = PyArray_DATA(labels);
+  for (npy_intp i = 0; i < N; ++i) {
+    if (y64[i] < 0 || y64[i] >= K) {
+      PyErr_Format(PyExc_ValueError, "label %lld at index %ld is outside [0, %ld)", (long long)y64[i], (long)i, (long)K);
+      goto done;
+    }
+    lab[i] = (int32_t)y64[i];
+  }
+  if (!(d = new_float32(2, PyArray_DIMS(logits)))) goto done;
+  double loss = 0;
+  int64_t correct = 0;
+  dp_status st = ops_device.backend->softmax_xent(&ops_device, N, (int)K, PyArray_DATA(logits), lab, scale,
+                                                  PyArray_DATA(d), &loss, &correct);
+  if (st != DP_OK) {
+    raise_from_status(st);
+    goto done;
+  }
+  ret = Py_BuildValue("(dLO)", loss, (long long)correct, d);
+done:
+  free(lab);
+  Py_XDECREF(logits);
+  Py_XDECREF(labels);
+  Py_XDECREF(d);
+  return ret;
+}
+
+/* sgd_update(w, g, v, lr, momentum, weight_decay): w and v updated in place */
+static PyObject *op_sgd_update(PyObject *mod, PyObject *args) {
+  PyObject *wo, *go, *vo;
+  float lr, mu, wd;
+  if (!PyArg_ParseTuple(args, "OOOfff", &wo, &go, &vo, &lr, &mu, &wd)) return NULL;
+  PyArrayObject *arrs[3] = {NULL, NULL, NULL};
+  PyObject *objs[3] = {wo, go, vo};
+  const char *names[3] = {"w", "g", "v"};
+  PyObject *ret = NULL;
+  for (int i = 0; i < 3; ++i) {
+    if (!PyArray_Check(objs[i]) || PyArray_TYPE((PyArrayObject *)objs[i]) != NPY_FLOAT32 ||
+        !PyArray_IS_C_CONTIGUOUS((PyArrayObject *)objs[i]) || !PyArray_ISWRITEABLE((PyArrayObject *)objs[i])) {
+      PyErr_Format(PyExc_TypeError, "%s must be a writeable C-contiguous float32 ndarray", names[i]);
+      goto done;
+    }
+    arrs[i] = (PyArrayObject *)Py_NewRef(objs[i]);
+    if (PyArray_SIZE(arrs[i]) != PyArray_SIZE(arrs[0])) {
+      PyErr_SetString(PyExc_ValueError, "w, g and v must have the same number of elements");
+      goto done;
+    }
+  }
+  ops_device.backend->sgd_update(&ops_device, PyArray_SIZE(arrs[0]), PyArray_DATA(arrs[0]), PyArray_DATA(arrs[1]),
+                                 PyArray_DATA(arrs[2]), lr, mu, wd);
+  ret = Py_NewRef(Py_None);
+done:
+  for (int i = 0; i < 3; ++i) Py_XDECREF(arrs[i]);
+  return ret;
+}
+
+#define OPS_METHODS                                                                                           \
+  {"conv2d_forward", op_conv2d_forward, METH_VARARGS, "conv2d_forward(x, w, b|None, stride, pad) -> y"},     \
+      {"conv2d_backward", op_conv2d_backward, METH_VARARGS,                                                   \
+       "conv2d_backward(x, w, dy, stride, pad) -> (dx, dw, db)"},                                             \
+      {"dense_forward", op_dense_forward, METH_VARARGS, "dense_forward(x, w, b|None) -> y"},                  \
+      {"dense_backward", op_dense_backward, METH_VARARGS, "dense_backward(x, w, dy) -> (dx, dw, db)"},        \
+      {"relu_forward", op_relu_forward, METH_O, "relu_forward(x) -> y"},                                      \
+      {"relu_backward", op_relu_backward, METH_VARARGS, "relu_backward(y, dy) -> dx (y: forward output)"},    \
+      {"avg_pool2d_forward", op_avg_pool2d_forward, METH_VARARGS, "avg_pool2d_forward(x, k, stride, pad)"},   \
+      {"avg_pool2d_backward", op_avg_pool2d_backward, METH_VARARGS,                                           \
+       "avg_pool2d_backward(x, dy, k, stride, pad) -> dx"},                                                   \
+      {"max_pool2d_forward", op_max_pool2d_forward, METH_VARARGS, "max_pool2d_forward(x, k, stride, pad)"},   \
+      {"max_pool2d_backward", op_max_pool2d_backward, METH_VARARGS,                                           \
+       "max_pool2d_backward(x, dy, k, stride, pad) -> dx"},                                                   \
+      {"softmax_cross_entropy", op_softmax_cross_entropy, METH_VARARGS,                                       \
+       "softmax_cross_entropy(logits, labels, scale) -> (loss_sum, correct, dlogits)"},                       \
+      {"sgd_update", op_sgd_update, METH_VARARGS, "sgd_update(w, g, v, lr, momentum, weight_decay), in place"},
+
+/* ---- module ---------------------------------------------------------------- */
+
+static PyObject *mod_build_info_json(PyObject *m, PyObject *unused) { return PyUnicode_FromString(DP_BUILD_INFO_JSON); }
+
+static PyObject *mod_runtime_info(PyObject *m, PyObject *unused) {
+  int count = 0, rt = 0, drv = 0;
+  char why[256] = "built without CUDA";
+#ifdef DP_HAVE_CUDA
+  dp_cuda_probe(&count, why, sizeof why, &rt, &drv);
+#endif
+  return Py_BuildValue("{s:i,s:s,s:i,s:i,s:i,s:i,s:s}", "cuda_device_count", count, "cuda_why", why,
+                       "cuda_runtime_version", rt, "cuda_driver_version", drv, "cpu_cores", dp_cpu_core_count(),
+                       "openmp", (int)_OPENMP, "blas_config", openblas_get_config());
+}
+
+static PyMethodDef module_methods[] = {
+    {"build_info_json", mod_build_info_json, METH_NOARGS, "what the build found and used, as JSON"},
+    {"runtime_info", mod_runtime_info, METH_NOARGS, "devices and libraries found at run time"},
+    OPS_METHODS{NULL, NULL, 0, NULL}};
+
+static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "dpcore._core",
+                                        "dpcore's C core (see python/dpcore for the API)", -1, module_methods,
+                                        NULL, NULL, NULL, NULL};
+
+PyMODINIT_FUNC PyInit__core(void) {
+  import_array();
+  PyObject *errors = PyImport_ImportModule("dpcore.errors");
+  if (!errors) return NULL;
+  DpcoreError = PyObject_GetAttrString(errors, "DpcoreError");
+  DeviceError = DpcoreError ? PyObject_GetAttrString(errors, "DeviceError") : NULL;
+  Py_DECREF(errors);
+  if (!DpcoreError || !DeviceError) return NULL;
+  if (PyType_Ready(&ModelType) < 0) return NULL;
+  if (ops_init() < 0) return NULL;
+  PyObject *m = PyModule_Create(&module_def);
+  if (!m) return NULL;
+  if (PyModule_AddObjectRef(m, "Model", (PyObject *)&ModelType) < 0) {
+    Py_DECREF(m);
+    return NULL;
+  }
+  return m;
+}

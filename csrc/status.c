@@ -1,0 +1,46 @@
+#include "dp_status.h"
+
+#include <stdarg.h>
+#include <stdio.h>
+#include <string.h>
+
+static _Thread_local char error_buffer[1024];
+
+static const char *short_path(const char *file) {
+  /* "…/csrc/layers.c" -> "csrc/layers.c": name the file as the repo does. */
+  const char *p = strstr(file, "csrc/");
+  if (!p) p = strstr(file, "kernels/");
+  return p ? p : file;
+}
+
+dp_status dp_fail_at(dp_status code, const char *file, int line, const char *fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  int n = vsnprintf(error_buffer, sizeof error_buffer, fmt, ap);
+  va_end(ap);
+  if (n < 0) n = 0;
+  if ((size_t)n < sizeof error_buffer)
+    snprintf(error_buffer + n, sizeof error_buffer - (size_t)n, " (%s:%d)", short_path(file), line);
+  return code;
+}
+
+const char *dp_error_message(void) { return error_buffer; }
+
+void dp_error_set_message(const char *msg) { snprintf(error_buffer, sizeof error_buffer, "%s", msg ? msg : ""); }
+
+void dp_error_clear(void) { error_buffer[0] = '\0'; }
+
+const char *dp_status_name(dp_status s) {
+  switch (s) {
+    case DP_OK: return "ok";
+    case DP_ERR_VALUE: return "invalid value";
+    case DP_ERR_TYPE: return "invalid type";
+    case DP_ERR_MEMORY: return "out of memory";
+    case DP_ERR_IO: return "I/O error";
+    case DP_ERR_RUNTIME: return "runtime error";
+    case DP_ERR_CUDA: return "CUDA error";
+    case DP_ERR_INTERRUPTED: return "interrupted";
+    case DP_ERR_UNSUPPORTED: return "unsupported";
+  }
+  return "unknown error";
+}

@@ -1,0 +1,27 @@
+"""The main job: train the LeNet of Dive into Deep Learning 12.5 on the real
+Fashion-MNIST (batch 256, lr 0.2, 10 epochs) and print the book's line.
+
+    python examples/train_lenet.py [--epochs 10] [--batch-size 256] [--lr 0.2]
+"""
+import argparse
+
+import dpcore as dp
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--epochs", type=int, default=10)
+    parser.add_argument("--batch-size", type=int, default=256)
+    parser.add_argument("--lr", type=float, default=0.2)
+    parser.add_argument("--data", default=None, help="Fashion-MNIST directory (default: DPCORE_DATA or Debian's)")
+    args = parser.parse_args()
+
+    print("dpcore", dp.__version__, dp.build_info()["summary"])
+    print("devices:", dp.list_devices())
+    net = dp.models.LeNet()
+    train_iter, test_iter = dp.data.load_fashion_mnist(batch_size=args.batch_size, root=args.data)
+    dp.train(net, train_iter, test_iter, num_epochs=args.epochs, lr=args.lr)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,19 @@
+"""dpcore — data-parallel training of convolutional networks with a C core.
+
+    import dpcore as dp
+    net = dp.models.LeNet()
+    train_iter, test_iter = dp.data.load_fashion_mnist(batch_size=256)
+    history = dp.train(net, train_iter, test_iter, num_epochs=10, lr=0.2)
+"""
+__version__ = "0.1.0"
+
+from .errors import DataError, DeviceError, DpcoreError  # noqa: F401  (first: the extension imports them)
+from . import _core  # noqa: F401
+from . import data, models, ops  # noqa: F401
+from .info import build_info, list_devices  # noqa: F401
+from .train import History, train  # noqa: F401
+
+__all__ = [
+    "DataError", "DeviceError", "DpcoreError", "History", "build_info", "data", "list_devices", "models", "ops",
+    "train",
+]

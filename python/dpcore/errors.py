@@ -1,0 +1,18 @@
+"""dpcore's exceptions.
+
+The C core reports failures as status values; the binding turns them into these
+(or into the built-in ValueError / TypeError / MemoryError / KeyboardInterrupt
+where one fits) in exactly one place.
+"""
+
+
+class DpcoreError(RuntimeError):
+    """A failure inside dpcore's core that is not a bad argument."""
+
+
+class DeviceError(DpcoreError):
+    """A device (CUDA runtime, cuDNN, cuBLAS, NCCL) reported an error."""
+
+
+class DataError(DpcoreError, ValueError):
+    """A dataset file or array is malformed; the message names the file and the problem."""

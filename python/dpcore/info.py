@@ -1,0 +1,30 @@
+"""What the build found and what this machine has."""
+import json
+
+from . import _core
+
+
+def build_info():
+    """What dpcore was built with and what it finds at run time.
+
+    Keys include ``cuda`` (compiled with CUDA), ``cuda_toolkit``, ``cuda_archs``,
+    ``cudnn_found``, ``cublas_found``, ``nccl_found``, ``mpi_found``, ``blas``,
+    ``cflags``, ``openmp``, ``cpu_cores``, ``cuda_device_count`` and
+    ``cuda_why`` (why no CUDA device is usable, e.g. no driver), and
+    ``summary``, a one-line dict for logs.
+    """
+    info = json.loads(_core.build_info_json())
+    info.update(_core.runtime_info())
+    info["summary"] = {
+        "cuda": info["cuda_toolkit"] if info["cuda"] else "not built",
+        "cuda_devices": info["cuda_device_count"],
+        "blas": info["blas"],
+        "openmp": info["openmp"],
+        "cpu_cores": info["cpu_cores"],
+    }
+    return info
+
+
+def list_devices():
+    """Names of the devices dpcore can train on, e.g. ``['cpu:0']``."""
+    return ["cpu:0"]

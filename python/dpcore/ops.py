@@ -1,0 +1,88 @@
+"""Single operations of the C core on NumPy arrays (float32, NCHW).
+
+The same backend kernels the models run, one call at a time: for tests, for
+checking a layer by hand, and for building a network from scratch in a
+notebook. Inputs are converted to C-contiguous float32; gradients follow the
+PyTorch conventions (weights (O, C, KH, KW) and (O, I), biases (O,)).
+"""
+import numpy as np
+
+from . import _core
+
+__all__ = [
+    "conv2d", "conv2d_backward", "dense", "dense_backward", "relu", "relu_backward", "avg_pool2d",
+    "avg_pool2d_backward", "max_pool2d", "max_pool2d_backward", "softmax_cross_entropy", "sgd_update",
+]
+
+
+def _f32(a, name):
+    a = np.asarray(a)
+    if a.dtype.kind not in "fiu" or a.dtype == np.bool_:
+        raise TypeError(f"{name} must be a real numeric array, got dtype {a.dtype}")
+    return np.ascontiguousarray(a, dtype=np.float32)
+
+
+def conv2d(x, w, b=None, stride=1, padding=0):
+    """y (N, O, OH, OW) = x (N, C, H, W) conv w (O, C, KH, KW) + b (O,)."""
+    return _core.conv2d_forward(_f32(x, "x"), _f32(w, "w"), None if b is None else _f32(b, "b"), stride, padding)
+
+
+def conv2d_backward(x, w, dy, stride=1, padding=0):
+    """(dx, dw, db) of a convolution given dy (N, O, OH, OW)."""
+    return _core.conv2d_backward(_f32(x, "x"), _f32(w, "w"), _f32(dy, "dy"), stride, padding)
+
+
+def dense(x, w, b=None):
+    """y (N, O) = x (N, I) w^T + b; w is (O, I) like torch.nn.Linear."""
+    return _core.dense_forward(_f32(x, "x"), _f32(w, "w"), None if b is None else _f32(b, "b"))
+
+
+def dense_backward(x, w, dy):
+    """(dx, dw, db) of a dense layer given dy (N, O)."""
+    return _core.dense_backward(_f32(x, "x"), _f32(w, "w"), _f32(dy, "dy"))
+
+
+def relu(x):
+    return _core.relu_forward(_f32(x, "x"))
+
+
+def relu_backward(y, dy):
+    """dx given the forward *output* y and dy."""
+    return _core.relu_backward(_f32(y, "y"), _f32(dy, "dy"))
+
+
+def avg_pool2d(x, kernel_size, stride=None, padding=0):
+    """Average pooling (count_include_pad=True, as PyTorch's default)."""
+    return _core.avg_pool2d_forward(_f32(x, "x"), kernel_size, stride or kernel_size, padding)
+
+
+def avg_pool2d_backward(x, dy, kernel_size, stride=None, padding=0):
+    return _core.avg_pool2d_backward(_f32(x, "x"), _f32(dy, "dy"), kernel_size, stride or kernel_size, padding)
+
+
+def max_pool2d(x, kernel_size, stride=None, padding=0):
+    return _core.max_pool2d_forward(_f32(x, "x"), kernel_size, stride or kernel_size, padding)
+
+
+def max_pool2d_backward(x, dy, kernel_size, stride=None, padding=0):
+    return _core.max_pool2d_backward(_f32(x, "x"), _f32(dy, "dy"), kernel_size, stride or kernel_size, padding)
+
+
+def softmax_cross_entropy(logits, labels, reduction="mean"):
+    """(loss, correct, dlogits): loss is the mean or sum over rows; dlogits is its gradient."""
+    if reduction not in ("mean", "sum"):
+        raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
+    logits = _f32(logits, "logits")
+    labels = np.asarray(labels)
+    if labels.dtype.kind not in "iu":
+        raise TypeError(f"labels must be integers, got dtype {labels.dtype}")
+    labels = np.ascontiguousarray(labels, dtype=np.int64)
+    n = logits.shape[0] if logits.ndim == 2 else 0
+    scale = 1.0 / n if (reduction == "mean" and n) else 1.0
+    loss_sum, correct, dlogits = _core.softmax_cross_entropy(logits, labels, scale)
+    return (loss_sum * scale if reduction == "mean" else loss_sum), correct, dlogits
+
+
+def sgd_update(w, g, v, lr, momentum=0.0, weight_decay=0.0):
+    """In place: v = momentum*v + g + weight_decay*w; w -= lr*v (torch.optim.SGD)."""
+    _core.sgd_update(w, g, v, lr, momentum, weight_decay)

@@ -1,0 +1,110 @@
+"""dp.train: the training loop of *Dive into Deep Learning* 12.5 / 12.6.
+
+Each step runs forward, backward and the SGD update in C with the GIL
+released; Ctrl-C is seen between steps and stops training with
+KeyboardInterrupt, leaving the model with the weights of the last whole step.
+"""
+import math
+import time
+import warnings
+from dataclasses import dataclass, field
+
+from .models import Sequential
+
+__all__ = ["History", "train"]
+
+
+@dataclass
+class History:
+    """Per-epoch training record returned by :func:`train`."""
+
+    train_loss: list = field(default_factory=list)
+    train_acc: list = field(default_factory=list)
+    test_acc: list = field(default_factory=list)
+    epoch_seconds: list = field(default_factory=list)  # training pass only, evaluation excluded
+    devices: list = field(default_factory=list)
+
+    @property
+    def num_epochs(self):
+        return len(self.train_loss)
+
+    def summary(self):
+        """The book's closing line, e.g. ``test acc: 0.84, 2.5 sec/epoch on ['cpu:0']``."""
+        if not self.epoch_seconds:
+            return "no epochs trained"
+        per_epoch = sum(self.epoch_seconds) / len(self.epoch_seconds)
+        acc = f"test acc: {self.test_acc[-1]:.2f}" if self.test_acc else f"train acc: {self.train_acc[-1]:.2f}"
+        return f"{acc}, {per_epoch:.1f} sec/epoch on {self.devices}"
+
+    def plot(self, ax=None):
+        """Loss and accuracy curves (needs matplotlib)."""
+        try:
+            import matplotlib.pyplot as plt
+        except ImportError as e:  # optional dependency
+            raise ImportError("History.plot needs matplotlib: pip install matplotlib") from e
+        if ax is None:
+            _, ax = plt.subplots(figsize=(5, 3.5))
+        epochs = range(1, self.num_epochs + 1)
+        ax.plot(epochs, self.train_loss, label="train loss")
+        ax.plot(epochs, self.train_acc, "--", label="train acc")
+        if self.test_acc:
+            ax.plot(epochs, self.test_acc, "-.", label="test acc")
+        ax.set_xlabel("epoch")
+        ax.grid(True)
+        ax.legend()
+        return ax
+
+
+def _check_hyper(name, value, allow_zero=True):
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number, got {type(value).__name__}")
+    if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
+        raise ValueError(f"{name} must be a finite number {'>= 0' if allow_zero else '> 0'}, got {value}")
+
+
+def train(net, train_iter, test_iter=None, num_epochs=10, lr=0.1, momentum=0.0, weight_decay=0.0, verbose=True):
+    """Train ``net`` with minibatch SGD on the mean softmax cross-entropy.
+
+    train_iter / test_iter: iterables of (images, labels) batches, e.g. from
+    ``dp.data.load_fashion_mnist`` or ``dp.data.from_arrays``. Prints one line
+    per epoch and the book's closing line when ``verbose``. Returns a History.
+    """
+    if not isinstance(net, Sequential):
+        raise TypeError(f"net must be a dpcore model (e.g. dp.models.LeNet()), got {type(net).__name__}")
+    if isinstance(num_epochs, bool) or not isinstance(num_epochs, int) or num_epochs < 0:
+        raise ValueError(f"num_epochs must be an int >= 0, got {num_epochs!r}")
+    _check_hyper("lr", lr, allow_zero=False)
+    _check_hyper("momentum", momentum)
+    _check_hyper("weight_decay", weight_decay)
+    history = History(devices=list(net.devices))
+    warned = False
+    for epoch in range(num_epochs):
+        loss_sum, correct, seen = 0.0, 0, 0
+        start = time.perf_counter()
+        for X, y in net._batches(train_iter, 0):
+            if y is None:
+                raise TypeError("train_iter must yield (images, labels) pairs")
+            batch_loss, batch_correct = net._model.train_step(X, y, lr, momentum, weight_decay)
+            loss_sum += batch_loss
+            correct += batch_correct
+            seen += len(y)
+        seconds = time.perf_counter() - start
+        if seen == 0:
+            raise ValueError("train_iter yielded no samples")
+        history.epoch_seconds.append(seconds)
+        history.train_loss.append(loss_sum / seen)
+        history.train_acc.append(correct / seen)
+        if not math.isfinite(loss_sum) and not warned:
+            warnings.warn(f"training diverged in epoch {epoch + 1}: the loss is {loss_sum / seen}; "
+                          f"try a smaller learning rate (lr={lr})", RuntimeWarning, stacklevel=2)
+            warned = True
+        line = (f"epoch {epoch + 1}/{num_epochs}: loss {history.train_loss[-1]:.3f}, "
+                f"train acc {history.train_acc[-1]:.3f}")
+        if test_iter is not None:
+            history.test_acc.append(net.evaluate(test_iter).accuracy)
+            line += f", test acc {history.test_acc[-1]:.3f}"
+        if verbose:
+            print(f"{line}, {seconds:.1f} sec", flush=True)
+    if verbose and num_epochs:
+        print(history.summary(), flush=True)
+    return history

@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# Set up everything dpcore needs on a fresh Debian machine, then install dpcore
+# into a virtualenv. Idempotent: a second run only rebuilds dpcore.
+#
+#   scripts/bootstrap.sh            # system packages (when root), .venv, pip install .
+#   VENV=/path/to/venv scripts/bootstrap.sh
+#
+# System packages: OpenBLAS (CBLAS, OpenMP build: the same libgomp our kernels
+# use, so BLAS and dpcore never run two competing thread pools) and Debian's
+# Fashion-MNIST. The CUDA toolkit is optional: found at /usr/local/cuda or via
+# nvcc on PATH, it is used; otherwise dpcore builds CPU-only.
+set -euo pipefail
+here=$(cd "$(dirname "$0")/.." && pwd)
+venv=${VENV:-$here/.venv}
+python=${PYTHON:-python3}
+
+apt_packages=(libopenblas-openmp-dev dataset-fashion-mnist)
+missing=()
+for p in "${apt_packages[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+# The venv module is a separate package for Debian's own python3.
+if ! "$python" -c 'import venv, ensurepip' >/dev/null 2>&1; then missing+=(python3-venv); fi
+if [ ${#missing[@]} -gt 0 ]; then
+  if [ "$(id -u)" = 0 ]; then
+    echo "bootstrap: installing system packages: ${missing[*]}"
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -q >/dev/null
+    apt-get install -y -q --no-install-recommends "${missing[@]}" >/dev/null
+  else
+    echo "bootstrap: missing system packages: ${missing[*]}" >&2
+    echo "bootstrap: run as root, or: sudo apt-get install ${missing[*]}" >&2
+    exit 1
+  fi
+fi
+
+if [ ! -x "$venv/bin/python" ]; then
+  echo "bootstrap: creating virtualenv $venv"
+  "$python" -m venv "$venv"
+fi
+vpy="$venv/bin/python"
+# Build and test requirements (PyTorch is a benchmark-only dependency and is
+# never installed here).
+"$vpy" -m pip install -q --disable-pip-version-check -r "$here/requirements-dev.txt"
+echo "bootstrap: building and installing dpcore"
+"$vpy" -m pip install -q --disable-pip-version-check --no-build-isolation "$here"
+"$vpy" -c 'import dpcore, json; print("bootstrap: dpcore", dpcore.__version__, json.dumps(dpcore.build_info()["summary"]))'

@@ -1,0 +1,164 @@
+"""Build dpcore's extension from csrc/ (C11) and, when the CUDA toolkit is found,
+the .cu launchers in kernels/ (nvcc).
+
+Environment:
+  DPCORE_CUDA=0        build CPU-only even when nvcc is found
+  CUDA_HOME=/path      where the CUDA toolkit lives (default: /usr/local/cuda, or nvcc on PATH)
+  DPCORE_BLAS_INC / DPCORE_BLAS_LIB   CBLAS header dir / library file (default: Debian's OpenBLAS)
+  DPCORE_DEBUG=1       -O0 -g; DPCORE_SANITIZE=1 adds -fsanitize=address,undefined
+"""
+import glob
+import json
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+
+import numpy
+from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+CUDA_ARCHS = ["75", "80", "86", "89", "90"]  # sm_XX cubins, plus PTX for the newest
+
+
+def log(msg):
+    print("dpcore build: " + msg, file=sys.stderr)
+
+
+def find_blas():
+    inc = os.environ.get("DPCORE_BLAS_INC")
+    lib = os.environ.get("DPCORE_BLAS_LIB")
+    if inc and lib:
+        return {"name": "custom", "include": inc, "library": lib}
+    multiarch = sysconfig.get_config_var("MULTIARCH") or "x86_64-linux-gnu"
+    for variant in ("openblas-openmp", "openblas-pthread", "openblas-serial"):
+        inc = f"/usr/include/{multiarch}/{variant}"
+        lib = f"/usr/lib/{multiarch}/{variant}/libopenblas.so"
+        if os.path.exists(os.path.join(inc, "cblas.h")) and os.path.exists(lib):
+            return {"name": "OpenBLAS (%s)" % variant, "include": inc, "library": lib}
+    return None
+
+
+def find_cuda():
+    if os.environ.get("DPCORE_CUDA", "1") == "0":
+        return None, "disabled by DPCORE_CUDA=0"
+    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+    if not home:
+        nvcc = shutil.which("nvcc")
+        home = os.path.dirname(os.path.dirname(nvcc)) if nvcc else "/usr/local/cuda"
+    nvcc = os.path.join(home, "bin", "nvcc")
+    if not os.path.exists(nvcc):
+        return None, "nvcc not found (looked in %s)" % home
+    try:
+        out = subprocess.run([nvcc, "--version"], capture_output=True, text=True, check=True).stdout
+        version = out.strip().splitlines()[-1]
+    except (OSError, subprocess.CalledProcessError) as e:
+        return None, "nvcc failed: %s" % e
+    info = {"home": home, "nvcc": nvcc, "version": version}
+    libdirs = [os.path.join(home, "lib64"), os.path.join(home, "lib")]
+    libdir = next((d for d in libdirs if os.path.exists(os.path.join(d, "libcudart_static.a"))), None)
+    if libdir is None:
+        return None, "libcudart_static.a not found under %s" % home
+    info["libdir"] = libdir
+    inc = os.path.join(home, "include")
+    info["include"] = inc
+    for name, header, lib in (("cudnn", "cudnn.h", "libcudnn.so"), ("cublas", "cublas_v2.h", "libcublas.so"),
+                              ("nccl", "nccl.h", "libnccl.so")):
+        info[name] = os.path.exists(os.path.join(inc, header)) and os.path.exists(os.path.join(libdir, lib))
+    return info, "found %s" % version
+
+
+def find_mpi():
+    mpicc = shutil.which("mpicc")
+    return {"mpicc": mpicc} if mpicc else None
+
+
+class BuildExt(build_ext):
+    """Compiles kernels/*.cu with nvcc into objects linked into the extension."""
+
+    def build_extension(self, ext):
+        cuda = CONFIG["cuda"]
+        if cuda:
+            objs = []
+            os.makedirs(self.build_temp, exist_ok=True)
+            gencode = []
+            for a in CUDA_ARCHS:
+                gencode += ["-gencode", f"arch=compute_{a},code=sm_{a}"]
+            gencode += ["-gencode", f"arch=compute_{CUDA_ARCHS[-1]},code=compute_{CUDA_ARCHS[-1]}"]
+            for src in sorted(glob.glob(os.path.join(HERE, "kernels", "*.cu"))):
+                obj = os.path.join(self.build_temp, os.path.basename(src) + ".o")
+                cmd = [cuda["nvcc"], "-c", src, "-o", obj, "-O3", "-std=c++17", "--Werror", "all-warnings",
+                       "-Xcompiler", "-fPIC,-Wall,-Wextra", "-I" + os.path.join(HERE, "kernels"),
+                       "-I" + os.path.join(HERE, "csrc")] + gencode
+                log(" ".join(cmd))
+                subprocess.run(cmd, check=True)
+                objs.append(obj)
+            # before the static cudart archive, which resolves their symbols
+            ext.extra_objects = objs + list(ext.extra_objects or [])
+        super().build_extension(ext)
+
+
+def make_config():
+    blas = find_blas()
+    if blas is None:
+        raise SystemExit("dpcore build: no CBLAS found. Install Debian's libopenblas-openmp-dev "
+                         "(scripts/bootstrap.sh does it) or set DPCORE_BLAS_INC and DPCORE_BLAS_LIB.")
+    cuda, cuda_why = find_cuda()
+    log("BLAS: %s" % blas["name"])
+    log("CUDA: %s" % cuda_why + ("" if cuda else ", building CPU-only"))
+    return {"blas": blas, "cuda": cuda, "cuda_why": cuda_why, "mpi": find_mpi()}
+
+
+CONFIG = make_config()
+
+
+def extension():
+    blas, cuda = CONFIG["blas"], CONFIG["cuda"]
+    debug = os.environ.get("DPCORE_DEBUG") == "1"
+    sanitize = os.environ.get("DPCORE_SANITIZE") == "1"
+    cflags = ["-std=c11", "-Wall", "-Wextra", "-Wno-unused-parameter", "-fopenmp", "-D_GNU_SOURCE"]
+    cflags += ["-O0", "-g"] if debug else ["-O3"]
+    if os.environ.get("DPCORE_NATIVE", "1") != "0":
+        cflags.append("-march=native")  # built from source on the machine that runs it
+    ldflags = ["-fopenmp"]
+    if sanitize:
+        cflags += ["-fsanitize=address,undefined", "-fno-omit-frame-pointer"]
+        ldflags += ["-fsanitize=address,undefined"]
+    macros = [("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")]
+    libdirs, libs, objs, incs = [], [], [blas["library"]], [blas["include"]]
+    rpath = [os.path.dirname(blas["library"])]
+    if cuda:
+        macros.append(("DP_HAVE_CUDA", "1"))
+        incs.append(cuda["include"])
+        objs.append(os.path.join(cuda["libdir"], "libcudart_static.a"))
+        libs += ["dl", "rt", "pthread", "stdc++"]
+    build_info = {
+        "version": "0.1.0",
+        "cuda": bool(cuda), "cuda_toolkit": cuda["version"] if cuda else None, "cuda_why": CONFIG["cuda_why"],
+        "cuda_archs": ["sm_" + a for a in CUDA_ARCHS] + ["compute_" + CUDA_ARCHS[-1]] if cuda else [],
+        "cudnn_found": bool(cuda and cuda["cudnn"]), "cublas_found": bool(cuda and cuda["cublas"]),
+        "nccl_found": bool(cuda and cuda["nccl"]),
+        "mpi_found": bool(CONFIG["mpi"]),
+        "blas": blas["name"], "blas_library": blas["library"],
+        "cflags": " ".join(cflags), "ldflags": " ".join(ldflags),
+        "compiler": sysconfig.get_config_var("CC"),
+    }
+    gen_dir = os.path.join(HERE, "build", "generated")
+    os.makedirs(gen_dir, exist_ok=True)
+    with open(os.path.join(gen_dir, "dp_build_config.h.tmp"), "w") as f:
+        f.write("/* generated by setup.py; do not edit */\n")
+        f.write("#define DP_BUILD_INFO_JSON %s\n" % json.dumps(json.dumps(build_info)))
+    os.replace(os.path.join(gen_dir, "dp_build_config.h.tmp"), os.path.join(gen_dir, "dp_build_config.h"))
+    sources = sorted(glob.glob(os.path.join("csrc", "*.c")))
+    return Extension(
+        "dpcore._core", sources=sources,
+        include_dirs=["csrc", "kernels", gen_dir, numpy.get_include()] + incs,
+        define_macros=macros, extra_compile_args=cflags, extra_link_args=ldflags + ["-Wl,-rpath," + d for d in rpath],
+        libraries=libs, library_dirs=libdirs, extra_objects=objs,
+        depends=glob.glob("csrc/*.h") + glob.glob("kernels/*.h") + glob.glob("kernels/*.cu"),
+    )
+
+
+setup(ext_modules=[extension()], cmdclass={"build_ext": BuildExt})
