@@ -84,13 +84,14 @@ static void valid_range(int out, int in, int stride, int pad, int kk, int *lo, i
   *hi = h;
 }
 
-/* col (C*KH*KW, OH*OW) from one sample x (C, H, W); row r = (c, ki, kj). */
-static void im2col(const dp_conv_geom *g, const float *x, float *col) {
-  const int P = g->OH * g->OW;
+/* im2col of one sample x (C, H, W) into the columns [0, P) of a matrix with
+ * row stride ld: row r = (c, ki, kj) holds x[c, oh*s - pad + ki, ow*s - pad + kj]
+ * at column oh*OW + ow (zero where that falls in the padding). */
+static void im2col(const dp_conv_geom *g, const float *x, float *col, int64_t ld) {
   for (int c = 0; c < g->C; ++c)
     for (int ki = 0; ki < g->KH; ++ki)
       for (int kj = 0; kj < g->KW; ++kj) {
-        float *row = col + (int64_t)((c * g->KH + ki) * g->KW + kj) * P;
+        float *row = col + (int64_t)((c * g->KH + ki) * g->KW + kj) * ld;
         int lo, hi;
         valid_range(g->OW, g->W, g->stride, g->pad, kj, &lo, &hi);
         for (int oh = 0; oh < g->OH; ++oh) {
@@ -102,8 +103,9 @@ static void im2col(const dp_conv_geom *g, const float *x, float *col) {
           }
           const float *src = x + ((int64_t)c * g->H + h) * g->W - g->pad + kj;
           for (int ow = 0; ow < lo; ++ow) r[ow] = 0.0f;
+          /* rows are short (OW = 9 in LeNet): a plain loop, not a memcpy call */
           if (g->stride == 1)
-            memcpy(r + lo, src + lo, sizeof(float) * (size_t)(hi - lo));
+            for (int ow = lo; ow < hi; ++ow) r[ow] = src[ow];
           else
             for (int ow = lo; ow < hi; ++ow) r[ow] = src[ow * g->stride];
           for (int ow = hi; ow < g->OW; ++ow) r[ow] = 0.0f;
@@ -111,14 +113,14 @@ static void im2col(const dp_conv_geom *g, const float *x, float *col) {
       }
 }
 
-/* dx (C, H, W) = the col2im scatter-add of dcol; dx is overwritten. */
-static void col2im(const dp_conv_geom *g, const float *dcol, float *dx) {
-  const int P = g->OH * g->OW;
+/* dx (C, H, W) = col2im of the columns [0, P) of dcol (row stride ld): the
+ * scatter-add inverse of im2col. dx is overwritten. */
+static void col2im(const dp_conv_geom *g, const float *dcol, int64_t ld, float *dx) {
   memset(dx, 0, sizeof(float) * (size_t)g->C * g->H * g->W);
   for (int c = 0; c < g->C; ++c)
     for (int ki = 0; ki < g->KH; ++ki)
       for (int kj = 0; kj < g->KW; ++kj) {
-        const float *row = dcol + (int64_t)((c * g->KH + ki) * g->KW + kj) * P;
+        const float *row = dcol + (int64_t)((c * g->KH + ki) * g->KW + kj) * ld;
         int lo, hi;
         valid_range(g->OW, g->W, g->stride, g->pad, kj, &lo, &hi);
         for (int oh = 0; oh < g->OH; ++oh) {
@@ -126,17 +128,33 @@ static void col2im(const dp_conv_geom *g, const float *dcol, float *dx) {
           if (h < 0 || h >= g->H) continue;
           const float *r = row + oh * g->OW;
           float *dst = dx + ((int64_t)c * g->H + h) * g->W - g->pad + kj;
-          for (int ow = lo; ow < hi; ++ow) dst[ow * g->stride] += r[ow];
+          if (g->stride == 1)
+            for (int ow = lo; ow < hi; ++ow) dst[ow] += r[ow];
+          else
+            for (int ow = lo; ow < hi; ++ow) dst[ow * g->stride] += r[ow];
         }
       }
 }
 
-static int conv_is_pointwise(const dp_conv_geom *g) {
-  return g->KH == 1 && g->KW == 1 && g->stride == 1 && g->pad == 0;
-}
-
 static int threads_for(dp_device *dev, int64_t items) {
   return items < dev->nthreads ? (items < 1 ? 1 : (int)items) : dev->nthreads;
+}
+
+/* Samples per GEMM. One GEMM per sample has a narrow N (OH*OW = 81 for LeNet's
+ * second conv) and runs far below peak; a group of G samples side by side in
+ * the columns gives N = G*OH*OW. G is bounded so a thread's im2col matrix
+ * stays near 512 KiB, about a core's L2 (measured: larger groups were no faster). */
+static int64_t conv_group_size(const dp_conv_geom *g, int64_t N, int nthreads) {
+  const int64_t K = (int64_t)g->C * g->KH * g->KW, P = (int64_t)g->OH * g->OW;
+  int64_t most = ((int64_t)1 << 17) / (K * P);
+  if (most < 1) most = 1;
+  if (most > 64) most = 64;
+  if (N <= 0) return 1;
+  /* as many groups per thread as the bound needs, then groups of equal size,
+   * so every thread gets the same share of samples */
+  const int64_t per_thread = (N + (int64_t)nthreads * most - 1) / ((int64_t)nthreads * most);
+  const int64_t ngroups = (int64_t)nthreads * per_thread;
+  return (N + ngroups - 1) / ngroups;
 }
 
 static dp_status cpu_conv2d_forward(dp_device *dev, const dp_conv_geom *g, int64_t N, const float *x, const float *w,
@@ -144,27 +162,30 @@ static dp_status cpu_conv2d_forward(dp_device *dev, const dp_conv_geom *g, int64
   cpu_enter(dev);
   const int64_t K = (int64_t)g->C * g->KH * g->KW, P = (int64_t)g->OH * g->OW;
   const int64_t in_sz = (int64_t)g->C * g->H * g->W, out_sz = (int64_t)g->O * P;
-  const int nt = threads_for(dev, N);
-  const int pointwise = conv_is_pointwise(g);
-  float *scratch = NULL;
-  if (!pointwise) DP_TRY(cpu_scratch(dev, (size_t)(nt * K * P), &scratch));
+  const int64_t G = conv_group_size(g, N, dev->nthreads), ngroups = (N + G - 1) / G;
+  const int nt = threads_for(dev, ngroups);
+  /* per thread: col (K, G*P), out (O, G*P) */
+  const int64_t per_thread = K * G * P + g->O * G * P;
+  float *scratch;
+  DP_TRY(cpu_scratch(dev, (size_t)(nt * per_thread), &scratch));
 #pragma omp parallel num_threads(nt)
   {
-    float *col = pointwise ? NULL : scratch + (int64_t)omp_get_thread_num() * K * P;
+    float *col = scratch + (int64_t)omp_get_thread_num() * per_thread;
+    float *out = col + K * G * P;
 #pragma omp for schedule(static)
-    for (int64_t n = 0; n < N; ++n) {
-      const float *xn = x + n * in_sz;
-      float *yn = y + n * out_sz;
-      const float *src = xn;
-      if (!pointwise) {
-        im2col(g, xn, col);
-        src = col;
-      }
-      for (int o = 0; o < g->O; ++o)
-        for (int64_t p = 0; p < P; ++p) yn[o * P + p] = b ? b[o] : 0.0f;
-      /* yn (O, P) += w (O, K) . col (K, P) */
-      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, g->O, (int)P, (int)K, 1.0f, w, (int)K, src, (int)P, 1.0f,
-                  yn, (int)P);
+    for (int64_t grp = 0; grp < ngroups; ++grp) {
+      const int64_t n0 = grp * G, cnt = (N - n0) < G ? (N - n0) : G, ld = cnt * P;
+      for (int64_t s = 0; s < cnt; ++s) im2col(g, x + (n0 + s) * in_sz, col + s * P, ld);
+      /* out (O, cnt*P) = w (O, K) . col (K, cnt*P) */
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, g->O, (int)ld, (int)K, 1.0f, w, (int)K, col, (int)ld,
+                  0.0f, out, (int)ld);
+      for (int64_t s = 0; s < cnt; ++s)
+        for (int o = 0; o < g->O; ++o) {
+          const float *src = out + o * ld + s * P;
+          float *dst = y + (n0 + s) * out_sz + o * P;
+          const float bias = b ? b[o] : 0.0f;
+          for (int64_t p = 0; p < P; ++p) dst[p] = src[p] + bias;
+        }
     }
   }
   return DP_OK;
@@ -176,47 +197,46 @@ static dp_status cpu_conv2d_backward(dp_device *dev, const dp_conv_geom *g, int6
   const int64_t K = (int64_t)g->C * g->KH * g->KW, P = (int64_t)g->OH * g->OW;
   const int64_t in_sz = (int64_t)g->C * g->H * g->W, out_sz = (int64_t)g->O * P;
   const int64_t wsz = (int64_t)g->O * K;
-  const int nt = threads_for(dev, N);
-  const int pointwise = conv_is_pointwise(g);
-  /* per thread: col (K,P), dcol (K,P), partial dw (O,K), partial db (O) */
-  const int64_t per_thread = 2 * K * P + wsz + g->O;
+  const int64_t G = conv_group_size(g, N, dev->nthreads), ngroups = N > 0 ? (N + G - 1) / G : 0;
+  const int nt = threads_for(dev, ngroups);
+  /* per thread: partial dw (O, K) and db (O) first, then col (K, G*P),
+   * dcol (K, G*P), dy gathered as (O, G*P) */
+  const int64_t acc_sz = wsz + g->O;
+  const int64_t per_thread = acc_sz + 2 * K * G * P + g->O * G * P;
   float *scratch;
   DP_TRY(cpu_scratch(dev, (size_t)(nt * per_thread), &scratch));
 #pragma omp parallel num_threads(nt)
   {
-    const int t = omp_get_thread_num();
-    float *col = scratch + t * per_thread;
-    float *dcol = col + K * P;
-    float *pdw = dcol + K * P;
+    float *pdw = scratch + (int64_t)omp_get_thread_num() * per_thread;
     float *pdb = pdw + wsz;
-    memset(pdw, 0, sizeof(float) * (size_t)(wsz + g->O));
+    float *col = pdb + g->O;
+    float *dcol = col + K * G * P;
+    float *dyg = dcol + K * G * P;
+    memset(pdw, 0, sizeof(float) * (size_t)acc_sz);
 #pragma omp for schedule(static)
-    for (int64_t n = 0; n < N; ++n) {
-      const float *xn = x + n * in_sz;
-      const float *dyn = dy + n * out_sz;
-      const float *src = xn;
-      if (!pointwise) {
-        im2col(g, xn, col);
-        src = col;
+    for (int64_t grp = 0; grp < ngroups; ++grp) {
+      const int64_t n0 = grp * G, cnt = (N - n0) < G ? (N - n0) : G, ld = cnt * P;
+      for (int64_t s = 0; s < cnt; ++s) {
+        im2col(g, x + (n0 + s) * in_sz, col + s * P, ld);
+        for (int o = 0; o < g->O; ++o)
+          memcpy(dyg + o * ld + s * P, dy + (n0 + s) * out_sz + o * P, sizeof(float) * (size_t)P);
       }
-      /* pdw (O, K) += dy_n (O, P) . col^T (P, K) */
-      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, g->O, (int)K, (int)P, 1.0f, dyn, (int)P, src, (int)P, 1.0f,
-                  pdw, (int)K);
-      for (int o = 0; o < g->O; ++o) pdb[o] += dp_row_sum(dyn + o * P, P);
+      /* pdw (O, K) += dyg (O, cnt*P) . col^T (cnt*P, K) */
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, g->O, (int)K, (int)ld, 1.0f, dyg, (int)ld, col, (int)ld,
+                  1.0f, pdw, (int)K);
+      for (int o = 0; o < g->O; ++o) pdb[o] += dp_row_sum(dyg + o * ld, ld);
       if (dx) {
-        float *dxn = dx + n * in_sz;
-        float *dst = pointwise ? dxn : dcol;
-        /* dcol (K, P) = w^T (K, O) . dy_n (O, P) */
-        cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, (int)K, (int)P, g->O, 1.0f, w, (int)K, dyn, (int)P, 0.0f,
-                    dst, (int)P);
-        if (!pointwise) col2im(g, dcol, dxn);
+        /* dcol (K, cnt*P) = w^T (K, O) . dyg (O, cnt*P) */
+        cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, (int)K, (int)ld, g->O, 1.0f, w, (int)K, dyg, (int)ld,
+                    0.0f, dcol, (int)ld);
+        for (int64_t s = 0; s < cnt; ++s) col2im(g, dcol + s * P, ld, dx + (n0 + s) * in_sz);
       }
     }
   }
-  /* dw = sum of the partials in thread order */
-  for (int64_t i = 0; i < wsz + g->O; ++i) {
+  /* dw, db = the threads' partials added in thread order */
+  for (int64_t i = 0; i < acc_sz; ++i) {
     float s = 0.0f;
-    for (int t = 0; t < nt; ++t) s += scratch[t * per_thread + 2 * K * P + i];
+    for (int t = 0; t < nt; ++t) s += scratch[t * per_thread + i];
     if (i < wsz)
       dw[i] = s;
     else if (db)
@@ -272,33 +292,75 @@ static dp_status cpu_relu_backward(dp_device *dev, int64_t n, const float *y, co
   return DP_OK;
 }
 
+/* Per-axis window tables: input position p lies in output windows [lo[p], hi[p]].
+ * Computed once per call with the same dp_pool_windows the GPU calls per element. */
+typedef struct pool_tables {
+  int *h_lo, *h_hi, *w_lo, *w_hi;
+} pool_tables;
+
+static dp_status pool_tables_make(const dp_pool_geom *g, pool_tables *t) {
+  int *mem = malloc(sizeof(int) * 2 * (size_t)(g->H + g->W));
+  if (!mem) return DP_FAIL(DP_ERR_MEMORY, "pooling: cannot allocate window tables");
+  t->h_lo = mem;
+  t->h_hi = mem + g->H;
+  t->w_lo = mem + 2 * g->H;
+  t->w_hi = t->w_lo + g->W;
+  for (int h = 0; h < g->H; ++h) dp_pool_windows(h, g->k, g->stride, g->pad, g->OH, &t->h_lo[h], &t->h_hi[h]);
+  for (int w = 0; w < g->W; ++w) dp_pool_windows(w, g->k, g->stride, g->pad, g->OW, &t->w_lo[w], &t->w_hi[w]);
+  return DP_OK;
+}
+
+static void pool_tables_free(pool_tables *t) { free(t->h_lo); }
+
+/* Planes are spread over the threads; within a plane the loops are the bodies'. */
 static dp_status cpu_avgpool_forward(dp_device *dev, const dp_pool_geom *g, int64_t N, const float *x, float *y) {
-  const int64_t n = N * g->C * g->OH * g->OW;
-#pragma omp parallel for num_threads(dev->nthreads) schedule(static) if (n > 16384)
-  for (int64_t o = 0; o < n; ++o) y[o] = dp_avgpool_forward_elem(x, g, o);
+  const int64_t planes = N * g->C, in_sz = (int64_t)g->H * g->W, out_sz = (int64_t)g->OH * g->OW;
+#pragma omp parallel for num_threads(dev->nthreads) schedule(static) if (planes * out_sz > 16384)
+  for (int64_t p = 0; p < planes; ++p)
+    for (int oh = 0; oh < g->OH; ++oh)
+      for (int ow = 0; ow < g->OW; ++ow) y[p * out_sz + oh * g->OW + ow] = dp_avgpool_forward_at(x + p * in_sz, g, oh, ow);
   return DP_OK;
 }
 
 static dp_status cpu_avgpool_backward(dp_device *dev, const dp_pool_geom *g, int64_t N, const float *dy, float *dx) {
-  const int64_t n = N * g->C * g->H * g->W;
-#pragma omp parallel for num_threads(dev->nthreads) schedule(static) if (n > 16384)
-  for (int64_t i = 0; i < n; ++i) dx[i] = dp_avgpool_backward_elem(dy, g, i);
+  const int64_t planes = N * g->C, in_sz = (int64_t)g->H * g->W, out_sz = (int64_t)g->OH * g->OW;
+  pool_tables t;
+  DP_TRY(pool_tables_make(g, &t));
+#pragma omp parallel for num_threads(dev->nthreads) schedule(static) if (planes * in_sz > 16384)
+  for (int64_t p = 0; p < planes; ++p)
+    for (int h = 0; h < g->H; ++h)
+      for (int w = 0; w < g->W; ++w)
+        dx[p * in_sz + h * g->W + w] =
+            dp_avgpool_backward_at(dy + p * out_sz, g, t.h_lo[h], t.h_hi[h], t.w_lo[w], t.w_hi[w]);
+  pool_tables_free(&t);
   return DP_OK;
 }
 
 static dp_status cpu_maxpool_forward(dp_device *dev, const dp_pool_geom *g, int64_t N, const float *x, float *y,
                                      int32_t *arg) {
-  const int64_t n = N * g->C * g->OH * g->OW;
-#pragma omp parallel for num_threads(dev->nthreads) schedule(static) if (n > 16384)
-  for (int64_t o = 0; o < n; ++o) y[o] = dp_maxpool_forward_elem(x, g, o, &arg[o]);
+  const int64_t planes = N * g->C, in_sz = (int64_t)g->H * g->W, out_sz = (int64_t)g->OH * g->OW;
+#pragma omp parallel for num_threads(dev->nthreads) schedule(static) if (planes * out_sz > 16384)
+  for (int64_t p = 0; p < planes; ++p)
+    for (int oh = 0; oh < g->OH; ++oh)
+      for (int ow = 0; ow < g->OW; ++ow) {
+        int64_t o = p * out_sz + oh * g->OW + ow;
+        y[o] = dp_maxpool_forward_at(x + p * in_sz, g, oh, ow, &arg[o]);
+      }
   return DP_OK;
 }
 
 static dp_status cpu_maxpool_backward(dp_device *dev, const dp_pool_geom *g, int64_t N, const float *dy,
                                       const int32_t *arg, float *dx) {
-  const int64_t n = N * g->C * g->H * g->W;
-#pragma omp parallel for num_threads(dev->nthreads) schedule(static) if (n > 16384)
-  for (int64_t i = 0; i < n; ++i) dx[i] = dp_maxpool_backward_elem(dy, arg, g, i);
+  const int64_t planes = N * g->C, in_sz = (int64_t)g->H * g->W, out_sz = (int64_t)g->OH * g->OW;
+  pool_tables t;
+  DP_TRY(pool_tables_make(g, &t));
+#pragma omp parallel for num_threads(dev->nthreads) schedule(static) if (planes * in_sz > 16384)
+  for (int64_t p = 0; p < planes; ++p)
+    for (int h = 0; h < g->H; ++h)
+      for (int w = 0; w < g->W; ++w)
+        dx[p * in_sz + h * g->W + w] = dp_maxpool_backward_at(dy + p * out_sz, arg + p * out_sz, g, h, w, t.h_lo[h],
+                                                              t.h_hi[h], t.w_lo[w], t.w_hi[w]);
+  pool_tables_free(&t);
   return DP_OK;
 }
 

@@ -70,27 +70,22 @@ static inline DP_HD int dp_pool_out_dim(int in, int k, int stride, int pad) {
 }
 
 /* Average pooling, PyTorch's count_include_pad=True: the divisor is k*k even
- * where the window hangs over the padding. o indexes y (N, C, OH, OW). */
-static inline DP_HD float dp_avgpool_forward_elem(const float *x, const dp_pool_geom *g, int64_t o) {
-  int ow = (int)(o % g->OW);
-  int oh = (int)((o / g->OW) % g->OH);
-  int64_t nc = o / ((int64_t)g->OW * g->OH);
-  const float *plane = x + nc * (int64_t)g->H * g->W;
+ * where the window hangs over the padding. One output (oh, ow) of a plane
+ * x (H, W). */
+static inline DP_HD float dp_avgpool_forward_at(const float *x, const dp_pool_geom *g, int oh, int ow) {
+  /* the window clipped to the plane; the divisor stays k*k */
   int h0 = oh * g->stride - g->pad, w0 = ow * g->stride - g->pad;
+  int h1 = h0 + g->k < g->H ? h0 + g->k : g->H, w1 = w0 + g->k < g->W ? w0 + g->k : g->W;
+  if (h0 < 0) h0 = 0;
+  if (w0 < 0) w0 = 0;
   float s = 0.0f;
-  for (int i = 0; i < g->k; ++i) {
-    int h = h0 + i;
-    if (h < 0 || h >= g->H) continue;
-    for (int j = 0; j < g->k; ++j) {
-      int w = w0 + j;
-      if (w < 0 || w >= g->W) continue;
-      s += plane[h * g->W + w];
-    }
-  }
-  return s / (float)(g->k * g->k);
+  for (int h = h0; h < h1; ++h)
+    for (int w = w0; w < w1; ++w) s += x[h * g->W + w];
+  return s * (1.0f / (float)(g->k * g->k));
 }
 
-/* The output windows [lo, hi] along one axis that contain input position p. */
+/* The output windows [lo, hi] along one axis that contain input position p
+ * (empty when lo > hi). */
 static inline DP_HD void dp_pool_windows(int p, int k, int stride, int pad, int out, int *lo, int *hi) {
   int a = p + pad - k + 1;  /* smallest o with o*stride + k - 1 >= p + pad */
   int l = a <= 0 ? 0 : (a + stride - 1) / stride;
@@ -100,28 +95,21 @@ static inline DP_HD void dp_pool_windows(int p, int k, int stride, int pad, int 
   *hi = h;
 }
 
-/* Gather form of the average-pool backward (no atomics): i indexes dx (N, C, H, W). */
-static inline DP_HD float dp_avgpool_backward_elem(const float *dy, const dp_pool_geom *g, int64_t i) {
-  int w = (int)(i % g->W);
-  int h = (int)((i / g->W) % g->H);
-  int64_t nc = i / ((int64_t)g->W * g->H);
-  const float *plane = dy + nc * (int64_t)g->OH * g->OW;
-  int ohl, ohh, owl, owh;
-  dp_pool_windows(h, g->k, g->stride, g->pad, g->OH, &ohl, &ohh);
-  dp_pool_windows(w, g->k, g->stride, g->pad, g->OW, &owl, &owh);
+/* Gather form of the average-pool backward (no atomics): one input element of
+ * a plane, given the output windows [ohl, ohh] x [owl, owh] that contain it;
+ * dy is the plane's (OH, OW) gradient. */
+static inline DP_HD float dp_avgpool_backward_at(const float *dy, const dp_pool_geom *g, int ohl, int ohh, int owl,
+                                                 int owh) {
   float s = 0.0f;
   for (int oh = ohl; oh <= ohh; ++oh)
-    for (int ow = owl; ow <= owh; ++ow) s += plane[oh * g->OW + ow];
-  return s / (float)(g->k * g->k);
+    for (int ow = owl; ow <= owh; ++ow) s += dy[oh * g->OW + ow];
+  return s * (1.0f / (float)(g->k * g->k));
 }
 
-/* Max pooling forward; *arg receives the winning input offset within the plane
- * (first maximum wins, like PyTorch; padding never wins). o indexes y. */
-static inline DP_HD float dp_maxpool_forward_elem(const float *x, const dp_pool_geom *g, int64_t o, int32_t *arg) {
-  int ow = (int)(o % g->OW);
-  int oh = (int)((o / g->OW) % g->OH);
-  int64_t nc = o / ((int64_t)g->OW * g->OH);
-  const float *plane = x + nc * (int64_t)g->H * g->W;
+/* Max pooling forward; *arg receives the winner's offset within the plane
+ * (the first maximum wins, like PyTorch; a NaN wins and stays; padding never
+ * wins). One output (oh, ow) of a plane x (H, W). */
+static inline DP_HD float dp_maxpool_forward_at(const float *x, const dp_pool_geom *g, int oh, int ow, int32_t *arg) {
   int h0 = oh * g->stride - g->pad, w0 = ow * g->stride - g->pad;
   float best = -INFINITY;
   int32_t besti = -1;
@@ -131,8 +119,7 @@ static inline DP_HD float dp_maxpool_forward_elem(const float *x, const dp_pool_
     for (int j = 0; j < g->k; ++j) {
       int w = w0 + j;
       if (w < 0 || w >= g->W) continue;
-      float v = plane[h * g->W + w];
-      /* the first maximum wins; a NaN wins and stays (PyTorch propagates NaN) */
+      float v = x[h * g->W + w];
       if (besti < 0 || v > best || (isnan(v) && !isnan(best))) {
         best = v;
         besti = h * g->W + w;
@@ -143,24 +130,53 @@ static inline DP_HD float dp_maxpool_forward_elem(const float *x, const dp_pool_
   return best;
 }
 
-/* Gather form of the max-pool backward: dx[i] = sum of dy over the windows whose
- * recorded winner is i. i indexes dx (N, C, H, W); arg is (N, C, OH, OW). */
-static inline DP_HD float dp_maxpool_backward_elem(const float *dy, const int32_t *arg, const dp_pool_geom *g, int64_t i) {
-  int w = (int)(i % g->W);
-  int h = (int)((i / g->W) % g->H);
-  int64_t nc = i / ((int64_t)g->W * g->H);
-  int64_t base = nc * (int64_t)g->OH * g->OW;
+/* Gather form of the max-pool backward: input (h, w) of a plane receives dy of
+ * every window (within [ohl, ohh] x [owl, owh]) whose recorded winner it is. */
+static inline DP_HD float dp_maxpool_backward_at(const float *dy, const int32_t *arg, const dp_pool_geom *g, int h,
+                                                 int w, int ohl, int ohh, int owl, int owh) {
   int32_t self = h * g->W + w;
-  int ohl, ohh, owl, owh;
-  dp_pool_windows(h, g->k, g->stride, g->pad, g->OH, &ohl, &ohh);
-  dp_pool_windows(w, g->k, g->stride, g->pad, g->OW, &owl, &owh);
   float s = 0.0f;
   for (int oh = ohl; oh <= ohh; ++oh)
     for (int ow = owl; ow <= owh; ++ow) {
-      int64_t o = base + oh * g->OW + ow;
+      int o = oh * g->OW + ow;
       if (arg[o] == self) s += dy[o];
     }
   return s;
+}
+
+/* Flat-index forms for one-thread-per-element launchers: o indexes y
+ * (N, C, OH, OW), i indexes dx (N, C, H, W). */
+static inline DP_HD float dp_avgpool_forward_elem(const float *x, const dp_pool_geom *g, int64_t o) {
+  int64_t nc = o / ((int64_t)g->OW * g->OH);
+  int rem = (int)(o - nc * g->OW * g->OH);
+  return dp_avgpool_forward_at(x + nc * g->H * g->W, g, rem / g->OW, rem % g->OW);
+}
+
+static inline DP_HD float dp_avgpool_backward_elem(const float *dy, const dp_pool_geom *g, int64_t i) {
+  int64_t nc = i / ((int64_t)g->W * g->H);
+  int rem = (int)(i - nc * g->W * g->H);
+  int ohl, ohh, owl, owh;
+  dp_pool_windows(rem / g->W, g->k, g->stride, g->pad, g->OH, &ohl, &ohh);
+  dp_pool_windows(rem % g->W, g->k, g->stride, g->pad, g->OW, &owl, &owh);
+  return dp_avgpool_backward_at(dy + nc * g->OH * g->OW, g, ohl, ohh, owl, owh);
+}
+
+static inline DP_HD float dp_maxpool_forward_elem(const float *x, const dp_pool_geom *g, int64_t o, int32_t *arg) {
+  int64_t nc = o / ((int64_t)g->OW * g->OH);
+  int rem = (int)(o - nc * g->OW * g->OH);
+  return dp_maxpool_forward_at(x + nc * g->H * g->W, g, rem / g->OW, rem % g->OW, arg);
+}
+
+static inline DP_HD float dp_maxpool_backward_elem(const float *dy, const int32_t *arg, const dp_pool_geom *g,
+                                                   int64_t i) {
+  int64_t nc = i / ((int64_t)g->W * g->H);
+  int rem = (int)(i - nc * g->W * g->H);
+  int h = rem / g->W, w = rem % g->W;
+  int ohl, ohh, owl, owh;
+  dp_pool_windows(h, g->k, g->stride, g->pad, g->OH, &ohl, &ohh);
+  dp_pool_windows(w, g->k, g->stride, g->pad, g->OW, &owl, &owh);
+  int64_t base = nc * g->OH * g->OW;
+  return dp_maxpool_backward_at(dy + base, arg + base, g, h, w, ohl, ohh, owl, owh);
 }
 
 /* ---- rows ----------------------------------------------------------------- */
