@@ -336,7 +336,13 @@ static PyObject *run_batch(ModelObject *self, PyObject *X, PyObject *Y, enum bat
   if (convert_images(X, self->model, &xa, &is_u8) < 0) goto done;
   if (convert_labels(Y, PyArray_DIM(xa, 0), &ya) < 0) goto done;
   dp_batch b = {PyArray_DATA(xa), is_u8, (const int64_t *)PyArray_DATA(ya), (int64_t)PyArray_DIM(xa, 0)};
-  if (call == CALL_TRAIN_STEP) grad_scale = b.n ? 1.0f / (float)b.n : 0.0f;
+  if (call == CALL_TRAIN_STEP) {
+    if (b.n == 0) { /* no samples, no step (not even weight decay) */
+      ret = Py_BuildValue("(dL)", 0.0, 0LL);
+      goto done;
+    }
+    grad_scale = 1.0f / (float)b.n;
+  }
   double loss = 0.0;
   int64_t correct = 0;
   dp_status st = DP_OK;
@@ -510,6 +516,10 @@ static PyObject *ops_conv2d(PyObject *mod, PyObject *args, int backward) {
     goto done;
   }
   const npy_intp *xd = PyArray_DIMS(x), *wd = PyArray_DIMS(w);
+  if (xd[1] < 1) {
+    PyErr_SetString(PyExc_ValueError, "x must have at least one channel");
+    goto done;
+  }
   if (xd[1] != wd[1]) {
     PyErr_Format(PyExc_ValueError, "x has %ld channels but w expects %ld", (long)xd[1], (long)wd[1]);
     goto done;
@@ -778,9 +788,10 @@ static PyObject *op_sgd_update(PyObject *mod, PyObject *args) {
   const char *names[3] = {"w", "g", "v"};
   PyObject *ret = NULL;
   for (int i = 0; i < 3; ++i) {
-    if (!PyArray_Check(objs[i]) || PyArray_TYPE((PyArrayObject *)objs[i]) != NPY_FLOAT32 ||
-        !PyArray_IS_C_CONTIGUOUS((PyArrayObject *)objs[i]) || !PyArray_ISWRITEABLE((PyArrayObject *)objs[i])) {
-      PyErr_Format(PyExc_TypeError, "%s must be a writeable C-contiguous float32 ndarray", names[i]);
+    PyArrayObject *a = (PyArrayObject *)objs[i];
+    if (!PyArray_Check(objs[i]) || PyArray_TYPE(a) != NPY_FLOAT32 || !PyArray_IS_C_CONTIGUOUS(a) ||
+        !PyArray_ISWRITEABLE(a) || !PyArray_ISALIGNED(a) || !PyArray_ISNOTSWAPPED(a)) {
+      PyErr_Format(PyExc_TypeError, "%s must be a writeable, aligned, C-contiguous native float32 ndarray", names[i]);
       goto done;
     }
     arrs[i] = (PyArrayObject *)Py_NewRef(objs[i]);

@@ -81,7 +81,7 @@ static inline DP_HD float dp_avgpool_forward_at(const float *x, const dp_pool_ge
   float s = 0.0f;
   for (int h = h0; h < h1; ++h)
     for (int w = w0; w < w1; ++w) s += x[h * g->W + w];
-  return s * (1.0f / (float)(g->k * g->k));
+  return s * (1.0f / ((float)g->k * (float)g->k));
 }
 
 /* The output windows [lo, hi] along one axis that contain input position p
@@ -103,7 +103,7 @@ static inline DP_HD float dp_avgpool_backward_at(const float *dy, const dp_pool_
   float s = 0.0f;
   for (int oh = ohl; oh <= ohh; ++oh)
     for (int ow = owl; ow <= owh; ++ow) s += dy[oh * g->OW + ow];
-  return s * (1.0f / (float)(g->k * g->k));
+  return s * (1.0f / ((float)g->k * (float)g->k));
 }
 
 /* Max pooling forward; *arg receives the winner's offset within the plane

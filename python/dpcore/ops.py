@@ -19,7 +19,12 @@ def _f32(a, name):
     a = np.asarray(a)
     if a.dtype.kind not in "fiu" or a.dtype == np.bool_:
         raise TypeError(f"{name} must be a real numeric array, got dtype {a.dtype}")
-    return np.ascontiguousarray(a, dtype=np.float32)
+    return np.asarray(a, dtype=np.float32, order="C")
+
+
+def _stride(kernel_size, stride):
+    """PyTorch's pooling default: the stride is the kernel size unless given (0 is an error, not a default)."""
+    return kernel_size if stride is None else stride
 
 
 def conv2d(x, w, b=None, stride=1, padding=0):
@@ -53,19 +58,19 @@ def relu_backward(y, dy):
 
 def avg_pool2d(x, kernel_size, stride=None, padding=0):
     """Average pooling (count_include_pad=True, as PyTorch's default)."""
-    return _core.avg_pool2d_forward(_f32(x, "x"), kernel_size, stride or kernel_size, padding)
+    return _core.avg_pool2d_forward(_f32(x, "x"), kernel_size, _stride(kernel_size, stride), padding)
 
 
 def avg_pool2d_backward(x, dy, kernel_size, stride=None, padding=0):
-    return _core.avg_pool2d_backward(_f32(x, "x"), _f32(dy, "dy"), kernel_size, stride or kernel_size, padding)
+    return _core.avg_pool2d_backward(_f32(x, "x"), _f32(dy, "dy"), kernel_size, _stride(kernel_size, stride), padding)
 
 
 def max_pool2d(x, kernel_size, stride=None, padding=0):
-    return _core.max_pool2d_forward(_f32(x, "x"), kernel_size, stride or kernel_size, padding)
+    return _core.max_pool2d_forward(_f32(x, "x"), kernel_size, _stride(kernel_size, stride), padding)
 
 
 def max_pool2d_backward(x, dy, kernel_size, stride=None, padding=0):
-    return _core.max_pool2d_backward(_f32(x, "x"), _f32(dy, "dy"), kernel_size, stride or kernel_size, padding)
+    return _core.max_pool2d_backward(_f32(x, "x"), _f32(dy, "dy"), kernel_size, _stride(kernel_size, stride), padding)
 
 
 def softmax_cross_entropy(logits, labels, reduction="mean"):
