@@ -17,6 +17,7 @@
 
 #include "backend.h"
 #include "dp_build_config.h"
+#include "mirrored.h"
 #include "model.h"
 #ifdef DP_HAVE_CUDA
 #include "dp_cuda.h"
@@ -120,6 +121,245 @@ static int convert_labels(PyObject *obj, npy_intp n, PyArrayObject **out) {
   }
   *out = (PyArrayObject *)PyArray_FROM_OTF(obj, NPY_INT64, NPY_ARRAY_IN_ARRAY | NPY_ARRAY_NOTSWAPPED);
   return *out ? 0 : -1;
+}
+
+/* ---- Tensor: a buffer on a device ----------------------------------------- */
+
+typedef struct {
+  PyObject_HEAD
+  char device[32];
+  int dtype; /* NPY_FLOAT32, NPY_INT64 or NPY_UINT8 (images) */
+  int ndim;
+  npy_intp shape[NPY_MAXDIMS];
+  void *data;
+  PyObject *owner; /* NULL: the tensor owns data; else the object whose memory it views */
+} TensorObject;
+
+static PyTypeObject TensorType;
+
+static void Tensor_dealloc(TensorObject *self) {
+  if (self->owner)
+    Py_DECREF(self->owner);
+  else
+    free(self->data);
+  Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static npy_intp tensor_size(const TensorObject *t) {
+  npy_intp n = 1;
+  for (int i = 0; i < t->ndim; ++i) n *= t->shape[i];
+  return n;
+}
+
+static size_t tensor_itemsize(const TensorObject *t) {
+  return t->dtype == NPY_INT64 ? 8 : t->dtype == NPY_UINT8 ? 1 : 4;
+}
+
+static TensorObject *tensor_alloc(const char *device, int dtype, int ndim, const npy_intp *shape) {
+  TensorObject *t = (TensorObject *)TensorType.tp_alloc(&TensorType, 0);
+  if (!t) return NULL;
+  snprintf(t->device, sizeof t->device, "%s", device);
+  t->dtype = dtype;
+  t->ndim = ndim;
+  for (int i = 0; i < ndim; ++i) t->shape[i] = shape[i];
+  size_t bytes = ((size_t)tensor_size(t) * tensor_itemsize(t) + 63) & ~(size_t)63;
+  t->data = aligned_alloc(64, bytes ? bytes : 64);
+  if (!t->data) {
+    Py_DECREF(t);
+    return (TensorObject *)PyErr_NoMemory();
+  }
+  return t;
+}
+
+/* Tensor(array, device): a copy of a float32 or int64 array on a device. */
+static PyObject *Tensor_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
+  static char *kwlist[] = {"array", "device", NULL};
+  PyObject *obj;
+  const char *device;
+  if (!PyArg_ParseTupleAndKeywords(args, kwds, "Os", kwlist, &obj, &device)) return NULL;
+  int elem = PyArray_Check(obj) ? PyArray_TYPE((PyArrayObject *)obj) : -1;
+  if (elem != NPY_FLOAT32 && elem != NPY_INT64 && elem != NPY_UINT8) {
+    PyErr_SetString(PyExc_TypeError, "Tensor needs a float32, int64 or uint8 numpy array");
+    return NULL;
+  }
+  PyArrayObject *a = (PyArrayObject *)PyArray_FROM_OTF(obj, PyArray_TYPE((PyArrayObject *)obj),
+                                                       NPY_ARRAY_IN_ARRAY | NPY_ARRAY_NOTSWAPPED);
+  if (!a) return NULL;
+  TensorObject *t = tensor_alloc(device, PyArray_TYPE(a), PyArray_NDIM(a), PyArray_DIMS(a));
+  if (t) memcpy(t->data, PyArray_DATA(a), (size_t)PyArray_NBYTES(a));
+  Py_DECREF(a);
+  return (PyObject *)t;
+}
+
+/* A NumPy array sharing the tensor's memory (CPU devices). */
+static PyObject *Tensor_view(TensorObject *self, PyObject *unused) {
+  PyObject *arr = PyArray_New(&PyArray_Type, self->ndim, self->shape, self->dtype, NULL, self->data, 0,
+                              NPY_ARRAY_CARRAY, NULL);
+  if (!arr) return NULL;
+  if (PyArray_SetBaseObject((PyArrayObject *)arr, Py_NewRef(self)) < 0) {
+    Py_DECREF(arr);
+    return NULL;
+  }
+  return arr;
+}
+
+static PyObject *Tensor_numpy(TensorObject *self, PyObject *unused) {
+  PyObject *view = Tensor_view(self, NULL);
+  if (!view) return NULL;
+  PyObject *copy = PyArray_NewCopy((PyArrayObject *)view, NPY_CORDER);
+  Py_DECREF(view);
+  return copy;
+}
+
+static PyObject *Tensor_get_device(TensorObject *self, void *c) { return PyUnicode_FromString(self->device); }
+static PyObject *Tensor_get_shape(TensorObject *self, void *c) {
+  PyObject *t = PyTuple_New(self->ndim);
+  if (!t) return NULL;
+  for (int i = 0; i < self->ndim; ++i) {
+    PyObject *v = PyLong_FromSsize_t(self->shape[i]);
+    if (!v) {
+      Py_DECREF(t);
+      return NULL;
+    }
+    PyTuple_SET_ITEM(t, i, v);
+  }
+  return t;
+}
+static PyObject *Tensor_get_dtype(TensorObject *self, void *c) {
+  return PyUnicode_FromString(self->dtype == NPY_INT64 ? "int64" : self->dtype == NPY_UINT8 ? "uint8" : "float32");
+}
+
+/* tensor([[3. 3.]], device='cpu:0') */
+static PyObject *Tensor_repr(TensorObject *self) {
+  PyObject *view = Tensor_view(self, NULL);
+  if (!view) return NULL;
+  PyObject *body = PyObject_Str(view);
+  Py_DECREF(view);
+  if (!body) return NULL;
+  PyObject *out = PyUnicode_FromFormat("tensor(%U, device='%s')", body, self->device);
+  Py_DECREF(body);
+  return out;
+}
+
+static PyMethodDef Tensor_methods[] = {
+    {"numpy", (PyCFunction)Tensor_numpy, METH_NOARGS, "a NumPy copy of the tensor"},
+    {"_view", (PyCFunction)Tensor_view, METH_NOARGS, "a NumPy array sharing the tensor's memory (CPU only)"},
+    {NULL, NULL, 0, NULL}};
+
+static PyGetSetDef Tensor_getset[] = {{"device", (getter)Tensor_get_device, NULL, "device name", NULL},
+                                      {"shape", (getter)Tensor_get_shape, NULL, "shape", NULL},
+                                      {"dtype", (getter)Tensor_get_dtype, NULL, "'float32' or 'int64'", NULL},
+                                      {NULL, NULL, NULL, NULL, NULL}};
+
+static PyTypeObject TensorType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "dpcore._core.Tensor",
+    .tp_basicsize = sizeof(TensorObject),
+    .tp_dealloc = (destructor)Tensor_dealloc,
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE,
+    .tp_doc = "Tensor(array, device): float32, int64 or uint8 data on a device",
+    .tp_repr = (reprfunc)Tensor_repr,
+    .tp_methods = Tensor_methods,
+    .tp_getset = Tensor_getset,
+    .tp_new = Tensor_new,
+};
+
+/* all_reduce(tensors, op): in place; op 0 = sum, 1 = mean. */
+static PyObject *mod_all_reduce(PyObject *mod, PyObject *args) {
+  PyObject *seq_obj;
+  int op;
+  if (!PyArg_ParseTuple(args, "Oi", &seq_obj, &op)) return NULL;
+  PyObject *seq = PySequence_Fast(seq_obj, "all_reduce needs a list of tensors");
+  if (!seq) return NULL;
+  Py_ssize_t k = PySequence_Fast_GET_SIZE(seq);
+  float **bufs = NULL;
+  PyObject *ret = NULL;
+  if (k < 1) {
+    PyErr_SetString(PyExc_ValueError, "all_reduce needs at least one tensor");
+    goto done;
+  }
+  bufs = malloc(sizeof(float *) * (size_t)k);
+  if (!bufs) {
+    PyErr_NoMemory();
+    goto done;
+  }
+  TensorObject *first = NULL;
+  for (Py_ssize_t i = 0; i < k; ++i) {
+    PyObject *o = PySequence_Fast_GET_ITEM(seq, i);
+    if (!PyObject_TypeCheck(o, &TensorType)) {
+      PyErr_Format(PyExc_TypeError, "all_reduce: item %zd is %s, not a dpcore tensor", i, Py_TYPE(o)->tp_name);
+      goto done;
+    }
+    TensorObject *t = (TensorObject *)o;
+    if (t->dtype != NPY_FLOAT32) {
+      PyErr_Format(PyExc_TypeError, "all_reduce: tensor %zd is %s; only float32 tensors are reduced", i,
+                   t->dtype == NPY_INT64 ? "int64" : "uint8");
+      goto done;
+    }
+    if (!first) first = t;
+    if (t->ndim != first->ndim || memcmp(t->shape, first->shape, sizeof(npy_intp) * (size_t)t->ndim) != 0) {
+      PyErr_Format(PyExc_ValueError, "all_reduce: tensor %zd has a different shape than tensor 0", i);
+      goto done;
+    }
+    for (Py_ssize_t j = 0; j < i; ++j)
+      if (strcmp(((TensorObject *)PySequence_Fast_GET_ITEM(seq, j))->device, t->device) == 0) {
+        PyErr_Format(PyExc_ValueError, "all_reduce: tensors %zd and %zd are both on %s; give one tensor per device",
+                     j, i, t->device);
+        goto done;
+      }
+    bufs[i] = t->data;
+  }
+  dp_status st;
+  npy_intp n = tensor_size(first);
+  Py_BEGIN_ALLOW_THREADS
+  st = dp_allreduce_buffers(bufs, (int)k, n, op == 1 ? DP_REDUCE_MEAN : DP_REDUCE_SUM);
+  Py_END_ALLOW_THREADS
+  if (st != DP_OK) {
+    raise_from_status(st);
+    goto done;
+  }
+  ret = Py_NewRef(Py_None);
+done:
+  free(bufs);
+  Py_DECREF(seq);
+  return ret;
+}
+
+/* allreduce_benchmark(k, n, iters) -> seconds for iters all-reduces of n floats */
+static PyObject *mod_allreduce_benchmark(PyObject *mod, PyObject *args) {
+  int k, iters;
+  long long n;
+  if (!PyArg_ParseTuple(args, "iLi", &k, &n, &iters)) return NULL;
+  double seconds = 0.0;
+  dp_status st;
+  Py_BEGIN_ALLOW_THREADS
+  st = dp_allreduce_benchmark(k, n, iters, &seconds);
+  Py_END_ALLOW_THREADS
+  if (st != DP_OK) return raise_from_status(st);
+  return PyFloat_FromDouble(seconds);
+}
+
+/* shard_ranges(n, k) -> [(begin, end)]: the split the trainer uses. */
+static PyObject *mod_shard_ranges(PyObject *mod, PyObject *args) {
+  long long n;
+  int k;
+  if (!PyArg_ParseTuple(args, "Li", &n, &k)) return NULL;
+  if (n < 0 || k < 1) {
+    PyErr_SetString(PyExc_ValueError, "shard_ranges needs n >= 0 and k >= 1");
+    return NULL;
+  }
+  PyObject *out = PyList_New(k);
+  if (!out) return NULL;
+  for (int r = 0; r < k; ++r) {
+    int64_t b, e;
+    dp_shard_range(n, k, r, &b, &e);
+    PyObject *t = Py_BuildValue("(LL)", (long long)b, (long long)e);
+    if (!t) {
+      Py_DECREF(out);
+      return NULL;
+    }
+    PyList_SET_ITEM(out, r, t);
+  }
+  return out;
 }
 
 /* ---- Model ----------------------------------------------------------------- */
@@ -443,7 +683,12 @@ static PyObject *Model_get_input_shape(ModelObject *self, void *c) {
   return Py_BuildValue("(iii)", self->model->in_c, self->model->in_h, self->model->in_w);
 }
 
+static PyObject *Model_grads_tensor(ModelObject *self, PyObject *u);
+static PyObject *Model_params_tensor(ModelObject *self, PyObject *u);
+
 static PyMethodDef Model_methods[] = {
+    {"grads_tensor", (PyCFunction)Model_grads_tensor, METH_NOARGS, "the flat gradient buffer as a Tensor (a view)"},
+    {"params_tensor", (PyCFunction)Model_params_tensor, METH_NOARGS, "the flat parameter buffer as a Tensor (a view)"},
     {"param_layout", (PyCFunction)Model_param_layout, METH_NOARGS,
      "[(layer_index, 'weight'|'bias', offset, shape)] into the flat parameter buffer"},
     {"layers", (PyCFunction)Model_layers, METH_NOARGS, "[(kind, input_shape, output_shape)]"},
@@ -479,6 +724,181 @@ static PyTypeObject ModelType = {
     .tp_methods = Model_methods,
     .tp_getset = Model_getset,
     .tp_init = (initproc)Model_init,
+    .tp_new = PyType_GenericNew,
+};
+
+/* ---- Model views and Mirrored: k replicas trained in lockstep --------------- */
+
+static PyObject *model_view(ModelObject *self, int grads) {
+  if (!model_ready(self)) return NULL;
+  TensorObject *t = (TensorObject *)TensorType.tp_alloc(&TensorType, 0);
+  if (!t) return NULL;
+  snprintf(t->device, sizeof t->device, "%s", self->device.name);
+  t->dtype = NPY_FLOAT32;
+  t->ndim = 1;
+  t->shape[0] = (npy_intp)self->model->nparams;
+  t->data = grads ? self->model->grads : self->model->params;
+  t->owner = Py_NewRef((PyObject *)self);
+  return (PyObject *)t;
+}
+
+static PyObject *Model_grads_tensor(ModelObject *self, PyObject *u) { return model_view(self, 1); }
+static PyObject *Model_params_tensor(ModelObject *self, PyObject *u) { return model_view(self, 0); }
+
+typedef struct {
+  PyObject_HEAD
+  PyObject *models; /* tuple of ModelObject */
+  dp_mirrored *mirrored;
+} MirroredObject;
+
+static void Mirrored_dealloc(MirroredObject *self) {
+  dp_mirrored_destroy(self->mirrored);
+  Py_XDECREF(self->models);
+  Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static int Mirrored_init(MirroredObject *self, PyObject *args, PyObject *kwds) {
+  static char *kwlist[] = {"models", NULL};
+  PyObject *seq_obj;
+  if (!PyArg_ParseTupleAndKeywords(args, kwds, "O", kwlist, &seq_obj)) return -1;
+  if (self->mirrored) {
+    PyErr_SetString(PyExc_RuntimeError, "Mirrored is already initialized");
+    return -1;
+  }
+  PyObject *models = PySequence_Tuple(seq_obj);
+  if (!models) return -1;
+  Py_ssize_t k = PyTuple_GET_SIZE(models);
+  if (k < 1 || k > 64) {
+    Py_DECREF(models);
+    PyErr_Format(PyExc_ValueError, "Mirrored needs 1 to 64 replicas, got %zd", k);
+    return -1;
+  }
+  dp_model *ptrs[64];
+  for (Py_ssize_t r = 0; r < k; ++r) {
+    PyObject *o = PyTuple_GET_ITEM(models, r);
+    if (!PyObject_TypeCheck(o, &ModelType) || !((ModelObject *)o)->model) {
+      Py_DECREF(models);
+      PyErr_Format(PyExc_TypeError, "Mirrored: replica %zd is not an initialized Model", r);
+      return -1;
+    }
+    ptrs[r] = ((ModelObject *)o)->model;
+  }
+  dp_status st = dp_mirrored_create(ptrs, (int)k, &self->mirrored);
+  if (st != DP_OK) {
+    Py_DECREF(models);
+    return raise_from_status(st), -1;
+  }
+  self->models = models;
+  return 0;
+}
+
+/* Every replica must be idle; mark them busy while the GIL is released. */
+static int mirrored_acquire(MirroredObject *self) {
+  if (!self->mirrored) {
+    PyErr_SetString(PyExc_RuntimeError, "Mirrored is not initialized");
+    return 0;
+  }
+  Py_ssize_t k = PyTuple_GET_SIZE(self->models);
+  for (Py_ssize_t r = 0; r < k; ++r)
+    if (!model_ready((ModelObject *)PyTuple_GET_ITEM(self->models, r))) return 0;
+  for (Py_ssize_t r = 0; r < k; ++r) ((ModelObject *)PyTuple_GET_ITEM(self->models, r))->busy = 1;
+  return 1;
+}
+
+static void mirrored_release(MirroredObject *self) {
+  for (Py_ssize_t r = 0; r < PyTuple_GET_SIZE(self->models); ++r)
+    ((ModelObject *)PyTuple_GET_ITEM(self->models, r))->busy = 0;
+}
+
+enum mirrored_call { MIRRORED_TRAIN, MIRRORED_FORWARD_BACKWARD, MIRRORED_EVALUATE };
+
+static PyObject *mirrored_batch(MirroredObject *self, PyObject *X, PyObject *Y, enum mirrored_call call, float lr,
+                                float mu, float wd) {
+  if (!self->mirrored) {
+    PyErr_SetString(PyExc_RuntimeError, "Mirrored is not initialized");
+    return NULL;
+  }
+  PyArrayObject *xa = NULL, *ya = NULL;
+  PyObject *ret = NULL;
+  int is_u8 = 0;
+  if (convert_images(X, self->mirrored->models[0], &xa, &is_u8) < 0) goto done;
+  if (convert_labels(Y, PyArray_DIM(xa, 0), &ya) < 0) goto done;
+  if (!mirrored_acquire(self)) goto done;
+  dp_batch b = {PyArray_DATA(xa), is_u8, (const int64_t *)PyArray_DATA(ya), (int64_t)PyArray_DIM(xa, 0)};
+  double loss = 0.0;
+  int64_t correct = 0;
+  dp_status st;
+  Py_BEGIN_ALLOW_THREADS
+  if (call == MIRRORED_TRAIN)
+    st = b.n ? dp_mirrored_train_step(self->mirrored, &b, lr, mu, wd, &loss, &correct) : DP_OK;
+  else if (call == MIRRORED_FORWARD_BACKWARD)
+    st = dp_mirrored_forward_backward(self->mirrored, &b, &loss, &correct);
+  else
+    st = dp_mirrored_evaluate(self->mirrored, &b, &loss, &correct);
+  Py_END_ALLOW_THREADS
+  mirrored_release(self);
+  if (st != DP_OK) {
+    raise_from_status(st);
+    goto done;
+  }
+  ret = Py_BuildValue("(dL)", loss, (long long)correct);
+done:
+  Py_XDECREF(xa);
+  Py_XDECREF(ya);
+  return ret;
+}
+
+static PyObject *Mirrored_train_step(MirroredObject *self, PyObject *args, PyObject *kwds) {
+  static char *kwlist[] = {"images", "labels", "lr", "momentum", "weight_decay", NULL};
+  PyObject *X, *Y;
+  float lr, mu = 0.0f, wd = 0.0f;
+  if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOf|ff", kwlist, &X, &Y, &lr, &mu, &wd)) return NULL;
+  return mirrored_batch(self, X, Y, MIRRORED_TRAIN, lr, mu, wd);
+}
+
+static PyObject *Mirrored_forward_backward(MirroredObject *self, PyObject *args, PyObject *kwds) {
+  static char *kwlist[] = {"images", "labels", NULL};
+  PyObject *X, *Y;
+  if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO", kwlist, &X, &Y)) return NULL;
+  return mirrored_batch(self, X, Y, MIRRORED_FORWARD_BACKWARD, 0, 0, 0);
+}
+
+static PyObject *Mirrored_evaluate(MirroredObject *self, PyObject *args, PyObject *kwds) {
+  static char *kwlist[] = {"images", "labels", NULL};
+  PyObject *X, *Y;
+  if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO", kwlist, &X, &Y)) return NULL;
+  return mirrored_batch(self, X, Y, MIRRORED_EVALUATE, 0, 0, 0);
+}
+
+static PyObject *Mirrored_broadcast(MirroredObject *self, PyObject *args) {
+  int root = 0;
+  if (!PyArg_ParseTuple(args, "|i", &root)) return NULL;
+  if (!mirrored_acquire(self)) return NULL;
+  dp_status st = dp_mirrored_broadcast(self->mirrored, root);
+  mirrored_release(self);
+  if (st != DP_OK) return raise_from_status(st);
+  Py_RETURN_NONE;
+}
+
+static PyMethodDef Mirrored_methods[] = {
+    {"train_step", (PyCFunction)(void (*)(void))Mirrored_train_step, METH_VARARGS | METH_KEYWORDS,
+     "train_step(images, labels, lr, momentum=0, weight_decay=0) -> (loss_sum, correct) over the global batch"},
+    {"forward_backward", (PyCFunction)(void (*)(void))Mirrored_forward_backward, METH_VARARGS | METH_KEYWORDS,
+     "forward_backward(images, labels) -> (loss_sum, correct); gradients all-reduced (mean), no step"},
+    {"evaluate", (PyCFunction)(void (*)(void))Mirrored_evaluate, METH_VARARGS | METH_KEYWORDS,
+     "evaluate(images, labels) -> (loss_sum, correct), the batch split over the replicas"},
+    {"broadcast", (PyCFunction)Mirrored_broadcast, METH_VARARGS,
+     "broadcast(root=0): copy a replica's parameters to all and zero the momentum"},
+    {NULL, NULL, 0, NULL}};
+
+static PyTypeObject MirroredType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "dpcore._core.Mirrored",
+    .tp_basicsize = sizeof(MirroredObject),
+    .tp_dealloc = (destructor)Mirrored_dealloc,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "Mirrored(models): one replica per device, one thread per replica",
+    .tp_methods = Mirrored_methods,
+    .tp_init = (initproc)Mirrored_init,
     .tp_new = PyType_GenericNew,
 };
 
@@ -844,6 +1264,10 @@ static PyObject *mod_runtime_info(PyObject *m, PyObject *unused) {
 static PyMethodDef module_methods[] = {
     {"build_info_json", mod_build_info_json, METH_NOARGS, "what the build found and used, as JSON"},
     {"runtime_info", mod_runtime_info, METH_NOARGS, "devices and libraries found at run time"},
+    {"all_reduce", mod_all_reduce, METH_VARARGS, "all_reduce(tensors, op): in place, op 0 = sum, 1 = mean"},
+    {"allreduce_benchmark", mod_allreduce_benchmark, METH_VARARGS,
+     "allreduce_benchmark(k, n, iters) -> seconds for iters in-process all-reduces of n floats"},
+    {"shard_ranges", mod_shard_ranges, METH_VARARGS, "shard_ranges(n, k) -> [(begin, end)] per replica"},
     OPS_METHODS{NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "dpcore._core",
@@ -858,11 +1282,13 @@ PyMODINIT_FUNC PyInit__core(void) {
   DeviceError = DpcoreError ? PyObject_GetAttrString(errors, "DeviceError") : NULL;
   Py_DECREF(errors);
   if (!DpcoreError || !DeviceError) return NULL;
-  if (PyType_Ready(&ModelType) < 0) return NULL;
+  if (PyType_Ready(&ModelType) < 0 || PyType_Ready(&TensorType) < 0 || PyType_Ready(&MirroredType) < 0) return NULL;
   if (ops_init() < 0) return NULL;
   PyObject *m = PyModule_Create(&module_def);
   if (!m) return NULL;
-  if (PyModule_AddObjectRef(m, "Model", (PyObject *)&ModelType) < 0) {
+  if (PyModule_AddObjectRef(m, "Model", (PyObject *)&ModelType) < 0 ||
+      PyModule_AddObjectRef(m, "Tensor", (PyObject *)&TensorType) < 0 ||
+      PyModule_AddObjectRef(m, "Mirrored", (PyObject *)&MirroredType) < 0) {
     Py_DECREF(m);
     return NULL;
   }

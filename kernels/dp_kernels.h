@@ -50,10 +50,13 @@ static inline DP_HD void dp_sgd_elem(float *w, const float *g, float *v, int64_t
   w[i] -= lr * gi;
 }
 
-/* acc[i] = sum_r parts[r][i] in the fixed order r = 0..nparts-1 (deterministic). */
+/* sum_r parts[r][i] in the fixed order ((p0 + p1) + p2) + ... (deterministic:
+ * the bits never depend on which thread or block finishes first). The CPU
+ * all-reduce (csrc/collective.c) runs this order blocked over i, replica by
+ * replica, so that it vectorises; the bits are the same. */
 static inline DP_HD float dp_sum_parts_elem(const float *const *parts, int nparts, int64_t i) {
-  float s = 0.0f;
-  for (int r = 0; r < nparts; ++r) s += parts[r][i];
+  float s = parts[0][i];
+  for (int r = 1; r < nparts; ++r) s += parts[r][i];
   return s;
 }
 

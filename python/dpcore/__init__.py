@@ -10,10 +10,14 @@ __version__ = "0.1.0"
 from .errors import DataError, DeviceError, DpcoreError  # noqa: F401  (first: the extension imports them)
 from . import _core  # noqa: F401
 from . import data, models, ops  # noqa: F401
-from .info import build_info, list_devices  # noqa: F401
+from .devices import list_devices, set_logical_devices  # noqa: F401
+from .info import build_info  # noqa: F401
+from .parallel import Tensor, all_reduce, broadcast, gather, scatter, split_batch, tensor  # noqa: F401
+from .strategy import MirroredStrategy, get_strategy  # noqa: F401
 from .train import History, train  # noqa: F401
 
 __all__ = [
-    "DataError", "DeviceError", "DpcoreError", "History", "build_info", "data", "list_devices", "models", "ops",
-    "train",
+    "DataError", "DeviceError", "DpcoreError", "History", "MirroredStrategy", "Tensor", "all_reduce", "broadcast",
+    "build_info", "data", "gather", "get_strategy", "list_devices", "models", "ops", "scatter",
+    "set_logical_devices", "split_batch", "tensor", "train",
 ]

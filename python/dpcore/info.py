@@ -23,8 +23,3 @@ def build_info():
         "cpu_cores": info["cpu_cores"],
     }
     return info
-
-
-def list_devices():
-    """Names of the devices dpcore can train on, e.g. ``['cpu:0']``."""
-    return ["cpu:0"]

@@ -11,8 +11,11 @@ import numpy as np
 
 from . import _core
 from .batches import as_images, as_labels
+from .devices import check_device, device_index, device_threads
+from .parallel import Tensor
+from .strategy import get_strategy
 
-__all__ = ["Sequential", "LeNet", "Metrics"]
+__all__ = ["Sequential", "LeNet", "Metrics", "Replica"]
 
 Metrics = namedtuple("Metrics", ["loss", "accuracy", "num_examples"])
 
@@ -25,11 +28,25 @@ class Sequential:
         ('relu',), ('avgpool', kernel, stride, padding), ('maxpool', kernel, stride, padding),
         ('flatten',).
     Weights are drawn from N(0, init_std) and biases are 0 (the book's init).
+    devices: where the replicas live; default: the active strategy's devices
+    (``with strategy.scope():``), else ``['cpu:0']``. threads: cores per replica
+    (default: the device's share).
     """
 
-    def __init__(self, layers, input_shape=(1, 28, 28), init_std=0.01, seed=0, threads=0):
+    def __init__(self, layers, input_shape=(1, 28, 28), init_std=0.01, seed=0, threads=0, devices=None):
         self._specs = [tuple(spec) for spec in layers]
-        self._model = _core.Model(tuple(input_shape), self._specs, threads)
+        if devices is None:
+            strategy = get_strategy()
+            devices = strategy.devices if strategy is not None else ["cpu:0"]
+        devices = [check_device(d) for d in devices]
+        if len(set(devices)) != len(devices):
+            raise ValueError(f"a device appears twice in {devices}")
+        self._replicas = [
+            _core.Model(tuple(input_shape), self._specs, threads or device_threads(d), device_index(d))
+            for d in devices
+        ]
+        self._model = self._replicas[0]
+        self._mirrored = _core.Mirrored(self._replicas) if len(self._replicas) > 1 else None
         self._layout = self._model.param_layout()
         rng = np.random.default_rng(seed)
         flat = np.zeros(self._model.nparams, dtype=np.float32)
@@ -37,7 +54,12 @@ class Sequential:
             if kind == "weight":
                 size = int(np.prod(shape))
                 flat[offset:offset + size] = rng.normal(0.0, init_std, size).astype(np.float32)
-        self._model.set_params(flat)
+        self._set_flat(flat)
+
+    def _set_flat(self, flat):
+        """The same parameters on every replica (one copy each)."""
+        for replica in self._replicas:
+            replica.set_params(flat)
 
     # ---- description -------------------------------------------------------
     @property
@@ -55,7 +77,13 @@ class Sequential:
 
     @property
     def devices(self):
-        return [self._model.device]
+        """The devices holding a replica, e.g. ``['cpu:0', 'cpu:1']``."""
+        return [replica.device for replica in self._replicas]
+
+    @property
+    def replicas(self):
+        """One :class:`Replica` per device: the pieces of chapter 12.5's training loop."""
+        return [Replica(self, replica) for replica in self._replicas]
 
     def parameter_names(self):
         return [f"{layer}.{kind}" for layer, kind, _, _ in self._layout]
@@ -74,6 +102,11 @@ class Sequential:
 
     def __repr__(self):
         return f"{type(self).__name__}(params={self.num_params}, devices={self.devices})"
+
+    def replicas_identical(self):
+        """True when every replica holds bitwise the same parameters (they always should)."""
+        first = self._replicas[0].get_params()
+        return all(np.array_equal(first.view(np.uint32), r.get_params().view(np.uint32)) for r in self._replicas[1:])
 
     # ---- weights -----------------------------------------------------------
     def get_weights(self):
@@ -106,7 +139,7 @@ class Sequential:
             if tuple(a.shape) != tuple(shape):
                 raise ValueError(f"{name}: expected shape {tuple(shape)}, got {tuple(a.shape)}")
             flat[offset:offset + a.size] = a.astype(np.float32).ravel()
-        self._model.set_params(flat)
+        self._set_flat(flat)
 
     # ---- running -----------------------------------------------------------
     def _batches(self, data, batch_size):
@@ -135,7 +168,7 @@ class Sequential:
         for X, y in self._batches(data_iter, 1024):
             if y is None:
                 raise TypeError("evaluate needs labels: pass an iterator of (images, labels)")
-            batch_loss, batch_correct = self._model.evaluate(X, y)
+            batch_loss, batch_correct = (self._mirrored or self._model).evaluate(X, y)
             loss += batch_loss
             correct += batch_correct
             n += len(y)
@@ -146,7 +179,7 @@ class Sequential:
     def train_step(self, X, y, lr, momentum=0.0, weight_decay=0.0):
         """One SGD step on a batch (mean loss). Returns (loss_sum, correct)."""
         X = as_images(X, self.input_shape)
-        return self._model.train_step(X, as_labels(y, len(X)), lr, momentum, weight_decay)
+        return (self._mirrored or self._model).train_step(X, as_labels(y, len(X)), lr, momentum, weight_decay)
 
 
 class LeNet(Sequential):
@@ -159,10 +192,58 @@ class LeNet(Sequential):
     Flatten, Linear, ReLU, Linear)``, so the weights are named like its state_dict.
     """
 
-    def __init__(self, num_classes=10, in_channels=1, seed=0, threads=0):
+    def __init__(self, num_classes=10, in_channels=1, seed=0, threads=0, devices=None):
         layers = [
             ("conv2d", 20, 3, 1, 0), ("relu",), ("avgpool", 2, 2, 0),
             ("conv2d", 50, 5, 1, 0), ("relu",), ("avgpool", 2, 2, 0),
             ("flatten",), ("dense", 128), ("relu",), ("dense", num_classes),
         ]
-        super().__init__(layers, input_shape=(in_channels, 28, 28), init_std=0.01, seed=seed, threads=threads)
+        super().__init__(layers, input_shape=(in_channels, 28, 28), init_std=0.01, seed=seed, threads=threads,
+                         devices=devices)
+
+
+def _host(data):
+    return data.numpy() if isinstance(data, Tensor) else data
+
+
+class Replica:
+    """One replica of a model on one device (chapter 12.5, from scratch).
+
+        X_shards, y_shards = dp.split_batch(X, y, net.devices)
+        for replica, Xs, ys in zip(net.replicas, X_shards, y_shards):
+            replica.forward_backward(Xs, ys, grad_scale=1 / len(y))
+        dp.all_reduce([replica.grads for replica in net.replicas])
+        for replica in net.replicas:
+            replica.sgd_step(lr)
+    """
+
+    def __init__(self, net, model):
+        self._net = net
+        self._model = model
+
+    @property
+    def device(self):
+        return self._model.device
+
+    @property
+    def grads(self):
+        """The flat gradient buffer on this replica's device (a Tensor sharing its memory)."""
+        return self._model.grads_tensor()
+
+    @property
+    def params(self):
+        """The flat parameter buffer on this replica's device (a Tensor sharing its memory)."""
+        return self._model.params_tensor()
+
+    def forward_backward(self, X, y, grad_scale):
+        """Forward and backward on a shard; the replica's gradient buffer becomes
+        grad_scale * (sum of the shard's per-sample gradients). Returns (loss_sum, correct)."""
+        X = as_images(_host(X), self._net.input_shape)
+        return self._model.forward_backward(X, as_labels(_host(y), len(X)), grad_scale)
+
+    def sgd_step(self, lr, momentum=0.0, weight_decay=0.0):
+        """One SGD step from this replica's gradient buffer."""
+        self._model.sgd_step(lr, momentum, weight_decay)
+
+    def __repr__(self):
+        return f"Replica(device='{self.device}')"

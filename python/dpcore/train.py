@@ -77,6 +77,8 @@ def train(net, train_iter, test_iter=None, num_epochs=10, lr=0.1, momentum=0.0, 
     _check_hyper("momentum", momentum)
     _check_hyper("weight_decay", weight_decay)
     history = History(devices=list(net.devices))
+    # one replica: its own step; several: scatter, parallel forward/backward, all-reduce, step
+    step = (net._mirrored or net._model).train_step
     warned = False
     for epoch in range(num_epochs):
         loss_sum, correct, seen = 0.0, 0, 0
@@ -84,7 +86,7 @@ def train(net, train_iter, test_iter=None, num_epochs=10, lr=0.1, momentum=0.0, 
         for X, y in net._batches(train_iter, 0):
             if y is None:
                 raise TypeError("train_iter must yield (images, labels) pairs")
-            batch_loss, batch_correct = net._model.train_step(X, y, lr, momentum, weight_decay)
+            batch_loss, batch_correct = step(X, y, lr, momentum, weight_decay)
             loss_sum += batch_loss
             correct += batch_correct
             seen += len(y)

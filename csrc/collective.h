@@ -1,0 +1,43 @@
+/* collective.h — collectives across the replica threads of one process.
+ *
+ * All-reduce is reduce-scatter + all-gather fused: of k replicas, rank r owns
+ * chunk r of the buffer; it sums chunk r of all k buffers in rank order
+ * (0, 1, ..., k-1, so the bits never depend on thread timing) and writes the
+ * result into chunk r of every buffer. Chunks start on 16-float boundaries so
+ * no two ranks write the same cache line. Every replica thread calls
+ * dp_allreduce with its rank; barriers bracket the exchange.
+ */
+#ifndef DP_COLLECTIVE_H
+#define DP_COLLECTIVE_H
+
+#include <pthread.h>
+#include <stdint.h>
+
+#include "dp_status.h"
+
+/* A barrier that spins briefly before sleeping: waking a sleeping thread on
+ * a virtual machine costs tens of microseconds, more than a whole all-reduce
+ * of a small buffer. The spin yields the core regularly, so k threads on
+ * fewer cores still make progress. */
+typedef struct dp_barrier {
+  pthread_mutex_t mutex;
+  pthread_cond_t cond;
+  int count;
+  _Atomic int arrived;
+  _Atomic unsigned generation;
+} dp_barrier;
+
+dp_status dp_barrier_init(dp_barrier *b, int count);
+void dp_barrier_destroy(dp_barrier *b);
+void dp_barrier_wait(dp_barrier *b);
+
+typedef enum dp_reduce_op { DP_REDUCE_SUM = 0, DP_REDUCE_MEAN = 1 } dp_reduce_op;
+
+/* The [begin, end) range of n elements that rank r of k reduces. */
+void dp_allreduce_chunk(int64_t n, int k, int rank, int64_t *begin, int64_t *end);
+
+/* Called by each of the k threads with its rank; bufs[0..k-1] are the k
+ * replicas' buffers of n floats, reduced in place. bar counts k threads. */
+void dp_allreduce(float *const *bufs, int k, int rank, int64_t n, dp_reduce_op op, dp_barrier *bar);
+
+#endif

@@ -1,0 +1,216 @@
+#include "mirrored.h"
+
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+void dp_shard_range(int64_t n, int k, int r, int64_t *begin, int64_t *end) {
+  const int64_t base = n / k, extra = n % k;
+  *begin = r * base + (r < extra ? r : extra);
+  *end = *begin + base + (r < extra ? 1 : 0);
+}
+
+dp_status dp_mirrored_create(dp_model **models, int k, dp_mirrored **out) {
+  *out = NULL;
+  if (k < 1) return DP_FAIL(DP_ERR_VALUE, "mirrored: need at least one replica");
+  for (int r = 0; r < k; ++r) {
+    const dp_model *a = models[0], *b = models[r];
+    if (!b->finalized) return DP_FAIL(DP_ERR_VALUE, "mirrored: replica %d is not finalized", r);
+    if (b->nparams != a->nparams || b->nlayers != a->nlayers || b->in_c != a->in_c || b->in_h != a->in_h ||
+        b->in_w != a->in_w || memcmp(b->layers, a->layers, sizeof *a->layers * (size_t)a->nlayers) != 0)
+      return DP_FAIL(DP_ERR_VALUE, "mirrored: replica %d has a different architecture than replica 0", r);
+    for (int q = 0; q < r; ++q)
+      if (models[q]->dev == b->dev || strcmp(models[q]->dev->name, b->dev->name) == 0)
+        return DP_FAIL(DP_ERR_VALUE, "mirrored: replicas %d and %d are both on %s", q, r, b->dev->name);
+  }
+  dp_mirrored *m = calloc(1, sizeof *m);
+  int *threads = malloc(sizeof(int) * (size_t)k);
+  if (!m || !threads || !(m->models = malloc(sizeof *m->models * (size_t)k))) {
+    free(threads);
+    if (m) free(m->models);
+    free(m);
+    return DP_FAIL(DP_ERR_MEMORY, "mirrored: cannot allocate %d replicas", k);
+  }
+  m->k = k;
+  for (int r = 0; r < k; ++r) {
+    m->models[r] = models[r];
+    threads[r] = models[r]->dev->nthreads;
+  }
+  dp_status st = dp_group_create(k, threads, &m->group);
+  free(threads);
+  if (st != DP_OK) {
+    free(m->models);
+    free(m);
+    return st;
+  }
+  *out = m;
+  return DP_OK;
+}
+
+void dp_mirrored_destroy(dp_mirrored *m) {
+  if (!m) return;
+  dp_group_destroy(m->group);
+  free(m->models);
+  free(m);
+}
+
+dp_status dp_mirrored_broadcast(dp_mirrored *m, int root) {
+  if (root < 0 || root >= m->k) return DP_FAIL(DP_ERR_VALUE, "broadcast: root %d is not a replica", root);
+  dp_model *src = m->models[root];
+  for (int r = 0; r < m->k; ++r) {
+    dp_model *dst = m->models[r];
+    if (r != root) {
+      /* CPU devices share the host address space; a CUDA pair will use a peer copy. */
+      DP_TRY(dst->dev->backend->copy_to_device(dst->dev, dst->params, src->params,
+                                               sizeof(float) * (size_t)src->nparams));
+    }
+    DP_TRY(dp_model_reset_velocity(dst));
+  }
+  return DP_OK;
+}
+
+typedef struct step_task {
+  dp_mirrored *m;
+  const dp_batch *batch;
+  size_t sample_bytes;
+  float grad_scale, lr, momentum, weight_decay;
+  int evaluate_only;
+  double loss[64];
+  int64_t correct[64];
+  float **grads;
+} step_task;
+
+static dp_batch shard_of(const step_task *t, int rank) {
+  int64_t begin, end;
+  dp_shard_range(t->batch->n, t->m->k, rank, &begin, &end);
+  dp_batch s = {(const char *)t->batch->x + begin * (int64_t)t->sample_bytes, t->batch->x_is_u8,
+                t->batch->y ? t->batch->y + begin : NULL, end - begin};
+  return s;
+}
+
+static dp_status run_shard(void *arg, int rank) {
+  step_task *t = arg;
+  dp_batch s = shard_of(t, rank);
+  dp_model *model = t->m->models[rank];
+  if (t->evaluate_only) return dp_model_evaluate(model, &s, &t->loss[rank], &t->correct[rank]);
+  return dp_model_forward_backward(model, &s, t->grad_scale, &t->loss[rank], &t->correct[rank]);
+}
+
+static dp_status reduce_and_step(void *arg, int rank) {
+  step_task *t = arg;
+  dp_model *model = t->m->models[rank];
+  dp_allreduce(t->grads, t->m->k, rank, model->nparams, DP_REDUCE_SUM, dp_group_barrier(t->m->group));
+  if (t->lr < 0.0f) return DP_OK; /* forward_backward only */
+  return dp_model_sgd_step(model, t->lr, t->momentum, t->weight_decay);
+}
+
+static dp_status run_step(dp_mirrored *m, const dp_batch *b, int evaluate_only, float lr, float momentum,
+                          float weight_decay, double *loss_sum, int64_t *correct) {
+  if (m->k > 64) return DP_FAIL(DP_ERR_VALUE, "mirrored: at most 64 replicas, got %d", m->k);
+  if (b->n < 0) return DP_FAIL(DP_ERR_VALUE, "batch size must be >= 0");
+  const dp_model *m0 = m->models[0];
+  float *grads[64];
+  step_task t = {m, b, (size_t)m0->in_c * m0->in_h * m0->in_w * (b->x_is_u8 ? 1 : sizeof(float)),
+                 b->n ? 1.0f / (float)b->n : 0.0f, lr, momentum, weight_decay, evaluate_only, {0}, {0}, grads};
+  for (int r = 0; r < m->k; ++r) grads[r] = m->models[r]->grads;
+  DP_TRY(dp_group_run(m->group, run_shard, &t));
+  if (!evaluate_only && b->n > 0) DP_TRY(dp_group_run(m->group, reduce_and_step, &t));
+  double loss = 0.0;
+  int64_t hits = 0;
+  for (int r = 0; r < m->k; ++r) {
+    loss += t.loss[r];
+    hits += t.correct[r];
+  }
+  *loss_sum = loss;
+  *correct = hits;
+  return DP_OK;
+}
+
+dp_status dp_mirrored_train_step(dp_mirrored *m, const dp_batch *b, float lr, float momentum, float weight_decay,
+                                 double *loss_sum, int64_t *correct) {
+  if (!(lr >= 0.0f)) return DP_FAIL(DP_ERR_VALUE, "learning rate must be >= 0, got %g", (double)lr);
+  return run_step(m, b, 0, lr, momentum, weight_decay, loss_sum, correct);
+}
+
+dp_status dp_mirrored_forward_backward(dp_mirrored *m, const dp_batch *b, double *loss_sum, int64_t *correct) {
+  return run_step(m, b, 0, -1.0f, 0.0f, 0.0f, loss_sum, correct);
+}
+
+dp_status dp_mirrored_evaluate(dp_mirrored *m, const dp_batch *b, double *loss_sum, int64_t *correct) {
+  return run_step(m, b, 1, 0.0f, 0.0f, 0.0f, loss_sum, correct);
+}
+
+typedef struct reduce_task {
+  float *const *bufs;
+  int k;
+  int64_t n;
+  dp_reduce_op op;
+  dp_barrier *bar;
+} reduce_task;
+
+static dp_status run_reduce(void *arg, int rank) {
+  reduce_task *t = arg;
+  dp_allreduce(t->bufs, t->k, rank, t->n, t->op, t->bar);
+  return DP_OK;
+}
+
+dp_status dp_allreduce_buffers(float *const *bufs, int k, int64_t n, dp_reduce_op op) {
+  if (k == 1) return DP_OK;
+  int *threads = malloc(sizeof(int) * (size_t)k);
+  if (!threads) return DP_FAIL(DP_ERR_MEMORY, "all_reduce: cannot allocate");
+  for (int r = 0; r < k; ++r) threads[r] = 1;
+  dp_group *g;
+  dp_status st = dp_group_create(k, threads, &g);
+  free(threads);
+  if (st != DP_OK) return st;
+  reduce_task t = {bufs, k, n, op, dp_group_barrier(g)};
+  st = dp_group_run(g, run_reduce, &t);
+  dp_group_destroy(g);
+  return st;
+}
+
+typedef struct bench_task {
+  float *const *bufs;
+  int k, iters;
+  int64_t n;
+  dp_barrier *bar;
+} bench_task;
+
+static dp_status run_bench(void *arg, int rank) {
+  bench_task *t = arg;
+  for (int i = 0; i < t->iters; ++i) dp_allreduce(t->bufs, t->k, rank, t->n, DP_REDUCE_SUM, t->bar);
+  return DP_OK;
+}
+
+dp_status dp_allreduce_benchmark(int k, int64_t n, int iters, double *seconds) {
+  if (k < 1 || k > 64 || n < 1 || iters < 1)
+    return DP_FAIL(DP_ERR_VALUE, "allreduce benchmark: need 1 <= k <= 64, n >= 1, iters >= 1");
+  float *bufs[64] = {0};
+  int threads[64];
+  dp_status st = DP_OK;
+  for (int r = 0; r < k; ++r) {
+    threads[r] = 1;
+    bufs[r] = aligned_alloc(64, ((size_t)n * sizeof(float) + 63) & ~(size_t)63);
+    if (!bufs[r]) {
+      st = DP_FAIL(DP_ERR_MEMORY, "allreduce benchmark: cannot allocate %lld floats", (long long)n);
+      goto done;
+    }
+    /* zeros: the sums stay finite however many iterations run */
+    for (int64_t i = 0; i < n; ++i) bufs[r][i] = 0.0f;
+  }
+  dp_group *g;
+  st = dp_group_create(k, threads, &g);
+  if (st != DP_OK) goto done;
+  bench_task warm = {bufs, k, 2, n, dp_group_barrier(g)};
+  st = dp_group_run(g, run_bench, &warm); /* first touch and thread start-up */
+  bench_task t = {bufs, k, iters, n, dp_group_barrier(g)};
+  struct timespec a, b;
+  clock_gettime(CLOCK_MONOTONIC, &a);
+  if (st == DP_OK) st = dp_group_run(g, run_bench, &t);
+  clock_gettime(CLOCK_MONOTONIC, &b);
+  *seconds = (double)(b.tv_sec - a.tv_sec) + 1e-9 * (double)(b.tv_nsec - a.tv_nsec);
+  dp_group_destroy(g);
+done:
+  for (int r = 0; r < k; ++r) free(bufs[r]);
+  return st;
+}

@@ -1,0 +1,28 @@
+/* replica.h — one OS thread per replica.
+ *
+ * A replica group owns k worker threads, one per device; worker r sets its
+ * OpenMP thread count to its device's share of the cores, so k replicas never
+ * oversubscribe the machine. dp_group_run runs fn(arg, r) on every worker and
+ * waits for all of them (fork-join): a failing replica can never leave the
+ * others waiting at a barrier, because collectives run in a later run.
+ */
+#ifndef DP_REPLICA_H
+#define DP_REPLICA_H
+
+#include "collective.h"
+#include "dp_status.h"
+
+typedef struct dp_group dp_group;
+typedef dp_status (*dp_group_fn)(void *arg, int rank);
+
+/* threads[r]: OpenMP threads of worker r. */
+dp_status dp_group_create(int k, const int *threads, dp_group **out);
+void dp_group_destroy(dp_group *g);
+int dp_group_size(const dp_group *g);
+/* The barrier of the k workers, for collectives inside fn. */
+dp_barrier *dp_group_barrier(dp_group *g);
+/* Runs fn(arg, r) on worker r for every r; returns DP_OK or the status of the
+ * lowest failing rank, with its message moved to the calling thread. */
+dp_status dp_group_run(dp_group *g, dp_group_fn fn, void *arg);
+
+#endif
