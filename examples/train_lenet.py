@@ -1,7 +1,11 @@
 """The main job: train the LeNet of Dive into Deep Learning 12.5 on the real
-Fashion-MNIST (batch 256, lr 0.2, 10 epochs) and print the book's line.
+Fashion-MNIST (batch 256, lr 0.2, 10 epochs) on every local device and print
+the book's closing line.
 
-    python examples/train_lenet.py [--epochs 10] [--batch-size 256] [--lr 0.2]
+    python examples/train_lenet.py [--epochs 10] [--batch-size 256] [--lr 0.2] [--cpu-devices K]
+
+MirroredStrategy() takes every GPU, else the logical CPU devices (one by
+default: the whole CPU; --cpu-devices K splits it into K replicas).
 """
 import argparse
 
@@ -13,12 +17,16 @@ def main():
     parser.add_argument("--epochs", type=int, default=10)
     parser.add_argument("--batch-size", type=int, default=256)
     parser.add_argument("--lr", type=float, default=0.2)
+    parser.add_argument("--cpu-devices", type=int, default=1, help="split the CPU into this many replicas")
     parser.add_argument("--data", default=None, help="Fashion-MNIST directory (default: DPCORE_DATA or Debian's)")
     args = parser.parse_args()
 
     print("dpcore", dp.__version__, dp.build_info()["summary"])
-    print("devices:", dp.list_devices())
-    net = dp.models.LeNet()
+    dp.set_logical_devices("cpu", args.cpu_devices)
+    strategy = dp.MirroredStrategy()
+    print(f"{strategy.num_replicas_in_sync} replica(s): {strategy.devices}")
+    with strategy.scope():
+        net = dp.models.LeNet()
     train_iter, test_iter = dp.data.load_fashion_mnist(batch_size=args.batch_size, root=args.data)
     dp.train(net, train_iter, test_iter, num_epochs=args.epochs, lr=args.lr)
 
