@@ -5,6 +5,9 @@ follow PyTorch's ``state_dict`` names for the equivalent ``torch.nn.Sequential``
 (``'0.weight'``, ``'0.bias'``, ``'3.weight'``, ...), so weights move between the
 two libraries with ``get_weights`` / ``set_weights``.
 """
+import json
+import os
+import tempfile
 from collections import OrderedDict, namedtuple
 
 import numpy as np
@@ -15,7 +18,9 @@ from .devices import check_device, device_index, device_threads
 from .parallel import Tensor
 from .strategy import get_strategy
 
-__all__ = ["Sequential", "LeNet", "Metrics", "Replica"]
+__all__ = ["Sequential", "LeNet", "Metrics", "Replica", "load"]
+
+_FORMAT = "dpcore-sequential-1"
 
 Metrics = namedtuple("Metrics", ["loss", "accuracy", "num_examples"])
 
@@ -141,6 +146,30 @@ class Sequential:
             flat[offset:offset + a.size] = a.astype(np.float32).ravel()
         self._set_flat(flat)
 
+    # ---- files ---------------------------------------------------------------
+    def _architecture(self):
+        return {"format": _FORMAT, "class": type(self).__name__, "layers": [list(l) for l in self._specs],
+                "input_shape": list(self.input_shape)}
+
+    def save(self, path):
+        """Write the weights (PyTorch state_dict names) and the architecture to a
+        safetensors file. Atomic: a crash leaves either the old file or the new one."""
+        from safetensors.numpy import save_file
+
+        path = os.fspath(path)
+        directory = os.path.dirname(os.path.abspath(path))
+        fd, tmp = tempfile.mkstemp(prefix=".dpcore-", suffix=".tmp", dir=directory)
+        os.close(fd)
+        try:
+            save_file(dict(self.get_weights()), tmp, metadata={"dpcore": json.dumps(self._architecture())})
+            with open(tmp, "rb") as f:
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+            raise
+
     # ---- running -----------------------------------------------------------
     def _batches(self, data, batch_size):
         """(images, labels|None) batches from an iterator of (X, y) or from an array X."""
@@ -247,3 +276,32 @@ class Replica:
 
     def __repr__(self):
         return f"Replica(device='{self.device}')"
+
+
+def load(path, devices=None):
+    """A model saved with ``net.save(path)``, on ``devices`` (default: the active
+    strategy's devices, else cpu:0)."""
+    from safetensors import SafetensorError, safe_open
+
+    path = os.fspath(path)
+    try:
+        with safe_open(path, framework="np") as f:
+            meta = f.metadata() or {}
+            weights = {name: f.get_tensor(name) for name in f.keys()}
+    except (SafetensorError, OSError) as e:
+        if isinstance(e, FileNotFoundError):
+            raise
+        raise ValueError(f"{path}: not a readable safetensors file ({e})") from e
+    try:
+        arch = json.loads(meta["dpcore"])
+        if arch.get("format") != _FORMAT:
+            raise ValueError(f"unknown format {arch.get('format')!r}")
+        layers = [tuple(l) for l in arch["layers"]]
+        input_shape = tuple(arch["input_shape"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"{path}: not a dpcore model file ({e})") from e
+    net = Sequential(layers, input_shape=input_shape, devices=devices)
+    if arch.get("class") == "LeNet":
+        net.__class__ = LeNet
+    net.set_weights(weights)
+    return net
