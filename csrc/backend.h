@@ -71,6 +71,30 @@ struct dp_backend {
   /* One fused SGD step over a flat buffer (see dp_sgd_elem). v may be NULL when mu == 0. */
   dp_status (*sgd_update)(dp_device *dev, int64_t n, float *w, const float *g, float *v, float lr, float mu,
                           float wd);
+  /* y (n) = a + b; y may alias a. */
+  dp_status (*add)(dp_device *dev, int64_t n, const float *a, const float *b, float *y);
+  /* x (n) *= alpha */
+  dp_status (*scale)(dp_device *dev, int64_t n, float *x, float alpha);
+  /* Global average pooling: y (N, C) = mean of x (N, C, HW) over HW; backward dx = dy / HW. */
+  dp_status (*global_avgpool_forward)(dp_device *dev, int64_t N, int C, int HW, const float *x, float *y);
+  dp_status (*global_avgpool_backward)(dp_device *dev, int64_t N, int C, int HW, const float *dy, float *dx);
+  /* BatchNorm over x (N, C, HW), per channel c:
+   *   bn_sums:   out[c] = sum of x, or of (x - mean[c])^2 when mean is given
+   *   bn_finalize: see dp_bn_finalize_channel (sqdev (C), count values)
+   *   bn_apply:  y = gamma * (x - mean) * invstd + beta
+   *   bn_backward_sums: sum_dy[c], sum_dy_xhat[c] over the batch
+   *   bn_backward_dx: see dp_bn_backward_elem */
+  dp_status (*bn_sums)(dp_device *dev, int64_t N, int C, int HW, const float *x, const float *mean, float *out);
+  dp_status (*bn_finalize)(dp_device *dev, int C, const float *sqdev, float count, const float *mean, float eps,
+                           float momentum, int update_running, float *invstd, float *running_mean,
+                           float *running_var);
+  dp_status (*bn_apply)(dp_device *dev, int64_t N, int C, int HW, const float *x, const float *mean,
+                        const float *invstd, const float *gamma, const float *beta, float *y);
+  dp_status (*bn_backward_sums)(dp_device *dev, int64_t N, int C, int HW, const float *x, const float *dy,
+                                const float *mean, const float *invstd, float *sum_dy, float *sum_dy_xhat);
+  dp_status (*bn_backward_dx)(dp_device *dev, int64_t N, int C, int HW, const float *x, const float *dy,
+                              const float *mean, const float *invstd, const float *gamma, const float *sum_dy,
+                              const float *sum_dy_xhat, float inv_count, float *dx);
   dp_status (*synchronize)(dp_device *dev);
 };
 

@@ -16,26 +16,28 @@ dp_status dp_model_create(dp_device *dev, int in_c, int in_h, int in_w, dp_model
   m->in_c = in_c;
   m->in_h = in_h;
   m->in_w = in_w;
+  m->next_src = DP_SRC_PREVIOUS;
   *out = m;
   return DP_OK;
 }
 
 static void free_activations(dp_model *m) {
-  if (m->acts) {
-    for (int i = 0; i < m->nlayers; ++i)
-      if (m->layers[i].kind != DP_LAYER_FLATTEN) dp_device_free(m->dev, m->acts[i]);
+  for (int i = 0; i < m->nlayers; ++i) {
+    if (m->acts && m->layers[i].kind != DP_LAYER_FLATTEN) dp_device_free(m->dev, m->acts[i]);
+    if (m->dacts) dp_device_free(m->dev, m->dacts[i]);
+    if (m->argmax) dp_device_free(m->dev, m->argmax[i]);
   }
-  if (m->argmax)
-    for (int i = 0; i < m->nlayers; ++i) dp_device_free(m->dev, m->argmax[i]);
   free(m->acts);
+  free(m->dacts);
   free(m->argmax);
-  m->acts = NULL;
+  free(m->dready);
+  m->acts = m->dacts = NULL;
   m->argmax = NULL;
-  dp_device_free(m->dev, m->grad_a);
-  dp_device_free(m->dev, m->grad_b);
+  m->dready = NULL;
+  dp_device_free(m->dev, m->dscratch);
   dp_device_free(m->dev, m->input);
   dp_device_free(m->dev, m->labels);
-  m->grad_a = m->grad_b = m->input = NULL;
+  m->dscratch = m->input = NULL;
   m->labels = NULL;
   m->act_batch = 0;
 }
@@ -46,11 +48,35 @@ void dp_model_destroy(dp_model *m) {
   dp_device_free(m->dev, m->params);
   dp_device_free(m->dev, m->grads);
   dp_device_free(m->dev, m->velocity);
+  dp_device_free(m->dev, m->state);
+  dp_device_free(m->dev, m->bn_saved);
+  dp_device_free(m->dev, m->bn_tmp);
   free(m->layers);
   free(m);
 }
 
-/* Append a layer whose input is the previous layer's output. */
+dp_status dp_model_set_source(dp_model *m, int src) {
+  if (m->finalized) return DP_FAIL(DP_ERR_VALUE, "cannot add a layer to a finalized model");
+  if (src < -1 || src >= m->nlayers)
+    return DP_FAIL(DP_ERR_VALUE, "source %d is not an existing layer (0..%d) or the input (-1)", src, m->nlayers - 1);
+  m->next_src = src;
+  return DP_OK;
+}
+
+static void shape_of(const dp_model *m, int src, int *c, int *h, int *w) {
+  if (src < 0) {
+    *c = m->in_c;
+    *h = m->in_h;
+    *w = m->in_w;
+  } else {
+    *c = m->layers[src].out_c;
+    *h = m->layers[src].out_h;
+    *w = m->layers[src].out_w;
+  }
+}
+
+/* Append a layer reading the chosen source (by default the previous layer).
+ * The layer counts only once its add function has validated it. */
 static dp_status push_layer(dp_model *m, dp_layer **out) {
   if (m->finalized) return DP_FAIL(DP_ERR_VALUE, "cannot add a layer to a finalized model");
   if (m->nlayers == m->cap) {
@@ -62,18 +88,16 @@ static dp_status push_layer(dp_model *m, dp_layer **out) {
   }
   dp_layer *l = &m->layers[m->nlayers];
   memset(l, 0, sizeof *l);
-  if (m->nlayers == 0) {
-    l->in_c = m->in_c;
-    l->in_h = m->in_h;
-    l->in_w = m->in_w;
-  } else {
-    const dp_layer *p = &m->layers[m->nlayers - 1];
-    l->in_c = p->out_c;
-    l->in_h = p->out_h;
-    l->in_w = p->out_w;
-  }
+  l->src = m->next_src == DP_SRC_PREVIOUS ? m->nlayers - 1 : m->next_src;
+  l->src2 = -1;
+  shape_of(m, l->src, &l->in_c, &l->in_h, &l->in_w);
   *out = l;
   return DP_OK;
+}
+
+static void commit_layer(dp_model *m) {
+  m->nlayers++;
+  m->next_src = DP_SRC_PREVIOUS;
 }
 
 dp_status dp_model_add_conv2d(dp_model *m, int out_c, int k, int stride, int pad) {
@@ -94,7 +118,7 @@ dp_status dp_model_add_conv2d(dp_model *m, int out_c, int k, int stride, int pad
   l->out_w = (l->in_w + 2 * pad - k) / stride + 1;
   l->w_len = (int64_t)out_c * l->in_c * k * k;
   l->b_len = out_c;
-  m->nlayers++;
+  commit_layer(m);
   return DP_OK;
 }
 
@@ -109,18 +133,65 @@ dp_status dp_model_add_dense(dp_model *m, int out_features) {
   l->out_h = l->out_w = 1;
   l->w_len = (int64_t)out_features * l->in_c;
   l->b_len = out_features;
-  m->nlayers++;
+  commit_layer(m);
+  return DP_OK;
+}
+
+static dp_status add_shape_preserving(dp_model *m, dp_layer_kind kind, dp_layer **out) {
+  dp_layer *l = NULL;
+  DP_TRY(push_layer(m, &l));
+  l->kind = kind;
+  l->out_c = l->in_c;
+  l->out_h = l->in_h;
+  l->out_w = l->in_w;
+  *out = l;
   return DP_OK;
 }
 
 dp_status dp_model_add_relu(dp_model *m) {
   dp_layer *l = NULL;
+  DP_TRY(add_shape_preserving(m, DP_LAYER_RELU, &l));
+  commit_layer(m);
+  return DP_OK;
+}
+
+dp_status dp_model_add_batchnorm(dp_model *m, float eps, float momentum) {
+  if (!(eps > 0.0f)) return DP_FAIL(DP_ERR_VALUE, "batchnorm: eps must be > 0, got %g", (double)eps);
+  if (!(momentum >= 0.0f && momentum <= 1.0f))
+    return DP_FAIL(DP_ERR_VALUE, "batchnorm: momentum must be in [0, 1], got %g", (double)momentum);
+  dp_layer *l = NULL;
+  DP_TRY(add_shape_preserving(m, DP_LAYER_BATCHNORM, &l));
+  l->eps = eps;
+  l->momentum = momentum;
+  l->w_len = l->b_len = l->in_c;
+  commit_layer(m);
+  return DP_OK;
+}
+
+dp_status dp_model_add_add(dp_model *m, int a, int b) {
+  if (a < -1 || a >= m->nlayers || b < -1 || b >= m->nlayers)
+    return DP_FAIL(DP_ERR_VALUE, "add: sources %d and %d must be existing layers (0..%d) or the input (-1)", a, b,
+                   m->nlayers - 1);
+  int ca, ha, wa, cb, hb, wb;
+  shape_of(m, a, &ca, &ha, &wa);
+  shape_of(m, b, &cb, &hb, &wb);
+  if (ca != cb || ha != hb || wa != wb)
+    return DP_FAIL(DP_ERR_VALUE, "add: shapes differ: (%d, %d, %d) and (%d, %d, %d)", ca, ha, wa, cb, hb, wb);
+  dp_layer *l = NULL;
+  m->next_src = a;
+  DP_TRY(add_shape_preserving(m, DP_LAYER_ADD, &l));
+  l->src2 = b;
+  commit_layer(m);
+  return DP_OK;
+}
+
+dp_status dp_model_add_global_avgpool(dp_model *m) {
+  dp_layer *l = NULL;
   DP_TRY(push_layer(m, &l));
-  l->kind = DP_LAYER_RELU;
+  l->kind = DP_LAYER_GLOBAL_AVGPOOL;
   l->out_c = l->in_c;
-  l->out_h = l->in_h;
-  l->out_w = l->in_w;
-  m->nlayers++;
+  l->out_h = l->out_w = 1;
+  commit_layer(m);
   return DP_OK;
 }
 
@@ -140,7 +211,7 @@ static dp_status add_pool(dp_model *m, dp_layer_kind kind, int k, int stride, in
   l->out_c = l->in_c;
   l->out_h = dp_pool_out_dim(l->in_h, k, stride, pad);
   l->out_w = dp_pool_out_dim(l->in_w, k, stride, pad);
-  m->nlayers++;
+  commit_layer(m);
   return DP_OK;
 }
 
@@ -157,13 +228,12 @@ dp_status dp_model_add_flatten(dp_model *m) {
   l->kind = DP_LAYER_FLATTEN;
   l->out_c = l->in_c * l->in_h * l->in_w;
   l->out_h = l->out_w = 1;
-  m->nlayers++;
+  commit_layer(m);
   return DP_OK;
 }
 
 int dp_model_num_classes(const dp_model *m) {
-  return m->nlayers ? m->layers[m->nlayers - 1].out_c * m->layers[m->nlayers - 1].out_h * m->layers[m->nlayers - 1].out_w
-                    : 0;
+  return m->nlayers ? (int)layer_out_size(&m->layers[m->nlayers - 1]) : 0;
 }
 
 dp_status dp_model_finalize(dp_model *m) {
@@ -173,7 +243,8 @@ dp_status dp_model_finalize(dp_model *m) {
   if (last->out_h != 1 || last->out_w != 1)
     return DP_FAIL(DP_ERR_VALUE, "the last layer must produce logits (N, classes); it produces (%d, %d, %d)",
                    last->out_c, last->out_h, last->out_w);
-  int64_t off = 0;
+  int64_t off = 0, state = 0, saved = 0;
+  int max_c = 1;
   for (int i = 0; i < m->nlayers; ++i) {
     dp_layer *l = &m->layers[i];
     /* Each tensor starts on a 16-float (64-byte) boundary of the flat buffer. */
@@ -183,15 +254,27 @@ dp_status dp_model_finalize(dp_model *m) {
       l->b_off = off;
       off += (l->b_len + 15) & ~(int64_t)15;
     }
+    if (l->kind == DP_LAYER_BATCHNORM) {
+      l->state_off = state;
+      state += 2 * (int64_t)l->in_c;
+      saved += 2 * (int64_t)l->in_c;
+      if (l->in_c > max_c) max_c = l->in_c;
+    }
   }
   m->nparams = off;
+  m->nstate = state;
   size_t bytes = sizeof(float) * (size_t)off;
   DP_TRY(dp_device_alloc(m->dev, bytes, (void **)&m->params));
   DP_TRY(dp_device_alloc(m->dev, bytes, (void **)&m->grads));
   DP_TRY(dp_device_alloc(m->dev, bytes, (void **)&m->velocity));
-  m->acts = calloc((size_t)m->nlayers, sizeof *m->acts);
-  m->argmax = calloc((size_t)m->nlayers, sizeof *m->argmax);
-  if (!m->acts || !m->argmax) return DP_FAIL(DP_ERR_MEMORY, "cannot allocate the activation table");
+  DP_TRY(dp_device_alloc(m->dev, sizeof(float) * (size_t)(state ? state : 1), (void **)&m->state));
+  DP_TRY(dp_device_alloc(m->dev, sizeof(float) * (size_t)(saved ? saved : 1), (void **)&m->bn_saved));
+  DP_TRY(dp_device_alloc(m->dev, sizeof(float) * (size_t)(2 * max_c + 1), (void **)&m->bn_tmp));
+  /* running variance starts at 1, running mean at 0 (PyTorch) */
+  for (int i = 0; i < m->nlayers; ++i) {
+    const dp_layer *l = &m->layers[i];
+    if (l->kind == DP_LAYER_BATCHNORM) DP_TRY(m->dev->backend->fill(m->dev, m->state + l->state_off + l->in_c, l->in_c, 1.0f));
+  }
   m->finalized = 1;
   return DP_OK;
 }
@@ -204,23 +287,28 @@ static dp_status require_finalized(const dp_model *m) {
 /* Make room for batches of n samples (activations grow, never shrink). */
 static dp_status ensure_batch(dp_model *m, int64_t n) {
   if (n <= m->act_batch) return DP_OK;
-  int64_t cap = n;
+  const int64_t cap = n;
   free_activations(m);
-  m->acts = calloc((size_t)m->nlayers, sizeof *m->acts);
-  m->argmax = calloc((size_t)m->nlayers, sizeof *m->argmax);
-  if (!m->acts || !m->argmax) return DP_FAIL(DP_ERR_MEMORY, "cannot allocate the activation table");
+  const size_t L = (size_t)m->nlayers;
+  m->acts = calloc(L, sizeof *m->acts);
+  m->dacts = calloc(L, sizeof *m->dacts);
+  m->argmax = calloc(L, sizeof *m->argmax);
+  m->dready = calloc(L, 1);
+  if (!m->acts || !m->dacts || !m->argmax || !m->dready)
+    return DP_FAIL(DP_ERR_MEMORY, "cannot allocate the activation table");
   int64_t largest = layer_in_size(&m->layers[0]);
   for (int i = 0; i < m->nlayers; ++i) {
     const dp_layer *l = &m->layers[i];
-    int64_t sz = layer_out_size(l);
+    const int64_t sz = layer_out_size(l);
     if (sz > largest) largest = sz;
-    if (l->kind == DP_LAYER_FLATTEN) continue; /* a view of its input */
-    DP_TRY(dp_device_alloc(m->dev, sizeof(float) * (size_t)(cap * sz), (void **)&m->acts[i]));
+    const size_t bytes = sizeof(float) * (size_t)(cap * sz);
+    DP_TRY(dp_device_alloc(m->dev, bytes, (void **)&m->dacts[i]));
+    if (l->kind == DP_LAYER_FLATTEN) continue; /* its output is a view of its source's, set in forward */
+    DP_TRY(dp_device_alloc(m->dev, bytes, (void **)&m->acts[i]));
     if (l->kind == DP_LAYER_MAXPOOL)
       DP_TRY(dp_device_alloc(m->dev, sizeof(int32_t) * (size_t)(cap * sz), (void **)&m->argmax[i]));
   }
-  DP_TRY(dp_device_alloc(m->dev, sizeof(float) * (size_t)(cap * largest), (void **)&m->grad_a));
-  DP_TRY(dp_device_alloc(m->dev, sizeof(float) * (size_t)(cap * largest), (void **)&m->grad_b));
+  DP_TRY(dp_device_alloc(m->dev, sizeof(float) * (size_t)(cap * largest), (void **)&m->dscratch));
   DP_TRY(dp_device_alloc(m->dev, sizeof(float) * (size_t)(cap * layer_in_size(&m->layers[0])), (void **)&m->input));
   DP_TRY(dp_device_alloc(m->dev, sizeof(int32_t) * (size_t)cap, (void **)&m->labels));
   m->act_batch = cap;
@@ -232,13 +320,11 @@ static dp_status load_batch(dp_model *m, const dp_batch *b, int need_labels) {
   if (b->n < 0) return DP_FAIL(DP_ERR_VALUE, "batch size must be >= 0, got %lld", (long long)b->n);
   DP_TRY(ensure_batch(m, b->n > 0 ? b->n : 1));
   const dp_backend *be = m->dev->backend;
-  const int64_t nx = b->n * layer_in_size(&m->layers[0]);
+  const int64_t nx = b->n * (int64_t)m->in_c * m->in_h * m->in_w;
   if (b->x_is_u8) {
-    if (m->dev->kind == DP_DEVICE_CPU) {
-      DP_TRY(be->u8_to_unit(m->dev, m->input, b->x, nx));
-    } else {
+    if (m->dev->kind != DP_DEVICE_CPU)
       return DP_FAIL(DP_ERR_UNSUPPORTED, "uint8 staging is not implemented for %s", m->dev->name);
-    }
+    DP_TRY(be->u8_to_unit(m->dev, m->input, b->x, nx));
   } else {
     DP_TRY(be->copy_to_device(m->dev, m->input, b->x, sizeof(float) * (size_t)nx));
   }
@@ -262,16 +348,68 @@ static dp_status load_batch(dp_model *m, const dp_batch *b, int need_labels) {
   return DP_OK;
 }
 
+static const float *output_of(const dp_model *m, int src) { return src < 0 ? m->input : m->acts[src]; }
+
+static dp_conv_geom conv_geom(const dp_layer *l) {
+  dp_conv_geom g = {l->in_c, l->in_h, l->in_w, l->out_c, l->k, l->k, l->stride, l->pad, l->out_h, l->out_w};
+  return g;
+}
+
+static dp_pool_geom pool_geom(const dp_layer *l) {
+  dp_pool_geom g = {l->in_c, l->in_h, l->in_w, l->out_h, l->out_w, l->k, l->stride, l->pad};
+  return g;
+}
+
+static void sync_sum(dp_model *m, float *buf, int64_t n) {
+  if (m->sync) m->sync(m->sync_ctx, buf, n);
+}
+
+/* BatchNorm forward. Training: batch statistics, two passes (mean, then
+ * squared deviations) for accuracy; with a sync hook each pass's channel sums
+ * and the sample count are all-reduced, so k replicas normalise exactly as one
+ * replica would over the whole batch. Evaluation: running statistics. */
+static dp_status batchnorm_forward(dp_model *m, const dp_layer *l, int64_t N, const float *x, float *y) {
+  const dp_backend *be = m->dev->backend;
+  dp_device *dev = m->dev;
+  const int C = l->in_c, HW = l->in_h * l->in_w;
+  float *mean = m->bn_saved + l->state_off, *invstd = mean + C;
+  float *running_mean = m->state + l->state_off, *running_var = running_mean + C;
+  float *tmp = m->bn_tmp;
+  const float *gamma = m->params + l->w_off, *beta = m->params + l->b_off;
+  if (!m->training) {
+    /* invstd from the running variance: finalize with count 1 on a copy */
+    DP_TRY(be->copy_to_device(dev, mean, running_mean, sizeof(float) * (size_t)C));
+    DP_TRY(be->bn_finalize(dev, C, running_var, 1.0f, mean, l->eps, 0.0f, 0, invstd, NULL, NULL));
+    return be->bn_apply(dev, N, C, HW, x, mean, invstd, gamma, beta, y);
+  }
+  if (N == 0 && !m->sync) return DP_OK; /* an empty shard has no statistics of its own */
+  DP_TRY(be->bn_sums(dev, N, C, HW, x, NULL, tmp));
+  float count = (float)(N * HW);
+  DP_TRY(be->copy_to_device(dev, tmp + C, &count, sizeof(float)));
+  sync_sum(m, tmp, C + 1);
+  DP_TRY(be->copy_to_host(dev, &count, tmp + C, sizeof(float)));
+  if (count <= 1.0f)
+    return DP_FAIL(DP_ERR_VALUE, "batchnorm: training needs more than one value per channel, got %g", (double)count);
+  DP_TRY(be->scale(dev, C, tmp, 1.0f / count));
+  DP_TRY(be->copy_to_device(dev, mean, tmp, sizeof(float) * (size_t)C));
+  DP_TRY(be->bn_sums(dev, N, C, HW, x, mean, tmp));
+  sync_sum(m, tmp, C);
+  DP_TRY(be->bn_finalize(dev, C, tmp, count, mean, l->eps, l->momentum, 1, invstd, running_mean, running_var));
+  /* the count survives in bn_tmp for the backward pass */
+  DP_TRY(be->copy_to_device(dev, tmp + 2 * C, &count, sizeof(float)));
+  return be->bn_apply(dev, N, C, HW, x, mean, invstd, gamma, beta, y);
+}
+
 static dp_status forward(dp_model *m, int64_t N) {
   const dp_backend *be = m->dev->backend;
   dp_device *dev = m->dev;
-  const float *x = m->input;
   for (int i = 0; i < m->nlayers; ++i) {
     dp_layer *l = &m->layers[i];
+    const float *x = output_of(m, l->src);
     float *y = m->acts[i];
     switch (l->kind) {
       case DP_LAYER_CONV2D: {
-        dp_conv_geom g = {l->in_c, l->in_h, l->in_w, l->out_c, l->k, l->k, l->stride, l->pad, l->out_h, l->out_w};
+        dp_conv_geom g = conv_geom(l);
         DP_TRY(be->conv2d_forward(dev, &g, N, x, m->params + l->w_off, m->params + l->b_off, y));
         break;
       }
@@ -283,7 +421,7 @@ static dp_status forward(dp_model *m, int64_t N) {
         break;
       case DP_LAYER_AVGPOOL:
       case DP_LAYER_MAXPOOL: {
-        dp_pool_geom g = {l->in_c, l->in_h, l->in_w, l->out_h, l->out_w, l->k, l->stride, l->pad};
+        dp_pool_geom g = pool_geom(l);
         if (l->kind == DP_LAYER_AVGPOOL)
           DP_TRY(be->avgpool_forward(dev, &g, N, x, y));
         else
@@ -291,28 +429,83 @@ static dp_status forward(dp_model *m, int64_t N) {
         break;
       }
       case DP_LAYER_FLATTEN:
-        m->acts[i] = (float *)x; /* same memory, (N, C*H*W) */
-        y = m->acts[i];
+        m->acts[i] = (float *)x; /* the same memory, seen as (N, C*H*W) */
+        break;
+      case DP_LAYER_BATCHNORM:
+        DP_TRY(batchnorm_forward(m, l, N, x, y));
+        break;
+      case DP_LAYER_ADD:
+        DP_TRY(be->add(dev, N * layer_out_size(l), x, output_of(m, l->src2), y));
+        break;
+      case DP_LAYER_GLOBAL_AVGPOOL:
+        DP_TRY(be->global_avgpool_forward(dev, N, l->in_c, l->in_h * l->in_w, x, y));
         break;
     }
-    x = y;
   }
   return DP_OK;
 }
 
-/* Backward from dlogits in grad_a; writes m->grads. */
+/* Where the gradient for layer src's output goes: straight into dacts[src]
+ * the first time, into the scratch (to be added) when another consumer has
+ * written it already. NULL for the model input (never needed). */
+static float *gradient_target(dp_model *m, int src) {
+  if (src < 0) return NULL;
+  return m->dready[src] ? m->dscratch : m->dacts[src];
+}
+
+static dp_status gradient_delivered(dp_model *m, int src, int64_t N) {
+  if (src < 0) return DP_OK;
+  if (m->dready[src]) {
+    const int64_t n = N * layer_out_size(&m->layers[src]);
+    DP_TRY(m->dev->backend->add(m->dev, n, m->dacts[src], m->dscratch, m->dacts[src]));
+  }
+  m->dready[src] = 1;
+  return DP_OK;
+}
+
+static dp_status batchnorm_backward(dp_model *m, const dp_layer *l, int64_t N, const float *x, const float *dy,
+                                    float *dx) {
+  const dp_backend *be = m->dev->backend;
+  dp_device *dev = m->dev;
+  const int C = l->in_c, HW = l->in_h * l->in_w;
+  const float *mean = m->bn_saved + l->state_off, *invstd = mean + C;
+  float *dgamma = m->grads + l->w_off, *dbeta = m->grads + l->b_off;
+  float *tmp = m->bn_tmp;
+  if (N == 0 && !m->sync) {
+    DP_TRY(be->fill(dev, dgamma, C, 0.0f));
+    return be->fill(dev, dbeta, C, 0.0f);
+  }
+  /* this replica's sums are its parameter gradients (the gradient all-reduce
+   * adds the replicas'); dx needs the sums over everything normalised together */
+  DP_TRY(be->bn_backward_sums(dev, N, C, HW, x, dy, mean, invstd, dbeta, dgamma));
+  float count;
+  DP_TRY(be->copy_to_host(dev, &count, tmp + 2 * C, sizeof(float)));
+  if (!dx) return DP_OK;
+  DP_TRY(be->copy_to_device(dev, tmp, dbeta, sizeof(float) * (size_t)C));
+  DP_TRY(be->copy_to_device(dev, tmp + C, dgamma, sizeof(float) * (size_t)C));
+  sync_sum(m, tmp, 2 * (int64_t)C);
+  DP_TRY(be->bn_backward_dx(dev, N, C, HW, x, dy, mean, invstd, m->params + l->w_off, tmp, tmp + C, 1.0f / count,
+                            dx));
+  return DP_OK;
+}
+
+/* Backward from dlogits in dacts[last]; writes m->grads. Layers are visited in
+ * reverse order, which is reverse topological: every consumer of a layer's
+ * output comes after it, so its gradient is complete when it is reached. */
 static dp_status backward(dp_model *m, int64_t N) {
   const dp_backend *be = m->dev->backend;
   dp_device *dev = m->dev;
-  float *dy = m->grad_a, *spare = m->grad_b;
+  memset(m->dready, 0, (size_t)m->nlayers);
+  m->dready[m->nlayers - 1] = 1;
   for (int i = m->nlayers - 1; i >= 0; --i) {
     dp_layer *l = &m->layers[i];
-    const float *x = i > 0 ? m->acts[i - 1] : m->input;
-    /* The first layer's input gradient is never needed. */
-    float *dx = i > 0 ? spare : NULL;
+    const float *x = output_of(m, l->src);
+    const float *dy = m->dacts[i];
+    if (!m->dready[i]) continue; /* nothing downstream needs this layer */
+    float *dx = gradient_target(m, l->src);
     switch (l->kind) {
       case DP_LAYER_CONV2D: {
-        dp_conv_geom g = {l->in_c, l->in_h, l->in_w, l->out_c, l->k, l->k, l->stride, l->pad, l->out_h, l->out_w};
+        dp_conv_geom g = conv_geom(l);
         DP_TRY(be->conv2d_backward(dev, &g, N, x, m->params + l->w_off, dy, dx, m->grads + l->w_off,
                                    m->grads + l->b_off));
         break;
@@ -326,7 +519,7 @@ static dp_status backward(dp_model *m, int64_t N) {
         break;
       case DP_LAYER_AVGPOOL:
       case DP_LAYER_MAXPOOL: {
-        dp_pool_geom g = {l->in_c, l->in_h, l->in_w, l->out_h, l->out_w, l->k, l->stride, l->pad};
+        dp_pool_geom g = pool_geom(l);
         if (!dx) break;
         if (l->kind == DP_LAYER_AVGPOOL)
           DP_TRY(be->avgpool_backward(dev, &g, N, dy, dx));
@@ -335,11 +528,23 @@ static dp_status backward(dp_model *m, int64_t N) {
         break;
       }
       case DP_LAYER_FLATTEN:
-        continue; /* the gradient passes through unchanged */
+        if (dx) DP_TRY(be->copy_to_device(dev, dx, dy, sizeof(float) * (size_t)(N * layer_out_size(l))));
+        break;
+      case DP_LAYER_BATCHNORM:
+        DP_TRY(batchnorm_backward(m, l, N, x, dy, dx));
+        break;
+      case DP_LAYER_ADD:
+        if (dx) DP_TRY(be->copy_to_device(dev, dx, dy, sizeof(float) * (size_t)(N * layer_out_size(l))));
+        DP_TRY(gradient_delivered(m, l->src, N));
+        dx = gradient_target(m, l->src2);
+        if (dx) DP_TRY(be->copy_to_device(dev, dx, dy, sizeof(float) * (size_t)(N * layer_out_size(l))));
+        DP_TRY(gradient_delivered(m, l->src2, N));
+        continue;
+      case DP_LAYER_GLOBAL_AVGPOOL:
+        if (dx) DP_TRY(be->global_avgpool_backward(dev, N, l->in_c, l->in_h * l->in_w, dy, dx));
+        break;
     }
-    if (!dx) break;
-    spare = dy;
-    dy = dx;
+    DP_TRY(gradient_delivered(m, l->src, N));
   }
   return DP_OK;
 }
@@ -350,10 +555,11 @@ dp_status dp_model_forward_backward(dp_model *m, const dp_batch *b, float grad_s
                                     int64_t *correct) {
   DP_TRY(require_finalized(m));
   DP_TRY(load_batch(m, b, 1));
+  m->training = 1;
   DP_TRY(forward(m, b->n));
   const int K = dp_model_num_classes(m);
-  DP_TRY(m->dev->backend->softmax_xent(m->dev, b->n, K, logits_of(m), m->labels, grad_scale, m->grad_a, loss_sum,
-                                       correct));
+  DP_TRY(m->dev->backend->softmax_xent(m->dev, b->n, K, logits_of(m), m->labels, grad_scale,
+                                       m->dacts[m->nlayers - 1], loss_sum, correct));
   return backward(m, b->n);
 }
 
@@ -368,6 +574,7 @@ dp_status dp_model_sgd_step(dp_model *m, float lr, float momentum, float weight_
 dp_status dp_model_evaluate(dp_model *m, const dp_batch *b, double *loss_sum, int64_t *correct) {
   DP_TRY(require_finalized(m));
   DP_TRY(load_batch(m, b, 1));
+  m->training = 0;
   DP_TRY(forward(m, b->n));
   return m->dev->backend->softmax_xent(m->dev, b->n, dp_model_num_classes(m), logits_of(m), m->labels, 0.0f, NULL,
                                        loss_sum, correct);
@@ -376,6 +583,7 @@ dp_status dp_model_evaluate(dp_model *m, const dp_batch *b, double *loss_sum, in
 dp_status dp_model_predict(dp_model *m, const dp_batch *b, float *logits_host) {
   DP_TRY(require_finalized(m));
   DP_TRY(load_batch(m, b, 0));
+  m->training = 0;
   DP_TRY(forward(m, b->n));
   size_t bytes = sizeof(float) * (size_t)(b->n * dp_model_num_classes(m));
   return m->dev->backend->copy_to_host(m->dev, logits_host, logits_of(m), bytes);
@@ -399,4 +607,14 @@ dp_status dp_model_get_grads(dp_model *m, float *host) {
 dp_status dp_model_reset_velocity(dp_model *m) {
   DP_TRY(require_finalized(m));
   return m->dev->backend->fill(m->dev, m->velocity, m->nparams, 0.0f);
+}
+
+dp_status dp_model_get_state(dp_model *m, float *host) {
+  DP_TRY(require_finalized(m));
+  return m->dev->backend->copy_to_host(m->dev, host, m->state, sizeof(float) * (size_t)m->nstate);
+}
+
+dp_status dp_model_set_state(dp_model *m, const float *host) {
+  DP_TRY(require_finalized(m));
+  return m->dev->backend->copy_to_device(m->dev, m->state, host, sizeof(float) * (size_t)m->nstate);
 }

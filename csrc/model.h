@@ -1,10 +1,13 @@
-/* model.h — a sequential network whose parameters live in one flat buffer.
+/* model.h — a feed-forward network whose parameters live in one flat buffer.
  *
  * Build: dp_model_create, then dp_model_add_* per layer, then
  * dp_model_finalize, which lays every weight and bias out in one flat
  * parameter buffer (and the same layout in the gradient and momentum
  * buffers): replication is one copy, the gradient all-reduce one collective,
- * the SGD step one fused kernel.
+ * the SGD step one fused kernel. Layers read the previous layer's output
+ * unless dp_model_set_source names another (residual blocks: a layer's output
+ * may feed several layers; an add layer reads two). BatchNorm's running
+ * statistics live in a second flat buffer, the model's state.
  */
 #ifndef DP_MODEL_H
 #define DP_MODEL_H
@@ -19,31 +22,54 @@ typedef enum dp_layer_kind {
   DP_LAYER_RELU,
   DP_LAYER_AVGPOOL,
   DP_LAYER_MAXPOOL,
-  DP_LAYER_FLATTEN
+  DP_LAYER_FLATTEN,
+  DP_LAYER_BATCHNORM,
+  DP_LAYER_ADD,            /* output = source + source2 */
+  DP_LAYER_GLOBAL_AVGPOOL  /* (C, H, W) -> (C, 1, 1) */
 } dp_layer_kind;
 
 typedef struct dp_layer {
   dp_layer_kind kind;
+  int src, src2;            /* producing layers (-1: the model input); src2 for add only */
   int in_c, in_h, in_w;     /* per-sample input shape (dense: in_c features, h = w = 1) */
   int out_c, out_h, out_w;  /* per-sample output shape */
   int k, stride, pad;       /* conv (square kernel) and pooling */
   int64_t w_off, w_len;     /* into the flat buffers; w_len == 0: no parameters */
-  int64_t b_off, b_len;
+  int64_t b_off, b_len;     /* batchnorm: w = gamma, b = beta */
+  int64_t state_off;        /* batchnorm: running mean (C) then running var (C) in m->state */
+  float eps, momentum;      /* batchnorm */
 } dp_layer;
+
+/* All-reduce (sum) of n floats across the replicas of a mirrored model; set
+ * by the mirrored runner for synchronized BatchNorm, NULL otherwise. Every
+ * replica calls it the same number of times in the same order. */
+typedef void (*dp_sync_fn)(void *ctx, float *buf, int64_t n);
+
+#define DP_SRC_PREVIOUS (-2)
 
 typedef struct dp_model {
   dp_device *dev;           /* borrowed; outlives the model */
   int nlayers, cap;
   dp_layer *layers;
   int in_c, in_h, in_w;
+  int next_src;             /* source of the next layer added; DP_SRC_PREVIOUS by default */
   int finalized;
   int64_t nparams;
   float *params, *grads, *velocity;  /* flat, (nparams), device memory */
+  int64_t nstate;
+  float *state;             /* BatchNorm running statistics, (nstate) */
+  int training;             /* set by forward: batch statistics (1) or running ones (0) */
   /* activations for up to act_batch samples; acts[i] is layer i's output */
   int64_t act_batch;
   float **acts;
   int32_t **argmax;         /* max-pool winners, per layer (NULL otherwise) */
-  float *grad_a, *grad_b;   /* backward ping-pong, the largest activation */
+  float **dacts;            /* gradient of each layer's output */
+  float *dscratch;          /* the largest activation: a second gradient to add in */
+  unsigned char *dready;    /* per layer: dacts[i] holds a gradient already */
+  float *bn_saved;          /* per BatchNorm layer: batch mean (C), invstd (C) */
+  float *bn_tmp;            /* (2 * max C + 1): channel sums being reduced */
+  dp_sync_fn sync;
+  void *sync_ctx;
   float *input;             /* the batch on the device, (act_batch, in_c, in_h, in_w) */
   int32_t *labels;          /* (act_batch) */
 } dp_model;
@@ -65,6 +91,12 @@ dp_status dp_model_add_relu(dp_model *m);
 dp_status dp_model_add_avgpool(dp_model *m, int k, int stride, int pad);
 dp_status dp_model_add_maxpool(dp_model *m, int k, int stride, int pad);
 dp_status dp_model_add_flatten(dp_model *m);
+dp_status dp_model_add_batchnorm(dp_model *m, float eps, float momentum);
+/* out = output(a) + output(b) (same shapes) */
+dp_status dp_model_add_add(dp_model *m, int a, int b);
+dp_status dp_model_add_global_avgpool(dp_model *m);
+/* The next layer added reads layer src's output (-1: the model input). */
+dp_status dp_model_set_source(dp_model *m, int src);
 dp_status dp_model_finalize(dp_model *m);
 int dp_model_num_classes(const dp_model *m);
 
@@ -73,6 +105,8 @@ dp_status dp_model_set_params(dp_model *m, const float *host);
 dp_status dp_model_get_params(dp_model *m, float *host);
 dp_status dp_model_get_grads(dp_model *m, float *host);
 dp_status dp_model_reset_velocity(dp_model *m);
+dp_status dp_model_get_state(dp_model *m, float *host);
+dp_status dp_model_set_state(dp_model *m, const float *host);
 
 /* Forward and backward on one batch. The gradient written to m->grads is
  * grad_scale * (sum over the batch's samples of d loss_i / d params): pass

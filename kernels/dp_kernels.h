@@ -215,4 +215,40 @@ static inline DP_HD float dp_row_sum(const float *x, int64_t n) {
   return s;
 }
 
+/* ---- BatchNorm (per channel c of x (N, C, HW)) ------------------------------ */
+
+/* y = gamma * (x - mean) * invstd + beta */
+static inline DP_HD float dp_bn_apply_elem(float x, float mean, float invstd, float gamma, float beta) {
+  return gamma * ((x - mean) * invstd) + beta;
+}
+
+/* After the (possibly all-reduced) sum of squared deviations of a channel
+ * over count values: invstd for the normalisation and, in training, the
+ * running statistics as PyTorch updates them (momentum m; the running
+ * variance takes the unbiased batch variance). */
+static inline DP_HD void dp_bn_finalize_channel(float sqdev_sum, float count, float mean, float eps, float momentum,
+                                                int update_running, float *invstd, float *running_mean,
+                                                float *running_var) {
+  const float var = sqdev_sum / count;
+  *invstd = 1.0f / sqrtf(var + eps);
+  if (update_running) {
+    const float unbiased = count > 1.0f ? sqdev_sum / (count - 1.0f) : var;
+    *running_mean = (1.0f - momentum) * *running_mean + momentum * mean;
+    *running_var = (1.0f - momentum) * *running_var + momentum * unbiased;
+  }
+}
+
+/* dx of BatchNorm in training mode, from the channel sums over all count
+ * values (all replicas' with synchronized BN):
+ * dx = gamma * invstd * (dy - sum_dy / count - xhat * sum_dy_xhat / count) */
+static inline DP_HD float dp_bn_backward_elem(float x, float dy, float mean, float invstd, float gamma, float sum_dy,
+                                              float sum_dy_xhat, float inv_count) {
+  const float xhat = (x - mean) * invstd;
+  return gamma * invstd * (dy - inv_count * sum_dy - xhat * (inv_count * sum_dy_xhat));
+}
+
+/* ---- residual add ---------------------------------------------------------- */
+
+static inline DP_HD float dp_add_elem(float a, float b) { return a + b; }
+
 #endif /* DP_KERNELS_H */
