@@ -10,9 +10,9 @@ void dp_shard_range(int64_t n, int k, int r, int64_t *begin, int64_t *end) {
   *end = *begin + base + (r < extra ? 1 : 0);
 }
 
-dp_status dp_mirrored_create(dp_model **models, int k, dp_mirrored **out) {
+dp_status dp_mirrored_create(dp_model **models, int k, int sync_batchnorm, dp_mirrored **out) {
   *out = NULL;
-  if (k < 1) return DP_FAIL(DP_ERR_VALUE, "mirrored: need at least one replica");
+  if (k < 1 || k > 64) return DP_FAIL(DP_ERR_VALUE, "mirrored: need 1 to 64 replicas, got %d", k);
   for (int r = 0; r < k; ++r) {
     const dp_model *a = models[0], *b = models[r];
     if (!b->finalized) return DP_FAIL(DP_ERR_VALUE, "mirrored: replica %d is not finalized", r);
@@ -32,9 +32,12 @@ dp_status dp_mirrored_create(dp_model **models, int k, dp_mirrored **out) {
     return DP_FAIL(DP_ERR_MEMORY, "mirrored: cannot allocate %d replicas", k);
   }
   m->k = k;
+  m->sync_batchnorm = sync_batchnorm;
   for (int r = 0; r < k; ++r) {
     m->models[r] = models[r];
     threads[r] = models[r]->dev->nthreads;
+    m->sync_ctx[r].mirrored = m;
+    m->sync_ctx[r].rank = r;
   }
   dp_status st = dp_group_create(k, threads, &m->group);
   free(threads);
@@ -74,10 +77,9 @@ typedef struct step_task {
   const dp_batch *batch;
   size_t sample_bytes;
   float grad_scale, lr, momentum, weight_decay;
-  int evaluate_only;
+  int evaluate_only, step;
   double loss[64];
   int64_t correct[64];
-  float **grads;
 } step_task;
 
 static dp_batch shard_of(const step_task *t, int rank) {
@@ -88,31 +90,72 @@ static dp_batch shard_of(const step_task *t, int rank) {
   return s;
 }
 
-static dp_status run_shard(void *arg, int rank) {
-  step_task *t = arg;
-  dp_batch s = shard_of(t, rank);
-  dp_model *model = t->m->models[rank];
-  if (t->evaluate_only) return dp_model_evaluate(model, &s, &t->loss[rank], &t->correct[rank]);
-  return dp_model_forward_backward(model, &s, t->grad_scale, &t->loss[rank], &t->correct[rank]);
+/* The BatchNorm hook of replica ctx->rank: a sum over the replicas' bn_tmp. */
+static void sync_batchnorm_sums(void *arg, float *buf, int64_t n) {
+  dp_replica_sync *ctx = arg;
+  dp_mirrored *m = ctx->mirrored;
+  float *bufs[64];
+  for (int r = 0; r < m->k; ++r) bufs[r] = m->models[r]->bn_tmp;
+  (void)buf; /* == bufs[ctx->rank] */
+  dp_allreduce(bufs, m->k, ctx->rank, n, DP_REDUCE_SUM, dp_group_barrier(m->group));
 }
 
-static dp_status reduce_and_step(void *arg, int rank) {
+/* Phase 1: stage and check every shard, so that no replica can fail later
+ * while the others wait for it inside a collective. */
+static dp_status load_shard(void *arg, int rank) {
+  step_task *t = arg;
+  dp_batch s = shard_of(t, rank);
+  t->m->shard_n[rank] = s.n;
+  return dp_model_load(t->m->models[rank], &s, 1);
+}
+
+/* Phase 2: forward (and backward) on every shard at once. */
+static dp_status run_shard(void *arg, int rank) {
   step_task *t = arg;
   dp_model *model = t->m->models[rank];
-  dp_allreduce(t->grads, t->m->k, rank, model->nparams, DP_REDUCE_SUM, dp_group_barrier(t->m->group));
-  if (t->lr < 0.0f) return DP_OK; /* forward_backward only */
+  const int64_t n = t->m->shard_n[rank];
+  if (t->evaluate_only) {
+    dp_batch s = shard_of(t, rank);
+    return dp_model_evaluate(model, &s, &t->loss[rank], &t->correct[rank]);
+  }
+  if (t->m->sync_batchnorm) {
+    model->sync = sync_batchnorm_sums;
+    model->sync_ctx = &t->m->sync_ctx[rank];
+  }
+  dp_status st = dp_model_forward_backward_loaded(model, n, t->grad_scale, &t->loss[rank], &t->correct[rank]);
+  model->sync = NULL;
+  model->sync_ctx = NULL;
+  return st;
+}
+
+/* Phase 3: all-reduce the gradients (and the running statistics of per-replica
+ * BatchNorm, averaged over the replicas that had samples), then step. */
+static dp_status reduce_and_step(void *arg, int rank) {
+  step_task *t = arg;
+  dp_mirrored *m = t->m;
+  dp_model *model = m->models[rank];
+  float *bufs[64];
+  for (int r = 0; r < m->k; ++r) bufs[r] = m->models[r]->grads;
+  dp_allreduce(bufs, m->k, rank, model->nparams, DP_REDUCE_SUM, dp_group_barrier(m->group));
+  if (model->nstate > 0 && !m->sync_batchnorm && m->k > 1) {
+    int with_samples = 0;
+    for (int r = 0; r < m->k; ++r) with_samples += m->shard_n[r] > 0;
+    if (m->shard_n[rank] == 0) DP_TRY(model->dev->backend->fill(model->dev, model->state, model->nstate, 0.0f));
+    for (int r = 0; r < m->k; ++r) bufs[r] = m->models[r]->state;
+    dp_allreduce(bufs, m->k, rank, model->nstate, DP_REDUCE_SUM, dp_group_barrier(m->group));
+    DP_TRY(model->dev->backend->scale(model->dev, model->nstate, model->state, 1.0f / (float)with_samples));
+  }
+  if (!t->step) return DP_OK;
   return dp_model_sgd_step(model, t->lr, t->momentum, t->weight_decay);
 }
 
-static dp_status run_step(dp_mirrored *m, const dp_batch *b, int evaluate_only, float lr, float momentum,
+static dp_status run_step(dp_mirrored *m, const dp_batch *b, int evaluate_only, int step, float lr, float momentum,
                           float weight_decay, double *loss_sum, int64_t *correct) {
-  if (m->k > 64) return DP_FAIL(DP_ERR_VALUE, "mirrored: at most 64 replicas, got %d", m->k);
   if (b->n < 0) return DP_FAIL(DP_ERR_VALUE, "batch size must be >= 0");
   const dp_model *m0 = m->models[0];
-  float *grads[64];
   step_task t = {m, b, (size_t)m0->in_c * m0->in_h * m0->in_w * (b->x_is_u8 ? 1 : sizeof(float)),
-                 b->n ? 1.0f / (float)b->n : 0.0f, lr, momentum, weight_decay, evaluate_only, {0}, {0}, grads};
-  for (int r = 0; r < m->k; ++r) grads[r] = m->models[r]->grads;
+                 b->n ? 1.0f / (float)b->n : 0.0f, lr, momentum, weight_decay, evaluate_only, step, {0}, {0}};
+  if (!evaluate_only) DP_TRY(dp_group_run(m->group, load_shard, &t));
   DP_TRY(dp_group_run(m->group, run_shard, &t));
   if (!evaluate_only && b->n > 0) DP_TRY(dp_group_run(m->group, reduce_and_step, &t));
   double loss = 0.0;
@@ -129,15 +172,15 @@ static dp_status run_step(dp_mirrored *m, const dp_batch *b, int evaluate_only, 
 dp_status dp_mirrored_train_step(dp_mirrored *m, const dp_batch *b, float lr, float momentum, float weight_decay,
                                  double *loss_sum, int64_t *correct) {
   if (!(lr >= 0.0f)) return DP_FAIL(DP_ERR_VALUE, "learning rate must be >= 0, got %g", (double)lr);
-  return run_step(m, b, 0, lr, momentum, weight_decay, loss_sum, correct);
+  return run_step(m, b, 0, 1, lr, momentum, weight_decay, loss_sum, correct);
 }
 
 dp_status dp_mirrored_forward_backward(dp_mirrored *m, const dp_batch *b, double *loss_sum, int64_t *correct) {
-  return run_step(m, b, 0, -1.0f, 0.0f, 0.0f, loss_sum, correct);
+  return run_step(m, b, 0, 0, 0.0f, 0.0f, 0.0f, loss_sum, correct);
 }
 
 dp_status dp_mirrored_evaluate(dp_mirrored *m, const dp_batch *b, double *loss_sum, int64_t *correct) {
-  return run_step(m, b, 1, 0.0f, 0.0f, 0.0f, loss_sum, correct);
+  return run_step(m, b, 1, 0, 0.0f, 0.0f, 0.0f, loss_sum, correct);
 }
 
 typedef struct reduce_task {

@@ -14,16 +14,33 @@
 #include "model.h"
 #include "replica.h"
 
-typedef struct dp_mirrored {
+typedef struct dp_mirrored dp_mirrored;
+
+/* The context a replica's BatchNorm sync hook receives. */
+typedef struct dp_replica_sync {
+  dp_mirrored *mirrored;
+  int rank;
+} dp_replica_sync;
+
+struct dp_mirrored {
   int k;
   dp_model **models; /* borrowed: the caller keeps them alive */
   dp_group *group;
-} dp_mirrored;
+  int sync_batchnorm;          /* all-reduce BatchNorm statistics (SyncBatchNorm) */
+  dp_replica_sync sync_ctx[64];
+  int64_t shard_n[64];         /* samples of each replica in the current step */
+};
 
 /* Shard r of n samples over k replicas: [begin, end). */
 void dp_shard_range(int64_t n, int k, int r, int64_t *begin, int64_t *end);
 
-dp_status dp_mirrored_create(dp_model **models, int k, dp_mirrored **out);
+/* BatchNorm across replicas: by default each replica normalises with its own
+ * shard's statistics (MirroredStrategy's and the book's behaviour); with
+ * sync_batchnorm the statistics are all-reduced so k replicas compute what one
+ * replica computes on the whole batch. Either way the running statistics stay
+ * identical on every replica: after each step they are averaged over the
+ * replicas that had samples. */
+dp_status dp_mirrored_create(dp_model **models, int k, int sync_batchnorm, dp_mirrored **out);
 void dp_mirrored_destroy(dp_mirrored *m);
 /* Copy replica root's parameters to every replica and zero every momentum buffer. */
 dp_status dp_mirrored_broadcast(dp_mirrored *m, int root);

@@ -316,7 +316,8 @@ static dp_status ensure_batch(dp_model *m, int64_t n) {
 }
 
 /* Stage the batch on the device; labels are checked against the class count. */
-static dp_status load_batch(dp_model *m, const dp_batch *b, int need_labels) {
+dp_status dp_model_load(dp_model *m, const dp_batch *b, int need_labels) {
+  DP_TRY(require_finalized(m));
   if (b->n < 0) return DP_FAIL(DP_ERR_VALUE, "batch size must be >= 0, got %lld", (long long)b->n);
   DP_TRY(ensure_batch(m, b->n > 0 ? b->n : 1));
   const dp_backend *be = m->dev->backend;
@@ -551,16 +552,23 @@ static dp_status backward(dp_model *m, int64_t N) {
 
 static const float *logits_of(const dp_model *m) { return m->acts[m->nlayers - 1]; }
 
+dp_status dp_model_forward_backward_loaded(dp_model *m, int64_t n, float grad_scale, double *loss_sum,
+                                           int64_t *correct) {
+  DP_TRY(require_finalized(m));
+  if (n > m->act_batch) return DP_FAIL(DP_ERR_VALUE, "forward_backward: %lld samples were not loaded", (long long)n);
+  m->training = 1;
+  DP_TRY(forward(m, n));
+  const int K = dp_model_num_classes(m);
+  DP_TRY(m->dev->backend->softmax_xent(m->dev, n, K, logits_of(m), m->labels, grad_scale, m->dacts[m->nlayers - 1],
+                                       loss_sum, correct));
+  return backward(m, n);
+}
+
 dp_status dp_model_forward_backward(dp_model *m, const dp_batch *b, float grad_scale, double *loss_sum,
                                     int64_t *correct) {
   DP_TRY(require_finalized(m));
-  DP_TRY(load_batch(m, b, 1));
-  m->training = 1;
-  DP_TRY(forward(m, b->n));
-  const int K = dp_model_num_classes(m);
-  DP_TRY(m->dev->backend->softmax_xent(m->dev, b->n, K, logits_of(m), m->labels, grad_scale,
-                                       m->dacts[m->nlayers - 1], loss_sum, correct));
-  return backward(m, b->n);
+  DP_TRY(dp_model_load(m, b, 1));
+  return dp_model_forward_backward_loaded(m, b->n, grad_scale, loss_sum, correct);
 }
 
 dp_status dp_model_sgd_step(dp_model *m, float lr, float momentum, float weight_decay) {
@@ -573,7 +581,7 @@ dp_status dp_model_sgd_step(dp_model *m, float lr, float momentum, float weight_
 
 dp_status dp_model_evaluate(dp_model *m, const dp_batch *b, double *loss_sum, int64_t *correct) {
   DP_TRY(require_finalized(m));
-  DP_TRY(load_batch(m, b, 1));
+  DP_TRY(dp_model_load(m, b, 1));
   m->training = 0;
   DP_TRY(forward(m, b->n));
   return m->dev->backend->softmax_xent(m->dev, b->n, dp_model_num_classes(m), logits_of(m), m->labels, 0.0f, NULL,
@@ -582,7 +590,7 @@ dp_status dp_model_evaluate(dp_model *m, const dp_batch *b, double *loss_sum, in
 
 dp_status dp_model_predict(dp_model *m, const dp_batch *b, float *logits_host) {
   DP_TRY(require_finalized(m));
-  DP_TRY(load_batch(m, b, 0));
+  DP_TRY(dp_model_load(m, b, 0));
   m->training = 0;
   DP_TRY(forward(m, b->n));
   size_t bytes = sizeof(float) * (size_t)(b->n * dp_model_num_classes(m));

@@ -108,6 +108,11 @@ dp_status dp_model_reset_velocity(dp_model *m);
 dp_status dp_model_get_state(dp_model *m, float *host);
 dp_status dp_model_set_state(dp_model *m, const float *host);
 
+/* Stage a batch on the model's device (labels checked when need_labels). */
+dp_status dp_model_load(dp_model *m, const dp_batch *b, int need_labels);
+/* dp_model_forward_backward on the batch staged last by dp_model_load. */
+dp_status dp_model_forward_backward_loaded(dp_model *m, int64_t n, float grad_scale, double *loss_sum,
+                                           int64_t *correct);
 /* Forward and backward on one batch. The gradient written to m->grads is
  * grad_scale * (sum over the batch's samples of d loss_i / d params): pass
  * 1/n for the mean, 1/global_n for a shard of a larger batch.

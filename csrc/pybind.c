@@ -378,15 +378,28 @@ static void Model_dealloc(ModelObject *self) {
   Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
+/* One layer spec: (kind, *args). Integers for every kind but batchnorm,
+ * whose optional arguments are (eps, momentum) as floats. */
 static int layer_from_tuple(dp_model *m, PyObject *spec, dp_status *st) {
   if (!PyTuple_Check(spec) || PyTuple_GET_SIZE(spec) < 1 || !PyUnicode_Check(PyTuple_GET_ITEM(spec, 0))) {
-    PyErr_SetString(PyExc_TypeError, "each layer must be a tuple (name, *ints)");
+    PyErr_SetString(PyExc_TypeError, "each layer must be a tuple (name, *args)");
     return -1;
   }
   const char *name = PyUnicode_AsUTF8(PyTuple_GET_ITEM(spec, 0));
   if (!name) return -1;
-  int v[4] = {0, 0, 0, 0};
   Py_ssize_t n = PyTuple_GET_SIZE(spec) - 1;
+  if (strcmp(name, "batchnorm") == 0) {
+    double eps = 1e-5, momentum = 0.1;
+    if (n > 2) {
+      PyErr_SetString(PyExc_ValueError, "layer batchnorm takes (eps, momentum) at most");
+      return -1;
+    }
+    if (n >= 1 && (eps = PyFloat_AsDouble(PyTuple_GET_ITEM(spec, 1))) == -1.0 && PyErr_Occurred()) return -1;
+    if (n >= 2 && (momentum = PyFloat_AsDouble(PyTuple_GET_ITEM(spec, 2))) == -1.0 && PyErr_Occurred()) return -1;
+    *st = dp_model_add_batchnorm(m, (float)eps, (float)momentum);
+    return 0;
+  }
+  int v[4] = {0, 0, 0, 0};
   if (n > 4) {
     PyErr_Format(PyExc_ValueError, "layer %s: too many arguments", name);
     return -1;
@@ -400,8 +413,9 @@ static int layer_from_tuple(dp_model *m, PyObject *spec, dp_status *st) {
     }
     v[i] = (int)x;
   }
-  struct { const char *name; int nargs; } table[] = {{"conv2d", 4}, {"dense", 1}, {"relu", 0},
-                                                      {"avgpool", 3}, {"maxpool", 3}, {"flatten", 0}};
+  struct { const char *name; int nargs; } table[] = {{"conv2d", 4}, {"dense", 1},   {"relu", 0},
+                                                      {"avgpool", 3}, {"maxpool", 3}, {"flatten", 0},
+                                                      {"add", 2},     {"global_avgpool", 0}};
   for (size_t i = 0; i < sizeof table / sizeof table[0]; ++i) {
     if (strcmp(name, table[i].name) != 0) continue;
     if (n != table[i].nargs) {
@@ -414,7 +428,9 @@ static int layer_from_tuple(dp_model *m, PyObject *spec, dp_status *st) {
       case 2: *st = dp_model_add_relu(m); break;
       case 3: *st = dp_model_add_avgpool(m, v[0], v[1], v[2]); break;
       case 4: *st = dp_model_add_maxpool(m, v[0], v[1], v[2]); break;
-      default: *st = dp_model_add_flatten(m); break;
+      case 5: *st = dp_model_add_flatten(m); break;
+      case 6: *st = dp_model_add_add(m, v[0], v[1]); break;
+      default: *st = dp_model_add_global_avgpool(m); break;
     }
     return 0;
   }
@@ -424,10 +440,11 @@ static int layer_from_tuple(dp_model *m, PyObject *spec, dp_status *st) {
 
 /* Model(input_shape=(C, H, W), layers=[...], threads=0) — threads 0: every core. */
 static int Model_init(ModelObject *self, PyObject *args, PyObject *kwds) {
-  static char *kwlist[] = {"input_shape", "layers", "threads", "device_index", NULL};
+  static char *kwlist[] = {"input_shape", "layers", "threads", "device_index", "sources", NULL};
   int c, h, w, threads = 0, index = 0;
-  PyObject *layers;
-  if (!PyArg_ParseTupleAndKeywords(args, kwds, "(iii)O|ii", kwlist, &c, &h, &w, &layers, &threads, &index))
+  PyObject *layers, *sources = Py_None;
+  if (!PyArg_ParseTupleAndKeywords(args, kwds, "(iii)O|iiO", kwlist, &c, &h, &w, &layers, &threads, &index,
+                                   &sources))
     return -1;
   if (self->model) {
     PyErr_SetString(PyExc_RuntimeError, "Model is already initialized");
@@ -445,18 +462,40 @@ static int Model_init(ModelObject *self, PyObject *args, PyObject *kwds) {
   if (st != DP_OK) return raise_from_status(st), -1;
   PyObject *seq = PySequence_Fast(layers, "layers must be a sequence of tuples");
   if (!seq) return -1;
+  PyObject *srcs = sources == Py_None ? NULL : PySequence_Fast(sources, "sources must be a sequence of ints");
+  if (sources != Py_None && !srcs) {
+    Py_DECREF(seq);
+    return -1;
+  }
+  if (srcs && PySequence_Fast_GET_SIZE(srcs) != PySequence_Fast_GET_SIZE(seq)) {
+    PyErr_SetString(PyExc_ValueError, "sources must have one entry per layer");
+    Py_DECREF(srcs);
+    Py_DECREF(seq);
+    return -1;
+  }
   for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(seq); ++i) {
     st = DP_OK;
+    if (srcs) {
+      /* the layer's input: an earlier layer, -1 for the model input, None for the previous layer */
+      PyObject *src = PySequence_Fast_GET_ITEM(srcs, i);
+      if (src != Py_None) {
+        long v = PyLong_AsLong(src);
+        if (v == -1 && PyErr_Occurred()) break;
+        st = dp_model_set_source(self->model, (int)v);
+        if (st != DP_OK) break;
+      }
+    }
     if (layer_from_tuple(self->model, PySequence_Fast_GET_ITEM(seq, i), &st) < 0) {
+      Py_XDECREF(srcs);
       Py_DECREF(seq);
       return -1;
     }
-    if (st != DP_OK) {
-      Py_DECREF(seq);
-      return raise_from_status(st), -1;
-    }
+    if (st != DP_OK) break;
   }
+  Py_XDECREF(srcs);
   Py_DECREF(seq);
+  if (PyErr_Occurred()) return -1;
+  if (st != DP_OK) return raise_from_status(st), -1;
   st = dp_model_finalize(self->model);
   if (st != DP_OK) return raise_from_status(st), -1;
   return 0;
@@ -482,8 +521,9 @@ static PyObject *Model_param_layout(ModelObject *self, PyObject *unused) {
   for (int i = 0; i < m->nlayers; ++i) {
     const dp_layer *l = &m->layers[i];
     if (!l->w_len) continue;
-    PyObject *wshape = l->kind == DP_LAYER_CONV2D ? Py_BuildValue("(iiii)", l->out_c, l->in_c, l->k, l->k)
-                                                  : Py_BuildValue("(ii)", l->out_c, l->in_c);
+    PyObject *wshape = l->kind == DP_LAYER_CONV2D      ? Py_BuildValue("(iiii)", l->out_c, l->in_c, l->k, l->k)
+                       : l->kind == DP_LAYER_BATCHNORM ? Py_BuildValue("(i)", l->out_c)
+                                                       : Py_BuildValue("(ii)", l->out_c, l->in_c);
     PyObject *w = wshape ? Py_BuildValue("(isLN)", i, "weight", (long long)l->w_off, wshape) : NULL;
     PyObject *b = w ? Py_BuildValue("(isL(i))", i, "bias", (long long)l->b_off, l->out_c) : NULL;
     if (!w || !b || PyList_Append(out, w) < 0 || PyList_Append(out, b) < 0) {
@@ -498,9 +538,61 @@ static PyObject *Model_param_layout(ModelObject *self, PyObject *unused) {
   return out;
 }
 
+static PyObject *Model_state_layout(ModelObject *self, PyObject *unused) {
+  if (!model_ready(self)) return NULL;
+  PyObject *out = PyList_New(0);
+  if (!out) return NULL;
+  const dp_model *m = self->model;
+  for (int i = 0; i < m->nlayers; ++i) {
+    const dp_layer *l = &m->layers[i];
+    if (l->kind != DP_LAYER_BATCHNORM) continue;
+    PyObject *a = Py_BuildValue("(isL(i))", i, "running_mean", (long long)l->state_off, l->in_c);
+    PyObject *b = a ? Py_BuildValue("(isL(i))", i, "running_var", (long long)(l->state_off + l->in_c), l->in_c) : NULL;
+    if (!a || !b || PyList_Append(out, a) < 0 || PyList_Append(out, b) < 0) {
+      Py_XDECREF(a);
+      Py_XDECREF(b);
+      Py_DECREF(out);
+      return NULL;
+    }
+    Py_DECREF(a);
+    Py_DECREF(b);
+  }
+  return out;
+}
+
+static PyObject *Model_get_state(ModelObject *self, PyObject *unused) {
+  if (!model_ready(self)) return NULL;
+  npy_intp n = (npy_intp)self->model->nstate;
+  PyArrayObject *out = new_float32(1, &n);
+  if (!out) return NULL;
+  dp_status st = dp_model_get_state(self->model, (float *)PyArray_DATA(out));
+  if (st != DP_OK) {
+    Py_DECREF(out);
+    return raise_from_status(st);
+  }
+  return (PyObject *)out;
+}
+
+static PyObject *Model_set_state(ModelObject *self, PyObject *arg) {
+  if (!model_ready(self)) return NULL;
+  PyArrayObject *a = as_float32(arg, 1, "state");
+  if (!a) return NULL;
+  PyObject *ret = NULL;
+  if (PyArray_DIM(a, 0) != self->model->nstate) {
+    PyErr_Format(PyExc_ValueError, "state must have %lld elements, got %ld", (long long)self->model->nstate,
+                 (long)PyArray_DIM(a, 0));
+  } else {
+    dp_status st = dp_model_set_state(self->model, (const float *)PyArray_DATA(a));
+    ret = st == DP_OK ? Py_NewRef(Py_None) : raise_from_status(st);
+  }
+  Py_DECREF(a);
+  return ret;
+}
+
 static PyObject *Model_layers(ModelObject *self, PyObject *unused) {
   if (!model_ready(self)) return NULL;
-  static const char *names[] = {"conv2d", "dense", "relu", "avgpool", "maxpool", "flatten"};
+  static const char *names[] = {"conv2d", "dense",     "relu", "avgpool",       "maxpool",
+                                "flatten", "batchnorm", "add",  "global_avgpool"};
   const dp_model *m = self->model;
   PyObject *out = PyList_New(m->nlayers);
   if (!out) return NULL;
@@ -692,6 +784,10 @@ static PyMethodDef Model_methods[] = {
     {"param_layout", (PyCFunction)Model_param_layout, METH_NOARGS,
      "[(layer_index, 'weight'|'bias', offset, shape)] into the flat parameter buffer"},
     {"layers", (PyCFunction)Model_layers, METH_NOARGS, "[(kind, input_shape, output_shape)]"},
+    {"state_layout", (PyCFunction)Model_state_layout, METH_NOARGS,
+     "[(layer_index, 'running_mean'|'running_var', offset, shape)] into the flat state buffer"},
+    {"get_state", (PyCFunction)Model_get_state, METH_NOARGS, "a copy of the BatchNorm running statistics"},
+    {"set_state", (PyCFunction)Model_set_state, METH_O, "replace the BatchNorm running statistics"},
     {"get_params", (PyCFunction)Model_get_params, METH_NOARGS, "a copy of the flat parameter buffer"},
     {"get_grads", (PyCFunction)Model_get_grads, METH_NOARGS, "a copy of the flat gradient buffer"},
     {"set_params", (PyCFunction)Model_set_params, METH_O, "replace the flat parameter buffer"},
@@ -758,9 +854,10 @@ static void Mirrored_dealloc(MirroredObject *self) {
 }
 
 static int Mirrored_init(MirroredObject *self, PyObject *args, PyObject *kwds) {
-  static char *kwlist[] = {"models", NULL};
+  static char *kwlist[] = {"models", "sync_batchnorm", NULL};
   PyObject *seq_obj;
-  if (!PyArg_ParseTupleAndKeywords(args, kwds, "O", kwlist, &seq_obj)) return -1;
+  int sync_batchnorm = 0;
+  if (!PyArg_ParseTupleAndKeywords(args, kwds, "O|p", kwlist, &seq_obj, &sync_batchnorm)) return -1;
   if (self->mirrored) {
     PyErr_SetString(PyExc_RuntimeError, "Mirrored is already initialized");
     return -1;
@@ -783,7 +880,7 @@ static int Mirrored_init(MirroredObject *self, PyObject *args, PyObject *kwds) {
     }
     ptrs[r] = ((ModelObject *)o)->model;
   }
-  dp_status st = dp_mirrored_create(ptrs, (int)k, &self->mirrored);
+  dp_status st = dp_mirrored_create(ptrs, (int)k, sync_batchnorm, &self->mirrored);
   if (st != DP_OK) {
     Py_DECREF(models);
     return raise_from_status(st), -1;
