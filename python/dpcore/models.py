@@ -18,7 +18,7 @@ from .devices import check_device, device_index, device_threads
 from .parallel import Tensor
 from .strategy import get_strategy
 
-__all__ = ["Sequential", "LeNet", "Metrics", "Replica", "load"]
+__all__ = ["Sequential", "LeNet", "ResNet18", "Metrics", "Replica", "load"]
 
 _FORMAT = "dpcore-sequential-1"
 
@@ -31,15 +31,31 @@ class Sequential:
     layers: list of tuples, each one of
         ('conv2d', out_channels, kernel, stride, padding), ('dense', out_features),
         ('relu',), ('avgpool', kernel, stride, padding), ('maxpool', kernel, stride, padding),
-        ('flatten',).
-    Weights are drawn from N(0, init_std) and biases are 0 (the book's init).
+        ('flatten',), ('batchnorm', eps=1e-5, momentum=0.1), ('add', layer_a, layer_b),
+        ('global_avgpool',).
+    sources: optional, per layer: the index of the layer whose output it reads
+        (-1: the model input; None: the previous layer). 'add' names both of its inputs.
+    names: optional, per layer: the module name its parameters are saved under
+        (default: the layer index, as torch.nn.Sequential names them).
+    init: 'normal' draws weights from N(0, init_std) with zero biases (the book's
+        LeNet); 'torch' is PyTorch's default (uniform in +-1/sqrt(fan_in) for
+        weights and biases). BatchNorm starts at gamma 1, beta 0.
     devices: where the replicas live; default: the active strategy's devices
-    (``with strategy.scope():``), else ``['cpu:0']``. threads: cores per replica
-    (default: the device's share).
+        (``with strategy.scope():``), else ``['cpu:0']``. threads: cores per
+        replica (default: the device's share).
+    sync_batchnorm: with several replicas, normalise with the statistics of the
+        whole global batch (SyncBatchNorm) instead of each replica's shard.
     """
 
-    def __init__(self, layers, input_shape=(1, 28, 28), init_std=0.01, seed=0, threads=0, devices=None):
+    def __init__(self, layers, input_shape=(1, 28, 28), init_std=0.01, seed=0, threads=0, devices=None,
+                 sources=None, names=None, init="normal", sync_batchnorm=False):
         self._specs = [tuple(spec) for spec in layers]
+        self._sources = None if sources is None else list(sources)
+        self._names = [str(i) for i in range(len(self._specs))] if names is None else list(names)
+        if len(self._names) != len(self._specs):
+            raise ValueError(f"names must have one entry per layer ({len(self._specs)}), got {len(self._names)}")
+        if init not in ("normal", "torch"):
+            raise ValueError(f"init must be 'normal' or 'torch', got {init!r}")
         if devices is None:
             strategy = get_strategy()
             devices = strategy.devices if strategy is not None else ["cpu:0"]
@@ -47,24 +63,52 @@ class Sequential:
         if len(set(devices)) != len(devices):
             raise ValueError(f"a device appears twice in {devices}")
         self._replicas = [
-            _core.Model(tuple(input_shape), self._specs, threads or device_threads(d), device_index(d))
+            _core.Model(tuple(input_shape), self._specs, threads or device_threads(d), device_index(d),
+                        self._sources)
             for d in devices
         ]
         self._model = self._replicas[0]
-        self._mirrored = _core.Mirrored(self._replicas) if len(self._replicas) > 1 else None
+        self.sync_batchnorm = bool(sync_batchnorm)
+        self._mirrored = (_core.Mirrored(self._replicas, self.sync_batchnorm) if len(self._replicas) > 1
+                          else None)
         self._layout = self._model.param_layout()
+        self._state_layout = self._model.state_layout()
+        self._init_params(init, init_std, seed)
+
+    def _init_params(self, init, init_std, seed):
         rng = np.random.default_rng(seed)
         flat = np.zeros(self._model.nparams, dtype=np.float32)
-        for _, kind, offset, shape in self._layout:
+        kinds = {i: spec[0] for i, spec in enumerate(self._specs)}
+        fan_in = {}
+        for layer, kind, offset, shape in self._layout:
+            size = int(np.prod(shape))
+            if kinds[layer] == "batchnorm":
+                flat[offset:offset + size] = 1.0 if kind == "weight" else 0.0
+                continue
             if kind == "weight":
-                size = int(np.prod(shape))
-                flat[offset:offset + size] = rng.normal(0.0, init_std, size).astype(np.float32)
+                fan_in[layer] = int(np.prod(shape[1:]))
+            if init == "normal":
+                if kind == "weight":
+                    flat[offset:offset + size] = rng.normal(0.0, init_std, size)
+            else:
+                bound = 1.0 / np.sqrt(fan_in[layer])
+                flat[offset:offset + size] = rng.uniform(-bound, bound, size)
         self._set_flat(flat)
 
     def _set_flat(self, flat):
         """The same parameters on every replica (one copy each)."""
         for replica in self._replicas:
             replica.set_params(flat)
+
+    def _entries(self):
+        """(name, buffer, offset, shape) of every parameter and running statistic,
+        in PyTorch's state_dict order."""
+        rows = [(layer, 0, f"{self._names[layer]}.{kind}", "params", offset, shape)
+                for layer, kind, offset, shape in self._layout]
+        rows += [(layer, 1, f"{self._names[layer]}.{kind}", "state", offset, shape)
+                 for layer, kind, offset, shape in self._state_layout]
+        rows.sort(key=lambda r: (r[0], r[1]))
+        return [r[2:] for r in rows]
 
     # ---- description -------------------------------------------------------
     @property
@@ -91,7 +135,8 @@ class Sequential:
         return [Replica(self, replica) for replica in self._replicas]
 
     def parameter_names(self):
-        return [f"{layer}.{kind}" for layer, kind, _, _ in self._layout]
+        """Names of the trainable parameters (PyTorch's names)."""
+        return [f"{self._names[layer]}.{kind}" for layer, kind, _, _ in self._layout]
 
     def summary(self):
         """A table of layers and output shapes, as a string."""
@@ -109,47 +154,56 @@ class Sequential:
         return f"{type(self).__name__}(params={self.num_params}, devices={self.devices})"
 
     def replicas_identical(self):
-        """True when every replica holds bitwise the same parameters (they always should)."""
-        first = self._replicas[0].get_params()
-        return all(np.array_equal(first.view(np.uint32), r.get_params().view(np.uint32)) for r in self._replicas[1:])
+        """True when every replica holds bitwise the same parameters and running
+        statistics (they always should)."""
+        def bits(r):
+            return np.concatenate([r.get_params(), r.get_state()]).view(np.uint32)
+        first = bits(self._replicas[0])
+        return all(np.array_equal(first, bits(r)) for r in self._replicas[1:])
 
     # ---- weights -----------------------------------------------------------
     def get_weights(self):
-        """An OrderedDict name -> float32 array (copies), PyTorch state_dict names."""
-        flat = self._model.get_params()
+        """An OrderedDict name -> float32 array (copies) of the parameters and the
+        BatchNorm running statistics, with PyTorch's state_dict names."""
+        buffers = {"params": self._model.get_params(), "state": self._model.get_state()}
         out = OrderedDict()
-        for layer, kind, offset, shape in self._layout:
+        for name, buffer, offset, shape in self._entries():
             size = int(np.prod(shape))
-            out[f"{layer}.{kind}"] = flat[offset:offset + size].reshape(shape).copy()
+            out[name] = buffers[buffer][offset:offset + size].reshape(shape).copy()
         return out
 
     def set_weights(self, weights):
-        """Load weights from a dict name -> array (every name, exact shapes) or a list in order."""
-        names = self.parameter_names()
+        """Load weights from a dict name -> array (every name of get_weights, exact
+        shapes; PyTorch's num_batches_tracked entries are ignored) or a list in order."""
+        entries = self._entries()
+        names = [e[0] for e in entries]
         if isinstance(weights, dict):
-            missing = [n for n in names if n not in weights]
-            extra = [n for n in weights if n not in names]
+            given = {k: v for k, v in weights.items() if not str(k).endswith("num_batches_tracked")}
+            missing = [n for n in names if n not in given]
+            extra = [n for n in given if n not in names]
             if missing or extra:
                 raise KeyError(f"weights do not match the model: missing {missing}, unexpected {extra}")
-            values = [weights[n] for n in names]
+            values = [given[n] for n in names]
         else:
             values = list(weights)
             if len(values) != len(names):
                 raise ValueError(f"expected {len(names)} arrays ({', '.join(names)}), got {len(values)}")
-        flat = self._model.get_params()
-        for (layer, kind, offset, shape), name, value in zip(self._layout, names, values):
+        buffers = {"params": self._model.get_params(), "state": self._model.get_state()}
+        for (name, buffer, offset, shape), value in zip(entries, values):
             a = np.asarray(value)
             if a.dtype.kind not in "fiu":
                 raise TypeError(f"{name}: expected a real array, got dtype {a.dtype}")
             if tuple(a.shape) != tuple(shape):
                 raise ValueError(f"{name}: expected shape {tuple(shape)}, got {tuple(a.shape)}")
-            flat[offset:offset + a.size] = a.astype(np.float32).ravel()
-        self._set_flat(flat)
+            buffers[buffer][offset:offset + a.size] = a.astype(np.float32).ravel()
+        self._set_flat(buffers["params"])
+        for replica in self._replicas:
+            replica.set_state(buffers["state"])
 
     # ---- files ---------------------------------------------------------------
     def _architecture(self):
         return {"format": _FORMAT, "class": type(self).__name__, "layers": [list(l) for l in self._specs],
-                "input_shape": list(self.input_shape)}
+                "input_shape": list(self.input_shape), "sources": self._sources, "names": self._names}
 
     def save(self, path):
         """Write the weights (PyTorch state_dict names) and the architecture to a
@@ -231,6 +285,58 @@ class LeNet(Sequential):
                          devices=devices)
 
 
+class ResNet18(Sequential):
+    """The ResNet-18 of *Dive into Deep Learning* 12.6 (d2l's ``resnet18``).
+
+    conv 3x3 in->64 (stride 1, padding 1) + BatchNorm + ReLU, no max-pool; four
+    stages of two residual blocks (64, 128, 256, 512 channels); a block is conv
+    3x3 + BN + ReLU, conv 3x3 + BN, plus the shortcut (a 1x1 conv with stride 2
+    where the shape changes, as d2l's Residual(use_1x1conv=True)), then ReLU;
+    global average pooling; dense 512->num_classes. PyTorch's default
+    initialisation; weights named like d2l's torch module's state_dict
+    (``'0.weight'``, ``'resnet_block2.0.conv3.weight'``, ``'fc.1.weight'``, ...).
+    sync_batchnorm: see :class:`Sequential`.
+    """
+
+    def __init__(self, num_classes=10, in_channels=1, seed=0, threads=0, devices=None, sync_batchnorm=False,
+                 input_size=28):
+        layers, sources, names = [], [], []
+
+        def add(spec, name=None, source=None):
+            layers.append(spec)
+            sources.append(source)
+            names.append(name if name is not None else f"_{len(layers) - 1}")
+            return len(layers) - 1
+
+        add(("conv2d", 64, 3, 1, 1), "0")
+        add(("batchnorm",), "1")
+        last = add(("relu",))
+        channels = 64
+        for stage, out_channels in enumerate((64, 128, 256, 512), start=1):
+            for block in range(2):
+                prefix = f"resnet_block{stage}.{block}"
+                downsample = block == 0 and stage > 1
+                stride = 2 if downsample else 1
+                block_input = last
+                add(("conv2d", out_channels, 3, stride, 1), f"{prefix}.conv1", block_input)
+                add(("batchnorm",), f"{prefix}.bn1")
+                add(("relu",))
+                add(("conv2d", out_channels, 3, 1, 1), f"{prefix}.conv2")
+                main = add(("batchnorm",), f"{prefix}.bn2")
+                shortcut = block_input
+                if downsample:
+                    shortcut = add(("conv2d", out_channels, 1, 2, 0), f"{prefix}.conv3", block_input)
+                add(("add", main, shortcut))
+                last = add(("relu",))
+                channels = out_channels
+        add(("global_avgpool",))
+        add(("flatten",))
+        add(("dense", num_classes), "fc.1")
+        super().__init__(layers, input_shape=(in_channels, input_size, input_size), seed=seed, threads=threads,
+                         devices=devices, sources=sources, names=names, init="torch",
+                         sync_batchnorm=sync_batchnorm)
+
+
 def _host(data):
     return data.numpy() if isinstance(data, Tensor) else data
 
@@ -298,10 +404,12 @@ def load(path, devices=None):
             raise ValueError(f"unknown format {arch.get('format')!r}")
         layers = [tuple(l) for l in arch["layers"]]
         input_shape = tuple(arch["input_shape"])
+        sources, names = arch.get("sources"), arch.get("names")
     except (KeyError, TypeError, ValueError) as e:
         raise ValueError(f"{path}: not a dpcore model file ({e})") from e
-    net = Sequential(layers, input_shape=input_shape, devices=devices)
-    if arch.get("class") == "LeNet":
-        net.__class__ = LeNet
+    net = Sequential(layers, input_shape=input_shape, devices=devices, sources=sources, names=names)
+    classes = {"LeNet": LeNet, "ResNet18": ResNet18}
+    if arch.get("class") in classes:
+        net.__class__ = classes[arch["class"]]
     net.set_weights(weights)
     return net
