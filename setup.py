@@ -134,11 +134,16 @@ def extension():
         incs.append(cuda["include"])
         objs.append(os.path.join(cuda["libdir"], "libcudart_static.a"))
         libs += ["dl", "rt", "pthread", "stdc++"]
+        if cuda["cudnn"]:
+            macros.append(("DP_HAVE_CUDNN", "1"))
+            libdirs.append(cuda["libdir"])
+            libs.append("cudnn")
+            rpath.append(cuda["libdir"])
     build_info = {
         "version": "0.1.0",
         "cuda": bool(cuda), "cuda_toolkit": cuda["version"] if cuda else None, "cuda_why": CONFIG["cuda_why"],
         "cuda_archs": ["sm_" + a for a in CUDA_ARCHS] + ["compute_" + CUDA_ARCHS[-1]] if cuda else [],
-        "cudnn_found": bool(cuda and cuda["cudnn"]), "cublas_found": bool(cuda and cuda["cublas"]),
+        "cudnn_found": bool(cuda and cuda["cudnn"]), "cudnn_linked": bool(cuda and cuda["cudnn"]), "cublas_found": bool(cuda and cuda["cublas"]),
         "nccl_found": bool(cuda and cuda["nccl"]),
         "mpi_found": bool(CONFIG["mpi"]),
         "blas": blas["name"], "blas_library": blas["library"],

@@ -102,6 +102,12 @@ struct dp_backend {
 dp_status dp_cpu_device_init(dp_device *dev, int index, int nthreads);
 void dp_device_destroy(dp_device *dev);
 
+/* cuDNN's inferred output (n, c, h, w) for a convolution of N samples, with
+ * the descriptors the CUDA backend uses (csrc/cudnn_shapes.c); works without
+ * a GPU. DP_ERR_UNSUPPORTED when built without cuDNN. */
+dp_status dp_cudnn_conv_output_dim(const dp_conv_geom *g, int N, int out[4]);
+size_t dp_cudnn_version(void); /* 0 without cuDNN */
+
 /* Number of CPU cores this process may use (sched affinity), >= 1. */
 int dp_cpu_core_count(void);
 

@@ -338,6 +338,17 @@ static PyObject *mod_allreduce_benchmark(PyObject *mod, PyObject *args) {
   return PyFloat_FromDouble(seconds);
 }
 
+/* cudnn_conv_output_dim(N, C, H, W, O, KH, KW, stride, pad) -> (n, c, h, w) as cuDNN infers it */
+static PyObject *mod_cudnn_conv_output_dim(PyObject *mod, PyObject *args) {
+  dp_conv_geom g = {0};
+  int N;
+  if (!PyArg_ParseTuple(args, "iiiiiiiii", &N, &g.C, &g.H, &g.W, &g.O, &g.KH, &g.KW, &g.stride, &g.pad)) return NULL;
+  int out[4] = {0, 0, 0, 0};
+  dp_status st = dp_cudnn_conv_output_dim(&g, N, out);
+  if (st != DP_OK) return raise_from_status(st);
+  return Py_BuildValue("(iiii)", out[0], out[1], out[2], out[3]);
+}
+
 /* shard_ranges(n, k) -> [(begin, end)]: the split the trainer uses. */
 static PyObject *mod_shard_ranges(PyObject *mod, PyObject *args) {
   long long n;
@@ -1353,9 +1364,10 @@ static PyObject *mod_runtime_info(PyObject *m, PyObject *unused) {
 #ifdef DP_HAVE_CUDA
   dp_cuda_probe(&count, why, sizeof why, &rt, &drv);
 #endif
-  return Py_BuildValue("{s:i,s:s,s:i,s:i,s:i,s:i,s:s}", "cuda_device_count", count, "cuda_why", why,
+  return Py_BuildValue("{s:i,s:s,s:i,s:i,s:i,s:i,s:s,s:n}", "cuda_device_count", count, "cuda_why", why,
                        "cuda_runtime_version", rt, "cuda_driver_version", drv, "cpu_cores", dp_cpu_core_count(),
-                       "openmp", (int)_OPENMP, "blas_config", openblas_get_config());
+                       "openmp", (int)_OPENMP, "blas_config", openblas_get_config(), "cudnn_version",
+                       (Py_ssize_t)dp_cudnn_version());
 }
 
 static PyMethodDef module_methods[] = {
@@ -1364,6 +1376,8 @@ static PyMethodDef module_methods[] = {
     {"all_reduce", mod_all_reduce, METH_VARARGS, "all_reduce(tensors, op): in place, op 0 = sum, 1 = mean"},
     {"allreduce_benchmark", mod_allreduce_benchmark, METH_VARARGS,
      "allreduce_benchmark(k, n, iters) -> seconds for iters in-process all-reduces of n floats"},
+    {"cudnn_conv_output_dim", mod_cudnn_conv_output_dim, METH_VARARGS,
+     "cudnn_conv_output_dim(N, C, H, W, O, KH, KW, stride, pad) -> (n, c, h, w) from cuDNN's shape inference"},
     {"shard_ranges", mod_shard_ranges, METH_VARARGS, "shard_ranges(n, k) -> [(begin, end)] per replica"},
     OPS_METHODS{NULL, NULL, 0, NULL}};
 

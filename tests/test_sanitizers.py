@@ -23,15 +23,14 @@ def blas_paths():
     return None
 
 
-def test_core_is_clean_under_asan_lsan_ubsan(tmp_path):
+def build_and_run(tmp_path, program, core_sources):
     cc = shutil.which("gcc") or shutil.which("cc")
     paths = blas_paths()
     if cc is None or paths is None:
         pytest.fail("the sanitizer build needs gcc and Debian's OpenBLAS (scripts/bootstrap.sh installs them)")
     inc, lib = paths
-    exe = tmp_path / "core_smoke"
-    sources = [os.path.join(ROOT, "tests", "c", "core_smoke.c")] + [
-        os.path.join(ROOT, "csrc", f) for f in ("backend_cpu.c", "model.c", "status.c")]
+    exe = tmp_path / program
+    sources = [os.path.join(ROOT, "tests", "c", program + ".c")] + [os.path.join(ROOT, "csrc", f) for f in core_sources]
     cmd = [cc, "-std=c11", "-O1", "-g", "-fno-omit-frame-pointer", "-fsanitize=address,undefined",
            "-fno-sanitize-recover=undefined", "-fopenmp", "-D_GNU_SOURCE", "-Wall", "-Wextra",
            "-Wno-unused-parameter", "-Werror", "-I", os.path.join(ROOT, "csrc"), "-I", os.path.join(ROOT, "kernels"),
@@ -42,5 +41,16 @@ def test_core_is_clean_under_asan_lsan_ubsan(tmp_path):
     proc = subprocess.run([str(exe)], capture_output=True, text=True, env=env, timeout=300)
     report = proc.stdout + proc.stderr
     assert proc.returncode == 0, report
-    assert "core_smoke: ok" in proc.stdout
+    assert f"{program}: ok" in proc.stdout
     assert "runtime error" not in report and "Sanitizer" not in report, report
+
+
+def test_core_is_clean_under_asan_lsan_ubsan(tmp_path):
+    """Models (LeNet, strides/padding/max-pool) trained, evaluated and misused, all freed."""
+    build_and_run(tmp_path, "core_smoke", ["backend_cpu.c", "model.c", "status.c"])
+
+
+def test_dp_hd_bodies_as_the_gpu_runs_them(tmp_path):
+    """tests/c/kernel_bodies.c: every DP_HD body in the flat-index form the CUDA
+    launchers call, bit for bit against the CPU backend (under the sanitizers too)."""
+    build_and_run(tmp_path, "kernel_bodies", ["backend_cpu.c", "collective.c", "status.c"])

@@ -12,7 +12,9 @@ gradient of the global batch, and all take the same SGD step.
 """
 import contextlib
 import contextvars
+import warnings
 
+from . import _core
 from .devices import list_devices
 from .parallel import _devices
 
@@ -27,6 +29,11 @@ class MirroredStrategy:
             available = list_devices()
             gpus = [d for d in available if d.startswith("cuda:")]
             devices = gpus or [d for d in available if d.startswith("cpu:")]
+            if not gpus and '"cuda": true' in _core.build_info_json():
+                # built for GPUs but none is usable here: say why, then train on the CPU
+                why = _core.runtime_info()["cuda_why"]
+                warnings.warn(f"MirroredStrategy: no usable CUDA device ({why}); using {devices}", RuntimeWarning,
+                              stacklevel=2)
         self._devices = _devices(devices)
 
     @property

@@ -40,6 +40,17 @@ static dp_status build(dp_device *dev, int variant, dp_model **out) {
     DP_TRY(dp_model_add_conv2d(m, 50, 5, 1, 0));
     DP_TRY(dp_model_add_relu(m));
     DP_TRY(dp_model_add_avgpool(m, 2, 2, 0));
+  } else if (variant == 2) { /* a residual block with BatchNorm, as in ResNet-18 */
+    DP_TRY(dp_model_add_conv2d(m, 8, 3, 1, 1));
+    DP_TRY(dp_model_add_batchnorm(m, 1e-5f, 0.1f));
+    DP_TRY(dp_model_add_relu(m)); /* layer 2: the block input */
+    DP_TRY(dp_model_add_conv2d(m, 16, 3, 2, 1));
+    DP_TRY(dp_model_add_batchnorm(m, 1e-5f, 0.1f)); /* layer 4: main path */
+    DP_TRY(dp_model_set_source(m, 2));
+    DP_TRY(dp_model_add_conv2d(m, 16, 1, 2, 0)); /* layer 5: 1x1 shortcut */
+    DP_TRY(dp_model_add_add(m, 4, 5));
+    DP_TRY(dp_model_add_relu(m));
+    DP_TRY(dp_model_add_global_avgpool(m));
   } else { /* strides, padding, overlapping max-pooling */
     DP_TRY(dp_model_add_conv2d(m, 8, 3, 2, 1));
     DP_TRY(dp_model_add_relu(m));
@@ -105,6 +116,7 @@ int main(void) {
   if (dp_cpu_device_init(&dev, 0, 2) != DP_OK) return 2;
   train_variant(&dev, 0);
   train_variant(&dev, 1);
+  train_variant(&dev, 2);
   /* construction errors leave nothing behind */
   dp_model *m = NULL;
   CHECK(dp_model_create(&dev, 0, 28, 28, &m) == DP_ERR_VALUE && m == NULL);

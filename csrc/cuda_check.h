@@ -1,0 +1,30 @@
+/* cuda_check.h — one check macro per NVIDIA library, each turning the
+ * library's status into a dp_status whose message names the failing call,
+ * the library's own error name and string, and the file and line. */
+#ifndef DP_CUDA_CHECK_H
+#define DP_CUDA_CHECK_H
+
+#include "dp_status.h"
+
+#ifdef DP_HAVE_CUDA
+#include <cuda_runtime.h>
+#define DP_CUDA_CHECK(call)                                                                                \
+  do {                                                                                                     \
+    cudaError_t dp_e_ = (call);                                                                            \
+    if (dp_e_ != cudaSuccess)                                                                              \
+      return DP_FAIL(DP_ERR_CUDA, "%s failed: %s (%d): %s", #call, cudaGetErrorName(dp_e_), (int)dp_e_,   \
+                     cudaGetErrorString(dp_e_));                                                           \
+  } while (0)
+#endif
+
+#ifdef DP_HAVE_CUDNN
+#include <cudnn.h>
+#define DP_CUDNN_CHECK(call)                                                                               \
+  do {                                                                                                     \
+    cudnnStatus_t dp_s_ = (call);                                                                          \
+    if (dp_s_ != CUDNN_STATUS_SUCCESS)                                                                     \
+      return DP_FAIL(DP_ERR_CUDA, "%s failed: %s (%d)", #call, cudnnGetErrorString(dp_s_), (int)dp_s_);  \
+  } while (0)
+#endif
+
+#endif

@@ -1,0 +1,81 @@
+"""What can be proven of the CUDA build without a GPU.
+
+- No GPU is not an error: list_devices has no CUDA device, build_info says why,
+  MirroredStrategy falls back to the CPU devices with a warning.
+- For every convolution of LeNet and ResNet-18, cuDNN's own shape inference
+  (cudnnGetConvolution2dForwardOutputDim, on the descriptors the CUDA backend
+  builds) agrees with dpcore's. Descriptor calls need no driver.
+"""
+import re
+import warnings
+from pathlib import Path
+
+import pytest
+
+import dpcore as dp
+
+ROOT = Path(__file__).resolve().parent.parent
+INFO = dp.build_info()
+needs_cudnn = pytest.mark.skipif(not INFO.get("cudnn_found"), reason="dpcore was built without cuDNN "
+                                 "(no CUDA toolkit found, or DPCORE_CUDA=0)")
+
+
+def test_no_gpu_is_not_an_error():
+    if INFO["cuda_device_count"] > 0:
+        pytest.skip("a CUDA device is present: this test is about machines without one")
+    assert not [d for d in dp.list_devices() if d.startswith("cuda")]
+    if INFO["cuda"]:
+        assert INFO["cuda_why"], "build_info must say why no CUDA device is usable"
+        with pytest.warns(RuntimeWarning, match="no usable CUDA device"):
+            strategy = dp.MirroredStrategy()
+    else:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            strategy = dp.MirroredStrategy()
+    assert strategy.devices == [d for d in dp.list_devices() if d.startswith("cpu")]
+
+
+def convolutions(net):
+    """(N-independent) geometry of every conv: (C, H, W, O, K, stride, pad, OH, OW)."""
+    shapes = net._model.layers()
+    for spec, (kind, (c, h, w), (o, oh, ow)) in zip(net._specs, shapes):
+        if kind == "conv2d":
+            _, out_channels, k, stride, pad = spec
+            assert out_channels == o
+            yield c, h, w, o, k, stride, pad, oh, ow
+
+
+@needs_cudnn
+@pytest.mark.parametrize("model", ["LeNet", "ResNet18"])
+@pytest.mark.parametrize("batch", [1, 7, 256])
+def test_cudnn_shape_inference_agrees_for_every_convolution(model, batch):
+    net = getattr(dp.models, model)()
+    convs = list(convolutions(net))
+    assert len(convs) == (2 if model == "LeNet" else 20)
+    for c, h, w, o, k, stride, pad, oh, ow in convs:
+        n_, c_, h_, w_ = dp._core.cudnn_conv_output_dim(batch, c, h, w, o, k, k, stride, pad)
+        assert (n_, c_, h_, w_) == (batch, o, oh, ow), (c, h, w, o, k, stride, pad)
+
+
+@needs_cudnn
+def test_cudnn_reports_bad_descriptors_as_errors():
+    with pytest.raises(dp.DeviceError, match="cudnnSet"):
+        dp._core.cudnn_conv_output_dim(1, 0, 28, 28, 8, 3, 3, 1, 0)
+
+
+def test_every_dp_hd_body_is_used_by_the_cpu_backend():
+    """Each DP_HD body of kernels/dp_kernels.h is called from the CPU side
+    (csrc/) or from the flat-index wrapper the CPU-tested body sits in, so the
+    CPU suite runs the arithmetic the CUDA launchers run."""
+    header = (ROOT / "kernels" / "dp_kernels.h").read_text()
+    bodies = re.findall(r"static inline DP_HD \w+ (dp_\w+)\(", header)
+    assert len(bodies) >= 20
+    csrc = "\n".join(p.read_text() for p in (ROOT / "csrc").glob("*.c"))
+    cuda = "\n".join(p.read_text() for p in (ROOT / "kernels").glob("*.cu"))
+    c_checks = (ROOT / "tests" / "c" / "kernel_bodies.c").read_text()
+    for body in bodies:
+        assert re.search(rf"\b{body}\(", csrc) or re.search(rf"\b{body}\(", c_checks), \
+            f"{body} is not exercised on the CPU"
+    # and the CUDA launchers use the same bodies, not copies
+    for body in re.findall(r"\b(dp_\w+_elem)\(", cuda):
+        assert body in bodies
