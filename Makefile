@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 export VENV
 
-.PHONY: setup train test test-gpu bench clean
+.PHONY: setup train test test-cpu-only test-gpu bench clean
 
 setup:
 	scripts/bootstrap.sh
@@ -16,8 +16,13 @@ train: setup
 test: setup
 	$(PY) -m pytest -q -ra tests
 
+# The same suite on a CPU-only build (DPCORE_CUDA=0), as on a machine without the CUDA toolkit.
+test-cpu-only:
+	DPCORE_CUDA=0 VENV=.venv-cpu scripts/bootstrap.sh
+	.venv-cpu/bin/python -m pytest -q -ra -m "not slow" tests
+
 bench: setup
 	$(PY) benchmarks/bench_lenet_cpu.py
 
 clean:
-	rm -rf build $(VENV) python/*.egg-info
+	rm -rf build $(VENV) .venv-cpu python/*.egg-info
