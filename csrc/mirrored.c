@@ -106,6 +106,8 @@ static dp_status load_shard(void *arg, int rank) {
   step_task *t = arg;
   dp_batch s = shard_of(t, rank);
   t->m->shard_n[rank] = s.n;
+  /* per-replica BatchNorm: each shard alone needs more than one value per channel */
+  if (!t->m->sync_batchnorm) DP_TRY(dp_model_check_batchnorm_batch(t->m->models[rank], s.n));
   return dp_model_load(t->m->models[rank], &s, 1);
 }
 
@@ -155,6 +157,7 @@ static dp_status run_step(dp_mirrored *m, const dp_batch *b, int evaluate_only, 
   const dp_model *m0 = m->models[0];
   step_task t = {m, b, (size_t)m0->in_c * m0->in_h * m0->in_w * (b->x_is_u8 ? 1 : sizeof(float)),
                  b->n ? 1.0f / (float)b->n : 0.0f, lr, momentum, weight_decay, evaluate_only, step, {0}, {0}};
+  if (!evaluate_only && m->sync_batchnorm) DP_TRY(dp_model_check_batchnorm_batch(m->models[0], b->n));
   if (!evaluate_only) DP_TRY(dp_group_run(m->group, load_shard, &t));
   DP_TRY(dp_group_run(m->group, run_shard, &t));
   if (!evaluate_only && b->n > 0) DP_TRY(dp_group_run(m->group, reduce_and_step, &t));

@@ -51,6 +51,7 @@ void dp_model_destroy(dp_model *m) {
   dp_device_free(m->dev, m->state);
   dp_device_free(m->dev, m->bn_saved);
   dp_device_free(m->dev, m->bn_tmp);
+  free(m->bn_count);
   free(m->layers);
   free(m);
 }
@@ -270,6 +271,8 @@ dp_status dp_model_finalize(dp_model *m) {
   DP_TRY(dp_device_alloc(m->dev, sizeof(float) * (size_t)(state ? state : 1), (void **)&m->state));
   DP_TRY(dp_device_alloc(m->dev, sizeof(float) * (size_t)(saved ? saved : 1), (void **)&m->bn_saved));
   DP_TRY(dp_device_alloc(m->dev, sizeof(float) * (size_t)(2 * max_c + 1), (void **)&m->bn_tmp));
+  m->bn_count = calloc((size_t)m->nlayers, sizeof *m->bn_count);
+  if (!m->bn_count) return DP_FAIL(DP_ERR_MEMORY, "cannot allocate the BatchNorm counts");
   /* running variance starts at 1, running mean at 0 (PyTorch) */
   for (int i = 0; i < m->nlayers; ++i) {
     const dp_layer *l = &m->layers[i];
@@ -396,8 +399,7 @@ static dp_status batchnorm_forward(dp_model *m, const dp_layer *l, int64_t N, co
   DP_TRY(be->bn_sums(dev, N, C, HW, x, mean, tmp));
   sync_sum(m, tmp, C);
   DP_TRY(be->bn_finalize(dev, C, tmp, count, mean, l->eps, l->momentum, 1, invstd, running_mean, running_var));
-  /* the count survives in bn_tmp for the backward pass */
-  DP_TRY(be->copy_to_device(dev, tmp + 2 * C, &count, sizeof(float)));
+  m->bn_count[l - m->layers] = count; /* for this layer's backward pass */
   return be->bn_apply(dev, N, C, HW, x, mean, invstd, gamma, beta, y);
 }
 
@@ -479,8 +481,7 @@ static dp_status batchnorm_backward(dp_model *m, const dp_layer *l, int64_t N, c
   /* this replica's sums are its parameter gradients (the gradient all-reduce
    * adds the replicas'); dx needs the sums over everything normalised together */
   DP_TRY(be->bn_backward_sums(dev, N, C, HW, x, dy, mean, invstd, dbeta, dgamma));
-  float count;
-  DP_TRY(be->copy_to_host(dev, &count, tmp + 2 * C, sizeof(float)));
+  const float count = m->bn_count[l - m->layers];
   if (!dx) return DP_OK;
   DP_TRY(be->copy_to_device(dev, tmp, dbeta, sizeof(float) * (size_t)C));
   DP_TRY(be->copy_to_device(dev, tmp + C, dgamma, sizeof(float) * (size_t)C));
@@ -552,10 +553,25 @@ static dp_status backward(dp_model *m, int64_t N) {
 
 static const float *logits_of(const dp_model *m) { return m->acts[m->nlayers - 1]; }
 
+dp_status dp_model_check_batchnorm_batch(const dp_model *m, int64_t n) {
+  if (n <= 0) return DP_OK;
+  for (int i = 0; i < m->nlayers; ++i) {
+    const dp_layer *l = &m->layers[i];
+    if (l->kind == DP_LAYER_BATCHNORM && n * l->in_h * l->in_w <= 1)
+      return DP_FAIL(DP_ERR_VALUE,
+                     "batchnorm (layer %d): training needs more than one value per channel, got %lld sample(s) of "
+                     "%dx%d",
+                     i, (long long)n, l->in_h, l->in_w);
+  }
+  return DP_OK;
+}
+
 dp_status dp_model_forward_backward_loaded(dp_model *m, int64_t n, float grad_scale, double *loss_sum,
                                            int64_t *correct) {
   DP_TRY(require_finalized(m));
   if (n > m->act_batch) return DP_FAIL(DP_ERR_VALUE, "forward_backward: %lld samples were not loaded", (long long)n);
+  /* a synchronized BatchNorm counts the global batch; its runner checks that */
+  if (!m->sync) DP_TRY(dp_model_check_batchnorm_batch(m, n));
   m->training = 1;
   DP_TRY(forward(m, n));
   const int K = dp_model_num_classes(m);

@@ -67,7 +67,8 @@ typedef struct dp_model {
   float *dscratch;          /* the largest activation: a second gradient to add in */
   unsigned char *dready;    /* per layer: dacts[i] holds a gradient already */
   float *bn_saved;          /* per BatchNorm layer: batch mean (C), invstd (C) */
-  float *bn_tmp;            /* (2 * max C + 1): channel sums being reduced */
+  float *bn_tmp;            /* (2 * max C + 1): channel sums being reduced (shared by the layers) */
+  float *bn_count;          /* host, per layer: the values per channel its last training forward normalised */
   dp_sync_fn sync;
   void *sync_ctx;
   float *input;             /* the batch on the device, (act_batch, in_c, in_h, in_w) */
@@ -110,6 +111,9 @@ dp_status dp_model_set_state(dp_model *m, const float *host);
 
 /* Stage a batch on the model's device (labels checked when need_labels). */
 dp_status dp_model_load(dp_model *m, const dp_batch *b, int need_labels);
+/* DP_ERR_VALUE when a BatchNorm layer would see at most one value per
+ * channel in training on n samples (n > 0); checked before anything changes. */
+dp_status dp_model_check_batchnorm_batch(const dp_model *m, int64_t n);
 /* dp_model_forward_backward on the batch staged last by dp_model_load. */
 dp_status dp_model_forward_backward_loaded(dp_model *m, int64_t n, float grad_scale, double *loss_sum,
                                            int64_t *correct);

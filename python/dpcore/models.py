@@ -102,7 +102,8 @@ class Sequential:
 
     def _entries(self):
         """(name, buffer, offset, shape) of every parameter and running statistic,
-        in PyTorch's state_dict order."""
+        layer by layer (names as in PyTorch's state_dict; the order within a
+        residual block can differ from the torch module's registration order)."""
         rows = [(layer, 0, f"{self._names[layer]}.{kind}", "params", offset, shape)
                 for layer, kind, offset, shape in self._layout]
         rows += [(layer, 1, f"{self._names[layer]}.{kind}", "state", offset, shape)
