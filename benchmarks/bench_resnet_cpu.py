@@ -1,0 +1,125 @@
+"""ResNet-18 (d2l 12.6) training throughput on the CPU: dpcore beside PyTorch, same run.
+
+Both frameworks train the same network (dpcore's ResNet18 and d2l's torch
+resnet18, built as in tests/fixtures/make_fixtures.py) on the same batch of
+real Fashion-MNIST images (batch 64, SGD lr 0.05), each in a fresh subprocess
+with the same thread count; rounds alternate the order, and the best round of
+each counts (the machine is shared).
+
+    benchmarks/.venv-bench/bin/python benchmarks/bench_resnet_cpu.py [--steps 6] [--rounds 2] [--write]
+
+Needs PyTorch (benchmarks/setup_bench_env.sh installs it with dpcore into
+benchmarks/.venv-bench).
+"""
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import bench_lenet_cpu as common  # noqa: E402  (machine_info, thread_env, write_results, ...)
+
+SECTION_TITLE = "## ResNet-18 training throughput, CPU (dpcore vs PyTorch)"
+BATCH, LR, WARMUP = 64, 0.05, 2
+
+
+def batch():
+    import numpy as np
+    X = common.read_idx(os.path.join(common.DEFAULT_DATA_DIR, "train-images-idx3-ubyte.gz"))[:BATCH]
+    y = common.read_idx(os.path.join(common.DEFAULT_DATA_DIR, "train-labels-idx1-ubyte.gz"))[:BATCH]
+    return (X[:, None].astype(np.float32) / 255.0), y.astype(np.int64)
+
+
+def child(framework, steps):
+    X, y = batch()
+    times = []
+    if framework == "torch":
+        import torch
+        sys.path.insert(0, os.path.join(common.REPO, "tests", "fixtures"))
+        from make_fixtures import build_models  # d2l's modules, as the fixtures build them
+        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+        net = build_models()["resnet18"](10, 1)
+        opt = torch.optim.SGD(net.parameters(), lr=LR)
+        loss_fn = torch.nn.CrossEntropyLoss()
+        Xt, yt = torch.from_numpy(X), torch.from_numpy(y)
+        net.train()
+        for i in range(WARMUP + steps):
+            start = time.perf_counter()
+            opt.zero_grad()
+            loss = loss_fn(net(Xt), yt)
+            loss.backward()
+            opt.step()
+            if i >= WARMUP:
+                times.append(time.perf_counter() - start)
+        version = torch.__version__
+    else:
+        import dpcore as dp
+        net = dp.models.ResNet18()
+        for i in range(WARMUP + steps):
+            start = time.perf_counter()
+            net.train_step(X, y, lr=LR)
+            if i >= WARMUP:
+                times.append(time.perf_counter() - start)
+        version = dp.__version__
+    print(json.dumps({"framework": framework, "version": version, "times": times}))
+
+
+def spawn(framework, args):
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", framework, "--steps", str(args.steps)]
+    out = subprocess.run(cmd, env=common.thread_env(args.threads), capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--steps", type=int, default=6, help="timed steps per subprocess (default 6)")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=common.default_threads())
+    ap.add_argument("--write", action="store_true")
+    ap.add_argument("--child", choices=("torch", "dpcore"), help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        return child(args.child, args.steps)
+    load_before = os.getloadavg()[0]
+    best = {}
+    for r in range(args.rounds):
+        order = ("torch", "dpcore") if r % 2 == 0 else ("dpcore", "torch")
+        for fw in order:
+            run = spawn(fw, args)
+            step = min(run["times"])
+            common.log(f"round {r + 1} {fw}: best step {step:.3f} s ({BATCH / step:.1f} images/s)")
+            if fw not in best or step < best[fw]["step"]:
+                best[fw] = {"step": step, "version": run["version"], "all": run["times"]}
+    ratio = (BATCH / best["dpcore"]["step"]) / (BATCH / best["torch"]["step"])
+    lines = [
+        SECTION_TITLE, "",
+        "- date: %s" % datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "- machine: %s; load average before / after: %.2f / %.2f" % (common.machine_info(), load_before,
+                                                                     os.getloadavg()[0]),
+        "- PyTorch %s, dpcore %s, %d threads each; command (from the repository root): `%s`" % (
+            best["torch"]["version"], best["dpcore"]["version"], args.threads, common.command_line()),
+        "- setup: ResNet-18 (d2l 12.6, 28x28 inputs, 11.2M parameters), training mode, batch %d of real "
+        "Fashion-MNIST images, SGD lr %g; %d warm-up + %d timed steps per fresh subprocess, %d round(s) in "
+        "alternating order, best step counts" % (BATCH, LR, WARMUP, args.steps, args.rounds),
+        "",
+        "| framework | best step s | images/s |",
+        "|---|---|---|",
+        "| torch | %.3f | %.1f |" % (best["torch"]["step"], BATCH / best["torch"]["step"]),
+        "| dpcore | %.3f | %.1f |" % (best["dpcore"]["step"], BATCH / best["dpcore"]["step"]),
+        "",
+        "**dpcore images/s / PyTorch images/s: %.2f** (goal >= 1.0: %s)" % (ratio, "met" if ratio >= 1 else "not met"),
+        "",
+    ]
+    section = "\n".join(lines)
+    print(section)
+    if args.write:
+        common.SECTION_TITLE = SECTION_TITLE
+        common.write_results(common.DEFAULT_RESULTS, section)
+
+
+if __name__ == "__main__":
+    main()
