@@ -21,6 +21,10 @@ test-cpu-only:
 	DPCORE_CUDA=0 VENV=.venv-cpu scripts/bootstrap.sh
 	.venv-cpu/bin/python -m pytest -q -ra -m "not slow" tests
 
+# The GPU tests (skipped, with the reason, where no CUDA device is usable).
+test-gpu: setup
+	$(PY) -m pytest -m gpu tests/test_gpu.py -ra
+
 bench: setup
 	$(PY) benchmarks/bench_lenet_cpu.py
 

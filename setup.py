@@ -139,16 +139,23 @@ def extension():
         incs.append(cuda["include"])
         objs.append(os.path.join(cuda["libdir"], "libcudart_static.a"))
         libs += ["dl", "rt", "pthread", "stdc++"]
+        if cuda["cudnn"] or cuda["cublas"]:
+            libdirs.append(cuda["libdir"])
+            rpath.append(cuda["libdir"])
         if cuda["cudnn"]:
             macros.append(("DP_HAVE_CUDNN", "1"))
-            libdirs.append(cuda["libdir"])
             libs.append("cudnn")
-            rpath.append(cuda["libdir"])
+        if cuda["cublas"]:
+            macros.append(("DP_HAVE_CUBLAS", "1"))
+            libs.append("cublas")
     build_info = {
         "version": "0.1.0",
         "cuda": bool(cuda), "cuda_toolkit": cuda["version"] if cuda else None, "cuda_why": CONFIG["cuda_why"],
         "cuda_archs": ["sm_" + a for a in CUDA_ARCHS] + ["compute_" + CUDA_ARCHS[-1]] if cuda else [],
         "cudnn_found": bool(cuda and cuda["cudnn"]), "cudnn_linked": bool(cuda and cuda["cudnn"]), "cublas_found": bool(cuda and cuda["cublas"]),
+        "cublas_linked": bool(cuda and cuda["cublas"]),
+        # the CUDA backend (csrc/backend_cuda.c) needs the toolkit, cuDNN and cuBLAS
+        "cuda_backend": bool(cuda and cuda["cudnn"] and cuda["cublas"]),
         "nccl_found": bool(cuda and cuda["nccl"]),
         "mpi_found": bool(CONFIG["mpi"]),
         "blas": blas["name"], "blas_library": blas["library"],
@@ -172,7 +179,8 @@ def extension():
         include_dirs=["csrc", "kernels", gen_dir, numpy.get_include()] + incs,
         define_macros=macros, extra_compile_args=cflags, extra_link_args=ldflags + ["-Wl,-rpath," + d for d in rpath],
         libraries=libs, library_dirs=libdirs, extra_objects=objs,
-        depends=glob.glob("csrc/*.h") + glob.glob("kernels/*.h") + glob.glob("kernels/*.cu") + [header],
+        depends=glob.glob("csrc/*.h") + glob.glob("kernels/*.h") + glob.glob("kernels/*.cu") + glob.glob("kernels/*.cuh")
+        + [header],
     )
 
 

@@ -96,10 +96,29 @@ struct dp_backend {
                               const float *mean, const float *invstd, const float *gamma, const float *sum_dy,
                               const float *sum_dy_xhat, float inv_count, float *dx);
   dp_status (*synchronize)(dp_device *dev);
+  /* Release the device's context (streams, handles, scratch); dev->ctx is
+   * cleared by dp_device_destroy afterwards. */
+  void (*destroy)(dp_device *dev);
 };
+
+/* Writes the names of the NULL entries of `be` (at most max) to out; returns
+ * how many there are. Needs no device: the CUDA table is checked on any machine. */
+int dp_backend_null_entries(const dp_backend *be, const char **out, int max);
+/* The tables themselves; dp_cuda_backend() is NULL when built without the
+ * CUDA backend (no CUDA toolkit, cuDNN or cuBLAS). */
+const dp_backend *dp_cpu_backend(void);
+const dp_backend *dp_cuda_backend(void);
 
 /* The CPU backend: nthreads cores (>= 1). */
 dp_status dp_cpu_device_init(dp_device *dev, int index, int nthreads);
+/* The CUDA backend (csrc/backend_cuda.c): logical device cuda:index on the
+ * physical GPU physical_gpu, with its own stream, cuDNN and cuBLAS handles.
+ * Several logical devices may share one physical GPU. DP_ERR_UNSUPPORTED when
+ * built without CUDA; DP_ERR_CUDA when no usable GPU is present. */
+dp_status dp_cuda_device_init(dp_device *dev, int index, int physical_gpu);
+/* cuDNN algorithms: deterministic ones only (the default) or any. */
+dp_status dp_cuda_set_deterministic(dp_device *dev, int deterministic);
+/* Calls the backend's destroy hook; safe on a zeroed or destroyed device. */
 void dp_device_destroy(dp_device *dev);
 
 /* cuDNN's inferred output (n, c, h, w) for a convolution of N samples, with

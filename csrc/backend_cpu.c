@@ -504,6 +504,12 @@ static dp_status cpu_bn_backward_dx(dp_device *dev, int64_t N, int C, int HW, co
 
 static dp_status cpu_synchronize(dp_device *dev) { return DP_OK; }
 
+static void cpu_destroy(dp_device *dev) {
+  cpu_ctx *c = dev->ctx;
+  free(c->scratch);
+  free(c);
+}
+
 static const dp_backend cpu_backend = {
     .name = "cpu",
     .alloc = cpu_alloc,
@@ -534,7 +540,10 @@ static const dp_backend cpu_backend = {
     .bn_backward_sums = cpu_bn_backward_sums,
     .bn_backward_dx = cpu_bn_backward_dx,
     .synchronize = cpu_synchronize,
+    .destroy = cpu_destroy,
 };
+
+const dp_backend *dp_cpu_backend(void) { return &cpu_backend; }
 
 int dp_cpu_core_count(void) {
   cpu_set_t set;
@@ -562,10 +571,6 @@ dp_status dp_cpu_device_init(dp_device *dev, int index, int nthreads) {
 
 void dp_device_destroy(dp_device *dev) {
   if (!dev || !dev->ctx) return;
-  if (dev->kind == DP_DEVICE_CPU) {
-    cpu_ctx *c = dev->ctx;
-    free(c->scratch);
-    free(c);
-  }
+  if (dev->backend && dev->backend->destroy) dev->backend->destroy(dev);
   dev->ctx = NULL;
 }

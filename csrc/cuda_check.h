@@ -27,4 +27,26 @@
   } while (0)
 #endif
 
+#ifdef DP_HAVE_CUBLAS
+#include <cublas_v2.h>
+#define DP_CUBLAS_CHECK(call)                                                                              \
+  do {                                                                                                     \
+    cublasStatus_t dp_b_ = (call);                                                                         \
+    if (dp_b_ != CUBLAS_STATUS_SUCCESS)                                                                    \
+      return DP_FAIL(DP_ERR_CUDA, "%s failed: %s (%d): %s", #call, cublasGetStatusName(dp_b_), (int)dp_b_, \
+                     cublasGetStatusString(dp_b_));                                                        \
+  } while (0)
+#endif
+
+#ifdef DP_HAVE_NCCL
+#include <nccl.h>
+#define DP_NCCL_CHECK(call)                                                                               \
+  do {                                                                                                     \
+    ncclResult_t dp_n_ = (call);                                                                           \
+    if (dp_n_ != ncclSuccess)                                                                              \
+      return DP_FAIL(DP_ERR_CUDA, "%s failed: NCCL error %d: %s", #call, (int)dp_n_,                      \
+                     ncclGetErrorString(dp_n_));                                                           \
+  } while (0)
+#endif
+
 #endif

@@ -19,6 +19,11 @@ dp_status dp_mirrored_create(dp_model **models, int k, int sync_batchnorm, dp_mi
     if (b->nparams != a->nparams || b->nlayers != a->nlayers || b->in_c != a->in_c || b->in_h != a->in_h ||
         b->in_w != a->in_w || memcmp(b->layers, a->layers, sizeof *a->layers * (size_t)a->nlayers) != 0)
       return DP_FAIL(DP_ERR_VALUE, "mirrored: replica %d has a different architecture than replica 0", r);
+    /* the in-process all-reduce reads every replica's buffers from the host */
+    if (k > 1 && b->dev->kind != DP_DEVICE_CPU)
+      return DP_FAIL(DP_ERR_UNSUPPORTED,
+                     "mirrored: all-reduce across %d replicas on %s is not implemented yet (one CUDA replica works)", k,
+                     b->dev->name);
     for (int q = 0; q < r; ++q)
       if (models[q]->dev == b->dev || strcmp(models[q]->dev->name, b->dev->name) == 0)
         return DP_FAIL(DP_ERR_VALUE, "mirrored: replicas %d and %d are both on %s", q, r, b->dev->name);
@@ -63,7 +68,9 @@ dp_status dp_mirrored_broadcast(dp_mirrored *m, int root) {
   for (int r = 0; r < m->k; ++r) {
     dp_model *dst = m->models[r];
     if (r != root) {
-      /* CPU devices share the host address space; a CUDA pair will use a peer copy. */
+      /* CPU devices share the host address space; a CUDA pair is a peer copy,
+       * ordered on dst's stream only, so src's queued work finishes first */
+      DP_TRY(src->dev->backend->synchronize(src->dev));
       DP_TRY(dst->dev->backend->copy_to_device(dst->dev, dst->params, src->params,
                                                sizeof(float) * (size_t)src->nparams));
     }

@@ -72,6 +72,7 @@ typedef struct dp_model {
   dp_sync_fn sync;
   void *sync_ctx;
   float *input;             /* the batch on the device, (act_batch, in_c, in_h, in_w) */
+  uint8_t *input_u8;        /* non-CPU devices: uint8 images staged before u8_to_unit, (act_batch * in size) */
   int32_t *labels;          /* (act_batch) */
 } dp_model;
 

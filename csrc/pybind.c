@@ -449,13 +449,16 @@ static int layer_from_tuple(dp_model *m, PyObject *spec, dp_status *st) {
   return -1;
 }
 
-/* Model(input_shape=(C, H, W), layers=[...], threads=0) — threads 0: every core. */
+/* Model(input_shape=(C, H, W), layers=[...], threads=0, device_index=0, sources=None,
+ *       device_kind='cpu', gpu=0) — threads 0: every core. device_kind 'cuda'
+ * puts the model on logical GPU cuda:device_index of physical GPU `gpu`. */
 static int Model_init(ModelObject *self, PyObject *args, PyObject *kwds) {
-  static char *kwlist[] = {"input_shape", "layers", "threads", "device_index", "sources", NULL};
-  int c, h, w, threads = 0, index = 0;
+  static char *kwlist[] = {"input_shape", "layers", "threads", "device_index", "sources", "device_kind", "gpu", NULL};
+  int c, h, w, threads = 0, index = 0, gpu = 0;
+  const char *kind = "cpu";
   PyObject *layers, *sources = Py_None;
-  if (!PyArg_ParseTupleAndKeywords(args, kwds, "(iii)O|iiO", kwlist, &c, &h, &w, &layers, &threads, &index,
-                                   &sources))
+  if (!PyArg_ParseTupleAndKeywords(args, kwds, "(iii)O|iiOsi", kwlist, &c, &h, &w, &layers, &threads, &index,
+                                   &sources, &kind, &gpu))
     return -1;
   if (self->model) {
     PyErr_SetString(PyExc_RuntimeError, "Model is already initialized");
@@ -465,8 +468,18 @@ static int Model_init(ModelObject *self, PyObject *args, PyObject *kwds) {
     PyErr_Format(PyExc_ValueError, "threads must be >= 0, got %d", threads);
     return -1;
   }
-  if (threads == 0) threads = dp_cpu_core_count();
-  dp_status st = dp_cpu_device_init(&self->device, index, threads);
+  dp_status st;
+  if (strcmp(kind, "cpu") == 0) {
+    if (threads == 0) threads = dp_cpu_core_count();
+    st = dp_cpu_device_init(&self->device, index, threads);
+  } else if (strcmp(kind, "cuda") == 0) {
+    Py_BEGIN_ALLOW_THREADS /* creating a CUDA context takes a while */
+    st = dp_cuda_device_init(&self->device, index, gpu);
+    Py_END_ALLOW_THREADS
+  } else {
+    PyErr_Format(PyExc_ValueError, "device_kind must be 'cpu' or 'cuda', got '%s'", kind);
+    return -1;
+  }
   if (st != DP_OK) return raise_from_status(st), -1;
   self->device_ready = 1;
   st = dp_model_create(&self->device, c, h, w, &self->model);
@@ -838,6 +851,12 @@ static PyTypeObject ModelType = {
 
 static PyObject *model_view(ModelObject *self, int grads) {
   if (!model_ready(self)) return NULL;
+  if (self->device.kind != DP_DEVICE_CPU) {
+    /* a Tensor's memory is read from the host; use get_params / get_grads */
+    PyErr_Format(PyExc_ValueError, "a view of the flat buffers exists for CPU models only; %s is not one",
+                 self->device.name);
+    return NULL;
+  }
   TensorObject *t = (TensorObject *)TensorType.tp_alloc(&TensorType, 0);
   if (!t) return NULL;
   snprintf(t->device, sizeof t->device, "%s", self->device.name);
@@ -1370,7 +1389,36 @@ static PyObject *mod_runtime_info(PyObject *m, PyObject *unused) {
                        (Py_ssize_t)dp_cudnn_version());
 }
 
+/* backend_null_entries(name) -> [names of the entries the backend table leaves NULL];
+ * None when the backend was not built. Needs no device. */
+static PyObject *mod_backend_null_entries(PyObject *m, PyObject *args) {
+  const char *name;
+  if (!PyArg_ParseTuple(args, "s", &name)) return NULL;
+  const dp_backend *be = strcmp(name, "cpu") == 0 ? dp_cpu_backend() : strcmp(name, "cuda") == 0 ? dp_cuda_backend() : NULL;
+  if (!be) {
+    if (strcmp(name, "cpu") == 0 || strcmp(name, "cuda") == 0) Py_RETURN_NONE;
+    PyErr_Format(PyExc_ValueError, "unknown backend '%s' (cpu, cuda)", name);
+    return NULL;
+  }
+  const char *names[64];
+  int n = dp_backend_null_entries(be, names, 64);
+  if (n > 64) n = 64;
+  PyObject *out = PyList_New(0);
+  for (int i = 0; out && i < n; ++i) {
+    PyObject *u = PyUnicode_FromString(names[i]);
+    if (!u || PyList_Append(out, u) < 0) {
+      Py_XDECREF(u);
+      Py_CLEAR(out);
+      break;
+    }
+    Py_DECREF(u);
+  }
+  return out;
+}
+
 static PyMethodDef module_methods[] = {
+    {"backend_null_entries", mod_backend_null_entries, METH_VARARGS,
+     "backend_null_entries(name) -> names of the NULL entries of backend 'cpu' or 'cuda' (None if not built)"},
     {"build_info_json", mod_build_info_json, METH_NOARGS, "what the build found and used, as JSON"},
     {"runtime_info", mod_runtime_info, METH_NOARGS, "devices and libraries found at run time"},
     {"all_reduce", mod_all_reduce, METH_VARARGS, "all_reduce(tensors, op): in place, op 0 = sum, 1 = mean"},

@@ -35,6 +35,30 @@ int dp_cuda_softmax_xent(dp_cuda_stream s, int64_t N, int K, const float *logits
                          float *dlogits, float *row_loss, int32_t *row_correct);
 int dp_cuda_bias_fill(dp_cuda_stream s, int64_t n, int64_t C, int64_t HW, const float *bias, float *y);
 
+/* kernels/layers.cu */
+int dp_cuda_fill(dp_cuda_stream s, int64_t n, float *x, float value);
+int dp_cuda_add(dp_cuda_stream s, int64_t n, const float *a, const float *b, float *y);
+int dp_cuda_scale(dp_cuda_stream s, int64_t n, float *x, float alpha);
+/* x (planes, HW) -> y (planes); backward dx (planes, HW) = dy / HW */
+int dp_cuda_global_avgpool_forward(dp_cuda_stream s, int64_t planes, int HW, const float *x, float *y);
+int dp_cuda_global_avgpool_backward(dp_cuda_stream s, int64_t planes, int HW, const float *dy, float *dx);
+/* out (C) = per-channel sums of x (N, C, HW), of (x - mean)^2 when mean != NULL.
+ * Also the bias gradients: conv (dy (N, O, OH*OW)) and dense (dy (N, nout), HW = 1).
+ * One block per channel, fixed order: deterministic. */
+int dp_cuda_channel_sums(dp_cuda_stream s, int64_t N, int C, int HW, const float *x, const float *mean, float *out);
+int dp_cuda_bn_backward_sums(dp_cuda_stream s, int64_t N, int C, int HW, const float *x, const float *dy,
+                             const float *mean, const float *invstd, float *sum_dy, float *sum_dy_xhat);
+int dp_cuda_bn_finalize(dp_cuda_stream s, int C, const float *sqdev, float count, const float *mean, float eps,
+                        float momentum, int update_running, float *invstd, float *running_mean, float *running_var);
+int dp_cuda_bn_apply(dp_cuda_stream s, int64_t N, int C, int HW, const float *x, const float *mean,
+                     const float *invstd, const float *gamma, const float *beta, float *y);
+int dp_cuda_bn_backward_dx(dp_cuda_stream s, int64_t N, int C, int HW, const float *x, const float *dy,
+                           const float *mean, const float *invstd, const float *gamma, const float *sum_dy,
+                           const float *sum_dy_xhat, float inv_count, float *dx);
+/* y (n) = parts[0] + ... + parts[nparts-1] in that order (dp_sum_parts_elem);
+ * parts is a DEVICE array of device pointers; y may alias parts[0]. */
+int dp_cuda_sum_parts(dp_cuda_stream s, int64_t n, const float *const *parts, int nparts, float *y);
+
 #ifdef __cplusplus
 }
 #endif

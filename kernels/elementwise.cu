@@ -6,19 +6,13 @@
 #include <stdio.h>
 
 #include "dp_cuda.h"
+#include "launch.cuh"
 
 namespace {
 
-constexpr int kThreads = 256;
-
-int grid_for(int64_t n) {
-  int64_t blocks = (n + kThreads - 1) / kThreads;
-  if (blocks > 65535LL * 8) blocks = 65535LL * 8;  // grid-stride covers the rest
-  return blocks < 1 ? 1 : (int)blocks;
-}
-
-#define DP_GRID_STRIDE(i, n) \
-  for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < (n); i += (int64_t)gridDim.x * blockDim.x)
+using dp_launch::grid_for;
+using dp_launch::kThreads;
+using dp_launch::launched;
 
 __global__ void relu_forward_kernel(int64_t n, const float *x, float *y) {
   DP_GRID_STRIDE(i, n) y[i] = dp_relu_forward_elem(x[i]);
@@ -55,8 +49,6 @@ __global__ void softmax_xent_kernel(int64_t N, int K, const float *logits, const
 __global__ void bias_fill_kernel(int64_t n, int64_t C, int64_t HW, const float *bias, float *y) {
   DP_GRID_STRIDE(i, n) y[i] = dp_bias_value_elem(bias, i, C, HW);
 }
-
-int launched() { return (int)cudaGetLastError(); }
 
 }  // namespace
 

@@ -79,3 +79,56 @@ def test_every_dp_hd_body_is_used_by_the_cpu_backend():
     # and the CUDA launchers use the same bodies, not copies
     for body in re.findall(r"\b(dp_\w+_elem)\(", cuda):
         assert body in bodies
+
+
+needs_cuda_backend = pytest.mark.skipif(not INFO.get("cuda_backend"), reason="dpcore was built without the CUDA "
+                                        "backend (needs the CUDA toolkit, cuDNN and cuBLAS; or DPCORE_CUDA=0)")
+
+
+def test_cpu_backend_fills_every_table_entry():
+    assert dp._core.backend_null_entries("cpu") == []
+
+
+@needs_cuda_backend
+def test_cuda_backend_fills_every_table_entry():
+    """csrc/backend_table.c lists every member of dp_backend (a _Static_assert
+    checks the count), so an entry the CUDA table forgets shows up here."""
+    assert dp._core.backend_null_entries("cuda") == []
+
+
+def test_backend_null_entries_rejects_unknown_names():
+    with pytest.raises(ValueError, match="unknown backend"):
+        dp._core.backend_null_entries("tpu")
+    if not INFO.get("cuda_backend"):
+        assert dp._core.backend_null_entries("cuda") is None
+
+
+def test_every_cuda_launcher_is_defined_once():
+    """Each launcher declared in kernels/dp_cuda.h has exactly one definition in kernels/*.cu."""
+    header = (ROOT / "kernels" / "dp_cuda.h").read_text()
+    declared = re.findall(r"^int (dp_cuda_\w+)\(", header, flags=re.M)
+    assert len(declared) >= 20
+    sources = "\n".join(p.read_text() for p in (ROOT / "kernels").glob("*.cu"))
+    for name in declared:
+        assert len(re.findall(rf"^int {name}\(", sources, flags=re.M)) == 1, name
+
+
+@needs_cuda_backend
+def test_cuda_model_without_a_gpu_is_a_device_error():
+    if INFO["cuda_device_count"] > 0:
+        pytest.skip("a CUDA device is present: this test is about machines without one")
+    with pytest.raises(dp.DeviceError, match="cudaGetDeviceCount"):
+        dp._core.Model((1, 28, 28), [("flatten",), ("dense", 10)], device_kind="cuda")
+
+
+def test_model_rejects_unknown_device_kinds():
+    with pytest.raises(ValueError, match="device_kind"):
+        dp._core.Model((1, 28, 28), [("flatten",), ("dense", 10)], device_kind="tpu")
+
+
+def test_logical_gpus_need_a_gpu():
+    if INFO["cuda_device_count"] > 0:
+        pytest.skip("a CUDA device is present")
+    with pytest.raises(ValueError, match="usable CUDA device"):
+        dp.set_logical_devices("cuda", 2)
+    assert not [d for d in dp.list_devices() if d.startswith("cuda")]

@@ -14,7 +14,7 @@ import numpy as np
 
 from . import _core
 from .batches import as_images, as_labels
-from .devices import check_device, device_index, device_threads
+from .devices import check_device, device_gpu, device_index, device_kind, device_threads
 from .parallel import Tensor
 from .strategy import get_strategy
 
@@ -64,7 +64,7 @@ class Sequential:
             raise ValueError(f"a device appears twice in {devices}")
         self._replicas = [
             _core.Model(tuple(input_shape), self._specs, threads or device_threads(d), device_index(d),
-                        self._sources)
+                        self._sources, device_kind(d), device_gpu(d) if device_kind(d) == "cuda" else 0)
             for d in devices
         ]
         self._model = self._replicas[0]

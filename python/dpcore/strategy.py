@@ -28,6 +28,11 @@ class MirroredStrategy:
         if devices is None:
             available = list_devices()
             gpus = [d for d in available if d.startswith("cuda:")]
+            if len(gpus) > 1:
+                # TODO(issue 5, item 3): NCCL / logical-GPU all-reduce; until then one GPU replica
+                warnings.warn(f"MirroredStrategy: all-reduce across CUDA replicas is not implemented yet; "
+                              f"using {gpus[0]} of {gpus}", RuntimeWarning, stacklevel=2)
+                gpus = gpus[:1]
             devices = gpus or [d for d in available if d.startswith("cpu:")]
             if not gpus and '"cuda": true' in _core.build_info_json():
                 # built for GPUs but none is usable here: say why, then train on the CPU
