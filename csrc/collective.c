@@ -66,7 +66,25 @@ void dp_allreduce(float *const *bufs, int k, int rank, int64_t n, dp_reduce_op o
   int64_t begin, end;
   dp_allreduce_chunk(n, k, rank, &begin, &end);
   const float scale = op == DP_REDUCE_MEAN ? 1.0f / (float)k : 1.0f;
-  /* Blocks of 1024 floats stay in L1 between the sum and the k copies out.
+  /* Two to four replicas (the common case): the rank-ordered sum in registers,
+   * stored straight to every buffer: k loads and k stores per element.
+   * Iteration i touches only index i of each buffer, hence `omp simd`. */
+  if (k <= 4) {
+    float *b0 = bufs[0], *b1 = bufs[1], *b2 = k > 2 ? bufs[2] : NULL, *b3 = k > 3 ? bufs[3] : NULL;
+    if (k == 2) {
+#pragma omp simd
+      for (int64_t i = begin; i < end; ++i) b0[i] = b1[i] = (b0[i] + b1[i]) * scale;
+    } else if (k == 3) {
+#pragma omp simd
+      for (int64_t i = begin; i < end; ++i) b0[i] = b1[i] = b2[i] = ((b0[i] + b1[i]) + b2[i]) * scale;
+    } else {
+#pragma omp simd
+      for (int64_t i = begin; i < end; ++i) b0[i] = b1[i] = b2[i] = b3[i] = (((b0[i] + b1[i]) + b2[i]) + b3[i]) * scale;
+    }
+    dp_barrier_wait(bar);
+    return;
+  }
+  /* More replicas: blocks of 1024 floats stay in L1 between the sum and the k copies out.
    * The sum is dp_sum_parts_elem's order (p0 + p1) + p2 ..., taken replica by
    * replica over the block so each pass is one vector add per 8 floats. */
   float acc[1024];
