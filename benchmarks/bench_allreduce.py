@@ -74,7 +74,6 @@ import ctypes.util  # noqa: E402
 import datetime  # noqa: E402
 import math  # noqa: E402
 import sys  # noqa: E402
-import tempfile  # noqa: E402
 import threading  # noqa: E402
 import time  # noqa: E402
 
@@ -82,7 +81,7 @@ import numpy as np  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from bench_lenet_cpu import command_line, machine_info  # noqa: E402
+from bench_lenet_cpu import command_line, machine_info, replace_section  # noqa: E402
 
 DEFAULT_RESULTS = os.path.join(HERE, "RESULTS.md")
 SECTION_TITLE = "## All-reduce bus bandwidth (in-process, CPU)"
@@ -110,37 +109,6 @@ def import_core(tries=6, wait=5.0):
                 log("dpcore import failed (%s); retrying in %.0f s" % (err, wait))
                 time.sleep(wait)
     return None, err
-
-
-def replace_section(path, title, section):
-    """Replace (or append) the section headed `title` in RESULTS.md, keeping every other
-    section; written atomically (temp file + os.replace). The same steps as
-    bench_lenet_cpu.write_results, with the title as a parameter."""
-    if os.path.exists(path):
-        with open(path) as f:
-            text = f.read()
-    else:
-        text = "# Benchmark results\n"
-    lines = text.splitlines()
-    start = next((i for i, l in enumerate(lines) if l.strip() == title), None)
-    if start is None:
-        kept = text.rstrip("\n") + "\n\n" + section
-    else:
-        end = next((j for j in range(start + 1, len(lines)) if lines[j].startswith("## ")), len(lines))
-        before = "\n".join(lines[:start]).rstrip("\n")
-        after = "\n".join(lines[end:]).strip("\n")
-        kept = (before + "\n\n" if before else "") + section.rstrip("\n") + "\n" + ("\n" + after + "\n" if after else "")
-    kept = kept.rstrip("\n") + "\n"
-    fd, tmp = tempfile.mkstemp(prefix=".RESULTS.", suffix=".md.tmp", dir=os.path.dirname(os.path.abspath(path)))
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(kept)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
 
 
 class CpuWindow:

@@ -375,22 +375,23 @@ def section_text(args, summaries, ratio_min, ratio_mean, load_before, load_after
     return "\n".join(lines)
 
 
-def write_results(path, section):
-    """Replace (or append) our section in RESULTS.md, keeping every other section; atomic."""
+def replace_section(path, title, section):
+    """Replace (or append) the section headed `title` in RESULTS.md, keeping every other
+    section; written atomically (temp file + os.replace). Every benchmark writes through this."""
     if os.path.exists(path):
         with open(path) as f:
             text = f.read()
     else:
         text = "# Benchmark results\n"
     lines = text.splitlines()
-    start = next((i for i, l in enumerate(lines) if l.strip() == SECTION_TITLE), None)
+    start = next((i for i, l in enumerate(lines) if l.strip() == title), None)
     if start is None:
         kept = text.rstrip("\n") + "\n\n" + section
     else:
         end = next((j for j in range(start + 1, len(lines)) if lines[j].startswith("## ")), len(lines))
         before = "\n".join(lines[:start]).rstrip("\n")
         after = "\n".join(lines[end:]).strip("\n")
-        kept = (before + "\n\n" if before else "") + section + ("\n" + after + "\n" if after else "")
+        kept = (before + "\n\n" if before else "") + section.rstrip("\n") + "\n" + ("\n" + after + "\n" if after else "")
     kept = kept.rstrip("\n") + "\n"
     fd, tmp = tempfile.mkstemp(prefix=".RESULTS.", suffix=".md.tmp", dir=os.path.dirname(os.path.abspath(path)))
     try:
@@ -402,6 +403,11 @@ def write_results(path, section):
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+
+
+def write_results(path, section):
+    """Replace (or append) this benchmark's section in RESULTS.md."""
+    replace_section(path, SECTION_TITLE, section)
 
 
 def run_parent(args):

@@ -117,8 +117,7 @@ def main():
     section = "\n".join(lines)
     print(section)
     if args.write:
-        common.SECTION_TITLE = SECTION_TITLE
-        common.write_results(common.DEFAULT_RESULTS, section)
+        common.replace_section(common.DEFAULT_RESULTS, SECTION_TITLE, section)
 
 
 if __name__ == "__main__":

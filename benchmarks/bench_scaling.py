@@ -587,8 +587,7 @@ def run_parent(args):
         if args.part != "both":
             log("--write needs --part both (the section holds both tables)")
             return 1
-        # bench_allreduce.replace_section: bench_lenet_cpu.write_results with the title as a parameter
-        from bench_allreduce import replace_section
+        from bench_lenet_cpu import replace_section
         replace_section(args.results, SECTION_TITLE,
                         section_text(args, runs, fx, load_before, load_after, others, wall))
         print("updated %s" % args.results)
