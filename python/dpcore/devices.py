@@ -14,6 +14,7 @@ k logical GPUs (each replica then has its own stream on the shared GPU):
 import warnings
 
 from . import _core
+from .info import build_flags
 
 __all__ = ["list_devices", "set_logical_devices", "device_threads", "check_device"]
 
@@ -27,7 +28,7 @@ def _cores():
 
 def _gpu_count():
     """Physical GPUs the CUDA backend can use here (0 without the backend or a driver)."""
-    if '"cuda_backend": true' not in _core.build_info_json():
+    if not build_flags().get("cuda_backend"):
         return 0
     return _core.runtime_info()["cuda_device_count"]
 

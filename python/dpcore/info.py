@@ -1,7 +1,14 @@
 """What the build found and what this machine has."""
+import functools
 import json
 
 from . import _core
+
+
+@functools.lru_cache(maxsize=None)
+def build_flags():
+    """What the build found and used (fixed for the life of the process; parsed once)."""
+    return json.loads(_core.build_info_json())
 
 
 def build_info():
@@ -13,7 +20,7 @@ def build_info():
     ``cuda_why`` (why no CUDA device is usable, e.g. no driver), and
     ``summary``, a one-line dict for logs.
     """
-    info = json.loads(_core.build_info_json())
+    info = dict(build_flags())
     info.update(_core.runtime_info())
     info["summary"] = {
         "cuda": info["cuda_toolkit"] if info["cuda"] else "not built",

@@ -226,18 +226,17 @@ class Sequential:
             raise
 
     # ---- running -----------------------------------------------------------
-    def _batches(self, data, batch_size):
-        """(images, labels|None) batches from an iterator of (X, y) or from an array X."""
+    def _labelled_batches(self, data, what):
+        """The (images, labels) batches of a dataset iterator, checked and converted."""
         if isinstance(data, np.ndarray):
-            X = as_images(data, self.input_shape)
-            for i in range(0, len(X), batch_size):
-                yield X[i:i + batch_size], None
-        else:
-            for batch in data:
-                if not (isinstance(batch, tuple) and len(batch) == 2):
-                    raise TypeError("a data iterator must yield (images, labels) pairs")
-                X, y = batch
-                yield as_images(X, self.input_shape), as_labels(y, len(X))
+            raise TypeError(f"{what} needs labels: pass an iterator of (images, labels) batches, e.g. "
+                            f"dp.data.from_arrays(X, y, batch_size), not an array")
+        for batch in data:
+            if not (isinstance(batch, tuple) and len(batch) == 2):
+                raise TypeError(f"{what}: a data iterator must yield (images, labels) pairs")
+            X, y = batch
+            X = as_images(X, self.input_shape)
+            yield X, as_labels(y, len(X))
 
     def predict(self, X, batch_size=1024):
         """Logits (N, num_classes) as float32 for images (N, C, H, W) or (N, H, W)."""
@@ -249,9 +248,7 @@ class Sequential:
     def evaluate(self, data_iter):
         """Mean loss and accuracy over a dataset iterator: Metrics(loss, accuracy, num_examples)."""
         loss, correct, n = 0.0, 0, 0
-        for X, y in self._batches(data_iter, 1024):
-            if y is None:
-                raise TypeError("evaluate needs labels: pass an iterator of (images, labels)")
+        for X, y in self._labelled_batches(data_iter, "evaluate"):
             batch_loss, batch_correct = (self._mirrored or self._model).evaluate(X, y)
             loss += batch_loss
             correct += batch_correct

@@ -16,6 +16,7 @@ import warnings
 
 from . import _core
 from .devices import list_devices
+from .info import build_flags
 from .parallel import _devices
 
 __all__ = ["MirroredStrategy", "get_strategy"]
@@ -34,7 +35,7 @@ class MirroredStrategy:
                               f"using {gpus[0]} of {gpus}", RuntimeWarning, stacklevel=2)
                 gpus = gpus[:1]
             devices = gpus or [d for d in available if d.startswith("cpu:")]
-            if not gpus and '"cuda": true' in _core.build_info_json():
+            if not gpus and build_flags()["cuda"]:
                 # built for GPUs but none is usable here: say why, then train on the CPU
                 why = _core.runtime_info()["cuda_why"]
                 warnings.warn(f"MirroredStrategy: no usable CUDA device ({why}); using {devices}", RuntimeWarning,

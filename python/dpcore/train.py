@@ -83,9 +83,7 @@ def train(net, train_iter, test_iter=None, num_epochs=10, lr=0.1, momentum=0.0, 
     for epoch in range(num_epochs):
         loss_sum, correct, seen = 0.0, 0, 0
         start = time.perf_counter()
-        for X, y in net._batches(train_iter, 0):
-            if y is None:
-                raise TypeError("train_iter must yield (images, labels) pairs")
+        for X, y in net._labelled_batches(train_iter, "train_iter"):
             batch_loss, batch_correct = step(X, y, lr, momentum, weight_decay)
             loss_sum += batch_loss
             correct += batch_correct
