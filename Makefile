@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 export VENV
 
-.PHONY: setup train test test-cpu-only test-gpu bench clean
+.PHONY: setup train test test-cpu-only test-gpu bench bench-gpu clean
 
 setup:
 	scripts/bootstrap.sh
@@ -21,9 +21,13 @@ test-cpu-only:
 	DPCORE_CUDA=0 VENV=.venv-cpu scripts/bootstrap.sh
 	.venv-cpu/bin/python -m pytest -q -ra -m "not slow" tests
 
-# The GPU tests (skipped, with the reason, where no CUDA device is usable).
+# The GPU tests of every file (skipped, with the reason, where no CUDA device is usable).
 test-gpu: setup
-	$(PY) -m pytest -m gpu tests/test_gpu.py -ra
+	$(PY) -m pytest -m gpu tests -ra
+
+# The GPU benchmark: LeNet epochs, ResNet-18 images/s, logical-GPU all-reduce; PyTorch beside when installed.
+bench-gpu: setup
+	$(PY) benchmarks/bench_gpu.py
 
 bench: setup
 	$(PY) benchmarks/bench_lenet_cpu.py

@@ -17,6 +17,7 @@ import sysconfig
 
 import numpy
 from setuptools import Extension, setup
+from setuptools.command.build import build
 from setuptools.command.build_ext import build_ext
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -73,6 +74,17 @@ def find_cuda():
 def find_mpi():
     mpicc = shutil.which("mpicc")
     return {"mpicc": mpicc} if mpicc else None
+
+
+class Build(build):
+    """One build tree per variant (build/cuda, build/cpu): otherwise the CPU-only
+    build finds the CUDA build's newer _core.so in the shared build/lib and
+    installs it without relinking (or the reverse)."""
+
+    def finalize_options(self):
+        if self.build_base == "build":
+            self.build_base = os.path.join("build", VARIANT)
+        super().finalize_options()
 
 
 class BuildExt(build_ext):
@@ -139,7 +151,7 @@ def extension():
         incs.append(cuda["include"])
         objs.append(os.path.join(cuda["libdir"], "libcudart_static.a"))
         libs += ["dl", "rt", "pthread", "stdc++"]
-        if cuda["cudnn"] or cuda["cublas"]:
+        if cuda["cudnn"] or cuda["cublas"] or cuda["nccl"]:
             libdirs.append(cuda["libdir"])
             rpath.append(cuda["libdir"])
         if cuda["cudnn"]:
@@ -148,6 +160,10 @@ def extension():
         if cuda["cublas"]:
             macros.append(("DP_HAVE_CUBLAS", "1"))
             libs.append("cublas")
+        if cuda["nccl"]:
+            # the all-reduce across distinct GPUs (csrc/comm.c)
+            macros.append(("DP_HAVE_NCCL", "1"))
+            libs.append("nccl")
     build_info = {
         "version": "0.1.0",
         "cuda": bool(cuda), "cuda_toolkit": cuda["version"] if cuda else None, "cuda_why": CONFIG["cuda_why"],
@@ -156,7 +172,7 @@ def extension():
         "cublas_linked": bool(cuda and cuda["cublas"]),
         # the CUDA backend (csrc/backend_cuda.c) needs the toolkit, cuDNN and cuBLAS
         "cuda_backend": bool(cuda and cuda["cudnn"] and cuda["cublas"]),
-        "nccl_found": bool(cuda and cuda["nccl"]),
+        "nccl_found": bool(cuda and cuda["nccl"]), "nccl_linked": bool(cuda and cuda["nccl"]),
         "mpi_found": bool(CONFIG["mpi"]),
         "blas": blas["name"], "blas_library": blas["library"],
         "cflags": " ".join(cflags), "ldflags": " ".join(ldflags),
@@ -184,4 +200,4 @@ def extension():
     )
 
 
-setup(ext_modules=[extension()], cmdclass={"build_ext": BuildExt})
+setup(ext_modules=[extension()], cmdclass={"build": Build, "build_ext": BuildExt})

@@ -43,6 +43,10 @@ struct dp_backend {
   dp_status (*fill)(dp_device *dev, float *x, int64_t n, float value);
   /* y (n) = x (n uint8) / 255 */
   dp_status (*u8_to_unit)(dp_device *dev, float *y, const uint8_t *x, int64_t n);
+  /* dst row r = src row rows[r] for r < nrows, rows of row_bytes bytes; rows
+   * (int32, each checked by the caller) and both buffers are device memory */
+  dp_status (*gather_rows)(dp_device *dev, int64_t nrows, int64_t row_bytes, const void *src, const int32_t *rows,
+                           void *dst);
 
   /* y = conv(x, w) + b.  x (N,C,H,W), w (O,C,KH,KW), b (O), y (N,O,OH,OW) */
   dp_status (*conv2d_forward)(dp_device *dev, const dp_conv_geom *g, int64_t N, const float *x, const float *w,
@@ -118,6 +122,10 @@ dp_status dp_cpu_device_init(dp_device *dev, int index, int nthreads);
 dp_status dp_cuda_device_init(dp_device *dev, int index, int physical_gpu);
 /* cuDNN algorithms: deterministic ones only (the default) or any. */
 dp_status dp_cuda_set_deterministic(dp_device *dev, int deterministic);
+/* A CUDA device's physical GPU ordinal and its stream (a cudaStream_t), for
+ * the collectives (csrc/collective_cuda.c); -1 / NULL for other devices. */
+int dp_cuda_device_gpu(const dp_device *dev);
+void *dp_cuda_device_stream(const dp_device *dev);
 /* Calls the backend's destroy hook; safe on a zeroed or destroyed device. */
 void dp_device_destroy(dp_device *dev);
 

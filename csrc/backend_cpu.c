@@ -66,6 +66,16 @@ static dp_status cpu_fill(dp_device *dev, float *x, int64_t n, float value) {
   return DP_OK;
 }
 
+/* Whole rows at a time (dp_gather_elem is the GPU's byte-at-a-time form of
+ * this; tests/c/kernel_bodies.c checks that the two agree). */
+static dp_status cpu_gather_rows(dp_device *dev, int64_t nrows, int64_t row_bytes, const void *src,
+                                 const int32_t *rows, void *dst) {
+#pragma omp parallel for num_threads(dev->nthreads) schedule(static) if (nrows * row_bytes > (1 << 20))
+  for (int64_t r = 0; r < nrows; ++r)
+    memcpy((char *)dst + r * row_bytes, (const char *)src + (int64_t)rows[r] * row_bytes, (size_t)row_bytes);
+  return DP_OK;
+}
+
 static dp_status cpu_u8_to_unit(dp_device *dev, float *y, const uint8_t *x, int64_t n) {
 #pragma omp parallel for simd num_threads(dev->nthreads) schedule(static) if (n > 65536)
   for (int64_t i = 0; i < n; ++i) y[i] = dp_u8_to_unit_elem(x[i]);
@@ -524,6 +534,7 @@ static const dp_backend cpu_backend = {
     .copy_to_host = cpu_copy,
     .fill = cpu_fill,
     .u8_to_unit = cpu_u8_to_unit,
+    .gather_rows = cpu_gather_rows,
     .conv2d_forward = cpu_conv2d_forward,
     .conv2d_backward = cpu_conv2d_backward,
     .dense_forward = cpu_dense_forward,

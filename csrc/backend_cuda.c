@@ -6,28 +6,64 @@
  * this repository's CI (see tests/test_gpu.py, which checks it against the CPU
  * backend where a GPU is present).
  *
- * - Memory: plain cudaMalloc per allocation (no managed memory, no arena: the
- *   model allocates a few large buffers once and grows activations rarely).
+ * - Memory: one arena per logical device (csrc/arena.c) over chunks from
+ *   cudaMalloc (never managed memory): every buffer of the device (the model's,
+ *   the cuDNN workspace, the loss rows) is a block of it, so growing or
+ *   replacing a buffer reuses device memory without a cudaMalloc/cudaFree pair
+ *   (each of which synchronizes). dp_cuda_memory_stats reports it.
  * - Ordering: every kernel, cuDNN and cuBLAS call is issued on the device's
  *   stream, so the calls of one replica are ordered among themselves without
  *   host synchronization. The host waits (cudaStreamSynchronize) only where it
- *   reads device data (copy_to_host, softmax_xent's sums) or where a host
- *   buffer must be free for reuse on return (copy_to_device from host memory).
+ *   reads device data (copy_to_host, softmax_xent's sums), before a released
+ *   block can be handed out again, and when settings change.
+ * - Copies from host memory go through a pinned staging buffer per device (two
+ *   regions, an event each), so that they are truly asynchronous and the
+ *   caller's buffer is free on return; see cuda_copy_to_device.
  * - Threads: the replica thread that drives a device is not the thread that
  *   created it, and the current device is per host thread (CUDA Runtime API,
  *   cudaSetDevice), so every entry point first makes the device's GPU current.
  * - Convolutions: cuDNN, algorithms from the cudnnGetConvolution*Algorithm_v7
  *   heuristics (no benchmarking), deterministic ones unless told otherwise,
- *   FMA math (no TF32). Plans (descriptors, algorithms, workspace sizes) are
- *   cached per (geometry, batch).
- * - Dense layers: cublasSgemm in CUBLAS_DEFAULT_MATH (no TF32), see dense_*.
+ *   FMA math (no TF32) unless TF32 is allowed. Plans (descriptors, algorithms,
+ *   math types, workspace sizes) are cached per (geometry, batch).
+ * - Dense layers: cublasSgemm in CUBLAS_DEFAULT_MATH (no TF32) unless TF32 is
+ *   allowed (CUBLAS_TF32_TENSOR_OP_MATH), see dense_*.
+ * - Settings: deterministic algorithms and TF32 per device
+ *   (dp_cuda_set_deterministic, dp_cuda_set_allow_tf32) and process-wide
+ *   (dp_cuda_set_defaults, which dpcore.set_deterministic / set_allow_tf32
+ *   call): a device takes a process-wide change before its next convolution or
+ *   dense layer (cuda_follow_defaults).
  * - Our own kernels (kernels/ .cu files) run the DP_HD bodies of kernels/dp_kernels.h,
  *   the arithmetic the CPU backend runs.
  */
 #include "backend.h"
 
+#include <stdatomic.h>
+
+#include "arena.h"
+
+/* The process-wide settings in one word, so that a reader sees both values of
+ * one dp_cuda_set_defaults call: bit 0 deterministic, bit 1 allow_tf32, the
+ * bits above count the calls (a device compares the whole word with the one
+ * it last applied). Kept in the CPU-only build too, where nothing reads them. */
+static _Atomic unsigned long long cuda_defaults = 1u; /* deterministic, no TF32 */
+
+void dp_cuda_set_defaults(int deterministic, int allow_tf32) {
+  unsigned long long old = atomic_load(&cuda_defaults), next;
+  do {
+    next = (((old >> 2) + 1u) << 2) | (allow_tf32 ? 2u : 0u) | (deterministic ? 1u : 0u);
+  } while (!atomic_compare_exchange_weak(&cuda_defaults, &old, next));
+}
+
+void dp_cuda_get_defaults(int *deterministic, int *allow_tf32) {
+  const unsigned long long s = atomic_load(&cuda_defaults);
+  *deterministic = (int)(s & 1u);
+  *allow_tf32 = (int)((s >> 1) & 1u);
+}
+
 #if defined(DP_HAVE_CUDA) && defined(DP_HAVE_CUDNN) && defined(DP_HAVE_CUBLAS)
 
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -49,15 +85,34 @@ typedef struct conv_plan {
   cudnnConvolutionFwdAlgo_t fwd;
   cudnnConvolutionBwdDataAlgo_t bwd_data;
   cudnnConvolutionBwdFilterAlgo_t bwd_filter;
+  /* the math type each algorithm runs with, set on d.conv before each call */
+  cudnnMathType_t fwd_math, bwd_data_math, bwd_filter_math;
   size_t fwd_bytes, bwd_data_bytes, bwd_filter_bytes;
 } conv_plan;
+
+/* Pinned staging: regions of at least STAGING_MIN and at most STAGING_MAX
+ * bytes (two of them: 16 MiB of page-locked memory per device at most, which
+ * cudaHostAlloc's reference asks to use sparingly). */
+#define STAGING_MIN ((size_t)64 << 10)
+#define STAGING_MAX ((size_t)8 << 20)
 
 typedef struct cuda_ctx {
   int gpu;                 /* physical device ordinal */
   int deterministic;       /* cuDNN: deterministic algorithms only */
+  int allow_tf32;          /* cuBLAS and cuDNN may use TF32 tensor cores */
+  unsigned long long defaults_seen; /* the cuda_defaults word last applied */
   cudaStream_t stream;
   cudnnHandle_t cudnn;
   cublasHandle_t cublas;
+  dp_arena *arena;         /* every device buffer of this device */
+  /* host-to-device staging: two pinned regions of region_bytes each; staged[r]
+   * marks the end of the last copy out of region r */
+  pthread_mutex_t staging_mutex;
+  int staging_mutex_ready;
+  char *staging;
+  size_t region_bytes;
+  cudaEvent_t staged[2];
+  int next_region;
   void *workspace;         /* cuDNN workspace, grows on demand */
   size_t workspace_bytes;
   float *row_loss;         /* softmax_xent: (rows) on the device */
@@ -76,23 +131,46 @@ typedef struct cuda_ctx {
 
 /* ---- memory and copies ------------------------------------------------------ */
 
-static dp_status cuda_alloc(dp_device *dev, size_t bytes, void **out) {
-  CUDA_ENTER(dev, c);
-  size_t rounded = (bytes + 255) & ~(size_t)255;
-  if (rounded == 0) rounded = 256;
-  void *p = NULL;
-  cudaError_t e = cudaMalloc(&p, rounded);
+/* The arena's chunks. It calls these from cuda_alloc / cuda_scratch (whose
+ * CUDA_ENTER made the GPU current) and from cuda_destroy. */
+static dp_status cuda_chunk_alloc(void *ctx, size_t bytes, void **out) {
+  const cuda_ctx *c = ctx;
+  cudaError_t e = cudaMalloc(out, bytes);
   if (e == cudaErrorMemoryAllocation) {
     cudaGetLastError(); /* not sticky; clear it */
-    return DP_FAIL(DP_ERR_MEMORY, "cannot allocate %zu bytes on %s (cudaMalloc: out of memory)", bytes, dev->name);
+    return DP_FAIL(DP_ERR_MEMORY, "cannot reserve %zu bytes on GPU %d (cudaMalloc: out of memory)", bytes, c->gpu);
   }
   DP_CUDA_CHECK(e);
+  return DP_OK;
+}
+
+static void cuda_chunk_free(void *ctx, void *chunk) {
+  (void)ctx;
+  cudaFree(chunk);
+}
+
+/* A block of the device's arena, contents undefined: the scratch buffers.
+ * The name goes into the error message. */
+static dp_status cuda_scratch(dp_device *dev, cuda_ctx *c, size_t bytes, void **out) {
+  dp_status st = dp_arena_alloc(c->arena, bytes, out);
+  if (st != DP_OK) {
+    char why[512];
+    snprintf(why, sizeof why, "%s", dp_error_message());
+    return DP_FAIL(st, "cannot allocate %zu bytes on %s: %s", bytes, dev->name, why);
+  }
+  return DP_OK;
+}
+
+static dp_status cuda_alloc(dp_device *dev, size_t bytes, void **out) {
+  CUDA_ENTER(dev, c);
+  void *p = NULL;
+  DP_TRY(cuda_scratch(dev, c, bytes, &p));
   /* zero-filled as the table promises; synchronized so that the zeros are
    * visible to work on any stream (the collectives read other replicas' buffers) */
-  cudaError_t z = cudaMemsetAsync(p, 0, rounded, c->stream);
+  cudaError_t z = bytes ? cudaMemsetAsync(p, 0, bytes, c->stream) : cudaSuccess;
   if (z == cudaSuccess) z = cudaStreamSynchronize(c->stream);
   if (z != cudaSuccess) {
-    cudaFree(p);
+    dp_arena_release(c->arena, p);
     return DP_FAIL(DP_ERR_CUDA, "zero-filling a new buffer on %s failed: %s (%d): %s", dev->name, cudaGetErrorName(z),
                    (int)z, cudaGetErrorString(z));
   }
@@ -100,12 +178,18 @@ static dp_status cuda_alloc(dp_device *dev, size_t bytes, void **out) {
   return DP_OK;
 }
 
+/* Work still queued on this device's stream may use p, so the stream finishes
+ * before the arena may hand p out again (as cudaFree waited before). Work on
+ * other streams that reads p is its caller's to order, as for copies between
+ * devices. If the stream cannot be synchronized (a broken context), p stays
+ * out of use until cuda_destroy gives the whole arena back. */
 static void cuda_release(dp_device *dev, void *p) {
   cuda_ctx *c = dev->ctx;
-  if (cudaSetDevice(c->gpu) != cudaSuccess) return;
-  /* work still queued on the stream may use p */
-  cudaStreamSynchronize(c->stream);
-  cudaFree(p);
+  if (cudaSetDevice(c->gpu) == cudaSuccess && cudaStreamSynchronize(c->stream) == cudaSuccess) {
+    dp_arena_release(c->arena, p); /* an unknown p is a caller's bug with nothing to report it to */
+    return;
+  }
+  cudaGetLastError();
 }
 
 static int is_device_pointer(const void *p) {
@@ -118,19 +202,90 @@ static int is_device_pointer(const void *p) {
   return a.type == cudaMemoryTypeDevice || a.type == cudaMemoryTypeManaged;
 }
 
-/* dst: this device's memory; src: host memory or device memory. cudaMemcpyDefault
- * infers the direction from the unified address space. From host memory the
- * call waits for the copy, so the caller may reuse or free src on return
- * (an async copy from pageable memory "might be synchronous" only: CUDA
- * Runtime API, "API synchronization behavior"). Device-to-device copies are
- * ordered on this device's stream only: a caller copying from another logical
- * device's memory synchronizes that device first (dp_mirrored_broadcast does). */
+/* Two pinned regions of at least `want` bytes each (at most STAGING_MAX):
+ * grown after every copy out of the old ones has finished. cudaHostAlloc with
+ * cudaHostAllocDefault is cudaMallocHost: page-locked host memory the device
+ * reads by DMA (CUDA Runtime API, cudaHostAlloc). */
+static dp_status staging_reserve(cuda_ctx *c, size_t want) {
+  if (want <= c->region_bytes) return DP_OK;
+  size_t region = STAGING_MIN;
+  while (region < want && region < STAGING_MAX) region *= 2;
+  if (c->staging) {
+    DP_CUDA_CHECK(cudaEventSynchronize(c->staged[0]));
+    DP_CUDA_CHECK(cudaEventSynchronize(c->staged[1]));
+    DP_CUDA_CHECK(cudaFreeHost(c->staging));
+    c->staging = NULL;
+    c->region_bytes = 0;
+  }
+  void *p = NULL;
+  cudaError_t e = cudaHostAlloc(&p, 2 * region, cudaHostAllocDefault);
+  if (e == cudaErrorMemoryAllocation) {
+    cudaGetLastError();
+    return DP_FAIL(DP_ERR_MEMORY, "cannot allocate %zu bytes of pinned host memory (cudaHostAlloc)", 2 * region);
+  }
+  DP_CUDA_CHECK(e);
+  c->staging = p;
+  c->region_bytes = region;
+  c->next_region = 0;
+  return DP_OK;
+}
+
+/* Host bytes to this device, piece by piece through the two regions in turn.
+ * A region is overwritten only after the event recorded behind its last copy
+ * has completed (CUDA Runtime API, Event Management: cudaEventRecord captures
+ * the stream's work queued so far; cudaEventSynchronize waits for it, and
+ * returns at once for an event never recorded). So the next piece's memcpy
+ * overlaps the previous piece's DMA, and the caller's buffer is free on
+ * return. Caller holds staging_mutex. */
+static dp_status stage_to_device(cuda_ctx *c, char *dst, const char *src, size_t bytes) {
+  DP_TRY(staging_reserve(c, bytes < STAGING_MAX ? bytes : STAGING_MAX));
+  while (bytes) {
+    const int r = c->next_region;
+    char *region = c->staging + (size_t)r * c->region_bytes;
+    const size_t n = bytes < c->region_bytes ? bytes : c->region_bytes;
+    DP_CUDA_CHECK(cudaEventSynchronize(c->staged[r]));
+    memcpy(region, src, n);
+    /* from page-locked memory: asynchronous for the host (CUDA Runtime API,
+     * "API synchronization behavior") */
+    DP_CUDA_CHECK(cudaMemcpyAsync(dst, region, n, cudaMemcpyHostToDevice, c->stream));
+    cudaError_t e = cudaEventRecord(c->staged[r], c->stream);
+    if (e != cudaSuccess) {
+      /* the copy just queued is not tracked: let it finish before anyone reuses the region */
+      cudaStreamSynchronize(c->stream);
+      cudaGetLastError();
+      return DP_FAIL(DP_ERR_CUDA, "cudaEventRecord(staged[%d]) failed: %s (%d): %s", r, cudaGetErrorName(e), (int)e,
+                     cudaGetErrorString(e));
+    }
+    c->next_region = 1 - r;
+    dst += n;
+    src += n;
+    bytes -= n;
+  }
+  return DP_OK;
+}
+
+/* dst: this device's memory; src: host memory or device memory.
+ * - From host memory (pageable, or pinned by someone else): through the
+ *   staging regions (stage_to_device). The copy is ordered on this device's
+ *   stream like a kernel, and like a kernel's output dst is ready for other
+ *   streams and the host only after a synchronize. The caller may reuse or
+ *   free src on return. (A cudaMemcpyAsync straight from pageable memory
+ *   "might be synchronous" only, hence the stream sync this replaces.)
+ * - From device memory: cudaMemcpyDefault infers the direction from the
+ *   unified address space; ordered on this device's stream only, so a caller
+ *   copying from another logical device's memory synchronizes that device
+ *   first (dp_mirrored_broadcast does). */
 static dp_status cuda_copy_to_device(dp_device *dev, void *dst, const void *src, size_t bytes) {
   CUDA_ENTER(dev, c);
   if (!bytes) return DP_OK;
-  DP_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, c->stream));
-  if (!is_device_pointer(src)) DP_CUDA_CHECK(cudaStreamSynchronize(c->stream));
-  return DP_OK;
+  if (is_device_pointer(src)) {
+    DP_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, c->stream));
+    return DP_OK;
+  }
+  pthread_mutex_lock(&c->staging_mutex);
+  dp_status st = stage_to_device(c, dst, src, bytes);
+  pthread_mutex_unlock(&c->staging_mutex);
+  return st;
 }
 
 /* Synchronous for the caller: dst holds the data on return. */
@@ -155,27 +310,78 @@ static dp_status cuda_u8_to_unit(dp_device *dev, float *y, const uint8_t *x, int
   return DP_OK;
 }
 
-/* The cuDNN workspace: at least `bytes`. Growing frees the old one after the
- * stream's queued work (which may use it) has finished. */
-static dp_status cuda_workspace(cuda_ctx *c, size_t bytes, void **out) {
+/* The cuDNN workspace: at least `bytes`. Growing gives the old block back
+ * after the stream's queued work (which may use it) has finished. */
+static dp_status cuda_workspace(dp_device *dev, cuda_ctx *c, size_t bytes, void **out) {
   if (bytes > c->workspace_bytes) {
     DP_CUDA_CHECK(cudaStreamSynchronize(c->stream));
-    if (c->workspace) DP_CUDA_CHECK(cudaFree(c->workspace));
+    dp_arena_release(c->arena, c->workspace);
     c->workspace = NULL;
     c->workspace_bytes = 0;
-    DP_CUDA_CHECK(cudaMalloc(&c->workspace, bytes));
+    DP_TRY(cuda_scratch(dev, c, bytes, &c->workspace));
     c->workspace_bytes = bytes;
   }
   *out = bytes ? c->workspace : NULL;
   return DP_OK;
 }
 
+/* ---- settings --------------------------------------------------------------------- */
+
+static void plans_clear(cuda_ctx *c);
+
+/* cuBLAS: CUBLAS_DEFAULT_MATH keeps float32 GEMMs in float32 (its precision
+ * is at least the one asked for); CUBLAS_TF32_TENSOR_OP_MATH lets single
+ * precision routines use TF32 tensor cores (cuBLAS Library User Guide,
+ * cublasMath_t). cuDNN: the plans are made again with the new rules. */
+static dp_status cuda_apply_settings(cuda_ctx *c, int deterministic, int allow_tf32) {
+  deterministic = !!deterministic;
+  allow_tf32 = !!allow_tf32;
+  if (deterministic == c->deterministic && allow_tf32 == c->allow_tf32) return DP_OK;
+  /* the plans' descriptors are destroyed below: let the work queued with them finish first */
+  DP_CUDA_CHECK(cudaStreamSynchronize(c->stream));
+  if (allow_tf32 != c->allow_tf32)
+    DP_CUBLAS_CHECK(cublasSetMathMode(c->cublas, allow_tf32 ? CUBLAS_TF32_TENSOR_OP_MATH : CUBLAS_DEFAULT_MATH));
+  plans_clear(c);
+  c->deterministic = deterministic;
+  c->allow_tf32 = allow_tf32;
+  return DP_OK;
+}
+
+/* Takes the process-wide settings if they changed since this device last did
+ * (dp_cuda_set_defaults); called before every convolution and dense layer. */
+static dp_status cuda_follow_defaults(cuda_ctx *c) {
+  const unsigned long long s = atomic_load_explicit(&cuda_defaults, memory_order_acquire);
+  if (s == c->defaults_seen) return DP_OK;
+  DP_TRY(cuda_apply_settings(c, (int)(s & 1u), (int)((s >> 1) & 1u)));
+  c->defaults_seen = s;
+  return DP_OK;
+}
+
 /* ---- convolution (cuDNN) -------------------------------------------------------- */
 
+/* The math types a plan accepts. cuDNN API reference, cudnnMathType_t:
+ * CUDNN_FMA_MATH restricts cuDNN to FMA kernels; CUDNN_DEFAULT_MATH permits
+ * TF32 tensor cores on float32 data (Ampere and newer); CUDNN_TENSOR_OP_MATH
+ * permits tensor cores; CUDNN_TENSOR_OP_MATH_ALLOW_CONVERSION also converts
+ * float32 down to half, which is not TF32, so it is never accepted. Without
+ * TF32 the descriptor stays in CUDNN_FMA_MATH whatever the heuristics report;
+ * with TF32 each algorithm runs with the math type the heuristics gave it
+ * (cudnnConvolutionFwdAlgoPerf_t.mathType, "the math type provided to the
+ * algorithm"), set on the descriptor before the call. */
+static int math_acceptable(cudnnMathType_t m, int allow_tf32) {
+  if (m == CUDNN_TENSOR_OP_MATH_ALLOW_CONVERSION) return 0;
+  if (m == CUDNN_TENSOR_OP_MATH) return allow_tf32;
+  return 1;
+}
+
+static cudnnMathType_t plan_math(const cuda_ctx *c, cudnnMathType_t heuristic) {
+  return c->allow_tf32 ? heuristic : CUDNN_FMA_MATH;
+}
+
 /* The first algorithm of the heuristics' list (best first) that cuDNN supports
- * for these descriptors, is deterministic when asked, and does not need tensor
- * cores (TF32). The *_WINOGRAD_NONFUSED algorithms are skipped for their
- * precision, as TensorFlow does (NVIDIA developer forum, "Variations in
+ * for these descriptors, is deterministic when asked, and uses tensor cores
+ * only when TF32 is allowed. The *_WINOGRAD_NONFUSED algorithms are skipped for
+ * their precision, as TensorFlow does (NVIDIA developer forum, "Variations in
  * heuristics for selecting conv algorithm in different APIs"). cuDNN API
  * reference: cudnnGetConvolutionForwardAlgorithm_v7 and its BackwardData /
  * BackwardFilter twins fill perfResults with algo, status, memory,
@@ -183,23 +389,30 @@ static dp_status cuda_workspace(cuda_ctx *c, size_t bytes, void **out) {
 #define DP_ACCEPTABLE(perf, c, nonfused)                                                           \
   ((perf).status == CUDNN_STATUS_SUCCESS && (perf).algo != (nonfused) &&                           \
    (!(c)->deterministic || (perf).determinism == CUDNN_DETERMINISTIC) &&                           \
-   (perf).mathType != CUDNN_TENSOR_OP_MATH && (perf).mathType != CUDNN_TENSOR_OP_MATH_ALLOW_CONVERSION)
+   math_acceptable((perf).mathType, (c)->allow_tf32))
 
 enum { MAX_ALGOS = 16 };
 
 static dp_status plan_algorithms(cuda_ctx *c, conv_plan *p) {
   const dp_cudnn_conv_descs *d = &p->d;
   int got = 0, i;
+  /* the math type the heuristics are asked under (the workspace queries below
+   * set each algorithm's own before asking for its size) */
+  const cudnnMathType_t query = c->allow_tf32 ? CUDNN_DEFAULT_MATH : CUDNN_FMA_MATH;
 
   cudnnConvolutionFwdAlgoPerf_t fwd[MAX_ALGOS];
+  DP_CUDNN_CHECK(cudnnSetConvolutionMathType(d->conv, query));
   DP_CUDNN_CHECK(cudnnGetConvolutionForwardAlgorithm_v7(c->cudnn, d->x, d->w, d->conv, d->y, MAX_ALGOS, &got, fwd));
   for (i = 0; i < got && !DP_ACCEPTABLE(fwd[i], c, CUDNN_CONVOLUTION_FWD_ALGO_WINOGRAD_NONFUSED); ++i) {
   }
   if (i == got) return DP_FAIL(DP_ERR_CUDA, "cuDNN offers no suitable forward algorithm (of %d) for this convolution", got);
   p->fwd = fwd[i].algo;
+  p->fwd_math = plan_math(c, fwd[i].mathType);
+  DP_CUDNN_CHECK(cudnnSetConvolutionMathType(d->conv, p->fwd_math));
   DP_CUDNN_CHECK(cudnnGetConvolutionForwardWorkspaceSize(c->cudnn, d->x, d->w, d->conv, d->y, p->fwd, &p->fwd_bytes));
 
   cudnnConvolutionBwdDataAlgoPerf_t bd[MAX_ALGOS];
+  DP_CUDNN_CHECK(cudnnSetConvolutionMathType(d->conv, query));
   DP_CUDNN_CHECK(cudnnGetConvolutionBackwardDataAlgorithm_v7(c->cudnn, d->w, d->y, d->conv, d->x, MAX_ALGOS, &got, bd));
   for (i = 0; i < got && !DP_ACCEPTABLE(bd[i], c, CUDNN_CONVOLUTION_BWD_DATA_ALGO_WINOGRAD_NONFUSED); ++i) {
   }
@@ -207,10 +420,13 @@ static dp_status plan_algorithms(cuda_ctx *c, conv_plan *p) {
     return DP_FAIL(DP_ERR_CUDA, "cuDNN offers no suitable backward-data algorithm (of %d)%s", got,
                    c->deterministic ? " that is deterministic" : "");
   p->bwd_data = bd[i].algo;
+  p->bwd_data_math = plan_math(c, bd[i].mathType);
+  DP_CUDNN_CHECK(cudnnSetConvolutionMathType(d->conv, p->bwd_data_math));
   DP_CUDNN_CHECK(cudnnGetConvolutionBackwardDataWorkspaceSize(c->cudnn, d->w, d->y, d->conv, d->x, p->bwd_data,
                                                               &p->bwd_data_bytes));
 
   cudnnConvolutionBwdFilterAlgoPerf_t bf[MAX_ALGOS];
+  DP_CUDNN_CHECK(cudnnSetConvolutionMathType(d->conv, query));
   DP_CUDNN_CHECK(
       cudnnGetConvolutionBackwardFilterAlgorithm_v7(c->cudnn, d->x, d->y, d->conv, d->w, MAX_ALGOS, &got, bf));
   for (i = 0; i < got && !DP_ACCEPTABLE(bf[i], c, CUDNN_CONVOLUTION_BWD_FILTER_ALGO_WINOGRAD_NONFUSED); ++i) {
@@ -219,6 +435,8 @@ static dp_status plan_algorithms(cuda_ctx *c, conv_plan *p) {
     return DP_FAIL(DP_ERR_CUDA, "cuDNN offers no suitable backward-filter algorithm (of %d)%s", got,
                    c->deterministic ? " that is deterministic" : "");
   p->bwd_filter = bf[i].algo;
+  p->bwd_filter_math = plan_math(c, bf[i].mathType);
+  DP_CUDNN_CHECK(cudnnSetConvolutionMathType(d->conv, p->bwd_filter_math));
   DP_CUDNN_CHECK(cudnnGetConvolutionBackwardFilterWorkspaceSize(c->cudnn, d->x, d->y, d->conv, d->w, p->bwd_filter,
                                                                 &p->bwd_filter_bytes));
   return DP_OK;
@@ -234,6 +452,7 @@ static void plans_clear(cuda_ctx *c) {
 
 static dp_status conv_plan_for(dp_device *dev, cuda_ctx *c, const dp_conv_geom *g, int64_t N, conv_plan **out) {
   if (N > 0x7fffffff) return DP_FAIL(DP_ERR_VALUE, "conv2d on %s: batch %lld is too large for cuDNN", dev->name, (long long)N);
+  DP_TRY(cuda_follow_defaults(c));
   for (int i = 0; i < CUDA_PLANS; ++i) {
     conv_plan *p = &c->plans[i];
     if (p->used && p->N == (int)N && memcmp(&p->g, g, sizeof *g) == 0) {
@@ -270,9 +489,10 @@ static dp_status cuda_conv2d_forward(dp_device *dev, const dp_conv_geom *g, int6
   conv_plan *p;
   DP_TRY(conv_plan_for(dev, c, g, N, &p));
   void *ws;
-  DP_TRY(cuda_workspace(c, p->fwd_bytes, &ws));
+  DP_TRY(cuda_workspace(dev, c, p->fwd_bytes, &ws));
   const float one = 1.0f, zero = 0.0f;
   if (b) DP_LAUNCH_CHECK(dp_cuda_bias_fill(c->stream, N * conv_out_size(g), g->O, (int64_t)g->OH * g->OW, b, y));
+  DP_CUDNN_CHECK(cudnnSetConvolutionMathType(p->d.conv, p->fwd_math));
   DP_CUDNN_CHECK(cudnnConvolutionForward(c->cudnn, &one, p->d.x, x, p->d.w, w, p->d.conv, p->fwd, ws, p->fwd_bytes,
                                          b ? &one : &zero, p->d.y, y));
   return DP_OK;
@@ -293,11 +513,13 @@ static dp_status cuda_conv2d_backward(dp_device *dev, const dp_conv_geom *g, int
   const float one = 1.0f, zero = 0.0f;
   if (db) DP_LAUNCH_CHECK(dp_cuda_channel_sums(c->stream, N, g->O, g->OH * g->OW, dy, NULL, db));
   void *ws;
-  DP_TRY(cuda_workspace(c, p->bwd_filter_bytes, &ws));
+  DP_TRY(cuda_workspace(dev, c, p->bwd_filter_bytes, &ws));
+  DP_CUDNN_CHECK(cudnnSetConvolutionMathType(p->d.conv, p->bwd_filter_math));
   DP_CUDNN_CHECK(cudnnConvolutionBackwardFilter(c->cudnn, &one, p->d.x, x, p->d.y, dy, p->d.conv, p->bwd_filter, ws,
                                                 p->bwd_filter_bytes, &zero, p->d.w, dw));
   if (dx) {
-    DP_TRY(cuda_workspace(c, p->bwd_data_bytes, &ws));
+    DP_TRY(cuda_workspace(dev, c, p->bwd_data_bytes, &ws));
+    DP_CUDNN_CHECK(cudnnSetConvolutionMathType(p->d.conv, p->bwd_data_math));
     DP_CUDNN_CHECK(cudnnConvolutionBackwardData(c->cudnn, &one, p->d.w, w, p->d.y, dy, p->d.conv, p->bwd_data, ws,
                                                 p->bwd_data_bytes, &zero, p->d.x, dx));
   }
@@ -319,6 +541,7 @@ static dp_status cuda_dense_forward(dp_device *dev, int64_t N, int nin, int nout
                                     const float *b, float *y) {
   CUDA_ENTER(dev, c);
   if (N == 0) return DP_OK;
+  DP_TRY(cuda_follow_defaults(c));
   if (N > 0x7fffffff) return DP_FAIL(DP_ERR_VALUE, "dense on %s: batch %lld is too large for cuBLAS", dev->name, (long long)N);
   const float one = 1.0f, zero = 0.0f;
   if (b) DP_LAUNCH_CHECK(dp_cuda_bias_fill(c->stream, N * nout, nout, 1, b, y));
@@ -339,6 +562,7 @@ static dp_status cuda_dense_backward(dp_device *dev, int64_t N, int nin, int nou
     return DP_OK;
   }
   if (N > 0x7fffffff) return DP_FAIL(DP_ERR_VALUE, "dense on %s: batch %lld is too large for cuBLAS", dev->name, (long long)N);
+  DP_TRY(cuda_follow_defaults(c));
   const float one = 1.0f, zero = 0.0f;
   /* dw (nout, nin) = dy^T (nout, N) x (N, nin)  <=>  dw^T (nin, nout) = x^T (nin, N) dy (N, nout).
    * Column-major views: x is (nin, N) ld nin, op = N; dy is (nout, N) ld nout,
@@ -406,8 +630,8 @@ static dp_status cuda_softmax_xent(dp_device *dev, int64_t N, int K, const float
   if (N == 0) return DP_OK;
   if (N > c->rows) {
     DP_CUDA_CHECK(cudaStreamSynchronize(c->stream)); /* the old buffers may be in use */
-    cudaFree(c->row_loss);
-    cudaFree(c->row_hit);
+    dp_arena_release(c->arena, c->row_loss);
+    dp_arena_release(c->arena, c->row_hit);
     free(c->host_loss);
     free(c->host_hit);
     c->row_loss = NULL;
@@ -415,8 +639,8 @@ static dp_status cuda_softmax_xent(dp_device *dev, int64_t N, int K, const float
     c->host_loss = NULL;
     c->host_hit = NULL;
     c->rows = 0;
-    DP_CUDA_CHECK(cudaMalloc((void **)&c->row_loss, sizeof(float) * (size_t)N));
-    DP_CUDA_CHECK(cudaMalloc((void **)&c->row_hit, sizeof(int32_t) * (size_t)N));
+    DP_TRY(cuda_scratch(dev, c, sizeof(float) * (size_t)N, (void **)&c->row_loss));
+    DP_TRY(cuda_scratch(dev, c, sizeof(int32_t) * (size_t)N, (void **)&c->row_hit));
     c->host_loss = malloc(sizeof(float) * (size_t)N);
     c->host_hit = malloc(sizeof(int32_t) * (size_t)N);
     if (!c->host_loss || !c->host_hit) return DP_FAIL(DP_ERR_MEMORY, "softmax_xent on %s: cannot allocate %lld rows", dev->name, (long long)N);
@@ -509,6 +733,14 @@ static dp_status cuda_bn_backward_dx(dp_device *dev, int64_t N, int C, int HW, c
   return DP_OK;
 }
 
+/* rows: device int32; src and dst: device memory of this GPU */
+static dp_status cuda_gather_rows(dp_device *dev, int64_t nrows, int64_t row_bytes, const void *src,
+                                  const int32_t *rows, void *dst) {
+  CUDA_ENTER(dev, c);
+  DP_LAUNCH_CHECK(dp_cuda_gather_rows(c->stream, nrows, row_bytes, src, rows, dst));
+  return DP_OK;
+}
+
 static dp_status cuda_synchronize(dp_device *dev) {
   CUDA_ENTER(dev, c);
   DP_CUDA_CHECK(cudaStreamSynchronize(c->stream));
@@ -521,16 +753,21 @@ static void cuda_destroy(dp_device *dev) {
   cuda_ctx *c = dev->ctx;
   if (!c) return;
   if (cudaSetDevice(c->gpu) == cudaSuccess) {
+    /* after this, no queued work reads a block, the staging regions or a descriptor */
     if (c->stream) cudaStreamSynchronize(c->stream);
     plans_clear(c);
-    cudaFree(c->workspace);
-    cudaFree(c->row_loss);
-    cudaFree(c->row_hit);
+    for (int r = 0; r < 2; ++r)
+      if (c->staged[r]) cudaEventDestroy(c->staged[r]);
+    if (c->staging) cudaFreeHost(c->staging);
     if (c->cublas) cublasDestroy(c->cublas);
     if (c->cudnn) cudnnDestroy(c->cudnn);
     if (c->stream) cudaStreamDestroy(c->stream);
   }
+  /* every chunk (the workspace and the loss rows included); the bookkeeping
+   * is host memory and goes even when the GPU could not be made current */
+  dp_arena_destroy(c->arena);
   cudaGetLastError();
+  if (c->staging_mutex_ready) pthread_mutex_destroy(&c->staging_mutex);
   free(c->host_loss);
   free(c->host_hit);
   free(c);
@@ -544,6 +781,7 @@ static const dp_backend cuda_backend = {
     .copy_to_host = cuda_copy_to_host,
     .fill = cuda_fill,
     .u8_to_unit = cuda_u8_to_unit,
+    .gather_rows = cuda_gather_rows,
     .conv2d_forward = cuda_conv2d_forward,
     .conv2d_backward = cuda_conv2d_backward,
     .dense_forward = cuda_dense_forward,
@@ -576,16 +814,26 @@ const dp_backend *dp_cuda_backend(void) { return &cuda_backend; }
  * Handle"; cuBLAS guide, "cuBLAS context"); one handle per stream keeps cuBLAS
  * bitwise reproducible (cuBLAS guide, "Results reproducibility"). */
 static dp_status cuda_ctx_init(dp_device *dev, cuda_ctx *c) {
+  if (pthread_mutex_init(&c->staging_mutex, NULL) != 0)
+    return DP_FAIL(DP_ERR_RUNTIME, "%s: pthread_mutex_init failed", dev->name);
+  c->staging_mutex_ready = 1;
+  DP_TRY(dp_arena_create(0, cuda_chunk_alloc, cuda_chunk_free, c, &c->arena));
   DP_CUDA_CHECK(cudaSetDevice(c->gpu));
   /* non-blocking: never implicitly ordered with the legacy default stream */
   DP_CUDA_CHECK(cudaStreamCreateWithFlags(&c->stream, cudaStreamNonBlocking));
+  /* no timing: the cheapest events to record and wait for (CUDA Runtime API,
+   * cudaEventCreateWithFlags, cudaEventDisableTiming) */
+  for (int r = 0; r < 2; ++r) DP_CUDA_CHECK(cudaEventCreateWithFlags(&c->staged[r], cudaEventDisableTiming));
   DP_CUDNN_CHECK(cudnnCreate(&c->cudnn));
   DP_CUDNN_CHECK(cudnnSetStream(c->cudnn, c->stream));
   DP_CUBLAS_CHECK(cublasCreate(&c->cublas));
   DP_CUBLAS_CHECK(cublasSetStream(c->cublas, c->stream));
-  /* CUBLAS_DEFAULT_MATH keeps float32 GEMMs in float32 (TF32 tensor cores only
-   * with CUBLAS_TF32_TENSOR_OP_MATH; cuBLAS guide, cublasMath_t) */
-  DP_CUBLAS_CHECK(cublasSetMathMode(c->cublas, CUBLAS_DEFAULT_MATH));
+  /* the process-wide settings as they are now (see cuda_apply_settings for the math modes) */
+  const unsigned long long s = atomic_load_explicit(&cuda_defaults, memory_order_acquire);
+  c->deterministic = (int)(s & 1u);
+  c->allow_tf32 = (int)((s >> 1) & 1u);
+  c->defaults_seen = s;
+  DP_CUBLAS_CHECK(cublasSetMathMode(c->cublas, c->allow_tf32 ? CUBLAS_TF32_TENSOR_OP_MATH : CUBLAS_DEFAULT_MATH));
   return DP_OK;
 }
 
@@ -603,7 +851,6 @@ dp_status dp_cuda_device_init(dp_device *dev, int index, int physical_gpu) {
   cuda_ctx *c = calloc(1, sizeof *c);
   if (!c) return DP_FAIL(DP_ERR_MEMORY, "cuda:%d: cannot allocate the device context", index);
   c->gpu = physical_gpu;
-  c->deterministic = 1;
   memset(dev, 0, sizeof *dev);
   dev->kind = DP_DEVICE_CUDA;
   dev->index = index;
@@ -616,15 +863,34 @@ dp_status dp_cuda_device_init(dp_device *dev, int index, int physical_gpu) {
   return st;
 }
 
+/* The per-device setters: a process-wide change not yet taken is taken first,
+ * so that this later call wins. */
 dp_status dp_cuda_set_deterministic(dp_device *dev, int deterministic) {
   if (dev->kind != DP_DEVICE_CUDA) return DP_FAIL(DP_ERR_VALUE, "%s is not a CUDA device", dev->name);
   CUDA_ENTER(dev, c);
-  if (c->deterministic != !!deterministic) {
-    DP_CUDA_CHECK(cudaStreamSynchronize(c->stream));
-    plans_clear(c); /* algorithms are chosen again */
-    c->deterministic = !!deterministic;
-  }
+  DP_TRY(cuda_follow_defaults(c));
+  return cuda_apply_settings(c, deterministic, c->allow_tf32);
+}
+
+dp_status dp_cuda_set_allow_tf32(dp_device *dev, int allow) {
+  if (dev->kind != DP_DEVICE_CUDA) return DP_FAIL(DP_ERR_VALUE, "%s is not a CUDA device", dev->name);
+  CUDA_ENTER(dev, c);
+  DP_TRY(cuda_follow_defaults(c));
+  return cuda_apply_settings(c, c->deterministic, allow);
+}
+
+dp_status dp_cuda_memory_stats(dp_device *dev, dp_arena_stats *out) {
+  if (dev->kind != DP_DEVICE_CUDA || !dev->ctx) return DP_FAIL(DP_ERR_VALUE, "%s is not a CUDA device", dev->name);
+  dp_arena_get_stats(((cuda_ctx *)dev->ctx)->arena, out);
   return DP_OK;
+}
+
+int dp_cuda_device_gpu(const dp_device *dev) {
+  return dev->kind == DP_DEVICE_CUDA && dev->ctx ? ((const cuda_ctx *)dev->ctx)->gpu : -1;
+}
+
+void *dp_cuda_device_stream(const dp_device *dev) {
+  return dev->kind == DP_DEVICE_CUDA && dev->ctx ? (void *)((const cuda_ctx *)dev->ctx)->stream : NULL;
 }
 
 #else /* built without the CUDA backend */
@@ -641,6 +907,26 @@ dp_status dp_cuda_device_init(dp_device *dev, int index, int physical_gpu) {
 dp_status dp_cuda_set_deterministic(dp_device *dev, int deterministic) {
   (void)deterministic;
   return DP_FAIL(DP_ERR_UNSUPPORTED, "%s: dpcore was built without the CUDA backend", dev->name);
+}
+
+dp_status dp_cuda_set_allow_tf32(dp_device *dev, int allow) {
+  (void)allow;
+  return DP_FAIL(DP_ERR_UNSUPPORTED, "%s: dpcore was built without the CUDA backend", dev->name);
+}
+
+dp_status dp_cuda_memory_stats(dp_device *dev, dp_arena_stats *out) {
+  (void)out;
+  return DP_FAIL(DP_ERR_UNSUPPORTED, "%s: dpcore was built without the CUDA backend", dev->name);
+}
+
+int dp_cuda_device_gpu(const dp_device *dev) {
+  (void)dev;
+  return -1;
+}
+
+void *dp_cuda_device_stream(const dp_device *dev) {
+  (void)dev;
+  return NULL;
 }
 
 #endif

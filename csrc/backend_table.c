@@ -12,7 +12,7 @@ static const struct {
   size_t offset;
 } entries[] = {
     DP_ENTRY(alloc), DP_ENTRY(release), DP_ENTRY(copy_to_device), DP_ENTRY(copy_to_host), DP_ENTRY(fill),
-    DP_ENTRY(u8_to_unit), DP_ENTRY(conv2d_forward), DP_ENTRY(conv2d_backward), DP_ENTRY(dense_forward),
+    DP_ENTRY(u8_to_unit), DP_ENTRY(gather_rows), DP_ENTRY(conv2d_forward), DP_ENTRY(conv2d_backward), DP_ENTRY(dense_forward),
     DP_ENTRY(dense_backward), DP_ENTRY(relu_forward), DP_ENTRY(relu_backward), DP_ENTRY(avgpool_forward),
     DP_ENTRY(avgpool_backward), DP_ENTRY(maxpool_forward), DP_ENTRY(maxpool_backward), DP_ENTRY(softmax_xent),
     DP_ENTRY(sgd_update), DP_ENTRY(add), DP_ENTRY(scale), DP_ENTRY(global_avgpool_forward),

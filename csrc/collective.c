@@ -15,6 +15,7 @@ dp_status dp_barrier_init(dp_barrier *b, int count) {
   b->count = count;
   atomic_init(&b->arrived, 0);
   atomic_init(&b->generation, 0u);
+  atomic_init(&b->broken, 0);
   return DP_OK;
 }
 
@@ -25,8 +26,13 @@ void dp_barrier_destroy(dp_barrier *b) {
 
 enum { BARRIER_SPINS = 20000, BARRIER_YIELD_EVERY = 64 };
 
-void dp_barrier_wait(dp_barrier *b) {
-  if (b->count == 1) return;
+static dp_status barrier_broken(void) {
+  return DP_FAIL(DP_ERR_ABORTED, "collective aborted: another replica failed");
+}
+
+dp_status dp_barrier_wait(dp_barrier *b) {
+  if (b->count == 1) return DP_OK;
+  if (atomic_load_explicit(&b->broken, memory_order_acquire)) return barrier_broken();
   const unsigned gen = atomic_load_explicit(&b->generation, memory_order_acquire);
   if (atomic_fetch_add_explicit(&b->arrived, 1, memory_order_acq_rel) + 1 == b->count) {
     atomic_store_explicit(&b->arrived, 0, memory_order_relaxed);
@@ -35,18 +41,36 @@ void dp_barrier_wait(dp_barrier *b) {
     atomic_fetch_add_explicit(&b->generation, 1u, memory_order_acq_rel);
     pthread_cond_broadcast(&b->cond);
     pthread_mutex_unlock(&b->mutex);
-    return;
+    return DP_OK;
   }
   for (int spin = 1; spin <= BARRIER_SPINS; ++spin) {
-    if (atomic_load_explicit(&b->generation, memory_order_acquire) != gen) return;
+    if (atomic_load_explicit(&b->generation, memory_order_acquire) != gen) return DP_OK;
+    if (atomic_load_explicit(&b->broken, memory_order_acquire)) return barrier_broken();
     if (spin % BARRIER_YIELD_EVERY == 0) sched_yield();
 #if defined(__x86_64__) || defined(__i386__)
     __builtin_ia32_pause();
 #endif
   }
   pthread_mutex_lock(&b->mutex);
-  while (atomic_load_explicit(&b->generation, memory_order_acquire) == gen) pthread_cond_wait(&b->cond, &b->mutex);
+  while (atomic_load_explicit(&b->generation, memory_order_acquire) == gen &&
+         !atomic_load_explicit(&b->broken, memory_order_acquire))
+    pthread_cond_wait(&b->cond, &b->mutex);
   pthread_mutex_unlock(&b->mutex);
+  /* a completed generation wins over a break that came after it */
+  if (atomic_load_explicit(&b->generation, memory_order_acquire) != gen) return DP_OK;
+  return barrier_broken();
+}
+
+void dp_barrier_break(dp_barrier *b) {
+  pthread_mutex_lock(&b->mutex);
+  atomic_store_explicit(&b->broken, 1, memory_order_release);
+  pthread_cond_broadcast(&b->cond);
+  pthread_mutex_unlock(&b->mutex);
+}
+
+void dp_barrier_reset(dp_barrier *b) {
+  atomic_store_explicit(&b->arrived, 0, memory_order_relaxed);
+  atomic_store_explicit(&b->broken, 0, memory_order_release);
 }
 
 void dp_allreduce_chunk(int64_t n, int k, int rank, int64_t *begin, int64_t *end) {
@@ -58,11 +82,9 @@ void dp_allreduce_chunk(int64_t n, int k, int rank, int64_t *begin, int64_t *end
   *end = e < n ? e : n;
 }
 
-void dp_allreduce(float *const *bufs, int k, int rank, int64_t n, dp_reduce_op op, dp_barrier *bar) {
-  if (k == 1) {
-    return; /* the sum over one replica is itself, and so is its mean */
-  }
-  dp_barrier_wait(bar); /* every replica's buffer is complete */
+dp_status dp_allreduce(float *const *bufs, int k, int rank, int64_t n, dp_reduce_op op, dp_barrier *bar) {
+  if (k == 1) return DP_OK; /* the sum over one replica is itself, and so is its mean */
+  DP_TRY(dp_barrier_wait(bar)); /* every replica's buffer is complete */
   int64_t begin, end;
   dp_allreduce_chunk(n, k, rank, &begin, &end);
   const float scale = op == DP_REDUCE_MEAN ? 1.0f / (float)k : 1.0f;
@@ -81,8 +103,7 @@ void dp_allreduce(float *const *bufs, int k, int rank, int64_t n, dp_reduce_op o
 #pragma omp simd
       for (int64_t i = begin; i < end; ++i) b0[i] = b1[i] = b2[i] = b3[i] = (((b0[i] + b1[i]) + b2[i]) + b3[i]) * scale;
     }
-    dp_barrier_wait(bar);
-    return;
+    return dp_barrier_wait(bar);
   }
   /* More replicas: blocks of 1024 floats stay in L1 between the sum and the k copies out.
    * The sum is dp_sum_parts_elem's order (p0 + p1) + p2 ..., taken replica by
@@ -102,5 +123,5 @@ void dp_allreduce(float *const *bufs, int k, int rank, int64_t n, dp_reduce_op o
     }
     for (int r = 0; r < k; ++r) memcpy(bufs[r] + b0, acc, sizeof(float) * (size_t)len);
   }
-  dp_barrier_wait(bar); /* every chunk is everywhere */
+  return dp_barrier_wait(bar); /* every chunk is everywhere */
 }

@@ -20,7 +20,8 @@ typedef enum dp_status {
   DP_ERR_RUNTIME,      /* internal failure                          -> dpcore.DpcoreError */
   DP_ERR_CUDA,         /* CUDA runtime / cuDNN / cuBLAS / NCCL      -> dpcore.DeviceError */
   DP_ERR_INTERRUPTED,  /* Ctrl-C seen between steps                 -> KeyboardInterrupt */
-  DP_ERR_UNSUPPORTED   /* not built in / not available here         -> dpcore.DpcoreError */
+  DP_ERR_UNSUPPORTED,  /* not built in / not available here         -> dpcore.DpcoreError */
+  DP_ERR_ABORTED       /* a collective gave up: another replica failed (that replica's error is reported) */
 } dp_status;
 
 /* Record an error (printf-style) and return code. Use through DP_FAIL. */

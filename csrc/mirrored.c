@@ -1,5 +1,6 @@
 #include "mirrored.h"
 
+#include <stddef.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
@@ -10,23 +11,47 @@ void dp_shard_range(int64_t n, int k, int r, int64_t *begin, int64_t *end) {
   *end = *begin + base + (r < extra ? 1 : 0);
 }
 
-dp_status dp_mirrored_create(dp_model **models, int k, int sync_batchnorm, dp_mirrored **out) {
+int dp_plan_buckets(const dp_model *m, int64_t bucket_floats, dp_grad_bucket *out, int max) {
+  int lowest = -1; /* the first layer with parameters: the last bucket closes there */
+  for (int i = 0; i < m->nlayers && lowest < 0; ++i)
+    if (m->layers[i].w_len > 0) lowest = i;
+  if (lowest < 0 || max < 1) return 0;
+  for (;;) {
+    int nb = 0;
+    int64_t end = m->nparams;
+    for (int i = m->nlayers - 1; i >= lowest && nb <= max; --i) {
+      const dp_layer *l = &m->layers[i];
+      if (l->w_len == 0) continue;
+      /* the flat layout is in layer order, so [w_off, end) holds layers i.. only */
+      const int64_t begin = i == lowest ? 0 : l->w_off;
+      if (i == lowest || (bucket_floats > 0 && end - begin >= bucket_floats)) {
+        if (nb < max) out[nb] = (dp_grad_bucket){begin, end, i};
+        ++nb;
+        end = begin;
+      }
+    }
+    if (nb <= max) return nb;
+    bucket_floats *= 2; /* too many buckets: fewer, larger ones */
+  }
+}
+
+dp_status dp_mirrored_create(dp_model **models, int k, int sync_batchnorm, dp_comm_kind comm, int64_t bucket_bytes,
+                             dp_mirrored **out) {
   *out = NULL;
-  if (k < 1 || k > 64) return DP_FAIL(DP_ERR_VALUE, "mirrored: need 1 to 64 replicas, got %d", k);
+  if (k < 1 || k > DP_COMM_MAX_REPLICAS)
+    return DP_FAIL(DP_ERR_VALUE, "mirrored: need 1 to %d replicas, got %d", DP_COMM_MAX_REPLICAS, k);
+  if (bucket_bytes < 0) return DP_FAIL(DP_ERR_VALUE, "mirrored: bucket size must be >= 0, got %lld", (long long)bucket_bytes);
+  dp_device *devs[DP_COMM_MAX_REPLICAS];
   for (int r = 0; r < k; ++r) {
     const dp_model *a = models[0], *b = models[r];
     if (!b->finalized) return DP_FAIL(DP_ERR_VALUE, "mirrored: replica %d is not finalized", r);
     if (b->nparams != a->nparams || b->nlayers != a->nlayers || b->in_c != a->in_c || b->in_h != a->in_h ||
         b->in_w != a->in_w || memcmp(b->layers, a->layers, sizeof *a->layers * (size_t)a->nlayers) != 0)
       return DP_FAIL(DP_ERR_VALUE, "mirrored: replica %d has a different architecture than replica 0", r);
-    /* the in-process all-reduce reads every replica's buffers from the host */
-    if (k > 1 && b->dev->kind != DP_DEVICE_CPU)
-      return DP_FAIL(DP_ERR_UNSUPPORTED,
-                     "mirrored: all-reduce across %d replicas on %s is not implemented yet (one CUDA replica works)", k,
-                     b->dev->name);
     for (int q = 0; q < r; ++q)
       if (models[q]->dev == b->dev || strcmp(models[q]->dev->name, b->dev->name) == 0)
         return DP_FAIL(DP_ERR_VALUE, "mirrored: replicas %d and %d are both on %s", q, r, b->dev->name);
+    devs[r] = b->dev;
   }
   dp_mirrored *m = calloc(1, sizeof *m);
   int *threads = malloc(sizeof(int) * (size_t)k);
@@ -44,11 +69,14 @@ dp_status dp_mirrored_create(dp_model **models, int k, int sync_batchnorm, dp_mi
     m->sync_ctx[r].mirrored = m;
     m->sync_ctx[r].rank = r;
   }
+  m->nbuckets = dp_plan_buckets(models[0], bucket_bytes / (int64_t)sizeof(float), m->buckets, DP_COMM_MAX_BUCKETS);
   dp_status st = dp_group_create(k, threads, &m->group);
   free(threads);
+  /* the communicators are made now, so that a failure shows here and not in
+   * the middle of training */
+  if (st == DP_OK) st = dp_comm_create(devs, k, comm, dp_group_barrier(m->group), &m->comm);
   if (st != DP_OK) {
-    free(m->models);
-    free(m);
+    dp_mirrored_destroy(m);
     return st;
   }
   *out = m;
@@ -57,6 +85,7 @@ dp_status dp_mirrored_create(dp_model **models, int k, int sync_batchnorm, dp_mi
 
 void dp_mirrored_destroy(dp_mirrored *m) {
   if (!m) return;
+  dp_comm_destroy(m->comm);
   dp_group_destroy(m->group);
   free(m->models);
   free(m);
@@ -76,6 +105,7 @@ dp_status dp_mirrored_broadcast(dp_mirrored *m, int root) {
     }
     DP_TRY(dp_model_reset_velocity(dst));
   }
+  for (int r = 0; r < m->k; ++r) DP_TRY(m->models[r]->dev->backend->synchronize(m->models[r]->dev));
   return DP_OK;
 }
 
@@ -85,96 +115,137 @@ typedef struct step_task {
   size_t sample_bytes;
   float grad_scale, lr, momentum, weight_decay;
   int evaluate_only, step;
-  double loss[64];
-  int64_t correct[64];
+  double loss[DP_COMM_MAX_REPLICAS];
+  int64_t correct[DP_COMM_MAX_REPLICAS];
 } step_task;
 
 static dp_batch shard_of(const step_task *t, int rank) {
   int64_t begin, end;
   dp_shard_range(t->batch->n, t->m->k, rank, &begin, &end);
-  dp_batch s = {(const char *)t->batch->x + begin * (int64_t)t->sample_bytes, t->batch->x_is_u8,
-                t->batch->y ? t->batch->y + begin : NULL, end - begin};
+  const dp_batch *b = t->batch;
+  dp_batch s = {b->x ? (const char *)b->x + begin * (int64_t)t->sample_bytes : NULL, b->x_is_u8,
+                b->y ? b->y + begin : NULL, end - begin, b->rows ? b->rows + begin : NULL, b->resident};
   return s;
 }
 
-/* The BatchNorm hook of replica ctx->rank: a sum over the replicas' bn_tmp. */
-static void sync_batchnorm_sums(void *arg, float *buf, int64_t n) {
-  dp_replica_sync *ctx = arg;
-  dp_mirrored *m = ctx->mirrored;
-  float *bufs[64];
-  for (int r = 0; r < m->k; ++r) bufs[r] = m->models[r]->bn_tmp;
-  (void)buf; /* == bufs[ctx->rank] */
-  dp_allreduce(bufs, m->k, ctx->rank, n, DP_REDUCE_SUM, dp_group_barrier(m->group));
+static void buffers_of(const dp_mirrored *m, size_t member, float **bufs) {
+  for (int r = 0; r < m->k; ++r) bufs[r] = *(float **)((char *)m->models[r] + member);
 }
 
-/* Phase 1: stage and check every shard, so that no replica can fail later
- * while the others wait for it inside a collective. */
+/* The BatchNorm hook of replica ctx->rank: a sum over the replicas' bn_tmp. */
+static dp_status sync_batchnorm_sums(void *arg, float *buf, int64_t n) {
+  dp_replica_sync *ctx = arg;
+  dp_mirrored *m = ctx->mirrored;
+  float *bufs[DP_COMM_MAX_REPLICAS];
+  buffers_of(m, offsetof(dp_model, bn_tmp), bufs);
+  (void)buf; /* == bufs[ctx->rank] */
+  return dp_comm_allreduce(m->comm, ctx->rank, bufs, n, DP_REDUCE_SUM);
+}
+
+/* The backward hook of replica ctx->rank: start every bucket that is complete
+ * once layer `layer` is done. */
+static dp_status start_ready_buckets(void *arg, int layer) {
+  dp_replica_sync *ctx = arg;
+  dp_mirrored *m = ctx->mirrored;
+  while (ctx->next_bucket < m->nbuckets && m->buckets[ctx->next_bucket].ready_layer >= layer) {
+    const dp_grad_bucket *b = &m->buckets[ctx->next_bucket];
+    float *bufs[DP_COMM_MAX_REPLICAS];
+    buffers_of(m, offsetof(dp_model, grads), bufs);
+    DP_TRY(dp_comm_bucket_allreduce(m->comm, ctx->rank, bufs, b->begin, b->end, ctx->next_bucket));
+    ctx->next_bucket++;
+  }
+  return DP_OK;
+}
+
+/* Stage and check a shard. */
 static dp_status load_shard(void *arg, int rank) {
   step_task *t = arg;
   dp_batch s = shard_of(t, rank);
   t->m->shard_n[rank] = s.n;
   /* per-replica BatchNorm: each shard alone needs more than one value per channel */
   if (!t->m->sync_batchnorm) DP_TRY(dp_model_check_batchnorm_batch(t->m->models[rank], s.n));
+  if (s.rows) return dp_model_load_rows(t->m->models[rank], s.resident[rank], s.rows, s.n);
   return dp_model_load(t->m->models[rank], &s, 1);
 }
 
-/* Phases 1 and 2 run apart when a failing replica could leave the others
- * changed or waiting: with BatchNorm (running statistics change in the
- * forward pass; synchronized statistics are collectives). Otherwise a replica
- * stages its own shard in phase 2: one wake-up of the replica threads less. */
-static int stage_separately(const dp_mirrored *m) { return m->sync_batchnorm || m->models[0]->nstate > 0; }
+/* Staging runs in a fork-join of its own when a replica failing to stage its
+ * shard could leave the others changed: with BatchNorm, whose forward pass
+ * updates the running statistics before the first collective. Otherwise a
+ * failing replica breaks the group's barrier, its peers give up at their
+ * first collective before changing anything, and the whole step is one
+ * wake-up of the replica threads. */
+static int stage_separately(const dp_mirrored *m) { return m->models[0]->nstate > 0; }
 
-/* Phase 2: forward (and backward) on every shard at once. */
+/* After the backward pass: the running statistics of per-replica BatchNorm,
+ * averaged over the replicas that had samples, then the gradient buckets'
+ * end, then the step. */
+static dp_status reduce_and_step(step_task *t, int rank) {
+  dp_mirrored *m = t->m;
+  dp_model *model = m->models[rank];
+  int with_samples = 0;
+  for (int r = 0; r < m->k; ++r) with_samples += m->shard_n[r] > 0;
+  if (model->nstate > 0 && !m->sync_batchnorm && m->k > 1 && with_samples > 0) {
+    if (m->shard_n[rank] == 0) DP_TRY(model->dev->backend->fill(model->dev, model->state, model->nstate, 0.0f));
+    float *bufs[DP_COMM_MAX_REPLICAS];
+    buffers_of(m, offsetof(dp_model, state), bufs);
+    DP_TRY(dp_comm_allreduce(m->comm, rank, bufs, model->nstate, DP_REDUCE_SUM));
+    DP_TRY(model->dev->backend->scale(model->dev, model->nstate, model->state, 1.0f / (float)with_samples));
+  }
+  DP_TRY(dp_comm_wait_buckets(m->comm, rank));
+  if (!t->step) return DP_OK;
+  return dp_model_sgd_step(model, t->lr, t->momentum, t->weight_decay);
+}
+
+/* A replica's whole step: forward and backward on its shard, the gradient
+ * buckets all-reduced as the backward pass produces them, and the step. */
 static dp_status run_shard(void *arg, int rank) {
   step_task *t = arg;
-  dp_model *model = t->m->models[rank];
-  if (!t->evaluate_only && !stage_separately(t->m)) DP_TRY(load_shard(arg, rank));
-  const int64_t n = t->m->shard_n[rank];
+  dp_mirrored *m = t->m;
+  dp_model *model = m->models[rank];
   if (t->evaluate_only) {
     dp_batch s = shard_of(t, rank);
     return dp_model_evaluate(model, &s, &t->loss[rank], &t->correct[rank]);
   }
-  if (t->m->sync_batchnorm) {
+  if (!stage_separately(m)) DP_TRY(load_shard(arg, rank));
+  const int64_t n = m->shard_n[rank];
+  dp_replica_sync *ctx = &m->sync_ctx[rank];
+  if (m->sync_batchnorm) {
     model->sync = sync_batchnorm_sums;
-    model->sync_ctx = &t->m->sync_ctx[rank];
+    model->sync_ctx = ctx;
+    model->sync_batch = t->batch->n;
   }
+  ctx->next_bucket = 0;
+  model->grad_ready = start_ready_buckets;
+  model->grad_ctx = ctx;
   dp_status st = dp_model_forward_backward_loaded(model, n, t->grad_scale, &t->loss[rank], &t->correct[rank]);
   model->sync = NULL;
   model->sync_ctx = NULL;
-  return st;
-}
-
-/* Phase 3: all-reduce the gradients (and the running statistics of per-replica
- * BatchNorm, averaged over the replicas that had samples), then step. */
-static dp_status reduce_and_step(void *arg, int rank) {
-  step_task *t = arg;
-  dp_mirrored *m = t->m;
-  dp_model *model = m->models[rank];
-  float *bufs[64];
-  for (int r = 0; r < m->k; ++r) bufs[r] = m->models[r]->grads;
-  dp_allreduce(bufs, m->k, rank, model->nparams, DP_REDUCE_SUM, dp_group_barrier(m->group));
-  if (model->nstate > 0 && !m->sync_batchnorm && m->k > 1) {
-    int with_samples = 0;
-    for (int r = 0; r < m->k; ++r) with_samples += m->shard_n[r] > 0;
-    if (m->shard_n[rank] == 0) DP_TRY(model->dev->backend->fill(model->dev, model->state, model->nstate, 0.0f));
-    for (int r = 0; r < m->k; ++r) bufs[r] = m->models[r]->state;
-    dp_allreduce(bufs, m->k, rank, model->nstate, DP_REDUCE_SUM, dp_group_barrier(m->group));
-    DP_TRY(model->dev->backend->scale(model->dev, model->nstate, model->state, 1.0f / (float)with_samples));
-  }
-  if (!t->step) return DP_OK;
-  return dp_model_sgd_step(model, t->lr, t->momentum, t->weight_decay);
+  model->grad_ready = NULL;
+  model->grad_ctx = NULL;
+  DP_TRY(st);
+  if (ctx->next_bucket != m->nbuckets)
+    return DP_FAIL(DP_ERR_RUNTIME, "mirrored: replica %d started %d of %d gradient buckets", rank, ctx->next_bucket,
+                   m->nbuckets);
+  return reduce_and_step(t, rank);
 }
 
 static dp_status run_step(dp_mirrored *m, const dp_batch *b, int evaluate_only, int step, float lr, float momentum,
                           float weight_decay, double *loss_sum, int64_t *correct) {
   if (b->n < 0) return DP_FAIL(DP_ERR_VALUE, "batch size must be >= 0");
+  if (b->rows && (evaluate_only || !b->resident))
+    return DP_FAIL(DP_ERR_VALUE, "mirrored: resident rows are for training steps, with one dataset per replica");
   const dp_model *m0 = m->models[0];
   step_task t = {m, b, (size_t)m0->in_c * m0->in_h * m0->in_w * (b->x_is_u8 ? 1 : sizeof(float)),
                  b->n ? 1.0f / (float)b->n : 0.0f, lr, momentum, weight_decay, evaluate_only, step, {0}, {0}};
+  if (b->n == 0) t.step = 0; /* an empty batch: zero gradients, nothing to learn */
   if (!evaluate_only && m->sync_batchnorm) DP_TRY(dp_model_check_batchnorm_batch(m->models[0], b->n));
   if (!evaluate_only && stage_separately(m)) DP_TRY(dp_group_run(m->group, load_shard, &t));
-  DP_TRY(dp_group_run(m->group, run_shard, &t));
-  if (!evaluate_only && b->n > 0) DP_TRY(dp_group_run(m->group, reduce_and_step, &t));
+  dp_status st = dp_group_run(m->group, run_shard, &t);
+  if (st != DP_OK) {
+    /* NCCL operations queued by some replicas may never be matched */
+    if (!evaluate_only) dp_comm_poison(m->comm);
+    return st;
+  }
   double loss = 0.0;
   int64_t hits = 0;
   for (int r = 0; r < m->k; ++r) {
@@ -210,8 +281,7 @@ typedef struct reduce_task {
 
 static dp_status run_reduce(void *arg, int rank) {
   reduce_task *t = arg;
-  dp_allreduce(t->bufs, t->k, rank, t->n, t->op, t->bar);
-  return DP_OK;
+  return dp_allreduce(t->bufs, t->k, rank, t->n, t->op, t->bar);
 }
 
 dp_status dp_allreduce_buffers(float *const *bufs, int k, int64_t n, dp_reduce_op op) {
@@ -238,7 +308,7 @@ typedef struct bench_task {
 
 static dp_status run_bench(void *arg, int rank) {
   bench_task *t = arg;
-  for (int i = 0; i < t->iters; ++i) dp_allreduce(t->bufs, t->k, rank, t->n, DP_REDUCE_SUM, t->bar);
+  for (int i = 0; i < t->iters; ++i) DP_TRY(dp_allreduce(t->bufs, t->k, rank, t->n, DP_REDUCE_SUM, t->bar));
   return DP_OK;
 }
 

@@ -11,36 +11,61 @@
 #ifndef DP_MIRRORED_H
 #define DP_MIRRORED_H
 
+#include "comm.h"
 #include "model.h"
 #include "replica.h"
 
 typedef struct dp_mirrored dp_mirrored;
 
-/* The context a replica's BatchNorm sync hook receives. */
+/* The context a replica's hooks (BatchNorm sync, gradient buckets) receive. */
 typedef struct dp_replica_sync {
   dp_mirrored *mirrored;
   int rank;
+  int next_bucket;  /* the next bucket this replica starts in the current backward pass */
 } dp_replica_sync;
+
+/* A range of the flat gradient buffer whose all-reduce starts once the
+ * backward pass has finished layer ready_layer (every layer with parameters
+ * in the range has an index >= ready_layer, and backward runs from the last
+ * layer to the first). Buckets are numbered in the order they become ready. */
+typedef struct dp_grad_bucket {
+  int64_t begin, end;
+  int ready_layer;
+} dp_grad_bucket;
 
 struct dp_mirrored {
   int k;
   dp_model **models; /* borrowed: the caller keeps them alive */
   dp_group *group;
+  dp_comm *comm;
   int sync_batchnorm;          /* all-reduce BatchNorm statistics (SyncBatchNorm) */
-  dp_replica_sync sync_ctx[64];
-  int64_t shard_n[64];         /* samples of each replica in the current step */
+  dp_replica_sync sync_ctx[DP_COMM_MAX_REPLICAS];
+  int64_t shard_n[DP_COMM_MAX_REPLICAS]; /* samples of each replica in the current step */
+  int nbuckets;
+  dp_grad_bucket buckets[DP_COMM_MAX_BUCKETS];
 };
 
 /* Shard r of n samples over k replicas: [begin, end). */
 void dp_shard_range(int64_t n, int k, int r, int64_t *begin, int64_t *end);
+
+/* The gradient buckets of model m for buckets of about bucket_floats floats
+ * (0: one bucket for the whole buffer). Whole layers only; a bucket closes at
+ * the first layer (going backward) that brings it to bucket_floats or more,
+ * and the size grows when more than max buckets would be needed. Returns the
+ * number of buckets written to out (>= 1 when the model has parameters). */
+int dp_plan_buckets(const dp_model *m, int64_t bucket_floats, dp_grad_bucket *out, int max);
 
 /* BatchNorm across replicas: by default each replica normalises with its own
  * shard's statistics (MirroredStrategy's and the book's behaviour); with
  * sync_batchnorm the statistics are all-reduced so k replicas compute what one
  * replica computes on the whole batch. Either way the running statistics stay
  * identical on every replica: after each step they are averaged over the
- * replicas that had samples. */
-dp_status dp_mirrored_create(dp_model **models, int k, int sync_batchnorm, dp_mirrored **out);
+ * replicas that had samples.
+ * comm: which all-reduce (comm.h; DP_COMM_AUTO picks). bucket_bytes: the
+ * gradient all-reduce runs in buckets of about this many bytes, each started
+ * as soon as the backward pass has produced it (0: one bucket). */
+dp_status dp_mirrored_create(dp_model **models, int k, int sync_batchnorm, dp_comm_kind comm, int64_t bucket_bytes,
+                             dp_mirrored **out);
 void dp_mirrored_destroy(dp_mirrored *m);
 /* Copy replica root's parameters to every replica and zero every momentum buffer. */
 dp_status dp_mirrored_broadcast(dp_mirrored *m, int root);

@@ -38,9 +38,11 @@ static void free_activations(dp_model *m) {
   dp_device_free(m->dev, m->input);
   dp_device_free(m->dev, m->input_u8);
   dp_device_free(m->dev, m->labels);
+  dp_device_free(m->dev, m->rows);
   m->dscratch = m->input = NULL;
   m->input_u8 = NULL;
   m->labels = NULL;
+  m->rows = NULL;
   m->act_batch = 0;
 }
 
@@ -316,9 +318,10 @@ static dp_status ensure_batch(dp_model *m, int64_t n) {
   DP_TRY(dp_device_alloc(m->dev, sizeof(float) * (size_t)(cap * largest), (void **)&m->dscratch));
   DP_TRY(dp_device_alloc(m->dev, sizeof(float) * (size_t)(cap * layer_in_size(&m->layers[0])), (void **)&m->input));
   DP_TRY(dp_device_alloc(m->dev, sizeof(int32_t) * (size_t)cap, (void **)&m->labels));
-  /* a CPU device converts straight from the caller's bytes; others stage them on the device */
-  if (m->dev->kind != DP_DEVICE_CPU)
-    DP_TRY(dp_device_alloc(m->dev, (size_t)(cap * layer_in_size(&m->layers[0])), (void **)&m->input_u8));
+  /* uint8 images staged on the device (a CPU device converts straight from
+   * the caller's bytes, but gathers resident rows here) */
+  DP_TRY(dp_device_alloc(m->dev, (size_t)(cap * layer_in_size(&m->layers[0])), (void **)&m->input_u8));
+  DP_TRY(dp_device_alloc(m->dev, sizeof(int32_t) * (size_t)cap, (void **)&m->rows));
   m->act_batch = cap;
   return DP_OK;
 }
@@ -362,6 +365,44 @@ dp_status dp_model_load(dp_model *m, const dp_batch *b, int need_labels) {
   return DP_OK;
 }
 
+dp_status dp_model_load_rows(dp_model *m, const dp_resident *d, const int64_t *rows, int64_t n) {
+  DP_TRY(require_finalized(m));
+  if (n < 0) return DP_FAIL(DP_ERR_VALUE, "batch size must be >= 0, got %lld", (long long)n);
+  if (d->dev != m->dev)
+    return DP_FAIL(DP_ERR_VALUE, "the resident dataset is on %s, the model on %s", d->dev->name, m->dev->name);
+  const int64_t elems = (int64_t)m->in_c * m->in_h * m->in_w;
+  if (d->sample_elems != elems)
+    return DP_FAIL(DP_ERR_VALUE, "the resident dataset's samples have %lld elements, the model's input %lld",
+                   (long long)d->sample_elems, (long long)elems);
+  if (d->num_classes != dp_model_num_classes(m))
+    return DP_FAIL(DP_ERR_VALUE, "the resident dataset's labels were checked for %d classes, the model has %d",
+                   d->num_classes, dp_model_num_classes(m));
+  DP_TRY(ensure_batch(m, n > 0 ? n : 1));
+  if (n == 0) return DP_OK;
+  int32_t *tmp = malloc(sizeof(int32_t) * (size_t)n);
+  if (!tmp) return DP_FAIL(DP_ERR_MEMORY, "cannot allocate %lld row indices", (long long)n);
+  for (int64_t i = 0; i < n; ++i) {
+    if (rows[i] < 0 || rows[i] >= d->count) {
+      long long bad = (long long)rows[i];
+      free(tmp);
+      return DP_FAIL(DP_ERR_VALUE, "sample index %lld at position %lld is outside the resident dataset [0, %lld)", bad,
+                     (long long)i, (long long)d->count);
+    }
+    tmp[i] = (int32_t)rows[i];
+  }
+  const dp_backend *be = m->dev->backend;
+  dp_status st = be->copy_to_device(m->dev, m->rows, tmp, sizeof(int32_t) * (size_t)n);
+  free(tmp);
+  DP_TRY(st);
+  if (d->x_is_u8) {
+    DP_TRY(be->gather_rows(m->dev, n, elems, d->x, m->rows, m->input_u8));
+    DP_TRY(be->u8_to_unit(m->dev, m->input, m->input_u8, n * elems));
+  } else {
+    DP_TRY(be->gather_rows(m->dev, n, elems * (int64_t)sizeof(float), d->x, m->rows, m->input));
+  }
+  return be->gather_rows(m->dev, n, (int64_t)sizeof(int32_t), d->y, m->rows, m->labels);
+}
+
 static const float *output_of(const dp_model *m, int src) { return src < 0 ? m->input : m->acts[src]; }
 
 static dp_conv_geom conv_geom(const dp_layer *l) {
@@ -374,8 +415,8 @@ static dp_pool_geom pool_geom(const dp_layer *l) {
   return g;
 }
 
-static void sync_sum(dp_model *m, float *buf, int64_t n) {
-  if (m->sync) m->sync(m->sync_ctx, buf, n);
+static dp_status sync_sum(dp_model *m, float *buf, int64_t n) {
+  return m->sync ? m->sync(m->sync_ctx, buf, n) : DP_OK;
 }
 
 /* BatchNorm forward. Training: batch statistics, two passes (mean, then
@@ -398,16 +439,16 @@ static dp_status batchnorm_forward(dp_model *m, const dp_layer *l, int64_t N, co
   }
   if (N == 0 && !m->sync) return DP_OK; /* an empty shard has no statistics of its own */
   DP_TRY(be->bn_sums(dev, N, C, HW, x, NULL, tmp));
-  float count = (float)(N * HW);
-  DP_TRY(be->copy_to_device(dev, tmp + C, &count, sizeof(float)));
-  sync_sum(m, tmp, C + 1);
-  DP_TRY(be->copy_to_host(dev, &count, tmp + C, sizeof(float)));
+  /* synchronized: the values of the whole batch, known on the host (no
+   * device round trip, so the host never waits inside the step) */
+  const float count = (float)((m->sync ? m->sync_batch : N) * HW);
+  DP_TRY(sync_sum(m, tmp, C));
   if (count <= 1.0f)
     return DP_FAIL(DP_ERR_VALUE, "batchnorm: training needs more than one value per channel, got %g", (double)count);
   DP_TRY(be->scale(dev, C, tmp, 1.0f / count));
   DP_TRY(be->copy_to_device(dev, mean, tmp, sizeof(float) * (size_t)C));
   DP_TRY(be->bn_sums(dev, N, C, HW, x, mean, tmp));
-  sync_sum(m, tmp, C);
+  DP_TRY(sync_sum(m, tmp, C));
   DP_TRY(be->bn_finalize(dev, C, tmp, count, mean, l->eps, l->momentum, 1, invstd, running_mean, running_var));
   m->bn_count[l - m->layers] = count; /* for this layer's backward pass */
   return be->bn_apply(dev, N, C, HW, x, mean, invstd, gamma, beta, y);
@@ -495,7 +536,7 @@ static dp_status batchnorm_backward(dp_model *m, const dp_layer *l, int64_t N, c
   if (!dx) return DP_OK;
   DP_TRY(be->copy_to_device(dev, tmp, dbeta, sizeof(float) * (size_t)C));
   DP_TRY(be->copy_to_device(dev, tmp + C, dgamma, sizeof(float) * (size_t)C));
-  sync_sum(m, tmp, 2 * (int64_t)C);
+  DP_TRY(sync_sum(m, tmp, 2 * (int64_t)C));
   DP_TRY(be->bn_backward_dx(dev, N, C, HW, x, dy, mean, invstd, m->params + l->w_off, tmp, tmp + C, 1.0f / count,
                             dx));
   return DP_OK;
@@ -513,7 +554,10 @@ static dp_status backward(dp_model *m, int64_t N) {
     dp_layer *l = &m->layers[i];
     const float *x = output_of(m, l->src);
     const float *dy = m->dacts[i];
-    if (!m->dready[i]) continue; /* nothing downstream needs this layer */
+    if (!m->dready[i]) { /* nothing downstream needs this layer */
+      if (m->grad_ready) DP_TRY(m->grad_ready(m->grad_ctx, i));
+      continue;
+    }
     float *dx = gradient_target(m, l->src);
     switch (l->kind) {
       case DP_LAYER_CONV2D: {
@@ -551,12 +595,14 @@ static dp_status backward(dp_model *m, int64_t N) {
         dx = gradient_target(m, l->src2);
         if (dx) DP_TRY(be->copy_to_device(dev, dx, dy, sizeof(float) * (size_t)(N * layer_out_size(l))));
         DP_TRY(gradient_delivered(m, l->src2, N));
+        if (m->grad_ready) DP_TRY(m->grad_ready(m->grad_ctx, i));
         continue;
       case DP_LAYER_GLOBAL_AVGPOOL:
         if (dx) DP_TRY(be->global_avgpool_backward(dev, N, l->in_c, l->in_h * l->in_w, dy, dx));
         break;
     }
     DP_TRY(gradient_delivered(m, l->src, N));
+    if (m->grad_ready) DP_TRY(m->grad_ready(m->grad_ctx, i));
   }
   return DP_OK;
 }

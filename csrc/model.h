@@ -15,6 +15,7 @@
 #include <stdint.h>
 
 #include "backend.h"
+#include "resident.h"
 
 typedef enum dp_layer_kind {
   DP_LAYER_CONV2D,
@@ -43,7 +44,11 @@ typedef struct dp_layer {
 /* All-reduce (sum) of n floats across the replicas of a mirrored model; set
  * by the mirrored runner for synchronized BatchNorm, NULL otherwise. Every
  * replica calls it the same number of times in the same order. */
-typedef void (*dp_sync_fn)(void *ctx, float *buf, int64_t n);
+typedef dp_status (*dp_sync_fn)(void *ctx, float *buf, int64_t n);
+/* Called by the backward pass after each layer (every layer, from the last to
+ * the first), when that layer's parameter gradients are final; the mirrored
+ * runner starts each gradient bucket's all-reduce from it. NULL otherwise. */
+typedef dp_status (*dp_grad_ready_fn)(void *ctx, int layer);
 
 #define DP_SRC_PREVIOUS (-2)
 
@@ -67,13 +72,17 @@ typedef struct dp_model {
   float *dscratch;          /* the largest activation: a second gradient to add in */
   unsigned char *dready;    /* per layer: dacts[i] holds a gradient already */
   float *bn_saved;          /* per BatchNorm layer: batch mean (C), invstd (C) */
-  float *bn_tmp;            /* (2 * max C + 1): channel sums being reduced (shared by the layers) */
+  float *bn_tmp;            /* (2 * max C): channel sums being reduced (shared by the layers) */
   float *bn_count;          /* host, per layer: the values per channel its last training forward normalised */
   dp_sync_fn sync;
   void *sync_ctx;
+  dp_grad_ready_fn grad_ready;
+  void *grad_ctx;
+  int64_t sync_batch;       /* with sync: the samples of the whole batch across the replicas */
   float *input;             /* the batch on the device, (act_batch, in_c, in_h, in_w) */
-  uint8_t *input_u8;        /* non-CPU devices: uint8 images staged before u8_to_unit, (act_batch * in size) */
+  uint8_t *input_u8;        /* uint8 images staged before u8_to_unit, (act_batch * in size) */
   int32_t *labels;          /* (act_batch) */
+  int32_t *rows;            /* (act_batch) the resident dataset's rows of the batch */
 } dp_model;
 
 /* A batch as it comes from the host: images uint8 (scaled by 1/255) or float32,
@@ -83,6 +92,10 @@ typedef struct dp_batch {
   int x_is_u8;
   const int64_t *y;
   int64_t n;
+  /* or, for the mirrored runner: rows[0..n-1] of resident[r], a dataset
+   * resident on replica r's device (x and y unused) */
+  const int64_t *rows;
+  dp_resident *const *resident;
 } dp_batch;
 
 dp_status dp_model_create(dp_device *dev, int in_c, int in_h, int in_w, dp_model **out);
@@ -112,6 +125,9 @@ dp_status dp_model_set_state(dp_model *m, const float *host);
 
 /* Stage a batch on the model's device (labels checked when need_labels). */
 dp_status dp_model_load(dp_model *m, const dp_batch *b, int need_labels);
+/* Stage rows[0..n-1] of a dataset resident on the model's device: only the
+ * indices travel; the device gathers the images and labels. */
+dp_status dp_model_load_rows(dp_model *m, const dp_resident *d, const int64_t *rows, int64_t n);
 /* DP_ERR_VALUE when a BatchNorm layer would see at most one value per
  * channel in training on n samples (n > 0); checked before anything changes. */
 dp_status dp_model_check_batchnorm_batch(const dp_model *m, int64_t n);

@@ -15,6 +15,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "arena.h"
 #include "backend.h"
 #include "dp_build_config.h"
 #include "mirrored.h"
@@ -691,7 +692,8 @@ static PyObject *run_batch(ModelObject *self, PyObject *X, PyObject *Y, enum bat
   int is_u8 = 0;
   if (convert_images(X, self->model, &xa, &is_u8) < 0) goto done;
   if (convert_labels(Y, PyArray_DIM(xa, 0), &ya) < 0) goto done;
-  dp_batch b = {PyArray_DATA(xa), is_u8, (const int64_t *)PyArray_DATA(ya), (int64_t)PyArray_DIM(xa, 0)};
+  dp_batch b = {PyArray_DATA(xa), is_u8, (const int64_t *)PyArray_DATA(ya), (int64_t)PyArray_DIM(xa, 0), NULL,
+                NULL};
   if (call == CALL_TRAIN_STEP) {
     if (b.n == 0) { /* no samples, no step (not even weight decay) */
       ret = Py_BuildValue("(dL)", 0.0, 0LL);
@@ -770,7 +772,7 @@ static PyObject *Model_predict(ModelObject *self, PyObject *X) {
     Py_DECREF(xa);
     return NULL;
   }
-  dp_batch b = {PyArray_DATA(xa), is_u8, NULL, (int64_t)dims[0]};
+  dp_batch b = {PyArray_DATA(xa), is_u8, NULL, (int64_t)dims[0], NULL, NULL};
   float *dst = (float *)PyArray_DATA(out);
   dp_status st;
   self->busy = 1;
@@ -799,10 +801,148 @@ static PyObject *Model_get_input_shape(ModelObject *self, void *c) {
   return Py_BuildValue("(iii)", self->model->in_c, self->model->in_h, self->model->in_w);
 }
 
+/* ---- Resident: a dataset copied once to a model's device ----------------------- */
+
+static PyTypeObject ModelType;
+
+typedef struct {
+  PyObject_HEAD
+  PyObject *owner; /* the ModelObject whose device holds the data (kept alive) */
+  dp_resident *data;
+} ResidentObject;
+
+static void Resident_dealloc(ResidentObject *self) {
+  dp_resident_destroy(self->data);
+  Py_XDECREF(self->owner);
+  Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+/* Resident(model, images, labels): images (N, C, H, W) uint8 or float32 as
+ * the model takes them, labels (N,) int64 in [0, num_classes). */
+static int Resident_init(ResidentObject *self, PyObject *args, PyObject *kwds) {
+  static char *kwlist[] = {"model", "images", "labels", NULL};
+  PyObject *model, *X, *Y;
+  if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!OO", kwlist, &ModelType, &model, &X, &Y)) return -1;
+  if (self->data) {
+    PyErr_SetString(PyExc_RuntimeError, "Resident is already initialized");
+    return -1;
+  }
+  ModelObject *mo = (ModelObject *)model;
+  if (!model_ready(mo)) return -1;
+  PyArrayObject *xa = NULL, *ya = NULL;
+  int is_u8 = 0, rc = -1;
+  if (convert_images(X, mo->model, &xa, &is_u8) < 0) goto done;
+  if (convert_labels(Y, PyArray_DIM(xa, 0), &ya) < 0) goto done;
+  const dp_model *m = mo->model;
+  dp_status st;
+  mo->busy = 1;
+  Py_BEGIN_ALLOW_THREADS
+  st = dp_resident_create(m->dev, PyArray_DATA(xa), is_u8, (const int64_t *)PyArray_DATA(ya),
+                          (int64_t)PyArray_DIM(xa, 0), (int64_t)m->in_c * m->in_h * m->in_w,
+                          dp_model_num_classes(m), &self->data);
+  Py_END_ALLOW_THREADS
+  mo->busy = 0;
+  if (st != DP_OK) {
+    raise_from_status(st);
+    goto done;
+  }
+  self->owner = Py_NewRef(model);
+  rc = 0;
+done:
+  Py_XDECREF(xa);
+  Py_XDECREF(ya);
+  return rc;
+}
+
+static PyObject *Resident_get_len(ResidentObject *self, void *c) {
+  return self->data ? PyLong_FromLongLong((long long)self->data->count) : PyLong_FromLong(0);
+}
+static PyObject *Resident_get_nbytes(ResidentObject *self, void *c) {
+  return PyLong_FromSize_t(self->data ? dp_resident_bytes(self->data) : 0);
+}
+static PyObject *Resident_get_device(ResidentObject *self, void *c) {
+  if (!self->data) Py_RETURN_NONE;
+  return PyUnicode_FromString(self->data->dev->name);
+}
+
+static PyGetSetDef Resident_getset[] = {
+    {"num_samples", (getter)Resident_get_len, NULL, "samples held", NULL},
+    {"nbytes", (getter)Resident_get_nbytes, NULL, "device bytes held (images and labels)", NULL},
+    {"device", (getter)Resident_get_device, NULL, "the device holding the data", NULL},
+    {NULL, NULL, NULL, NULL, NULL}};
+
+static PyTypeObject ResidentType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "dpcore._core.Resident",
+    .tp_basicsize = sizeof(ResidentObject),
+    .tp_dealloc = (destructor)Resident_dealloc,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "Resident(model, images, labels): a dataset copied once to the model's device; train_step_rows "
+              "then moves only the indices of each batch",
+    .tp_getset = Resident_getset,
+    .tp_init = (initproc)Resident_init,
+    .tp_new = PyType_GenericNew,
+};
+
+/* rows: a 1-D int64 array (a new reference) or NULL with the exception set. */
+static PyArrayObject *convert_rows(PyObject *obj) {
+  if (!PyArray_Check(obj) || PyArray_TYPE((PyArrayObject *)obj) != NPY_INT64 ||
+      PyArray_NDIM((PyArrayObject *)obj) != 1) {
+    PyErr_SetString(PyExc_TypeError, "rows must be a 1-D int64 numpy array of sample indices");
+    return NULL;
+  }
+  return (PyArrayObject *)PyArray_FROM_OTF(obj, NPY_INT64, NPY_ARRAY_IN_ARRAY | NPY_ARRAY_NOTSWAPPED);
+}
+
+static dp_resident *resident_of(PyObject *obj, const ModelObject *mo) {
+  if (!PyObject_TypeCheck(obj, &ResidentType) || !((ResidentObject *)obj)->data) {
+    PyErr_Format(PyExc_TypeError, "expected an initialized dpcore Resident, got %s", Py_TYPE(obj)->tp_name);
+    return NULL;
+  }
+  ResidentObject *r = (ResidentObject *)obj;
+  if (r->data->dev != mo->model->dev) {
+    PyErr_Format(PyExc_ValueError, "the resident dataset is on %s, the model replica on %s", r->data->dev->name,
+                 mo->model->dev->name);
+    return NULL;
+  }
+  return r->data;
+}
+
+/* train_step_rows(resident, rows, lr, momentum=0, weight_decay=0) -> (loss_sum, correct) */
+static PyObject *Model_train_step_rows(ModelObject *self, PyObject *args, PyObject *kwds) {
+  static char *kwlist[] = {"resident", "rows", "lr", "momentum", "weight_decay", NULL};
+  PyObject *R, *rows_obj;
+  float lr, mu = 0.0f, wd = 0.0f;
+  if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOf|ff", kwlist, &R, &rows_obj, &lr, &mu, &wd)) return NULL;
+  if (!model_ready(self)) return NULL;
+  dp_resident *d = resident_of(R, self);
+  if (!d) return NULL;
+  PyArrayObject *rows = convert_rows(rows_obj);
+  if (!rows) return NULL;
+  const int64_t n = (int64_t)PyArray_DIM(rows, 0);
+  double loss = 0.0;
+  int64_t correct = 0;
+  dp_status st = DP_OK;
+  if (n > 0) {
+    self->busy = 1;
+    Py_BEGIN_ALLOW_THREADS
+    st = dp_model_load_rows(self->model, d, (const int64_t *)PyArray_DATA(rows), n);
+    if (st == DP_OK) st = dp_model_forward_backward_loaded(self->model, n, 1.0f / (float)n, &loss, &correct);
+    if (st == DP_OK) st = dp_model_sgd_step(self->model, lr, mu, wd);
+    Py_END_ALLOW_THREADS
+    self->busy = 0;
+  }
+  Py_DECREF(rows);
+  if (st != DP_OK) return raise_from_status(st);
+  return Py_BuildValue("(dL)", loss, (long long)correct);
+}
+
 static PyObject *Model_grads_tensor(ModelObject *self, PyObject *u);
 static PyObject *Model_params_tensor(ModelObject *self, PyObject *u);
 
 static PyMethodDef Model_methods[] = {
+    {"train_step_rows", (PyCFunction)(void (*)(void))Model_train_step_rows, METH_VARARGS | METH_KEYWORDS,
+     "train_step_rows(resident, rows, lr, momentum=0, weight_decay=0) -> (loss_sum, correct): a step on rows of "
+     "a Resident dataset"},
     {"grads_tensor", (PyCFunction)Model_grads_tensor, METH_NOARGS, "the flat gradient buffer as a Tensor (a view)"},
     {"params_tensor", (PyCFunction)Model_params_tensor, METH_NOARGS, "the flat parameter buffer as a Tensor (a view)"},
     {"param_layout", (PyCFunction)Model_param_layout, METH_NOARGS,
@@ -884,10 +1024,21 @@ static void Mirrored_dealloc(MirroredObject *self) {
 }
 
 static int Mirrored_init(MirroredObject *self, PyObject *args, PyObject *kwds) {
-  static char *kwlist[] = {"models", "sync_batchnorm", NULL};
+  static char *kwlist[] = {"models", "sync_batchnorm", "all_reduce", "bucket_bytes", NULL};
   PyObject *seq_obj;
   int sync_batchnorm = 0;
-  if (!PyArg_ParseTupleAndKeywords(args, kwds, "O|p", kwlist, &seq_obj, &sync_batchnorm)) return -1;
+  const char *all_reduce = "auto";
+  long long bucket_bytes = 25ll << 20; /* PyTorch DDP's default bucket, 25 MiB */
+  if (!PyArg_ParseTupleAndKeywords(args, kwds, "O|psL", kwlist, &seq_obj, &sync_batchnorm, &all_reduce,
+                                   &bucket_bytes))
+    return -1;
+  dp_comm_kind kind;
+  dp_status kst = dp_comm_kind_parse(all_reduce, &kind);
+  if (kst != DP_OK) return raise_from_status(kst), -1;
+  if (bucket_bytes < 0) {
+    PyErr_Format(PyExc_ValueError, "bucket_bytes must be >= 0, got %lld", bucket_bytes);
+    return -1;
+  }
   if (self->mirrored) {
     PyErr_SetString(PyExc_RuntimeError, "Mirrored is already initialized");
     return -1;
@@ -910,7 +1061,10 @@ static int Mirrored_init(MirroredObject *self, PyObject *args, PyObject *kwds) {
     }
     ptrs[r] = ((ModelObject *)o)->model;
   }
-  dp_status st = dp_mirrored_create(ptrs, (int)k, sync_batchnorm, &self->mirrored);
+  dp_status st;
+  Py_BEGIN_ALLOW_THREADS /* NCCL communicators take a while to make */
+  st = dp_mirrored_create(ptrs, (int)k, sync_batchnorm, kind, (int64_t)bucket_bytes, &self->mirrored);
+  Py_END_ALLOW_THREADS
   if (st != DP_OK) {
     Py_DECREF(models);
     return raise_from_status(st), -1;
@@ -951,7 +1105,8 @@ static PyObject *mirrored_batch(MirroredObject *self, PyObject *X, PyObject *Y, 
   if (convert_images(X, self->mirrored->models[0], &xa, &is_u8) < 0) goto done;
   if (convert_labels(Y, PyArray_DIM(xa, 0), &ya) < 0) goto done;
   if (!mirrored_acquire(self)) goto done;
-  dp_batch b = {PyArray_DATA(xa), is_u8, (const int64_t *)PyArray_DATA(ya), (int64_t)PyArray_DIM(xa, 0)};
+  dp_batch b = {PyArray_DATA(xa), is_u8, (const int64_t *)PyArray_DATA(ya), (int64_t)PyArray_DIM(xa, 0), NULL,
+                NULL};
   double loss = 0.0;
   int64_t correct = 0;
   dp_status st;
@@ -997,6 +1152,51 @@ static PyObject *Mirrored_evaluate(MirroredObject *self, PyObject *args, PyObjec
   return mirrored_batch(self, X, Y, MIRRORED_EVALUATE, 0, 0, 0);
 }
 
+/* train_step_rows(residents, rows, lr, momentum=0, weight_decay=0): residents[r]
+ * is the dataset resident on replica r's device. */
+static PyObject *Mirrored_train_step_rows(MirroredObject *self, PyObject *args, PyObject *kwds) {
+  static char *kwlist[] = {"residents", "rows", "lr", "momentum", "weight_decay", NULL};
+  PyObject *R, *rows_obj;
+  float lr, mu = 0.0f, wd = 0.0f;
+  if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOf|ff", kwlist, &R, &rows_obj, &lr, &mu, &wd)) return NULL;
+  if (!self->mirrored) {
+    PyErr_SetString(PyExc_RuntimeError, "Mirrored is not initialized");
+    return NULL;
+  }
+  PyObject *seq = PySequence_Fast(R, "residents must be a sequence, one Resident per replica");
+  if (!seq) return NULL;
+  const Py_ssize_t k = PyTuple_GET_SIZE(self->models);
+  dp_resident *data[DP_COMM_MAX_REPLICAS];
+  PyArrayObject *rows = NULL;
+  PyObject *ret = NULL;
+  if (PySequence_Fast_GET_SIZE(seq) != k) {
+    PyErr_Format(PyExc_ValueError, "residents: need one per replica (%zd), got %zd", k, PySequence_Fast_GET_SIZE(seq));
+    goto done;
+  }
+  for (Py_ssize_t r = 0; r < k; ++r)
+    if (!(data[r] = resident_of(PySequence_Fast_GET_ITEM(seq, r), (ModelObject *)PyTuple_GET_ITEM(self->models, r))))
+      goto done;
+  if (!(rows = convert_rows(rows_obj))) goto done;
+  if (!mirrored_acquire(self)) goto done;
+  dp_batch b = {NULL, 0, NULL, (int64_t)PyArray_DIM(rows, 0), (const int64_t *)PyArray_DATA(rows), data};
+  double loss = 0.0;
+  int64_t correct = 0;
+  dp_status st;
+  Py_BEGIN_ALLOW_THREADS
+  st = b.n ? dp_mirrored_train_step(self->mirrored, &b, lr, mu, wd, &loss, &correct) : DP_OK;
+  Py_END_ALLOW_THREADS
+  mirrored_release(self);
+  if (st != DP_OK) {
+    raise_from_status(st);
+    goto done;
+  }
+  ret = Py_BuildValue("(dL)", loss, (long long)correct);
+done:
+  Py_XDECREF(rows);
+  Py_DECREF(seq);
+  return ret;
+}
+
 static PyObject *Mirrored_broadcast(MirroredObject *self, PyObject *args) {
   int root = 0;
   if (!PyArg_ParseTuple(args, "|i", &root)) return NULL;
@@ -1007,6 +1207,41 @@ static PyObject *Mirrored_broadcast(MirroredObject *self, PyObject *args) {
   Py_RETURN_NONE;
 }
 
+static PyObject *Mirrored_get_all_reduce(MirroredObject *self, void *c) {
+  if (!self->mirrored) {
+    PyErr_SetString(PyExc_RuntimeError, "Mirrored is not initialized");
+    return NULL;
+  }
+  return PyUnicode_FromString(dp_comm_kind_name(dp_comm_get_kind(self->mirrored->comm)));
+}
+
+/* [(begin, end, ready_layer), ...] in the order the backward pass starts them */
+static PyObject *Mirrored_get_buckets(MirroredObject *self, void *c) {
+  if (!self->mirrored) {
+    PyErr_SetString(PyExc_RuntimeError, "Mirrored is not initialized");
+    return NULL;
+  }
+  const dp_mirrored *m = self->mirrored;
+  PyObject *list = PyList_New(m->nbuckets);
+  if (!list) return NULL;
+  for (int b = 0; b < m->nbuckets; ++b) {
+    PyObject *t = Py_BuildValue("(LLi)", (long long)m->buckets[b].begin, (long long)m->buckets[b].end,
+                                m->buckets[b].ready_layer);
+    if (!t) {
+      Py_DECREF(list);
+      return NULL;
+    }
+    PyList_SET_ITEM(list, b, t);
+  }
+  return list;
+}
+
+static PyGetSetDef Mirrored_getset[] = {
+    {"all_reduce", (getter)Mirrored_get_all_reduce, NULL, "the all-reduce in use: 'host', 'kernel' or 'nccl'", NULL},
+    {"buckets", (getter)Mirrored_get_buckets, NULL,
+     "the gradient buckets: (begin, end, ready_layer) ranges of the flat buffer, in backward order", NULL},
+    {NULL, NULL, NULL, NULL, NULL}};
+
 static PyMethodDef Mirrored_methods[] = {
     {"train_step", (PyCFunction)(void (*)(void))Mirrored_train_step, METH_VARARGS | METH_KEYWORDS,
      "train_step(images, labels, lr, momentum=0, weight_decay=0) -> (loss_sum, correct) over the global batch"},
@@ -1014,6 +1249,9 @@ static PyMethodDef Mirrored_methods[] = {
      "forward_backward(images, labels) -> (loss_sum, correct); gradients all-reduced (mean), no step"},
     {"evaluate", (PyCFunction)(void (*)(void))Mirrored_evaluate, METH_VARARGS | METH_KEYWORDS,
      "evaluate(images, labels) -> (loss_sum, correct), the batch split over the replicas"},
+    {"train_step_rows", (PyCFunction)(void (*)(void))Mirrored_train_step_rows, METH_VARARGS | METH_KEYWORDS,
+     "train_step_rows(residents, rows, lr, momentum=0, weight_decay=0) -> (loss_sum, correct): a step on rows of "
+     "the dataset resident on every replica's device"},
     {"broadcast", (PyCFunction)Mirrored_broadcast, METH_VARARGS,
      "broadcast(root=0): copy a replica's parameters to all and zero the momentum"},
     {NULL, NULL, 0, NULL}};
@@ -1023,8 +1261,10 @@ static PyTypeObject MirroredType = {
     .tp_basicsize = sizeof(MirroredObject),
     .tp_dealloc = (destructor)Mirrored_dealloc,
     .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = "Mirrored(models): one replica per device, one thread per replica",
+    .tp_doc = "Mirrored(models, sync_batchnorm=False, all_reduce='auto', bucket_bytes=25 MiB): one replica per "
+              "device, one thread per replica",
     .tp_methods = Mirrored_methods,
+    .tp_getset = Mirrored_getset,
     .tp_init = (initproc)Mirrored_init,
     .tp_new = PyType_GenericNew,
 };
@@ -1416,6 +1656,22 @@ static PyObject *mod_backend_null_entries(PyObject *m, PyObject *args) {
   return out;
 }
 
+/* set_cuda_options(deterministic, allow_tf32): the process-wide CUDA settings
+ * (dpcore.config validates them); every CUDA device takes them before its next
+ * convolution or dense layer, new devices start with them. */
+static PyObject *mod_set_cuda_options(PyObject *m, PyObject *args) {
+  int deterministic, allow_tf32;
+  if (!PyArg_ParseTuple(args, "pp", &deterministic, &allow_tf32)) return NULL;
+  dp_cuda_set_defaults(deterministic, allow_tf32);
+  Py_RETURN_NONE;
+}
+
+static PyObject *mod_get_cuda_options(PyObject *m, PyObject *unused) {
+  int deterministic, allow_tf32;
+  dp_cuda_get_defaults(&deterministic, &allow_tf32);
+  return Py_BuildValue("(NN)", PyBool_FromLong(deterministic), PyBool_FromLong(allow_tf32));
+}
+
 static PyMethodDef module_methods[] = {
     {"backend_null_entries", mod_backend_null_entries, METH_VARARGS,
      "backend_null_entries(name) -> names of the NULL entries of backend 'cpu' or 'cuda' (None if not built)"},
@@ -1427,6 +1683,9 @@ static PyMethodDef module_methods[] = {
     {"cudnn_conv_output_dim", mod_cudnn_conv_output_dim, METH_VARARGS,
      "cudnn_conv_output_dim(N, C, H, W, O, KH, KW, stride, pad) -> (n, c, h, w) from cuDNN's shape inference"},
     {"shard_ranges", mod_shard_ranges, METH_VARARGS, "shard_ranges(n, k) -> [(begin, end)] per replica"},
+    {"set_cuda_options", mod_set_cuda_options, METH_VARARGS,
+     "set_cuda_options(deterministic, allow_tf32): process-wide settings of every CUDA device"},
+    {"get_cuda_options", mod_get_cuda_options, METH_NOARGS, "get_cuda_options() -> (deterministic, allow_tf32)"},
     OPS_METHODS{NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "dpcore._core",
@@ -1441,13 +1700,16 @@ PyMODINIT_FUNC PyInit__core(void) {
   DeviceError = DpcoreError ? PyObject_GetAttrString(errors, "DeviceError") : NULL;
   Py_DECREF(errors);
   if (!DpcoreError || !DeviceError) return NULL;
-  if (PyType_Ready(&ModelType) < 0 || PyType_Ready(&TensorType) < 0 || PyType_Ready(&MirroredType) < 0) return NULL;
+  if (PyType_Ready(&ModelType) < 0 || PyType_Ready(&TensorType) < 0 || PyType_Ready(&MirroredType) < 0 ||
+      PyType_Ready(&ResidentType) < 0)
+    return NULL;
   if (ops_init() < 0) return NULL;
   PyObject *m = PyModule_Create(&module_def);
   if (!m) return NULL;
   if (PyModule_AddObjectRef(m, "Model", (PyObject *)&ModelType) < 0 ||
       PyModule_AddObjectRef(m, "Tensor", (PyObject *)&TensorType) < 0 ||
-      PyModule_AddObjectRef(m, "Mirrored", (PyObject *)&MirroredType) < 0) {
+      PyModule_AddObjectRef(m, "Mirrored", (PyObject *)&MirroredType) < 0 ||
+      PyModule_AddObjectRef(m, "Resident", (PyObject *)&ResidentType) < 0) {
     Py_DECREF(m);
     return NULL;
   }

@@ -47,7 +47,11 @@ static void *worker_main(void *p) {
 
     dp_error_clear();
     w->status = fn(arg, w->rank);
-    if (w->status != DP_OK) snprintf(w->message, sizeof w->message, "%s", dp_error_message());
+    if (w->status != DP_OK) {
+      snprintf(w->message, sizeof w->message, "%s", dp_error_message());
+      /* peers waiting for this replica inside a collective give up */
+      dp_barrier_break(&g->barrier);
+    }
 
     pthread_mutex_lock(&g->mutex);
     if (--g->pending == 0) pthread_cond_signal(&g->done_cv);
@@ -112,6 +116,7 @@ int dp_group_size(const dp_group *g) { return g->k; }
 dp_barrier *dp_group_barrier(dp_group *g) { return &g->barrier; }
 
 dp_status dp_group_run(dp_group *g, dp_group_fn fn, void *arg) {
+  dp_barrier_reset(&g->barrier); /* no worker is inside it between runs */
   pthread_mutex_lock(&g->mutex);
   g->fn = fn;
   g->arg = arg;
@@ -120,10 +125,14 @@ dp_status dp_group_run(dp_group *g, dp_group_fn fn, void *arg) {
   pthread_cond_broadcast(&g->work_cv);
   while (g->pending > 0) pthread_cond_wait(&g->done_cv, &g->mutex);
   pthread_mutex_unlock(&g->mutex);
-  for (int r = 0; r < g->k; ++r)
-    if (g->workers[r].status != DP_OK) {
-      dp_error_set_message(g->workers[r].message);
-      return g->workers[r].status;
+  /* the cause, not the peers that gave up waiting for it */
+  for (int pass = 0; pass < 2; ++pass)
+    for (int r = 0; r < g->k; ++r) {
+      const dp_status s = g->workers[r].status;
+      if (s != DP_OK && (pass == 1 || s != DP_ERR_ABORTED)) {
+        dp_error_set_message(g->workers[r].message);
+        return s;
+      }
     }
   return DP_OK;
 }

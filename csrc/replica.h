@@ -3,8 +3,9 @@
  * A replica group owns k worker threads, one per device; worker r sets its
  * OpenMP thread count to its device's share of the cores, so k replicas never
  * oversubscribe the machine. dp_group_run runs fn(arg, r) on every worker and
- * waits for all of them (fork-join): a failing replica can never leave the
- * others waiting at a barrier, because collectives run in a later run.
+ * waits for all of them (fork-join). A replica that fails breaks the group's
+ * barrier, so its peers return DP_ERR_ABORTED from any collective instead of
+ * waiting for it forever; dp_group_run reports the failure itself.
  */
 #ifndef DP_REPLICA_H
 #define DP_REPLICA_H
@@ -22,7 +23,8 @@ int dp_group_size(const dp_group *g);
 /* The barrier of the k workers, for collectives inside fn. */
 dp_barrier *dp_group_barrier(dp_group *g);
 /* Runs fn(arg, r) on worker r for every r; returns DP_OK or the status of the
- * lowest failing rank, with its message moved to the calling thread. */
+ * lowest failing rank (one that failed by itself before one that aborted
+ * because of it), with its message moved to the calling thread. */
 dp_status dp_group_run(dp_group *g, dp_group_fn fn, void *arg);
 
 #endif

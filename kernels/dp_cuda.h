@@ -24,6 +24,9 @@ int dp_cuda_probe(int *count, char *why, size_t why_len, int *runtime_version, i
 int dp_cuda_relu_forward(dp_cuda_stream s, int64_t n, const float *x, float *y);
 int dp_cuda_relu_backward(dp_cuda_stream s, int64_t n, const float *y, const float *dy, float *dx);
 int dp_cuda_u8_to_unit(dp_cuda_stream s, int64_t n, const uint8_t *x, float *y);
+/* dst row r (row_bytes bytes) = src row rows[r], r < nrows; rows on the device */
+int dp_cuda_gather_rows(dp_cuda_stream s, int64_t nrows, int64_t row_bytes, const void *src, const int32_t *rows,
+                        void *dst);
 int dp_cuda_sgd_update(dp_cuda_stream s, int64_t n, float *w, const float *g, float *v, float lr, float mu, float wd);
 int dp_cuda_avgpool_forward(dp_cuda_stream s, dp_pool_geom g, int64_t N, const float *x, float *y);
 int dp_cuda_avgpool_backward(dp_cuda_stream s, dp_pool_geom g, int64_t N, const float *dy, float *dx);
@@ -55,9 +58,18 @@ int dp_cuda_bn_apply(dp_cuda_stream s, int64_t N, int C, int HW, const float *x,
 int dp_cuda_bn_backward_dx(dp_cuda_stream s, int64_t N, int C, int HW, const float *x, const float *dy,
                            const float *mean, const float *invstd, const float *gamma, const float *sum_dy,
                            const float *sum_dy_xhat, float inv_count, float *dx);
-/* y (n) = parts[0] + ... + parts[nparts-1] in that order (dp_sum_parts_elem);
- * parts is a DEVICE array of device pointers; y may alias parts[0]. */
-int dp_cuda_sum_parts(dp_cuda_stream s, int64_t n, const float *const *parts, int nparts, float *y);
+
+/* kernels/collective.cu: the all-reduce of logical GPUs (csrc/comm.c).
+ * The k buffers' pointers travel by value in the kernel's parameters (512
+ * bytes, under the 4 KB parameter limit), so no device table is needed. */
+enum { DP_MAX_REPLICAS = 64 };
+typedef struct dp_ptr_set {
+  float *p[DP_MAX_REPLICAS];
+} dp_ptr_set;
+/* Elements [begin, end) of every parts.p[0..k-1] (device memory readable from
+ * the stream's device: the same GPU or a peer with access enabled) become
+ * scale * their rank-ordered sum (dp_allreduce_elem). */
+int dp_cuda_allreduce_range(dp_cuda_stream s, dp_ptr_set parts, int k, int64_t begin, int64_t end, float scale);
 
 #ifdef __cplusplus
 }

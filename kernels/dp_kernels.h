@@ -32,6 +32,12 @@ static inline DP_HD float dp_relu_backward_elem(float y, float dy) { return y > 
 /* x = u8 / 255, the [0, 1] scaling of torchvision's ToTensor. */
 static inline DP_HD float dp_u8_to_unit_elem(uint8_t v) { return (float)v * (1.0f / 255.0f); }
 
+/* Byte i of a gather of whole rows: dst row r = src row rows[r], rows of
+ * row_bytes bytes (the resident dataset's samples and labels). */
+static inline DP_HD uint8_t dp_gather_elem(const uint8_t *src, const int32_t *rows, int64_t row_bytes, int64_t i) {
+  return src[(int64_t)rows[i / row_bytes] * row_bytes + i % row_bytes];
+}
+
 /* out[i] = bias[c] for i in the channel-c plane: y is (N, C, HW). Element i. */
 static inline DP_HD float dp_bias_value_elem(const float *bias, int64_t i, int64_t C, int64_t HW) {
   return bias[(i / HW) % C];
@@ -58,6 +64,14 @@ static inline DP_HD float dp_sum_parts_elem(const float *const *parts, int npart
   float s = parts[0][i];
   for (int r = 1; r < nparts; ++r) s += parts[r][i];
   return s;
+}
+
+/* The in-place all-reduce of element i over k buffers: every buffer receives
+ * the rank-ordered sum times scale (1 for a sum, 1/k for a mean), the value
+ * csrc/collective.c computes on the CPU. */
+static inline DP_HD void dp_allreduce_elem(float *const *parts, int k, int64_t i, float scale) {
+  const float s = dp_sum_parts_elem((const float *const *)parts, k, i) * scale;
+  for (int r = 0; r < k; ++r) parts[r][i] = s;
 }
 
 /* ---- pooling (NCHW; one output element forward, one input element backward) */

@@ -20,6 +20,11 @@ __global__ void relu_forward_kernel(int64_t n, const float *x, float *y) {
 __global__ void relu_backward_kernel(int64_t n, const float *y, const float *dy, float *dx) {
   DP_GRID_STRIDE(i, n) dx[i] = dp_relu_backward_elem(y[i], dy[i]);
 }
+__global__ void gather_rows_kernel(int64_t n, int64_t row_bytes, const uint8_t *src, const int32_t *rows,
+                                   uint8_t *dst) {
+  DP_GRID_STRIDE(i, n) dst[i] = dp_gather_elem(src, rows, row_bytes, i);
+}
+
 __global__ void u8_to_unit_kernel(int64_t n, const uint8_t *x, float *y) {
   DP_GRID_STRIDE(i, n) y[i] = dp_u8_to_unit_elem(x[i]);
 }
@@ -62,6 +67,13 @@ int dp_cuda_relu_forward(dp_cuda_stream s, int64_t n, const float *x, float *y) 
 int dp_cuda_relu_backward(dp_cuda_stream s, int64_t n, const float *y, const float *dy, float *dx) {
   if (n <= 0) return 0;
   relu_backward_kernel<<<grid_for(n), kThreads, 0, s>>>(n, y, dy, dx);
+  return launched();
+}
+int dp_cuda_gather_rows(dp_cuda_stream s, int64_t nrows, int64_t row_bytes, const void *src, const int32_t *rows,
+                        void *dst) {
+  const int64_t n = nrows * row_bytes;
+  if (n <= 0) return 0;
+  gather_rows_kernel<<<grid_for(n), kThreads, 0, s>>>(n, row_bytes, (const uint8_t *)src, rows, (uint8_t *)dst);
   return launched();
 }
 int dp_cuda_u8_to_unit(dp_cuda_stream s, int64_t n, const uint8_t *x, float *y) {

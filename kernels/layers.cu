@@ -1,6 +1,6 @@
 // layers.cu — CUDA launchers for the layers the CUDA backend does not hand to
 // cuDNN / cuBLAS: fill, add, scale, global average pooling, BatchNorm, the
-// per-channel sums (also the bias gradients) and the replica sum.
+// per-channel sums (also the bias gradients).
 //
 // Determinism: every reduction here has a fixed order. A channel sum is one
 // block per channel; thread t of the block accumulates (in double, like the
@@ -112,12 +112,6 @@ __global__ void bn_backward_dx_kernel(int64_t n, int C, int HW, const float *x, 
   }
 }
 
-// parts is a device array of nparts device pointers (all readable from this
-// device); y may alias parts[0].
-__global__ void sum_parts_kernel(int64_t n, const float *const *parts, int nparts, float *y) {
-  DP_GRID_STRIDE(i, n) y[i] = dp_sum_parts_elem(parts, nparts, i);
-}
-
 }  // namespace
 
 extern "C" {
@@ -181,11 +175,6 @@ int dp_cuda_bn_backward_dx(dp_cuda_stream s, int64_t N, int C, int HW, const flo
   if (n <= 0) return 0;
   bn_backward_dx_kernel<<<grid_for(n), kThreads, 0, s>>>(n, C, HW, x, dy, mean, invstd, gamma, sum_dy, sum_dy_xhat,
                                                          inv_count, dx);
-  return launched();
-}
-int dp_cuda_sum_parts(dp_cuda_stream s, int64_t n, const float *const *parts, int nparts, float *y) {
-  if (n <= 0 || nparts <= 0) return 0;
-  sum_parts_kernel<<<grid_for(n), kThreads, 0, s>>>(n, parts, nparts, y);
   return launched();
 }
 

@@ -136,16 +136,17 @@ def test_training_step_on_cuda_matches_cpu(model):
     assert err(gpu._model.get_params(), cpu._model.get_params()) <= tol
 
 
-@pytest.mark.xfail(strict=True, raises=dp.DpcoreError,
-                   reason="issue 5 item 3: all-reduce across CUDA replicas is not implemented yet")
-def test_all_reduce_over_logical_gpus_is_exact():
+@pytest.mark.parametrize("bucket_mb", [0, 0.05])
+def test_all_reduce_over_logical_gpus_is_exact(bucket_mb):
     """Two replicas: the reduced gradient must be exactly g0 + g1 in float32
     (a sum of two floats is the same in either order), each gi computed by a
     single-replica model on its shard."""
     dp.set_logical_devices("cuda", 2)
     try:
-        net = dp.models.LeNet(devices=["cuda:0", "cuda:1"])
+        net = dp.models.LeNet(devices=["cuda:0", "cuda:1"], bucket_mb=bucket_mb)
         single = dp.models.LeNet(devices=["cuda:1"])
+        assert net.all_reduce == "kernel"
+        assert len(net.gradient_buckets) == (1 if bucket_mb == 0 else 3)
     finally:
         dp.set_logical_devices("cuda", 1)
     single.set_weights(net.get_weights())
@@ -169,3 +170,90 @@ def test_book_lenet_accuracy_on_the_gpu():
     seconds = time.perf_counter() - start
     acc = net.evaluate(test_iter).accuracy
     assert acc >= 0.83, f"test accuracy {acc:.3f} after 10 epochs ({seconds:.1f} s)"
+
+
+# ---- the arena, pinned staging and the settings (dp.set_deterministic, dp.set_allow_tf32) ----
+
+# TF32 rounds the inputs of every convolution and GEMM to 10 mantissa bits
+# (relative error 2^-11 ~ 4.9e-4 per product): LeNet's gradients and loss stay
+# within TF32_TOL of the CPU's, relative to their largest magnitude.
+TF32_TOL = 1e-2
+
+
+@pytest.fixture
+def cuda_settings():
+    """Leaves the process-wide settings at their defaults."""
+    yield
+    dp.set_deterministic(True)
+    dp.set_allow_tf32(False)
+
+
+def lenet_step(device, weights, X, y):
+    """(loss, gradients) of one forward/backward pass of LeNet on device."""
+    net = dp.models.LeNet(devices=[device])
+    net.set_weights(weights)
+    loss, _ = net._model.forward_backward(X, y, 1.0 / len(X))
+    return loss, net._model.get_grads()
+
+
+@pytest.mark.parametrize("model", ["LeNet", "ResNet18"])
+def test_deterministic_mode_gives_bitwise_identical_gradients(model, cuda_settings):
+    dp.set_deterministic(True)
+    weights = getattr(dp.models, model)(devices=["cpu:0"]).get_weights()
+    X, y = batch((1, 28, 28), 32 if model == "ResNet18" else 256)
+    grads = []
+    for _ in range(2):  # two models: their plans are chosen afresh
+        net = getattr(dp.models, model)(devices=["cuda:0"])
+        net.set_weights(weights)
+        net._model.forward_backward(X, y, 1.0 / len(X))
+        grads.append(net._model.get_grads())
+        net._model.forward_backward(X, y, 1.0 / len(X))  # and the same model again, its plans cached
+        np.testing.assert_array_equal(net._model.get_grads(), grads[-1])
+    np.testing.assert_array_equal(grads[0], grads[1])
+
+
+def test_tf32_matches_the_cpu_within_its_tolerance(cuda_settings):
+    dp.set_allow_tf32(True)
+    weights = dp.models.LeNet(devices=["cpu:0"]).get_weights()
+    X, y = batch((1, 28, 28), 256)
+    loss_cpu, grads_cpu = lenet_step("cpu:0", weights, X, y)
+    loss_gpu, grads_gpu = lenet_step("cuda:0", weights, X, y)
+    assert rel(grads_gpu, grads_cpu) <= TF32_TOL
+    assert abs(loss_gpu - loss_cpu) <= TF32_TOL * max(1.0, abs(loss_cpu))
+
+
+def test_settings_reach_a_device_made_before_them(cuda_settings):
+    """A model made under the defaults follows later process-wide changes, and
+    returning to the defaults returns to the same bits (FMA, deterministic)."""
+    weights = dp.models.LeNet(devices=["cpu:0"]).get_weights()
+    X, y = batch((1, 28, 28), 128)
+    net = dp.models.LeNet(devices=["cuda:0"])
+    net.set_weights(weights)
+    net._model.forward_backward(X, y, 1.0 / len(X))
+    fp32 = net._model.get_grads()
+    dp.set_allow_tf32(True)
+    net._model.forward_backward(X, y, 1.0 / len(X))
+    _, cpu = lenet_step("cpu:0", weights, X, y)
+    assert rel(net._model.get_grads(), cpu) <= TF32_TOL
+    dp.set_allow_tf32(False)
+    net._model.forward_backward(X, y, 1.0 / len(X))
+    np.testing.assert_array_equal(net._model.get_grads(), fp32)
+
+
+def test_host_copies_are_staged_so_the_caller_may_reuse_its_buffer():
+    """ResNet-18's 11M parameters (45 MB) go through the two pinned 8 MiB
+    staging regions in turn; the host array is overwritten as soon as
+    set_params returns, and the device must still receive the original."""
+    net = dp.models.ResNet18(devices=["cuda:0"])
+    rng = np.random.default_rng(7)
+    params = rng.standard_normal(net._model.nparams).astype(np.float32)
+    host = params.copy()
+    net._model.set_params(host)
+    host[:] = np.nan
+    np.testing.assert_array_equal(net._model.get_params(), params)
+    # many small copies, each region reused as soon as its last copy is done
+    lenet = dp.models.LeNet(devices=["cuda:0"])
+    X, _ = batch((1, 28, 28), 3, dtype=np.uint8)
+    first = lenet.predict(X)
+    for _ in range(50):
+        np.testing.assert_array_equal(lenet.predict(X), first)

@@ -46,8 +46,9 @@ def build_and_run(tmp_path, program, core_sources):
 
 
 def test_core_is_clean_under_asan_lsan_ubsan(tmp_path):
-    """Models (LeNet, strides/padding/max-pool) trained, evaluated and misused, all freed."""
-    build_and_run(tmp_path, "core_smoke", ["backend_cpu.c", "model.c", "status.c"])
+    """Models (LeNet, strides/padding/max-pool) trained, evaluated and misused, a
+    resident dataset gathered from, all freed."""
+    build_and_run(tmp_path, "core_smoke", ["backend_cpu.c", "model.c", "resident.c", "status.c"])
 
 
 def test_dp_hd_bodies_as_the_gpu_runs_them(tmp_path):

@@ -259,6 +259,19 @@ class ArrayIterator:
             return self._shuffled_batches(order)
         return self._sequential_batches()
 
+    def index_batches(self) -> Iterator[np.ndarray]:
+        """Start the next epoch as ``iter()`` does, yielding each batch's example
+        indices (int64) instead of the examples: the same batches in the same
+        order. For data resident on a device (``dp.train(..., resident=True)``),
+        where only the indices need to travel."""
+        epoch = self._epochs_started
+        self._epochs_started += 1
+        if self.shuffle:
+            order = np.random.default_rng([self.seed, epoch]).permutation(self.num_examples).astype(np.int64)
+            return (order[start:start + self.batch_size] for start in self._batch_starts())
+        return (np.arange(start, min(start + self.batch_size, self.num_examples), dtype=np.int64)
+                for start in self._batch_starts())
+
     def _batch_starts(self) -> range:
         return range(0, len(self) * self.batch_size, self.batch_size)
 

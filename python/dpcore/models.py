@@ -16,7 +16,7 @@ from . import _core
 from .batches import as_images, as_labels
 from .devices import check_device, device_gpu, device_index, device_kind, device_threads
 from .parallel import Tensor
-from .strategy import get_strategy
+from .strategy import DEFAULT_BUCKET_MB, check_all_reduce_options, get_strategy
 
 __all__ = ["Sequential", "LeNet", "ResNet18", "Metrics", "Replica", "load"]
 
@@ -45,10 +45,13 @@ class Sequential:
         replica (default: the device's share).
     sync_batchnorm: with several replicas, normalise with the statistics of the
         whole global batch (SyncBatchNorm) instead of each replica's shard.
+    all_reduce, bucket_mb: how the replicas' gradients are all-reduced; default:
+        the active strategy's (see :class:`dpcore.MirroredStrategy`), else
+        ``'auto'`` and 25.
     """
 
     def __init__(self, layers, input_shape=(1, 28, 28), init_std=0.01, seed=0, threads=0, devices=None,
-                 sources=None, names=None, init="normal", sync_batchnorm=False):
+                 sources=None, names=None, init="normal", sync_batchnorm=False, all_reduce=None, bucket_mb=None):
         self._specs = [tuple(spec) for spec in layers]
         self._sources = None if sources is None else list(sources)
         self._names = [str(i) for i in range(len(self._specs))] if names is None else list(names)
@@ -56,9 +59,14 @@ class Sequential:
             raise ValueError(f"names must have one entry per layer ({len(self._specs)}), got {len(self._names)}")
         if init not in ("normal", "torch"):
             raise ValueError(f"init must be 'normal' or 'torch', got {init!r}")
+        strategy = get_strategy()
         if devices is None:
-            strategy = get_strategy()
             devices = strategy.devices if strategy is not None else ["cpu:0"]
+        if all_reduce is None:
+            all_reduce = strategy.all_reduce if strategy is not None else "auto"
+        if bucket_mb is None:
+            bucket_mb = strategy.bucket_mb if strategy is not None else DEFAULT_BUCKET_MB
+        all_reduce, bucket_mb = check_all_reduce_options(all_reduce, bucket_mb)
         devices = [check_device(d) for d in devices]
         if len(set(devices)) != len(devices):
             raise ValueError(f"a device appears twice in {devices}")
@@ -69,8 +77,8 @@ class Sequential:
         ]
         self._model = self._replicas[0]
         self.sync_batchnorm = bool(sync_batchnorm)
-        self._mirrored = (_core.Mirrored(self._replicas, self.sync_batchnorm) if len(self._replicas) > 1
-                          else None)
+        self._mirrored = (_core.Mirrored(self._replicas, self.sync_batchnorm, all_reduce, int(bucket_mb * 2**20))
+                          if len(self._replicas) > 1 else None)
         self._layout = self._model.param_layout()
         self._state_layout = self._model.state_layout()
         self._init_params(init, init_std, seed)
@@ -129,6 +137,20 @@ class Sequential:
     def devices(self):
         """The devices holding a replica, e.g. ``['cpu:0', 'cpu:1']``."""
         return [replica.device for replica in self._replicas]
+
+    @property
+    def all_reduce(self):
+        """The all-reduce of the replicas' gradients: 'host', 'kernel' or 'nccl'
+        (None for a single replica)."""
+        return self._mirrored.all_reduce if self._mirrored is not None else None
+
+    @property
+    def gradient_buckets(self):
+        """The gradient all-reduce's buckets, in the order the backward pass
+        starts them: (begin, end, ready_layer) ranges of the flat gradient
+        buffer, each started once layer ``ready_layer``'s backward is done
+        (empty for a single replica)."""
+        return self._mirrored.buckets if self._mirrored is not None else []
 
     @property
     def replicas(self):
@@ -257,6 +279,23 @@ class Sequential:
             raise ValueError("evaluate: the dataset is empty")
         return Metrics(loss / n, correct / n, n)
 
+    def make_resident(self, X, y):
+        """Copy a whole dataset (images as the model takes them, int64 labels) to
+        every replica's device once; :meth:`train_step_rows` then trains on
+        rows of it, moving only the indices. Returns one ``_core.Resident`` per
+        replica."""
+        X = as_images(X, self.input_shape)
+        y = as_labels(y, len(X))
+        return [_core.Resident(replica, X, y) for replica in self._replicas]
+
+    def train_step_rows(self, residents, rows, lr, momentum=0.0, weight_decay=0.0):
+        """One SGD step on rows ``rows`` (int64 indices) of the dataset made
+        resident by :meth:`make_resident`. Returns (loss_sum, correct)."""
+        rows = np.ascontiguousarray(rows, dtype=np.int64)
+        if self._mirrored is not None:
+            return self._mirrored.train_step_rows(residents, rows, lr, momentum, weight_decay)
+        return self._model.train_step_rows(residents[0], rows, lr, momentum, weight_decay)
+
     def train_step(self, X, y, lr, momentum=0.0, weight_decay=0.0):
         """One SGD step on a batch (mean loss). Returns (loss_sum, correct)."""
         X = as_images(X, self.input_shape)
@@ -273,14 +312,15 @@ class LeNet(Sequential):
     Flatten, Linear, ReLU, Linear)``, so the weights are named like its state_dict.
     """
 
-    def __init__(self, num_classes=10, in_channels=1, seed=0, threads=0, devices=None):
+    def __init__(self, num_classes=10, in_channels=1, seed=0, threads=0, devices=None, all_reduce=None,
+                 bucket_mb=None):
         layers = [
             ("conv2d", 20, 3, 1, 0), ("relu",), ("avgpool", 2, 2, 0),
             ("conv2d", 50, 5, 1, 0), ("relu",), ("avgpool", 2, 2, 0),
             ("flatten",), ("dense", 128), ("relu",), ("dense", num_classes),
         ]
         super().__init__(layers, input_shape=(in_channels, 28, 28), init_std=0.01, seed=seed, threads=threads,
-                         devices=devices)
+                         devices=devices, all_reduce=all_reduce, bucket_mb=bucket_mb)
 
 
 class ResNet18(Sequential):
@@ -297,7 +337,7 @@ class ResNet18(Sequential):
     """
 
     def __init__(self, num_classes=10, in_channels=1, seed=0, threads=0, devices=None, sync_batchnorm=False,
-                 input_size=28):
+                 input_size=28, all_reduce=None, bucket_mb=None):
         layers, sources, names = [], [], []
 
         def add(spec, name=None, source=None):
@@ -332,7 +372,7 @@ class ResNet18(Sequential):
         add(("dense", num_classes), "fc.1")
         super().__init__(layers, input_shape=(in_channels, input_size, input_size), seed=seed, threads=threads,
                          devices=devices, sources=sources, names=names, init="torch",
-                         sync_batchnorm=sync_batchnorm)
+                         sync_batchnorm=sync_batchnorm, all_reduce=all_reduce, bucket_mb=bucket_mb)
 
 
 def _host(data):

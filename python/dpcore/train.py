@@ -9,6 +9,7 @@ import time
 import warnings
 from dataclasses import dataclass, field
 
+from .data import ArrayIterator
 from .models import Sequential
 
 __all__ = ["History", "train"]
@@ -62,12 +63,19 @@ def _check_hyper(name, value, allow_zero=True):
         raise ValueError(f"{name} must be a finite number {'>= 0' if allow_zero else '> 0'}, got {value}")
 
 
-def train(net, train_iter, test_iter=None, num_epochs=10, lr=0.1, momentum=0.0, weight_decay=0.0, verbose=True):
+def train(net, train_iter, test_iter=None, num_epochs=10, lr=0.1, momentum=0.0, weight_decay=0.0, verbose=True,
+          resident=None):
     """Train ``net`` with minibatch SGD on the mean softmax cross-entropy.
 
     train_iter / test_iter: iterables of (images, labels) batches, e.g. from
     ``dp.data.load_fashion_mnist`` or ``dp.data.from_arrays``. Prints one line
     per epoch and the book's closing line when ``verbose``. Returns a History.
+
+    resident: copy the whole training set to every replica's device once, so
+    that a step moves only its samples' indices and the device gathers the
+    batch (the same batches in the same order). ``None`` (default): on for
+    CUDA replicas when train_iter is a ``dp.data`` iterator, off otherwise;
+    ``True`` needs such an iterator (its arrays are what is copied).
     """
     if not isinstance(net, Sequential):
         raise TypeError(f"net must be a dpcore model (e.g. dp.models.LeNet()), got {type(net).__name__}")
@@ -76,18 +84,33 @@ def train(net, train_iter, test_iter=None, num_epochs=10, lr=0.1, momentum=0.0, 
     _check_hyper("lr", lr, allow_zero=False)
     _check_hyper("momentum", momentum)
     _check_hyper("weight_decay", weight_decay)
+    if resident is None:
+        resident = isinstance(train_iter, ArrayIterator) and any(d.startswith("cuda") for d in net.devices)
+    elif not isinstance(resident, bool):
+        raise TypeError(f"resident must be True, False or None, got {type(resident).__name__}")
+    elif resident and not isinstance(train_iter, ArrayIterator):
+        raise TypeError("resident=True needs a dp.data iterator (dp.data.from_arrays or dp.data.load_fashion_mnist), "
+                        f"whose arrays are copied to the devices; got {type(train_iter).__name__}")
     history = History(devices=list(net.devices))
+    residents = net.make_resident(train_iter.X, train_iter.y) if resident and num_epochs else None
     # one replica: its own step; several: scatter, parallel forward/backward, all-reduce, step
     step = (net._mirrored or net._model).train_step
     warned = False
     for epoch in range(num_epochs):
         loss_sum, correct, seen = 0.0, 0, 0
         start = time.perf_counter()
-        for X, y in net._labelled_batches(train_iter, "train_iter"):
-            batch_loss, batch_correct = step(X, y, lr, momentum, weight_decay)
-            loss_sum += batch_loss
-            correct += batch_correct
-            seen += len(y)
+        if residents is not None:
+            for rows in train_iter.index_batches():
+                batch_loss, batch_correct = net.train_step_rows(residents, rows, lr, momentum, weight_decay)
+                loss_sum += batch_loss
+                correct += batch_correct
+                seen += len(rows)
+        else:
+            for X, y in net._labelled_batches(train_iter, "train_iter"):
+                batch_loss, batch_correct = step(X, y, lr, momentum, weight_decay)
+                loss_sum += batch_loss
+                correct += batch_correct
+                seen += len(y)
         seconds = time.perf_counter() - start
         if seen == 0:
             raise ValueError("train_iter yielded no samples")

@@ -13,15 +13,9 @@
 
 #include "backend.h"
 #include "model.h"
+#include "resident.h"
+#include "check.h"
 
-static int failures = 0;
-#define CHECK(cond)                                                \
-  do {                                                             \
-    if (!(cond)) {                                                 \
-      fprintf(stderr, "%s:%d: check failed: %s\n", __FILE__, __LINE__, #cond); \
-      failures++;                                                  \
-    }                                                              \
-  } while (0)
 
 static unsigned rng_state = 12345u;
 static float uniform(void) {
@@ -82,7 +76,7 @@ static void train_variant(dp_device *dev, int variant) {
   for (int i = 0; i < 16 * 28 * 28; ++i) x[i] = uniform();
   for (int i = 0; i < 16; ++i) y[i] = i % 10;
   for (size_t k = 0; k < sizeof sizes / sizeof sizes[0]; ++k) {
-    dp_batch b = {x, 0, y, sizes[k]};
+    dp_batch b = {x, 0, y, sizes[k], NULL, NULL};
     double loss = 0;
     int64_t correct = 0;
     st = dp_model_forward_backward(m, &b, sizes[k] ? 1.0f / (float)sizes[k] : 0.0f, &loss, &correct);
@@ -91,15 +85,42 @@ static void train_variant(dp_device *dev, int variant) {
   }
   uint8_t *xu = malloc(16 * 28 * 28);
   for (int i = 0; i < 16 * 28 * 28; ++i) xu[i] = (uint8_t)(uniform() * 255);
-  dp_batch bu = {xu, 1, y, 16};
+  dp_batch bu = {xu, 1, y, 16, NULL, NULL};
   double loss = 0;
   int64_t correct = -1;
   CHECK(dp_model_evaluate(m, &bu, &loss, &correct) == DP_OK && correct >= 0 && correct <= 16);
   float logits[16 * 10];
   CHECK(dp_model_predict(m, &bu, logits) == DP_OK && isfinite(logits[0]));
+  /* the same uint8 batch resident on the device: gathered rows give the same loss */
+  dp_resident *res = NULL;
+  CHECK(dp_resident_create(dev, xu, 1, y, 16, 28 * 28, 10, &res) == DP_OK);
+  if (res) {
+    const int64_t rows[5] = {15, 0, 7, 7, 3};
+    double rloss = 0, hloss = 0;
+    int64_t rc = 0, hc = 0;
+    uint8_t *xh = malloc(5 * 28 * 28);
+    int64_t yh[5];
+    for (int r = 0; r < 5; ++r) {
+      memcpy(xh + r * 28 * 28, xu + rows[r] * 28 * 28, 28 * 28);
+      yh[r] = y[rows[r]];
+    }
+    dp_batch bh = {xh, 1, yh, 5, NULL, NULL};
+    CHECK(dp_model_forward_backward(m, &bh, 0.2f, &hloss, &hc) == DP_OK);
+    CHECK(dp_model_load_rows(m, res, rows, 5) == DP_OK);
+    CHECK(dp_model_forward_backward_loaded(m, 5, 0.2f, &rloss, &rc) == DP_OK);
+    CHECK(rloss == hloss && rc == hc);
+    const int64_t bad_rows[2] = {1, 16};
+    CHECK(dp_model_load_rows(m, res, bad_rows, 2) == DP_ERR_VALUE);
+    CHECK(strstr(dp_error_message(), "outside the resident dataset") != NULL);
+    free(xh);
+    dp_resident_destroy(res);
+  }
+  y[3] = 12;
+  CHECK(dp_resident_create(dev, xu, 1, y, 16, 28 * 28, 10, &res) == DP_ERR_VALUE && res == NULL);
+  y[3] = 3;
   /* errors are values, with a message naming the problem */
   y[3] = 10;
-  dp_batch bad = {x, 0, y, 16};
+  dp_batch bad = {x, 0, y, 16, NULL, NULL};
   CHECK(dp_model_forward_backward(m, &bad, 1.0f, &loss, &correct) == DP_ERR_VALUE);
   CHECK(strstr(dp_error_message(), "label 10 at index 3") != NULL);
   y[3] = 3;

@@ -186,15 +186,55 @@ static void check_sum_parts(void) {
     dp_barrier_init(&bar, 1);
     /* one thread plays every rank in turn: the chunks are disjoint, and a
      * barrier of count 1 never waits */
-    for (int rank = 0; rank < k; ++rank) dp_allreduce(bufs, k, rank, n, DP_REDUCE_SUM, &bar);
+    /* and dp_allreduce_elem (the logical-GPU all-reduce kernel's body) on copies */
+    float *copies[5];
+    for (int r = 0; r < k; ++r) {
+      copies[r] = malloc(sizeof(float) * n);
+      memcpy(copies[r], bufs[r], sizeof(float) * n);
+    }
+    for (int64_t i = 0; i < n; ++i) dp_allreduce_elem(copies, k, i, 1.0f);
+    for (int rank = 0; rank < k; ++rank)
+      if (dp_allreduce(bufs, k, rank, n, DP_REDUCE_SUM, &bar) != DP_OK) {
+        fprintf(stderr, "dp_allreduce k=%d rank %d failed\n", k, rank);
+        failures++;
+      }
     dp_barrier_destroy(&bar);
     for (int r = 0; r < k; ++r) {
       char what[64];
       snprintf(what, sizeof what, "all-reduce k=%d replica %d", k, r);
       expect_same(what, expected, bufs[r], n);
+      snprintf(what, sizeof what, "dp_allreduce_elem k=%d replica %d", k, r);
+      expect_same(what, expected, copies[r], n);
       free(bufs[r]);
+      free(copies[r]);
     }
     free(expected);
+  }
+}
+
+/* dp_gather_elem (the resident dataset's gather, byte by byte as the GPU runs
+ * it) against the CPU backend's row copies: images of 13 bytes, labels of 4 */
+static void check_gather(dp_device *dev) {
+  const int64_t count = 50, nrows = 37;
+  int32_t rows[37];
+  for (int64_t r = 0; r < nrows; ++r) rows[r] = (int32_t)((r * 17 + 3) % count);
+  for (int64_t row_bytes = 1; row_bytes <= 13; row_bytes += 3) {
+    uint8_t *src = malloc((size_t)(count * row_bytes)), *a = malloc((size_t)(nrows * row_bytes)),
+            *b = malloc((size_t)(nrows * row_bytes));
+    for (int64_t i = 0; i < count * row_bytes; ++i) src[i] = (uint8_t)(i * 31 + 7);
+    for (int64_t i = 0; i < nrows * row_bytes; ++i) a[i] = dp_gather_elem(src, rows, row_bytes, i);
+    dev->backend->gather_rows(dev, nrows, row_bytes, src, rows, b);
+    if (memcmp(a, b, (size_t)(nrows * row_bytes)) != 0) {
+      fprintf(stderr, "gather rows of %lld bytes: body and CPU backend differ\n", (long long)row_bytes);
+      failures++;
+    }
+    for (int64_t r = 0; r < nrows; ++r)
+      if (memcmp(b + r * row_bytes, src + rows[r] * row_bytes, (size_t)row_bytes) != 0) {
+        fprintf(stderr, "gather rows of %lld bytes: row %lld is not source row %d\n", (long long)row_bytes,
+                (long long)r, rows[r]);
+        failures++;
+      }
+    free(src), free(a), free(b);
   }
 }
 
@@ -209,6 +249,7 @@ int main(void) {
   check_softmax(&dev);
   check_batchnorm(&dev);
   check_sum_parts();
+  check_gather(&dev);
   dp_device_destroy(&dev);
   printf("kernel_bodies: %s\n", failures ? "FAILED" : "ok");
   return failures ? 1 : 0;

@@ -1,0 +1,85 @@
+/* arena.h — a sub-allocator over large chunks, one per device (csrc/arena.c).
+ *
+ * The arena asks its owner for large chunks (alloc_chunk: cudaMalloc for a
+ * CUDA device, malloc in tests/c/arena_test.c) and hands out 256-byte-aligned
+ * blocks from them: best fit over a free list, a free block split on
+ * allocation, neighbours coalesced on release. Chunks go back to the owner
+ * only when empty (dp_arena_trim, or an allocation the owner cannot serve
+ * otherwise) and on dp_arena_destroy (all of them). The bookkeeping lives in host memory, so the chunks may be
+ * memory the host cannot touch. Plain C11 + pthreads, no CUDA: the CPU test
+ * suite runs it under the sanitizers.
+ *
+ * Thread-safe: one mutex per arena (a device allocates from its replica thread
+ * and from the Python thread). The chunk callbacks run with it held and must
+ * not call back into the arena.
+ */
+#ifndef DP_ARENA_H
+#define DP_ARENA_H
+
+#include <stddef.h>
+
+#include "dp_status.h"
+
+/* Block alignment and size granularity: the alignment cudaMalloc guarantees
+ * (CUDA C++ Programming Guide, "Device Memory Accesses": an address returned
+ * by the runtime's allocation routines "is always aligned to at least 256
+ * bytes"). The arena checks every chunk it is given. */
+#define DP_ARENA_ALIGN ((size_t)256)
+/* The smallest chunk requested from the owner; larger requests get a chunk
+ * of their own, of their rounded size. */
+#define DP_ARENA_DEFAULT_CHUNK ((size_t)32 << 20)
+
+/* Get a chunk of exactly `bytes` (a multiple of DP_ARENA_ALIGN), aligned to
+ * DP_ARENA_ALIGN, into *out; a failure is a dp_status with its message set
+ * (DP_ERR_MEMORY when the device is full). */
+typedef dp_status (*dp_arena_alloc_chunk_fn)(void *ctx, size_t bytes, void **out);
+/* Give back a chunk alloc_chunk returned; nothing to report. */
+typedef void (*dp_arena_free_chunk_fn)(void *ctx, void *chunk);
+
+typedef struct dp_arena_stats {
+  size_t reserved_bytes;    /* in chunks held from the owner */
+  size_t in_use_bytes;      /* in live blocks (rounded sizes) */
+  size_t peak_in_use_bytes; /* the most in_use_bytes has been since create */
+  size_t chunks;            /* chunks held */
+  size_t blocks;            /* live blocks */
+} dp_arena_stats;
+
+typedef struct dp_arena dp_arena;
+
+/* min_chunk_bytes: 0 for DP_ARENA_DEFAULT_CHUNK; rounded up to DP_ARENA_ALIGN. */
+dp_status dp_arena_create(size_t min_chunk_bytes, dp_arena_alloc_chunk_fn alloc_chunk,
+                          dp_arena_free_chunk_fn free_chunk, void *ctx, dp_arena **out);
+/* Gives every chunk back (live blocks included) and frees the arena; NULL is fine. */
+void dp_arena_destroy(dp_arena *a);
+/* A block of at least `bytes` (0 counts as 1), DP_ARENA_ALIGN-aligned. Its
+ * contents are whatever the chunk held. When a new chunk is needed and the
+ * owner cannot give one, chunks with no live block are given back first and
+ * the request tried once more. */
+dp_status dp_arena_alloc(dp_arena *a, size_t bytes, void **out);
+/* DP_ERR_VALUE for a pointer that is not a live block of this arena (a
+ * double release included); the arena is unchanged then. */
+dp_status dp_arena_release(dp_arena *a, void *p);
+/* Gives back the chunks with no live block; returns how many bytes went back. */
+size_t dp_arena_trim(dp_arena *a);
+void dp_arena_get_stats(dp_arena *a, dp_arena_stats *out);
+
+/* ---- the CUDA backend's arena and settings (csrc/backend_cuda.c) ----------
+ * Declared here rather than in backend.h for now (struct dp_device is
+ * backend.h's dp_device); every function exists in the CPU-only build too. */
+struct dp_device;
+
+/* The arena statistics of a CUDA device (its cudaMalloc chunks).
+ * DP_ERR_VALUE for another kind of device; DP_ERR_UNSUPPORTED without CUDA. */
+dp_status dp_cuda_memory_stats(struct dp_device *dev, dp_arena_stats *out);
+/* cuBLAS and cuDNN may use TF32 tensor cores on this device (allow != 0) or
+ * stay in float32 FMA arithmetic (the default). */
+dp_status dp_cuda_set_allow_tf32(struct dp_device *dev, int allow);
+/* Process-wide settings for every CUDA device: devices created afterwards
+ * start with them, existing ones take them before their next convolution or
+ * dense layer. Defaults: deterministic = 1, allow_tf32 = 0. A later
+ * dp_cuda_set_deterministic / dp_cuda_set_allow_tf32 on one device overrides
+ * them for that device until the next call here. */
+void dp_cuda_set_defaults(int deterministic, int allow_tf32);
+void dp_cuda_get_defaults(int *deterministic, int *allow_tf32);
+
+#endif

@@ -1,0 +1,82 @@
+/* comm.h — the all-reduce of a mirrored group, behind one interface.
+ *
+ * One implementation per kind of replica set, chosen when the group is made:
+ *
+ *   host    CPU replicas: csrc/collective.c's in-process all-reduce (threads,
+ *           shared memory, every replica reduces 1/k of the buffer).
+ *   kernel  CUDA replicas NCCL cannot serve: several logical GPUs on one
+ *           physical GPU (NCCL refuses two ranks on one device), or GPUs that
+ *           can reach each other's memory when NCCL is missing. Our reduction
+ *           kernel (kernels/collective.cu): rank r sums chunk r of all k
+ *           buffers in rank order and writes it back into all of them, ordered
+ *           after every replica's compute with events. Bitwise the CPU's sum.
+ *   nccl    CUDA replicas on distinct GPUs: ncclAllReduce, communicators made
+ *           up front (ncclCommInitAll) so that a failure shows when the
+ *           strategy is made, not in the middle of training.
+ *
+ * Every replica thread of the group makes the same sequence of calls, each
+ * with its rank. No call waits for the GPU: on CUDA devices each operation is
+ * queued on the rank's streams, after the work queued there before the call
+ * and before the work queued after it. The host threads meet at the group's
+ * barrier only where one rank's GPU work must wait for another rank's queued
+ * work (the kernel kind); a replica that fails breaks that barrier, so its
+ * peers return DP_ERR_ABORTED instead of waiting forever.
+ *
+ * Buckets: the gradient all-reduce runs in buckets that overlap the backward
+ * pass. dp_comm_bucket_allreduce starts the all-reduce of one range as soon as
+ * the rank's backward has produced it, on a second stream, while the rank goes
+ * on with the backward of earlier layers; dp_comm_wait_buckets makes the
+ * rank's later work (the optimizer step) wait for every bucket of every rank.
+ * On the host kind a bucket is reduced at once, by the replica threads.
+ */
+#ifndef DP_COMM_H
+#define DP_COMM_H
+
+#include <stdint.h>
+
+#include "backend.h"
+#include "collective.h"
+
+typedef enum dp_comm_kind {
+  DP_COMM_AUTO = -1, /* for dp_comm_create: the best kind for the devices */
+  DP_COMM_HOST = 0,
+  DP_COMM_KERNEL = 1,
+  DP_COMM_NCCL = 2
+} dp_comm_kind;
+
+enum { DP_COMM_MAX_BUCKETS = 256, DP_COMM_MAX_REPLICAS = 64 };
+
+typedef struct dp_comm dp_comm;
+
+/* devs[r]: replica r's device (borrowed; outlives the comm). bar: the barrier
+ * of the group's k replica threads (borrowed). want: DP_COMM_AUTO, or a kind
+ * to insist on (DP_ERR_VALUE / DP_ERR_UNSUPPORTED when it cannot serve these
+ * devices, naming why). */
+dp_status dp_comm_create(dp_device *const *devs, int k, dp_comm_kind want, dp_barrier *bar, dp_comm **out);
+void dp_comm_destroy(dp_comm *c);
+dp_comm_kind dp_comm_get_kind(const dp_comm *c);
+const char *dp_comm_kind_name(dp_comm_kind kind); /* "host", "kernel", "nccl", "auto" */
+/* "host" -> DP_COMM_HOST ...; DP_ERR_VALUE for an unknown name. */
+dp_status dp_comm_kind_parse(const char *name, dp_comm_kind *out);
+
+/* bufs[0..k-1]: the k replicas' buffers of n floats, each on its replica's
+ * device; every buffer receives the sum (or mean). In stream order on CUDA. */
+dp_status dp_comm_allreduce(dp_comm *c, int rank, float *const *bufs, int64_t n, dp_reduce_op op);
+
+/* The sum of elements [begin, end) of every bufs[r], started once the work
+ * queued on the rank's device is done, and running beside the rank's later
+ * work. bucket (0 .. DP_COMM_MAX_BUCKETS-1) numbers the buckets of one step;
+ * every rank starts the same buckets in the same order. */
+dp_status dp_comm_bucket_allreduce(dp_comm *c, int rank, float *const *bufs, int64_t begin, int64_t end,
+                                   int bucket);
+/* The rank's work queued after this waits for every bucket started so far by
+ * every rank (they write into this rank's buffer). Ends a step's buckets. */
+dp_status dp_comm_wait_buckets(dp_comm *c, int rank);
+
+/* After a failed step: NCCL operations some ranks queued may never be matched
+ * by the others; the communicators are aborted and the comm refuses further
+ * use (DP_ERR_RUNTIME naming the reason). Other kinds need nothing. Called by
+ * one thread while no replica thread uses the comm. */
+void dp_comm_poison(dp_comm *c);
+
+#endif
