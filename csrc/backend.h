@@ -69,7 +69,11 @@ struct dp_backend {
   dp_status (*maxpool_backward)(dp_device *dev, const dp_pool_geom *g, int64_t N, const float *dy,
                                 const int32_t *arg, float *dx);
   /* logits (N,K), labels (N) in [0,K). dlogits = scale*(softmax - onehot) unless NULL.
-   * Host outputs: *loss_sum = sum of row losses (float64 sum), *correct = argmax hits. */
+   * Host outputs: *loss_sum = sum of row losses (float64 sum), *correct = argmax hits.
+   * loss_sum == correct == NULL: the sums stay pending, read later by
+   * metrics_read, so a training step can queue its backward pass and optimizer
+   * step before the host waits for the device (no host synchronisation inside
+   * the step). A later softmax_xent replaces what is pending. */
   dp_status (*softmax_xent)(dp_device *dev, int64_t N, int K, const float *logits, const int32_t *labels,
                             float scale, float *dlogits, double *loss_sum, int64_t *correct);
   /* One fused SGD step over a flat buffer (see dp_sgd_elem). v may be NULL when mu == 0. */
@@ -99,6 +103,9 @@ struct dp_backend {
   dp_status (*bn_backward_dx)(dp_device *dev, int64_t N, int C, int HW, const float *x, const float *dy,
                               const float *mean, const float *invstd, const float *gamma, const float *sum_dy,
                               const float *sum_dy_xhat, float inv_count, float *dx);
+  /* The pending sums of the last softmax_xent (0 and 0 when none is pending);
+   * waits only for that softmax_xent, not for work queued after it. */
+  dp_status (*metrics_read)(dp_device *dev, double *loss_sum, int64_t *correct);
   dp_status (*synchronize)(dp_device *dev);
   /* Release the device's context (streams, handles, scratch); dev->ctx is
    * cleared by dp_device_destroy afterwards. */

@@ -23,6 +23,8 @@
 typedef struct cpu_ctx {
   float *scratch;        /* grows on demand; used only by the device's own thread */
   size_t scratch_floats;
+  double pending_loss;   /* softmax_xent's sums kept for metrics_read */
+  int64_t pending_correct;
 } cpu_ctx;
 
 static void cpu_enter(dp_device *dev) { omp_set_num_threads(dev->nthreads); }
@@ -391,8 +393,20 @@ static dp_status cpu_softmax_xent(dp_device *dev, int64_t N, int K, const float 
     s += row_loss[n];
     c += row_hit[n] != 0.0f;
   }
-  *loss_sum = s;
-  *correct = c;
+  cpu_ctx *ctx = dev->ctx;
+  ctx->pending_loss = loss_sum ? 0.0 : s; /* computed already: "pending" only in name */
+  ctx->pending_correct = loss_sum ? 0 : c;
+  if (loss_sum) *loss_sum = s;
+  if (correct) *correct = c;
+  return DP_OK;
+}
+
+static dp_status cpu_metrics_read(dp_device *dev, double *loss_sum, int64_t *correct) {
+  cpu_ctx *ctx = dev->ctx;
+  *loss_sum = ctx->pending_loss;
+  *correct = ctx->pending_correct;
+  ctx->pending_loss = 0.0;
+  ctx->pending_correct = 0;
   return DP_OK;
 }
 
@@ -546,6 +560,7 @@ static const dp_backend cpu_backend = {
     .maxpool_forward = cpu_maxpool_forward,
     .maxpool_backward = cpu_maxpool_backward,
     .softmax_xent = cpu_softmax_xent,
+    .metrics_read = cpu_metrics_read,
     .sgd_update = cpu_sgd_update,
     .add = cpu_add,
     .scale = cpu_scale,

@@ -14,8 +14,10 @@
  * - Ordering: every kernel, cuDNN and cuBLAS call is issued on the device's
  *   stream, so the calls of one replica are ordered among themselves without
  *   host synchronization. The host waits (cudaStreamSynchronize) only where it
- *   reads device data (copy_to_host, softmax_xent's sums), before a released
- *   block can be handed out again, and when settings change.
+ *   reads device data (copy_to_host, evaluation's softmax_xent sums), before a
+ *   released block can be handed out again, and when settings change. A
+ *   training step's loss is read last (metrics_read waits for an event after
+ *   the forward pass), so the host queues the whole step without waiting.
  * - Copies from host memory go through a pinned staging buffer per device (two
  *   regions, an event each), so that they are truly asynchronous and the
  *   caller's buffer is free on return; see cuda_copy_to_device.
@@ -117,9 +119,11 @@ typedef struct cuda_ctx {
   size_t workspace_bytes;
   float *row_loss;         /* softmax_xent: (rows) on the device */
   int32_t *row_hit;
-  float *host_loss;        /* and their host copies */
-  int32_t *host_hit;
+  float *host_loss;        /* and their host copies, pinned (cudaHostAlloc) so that */
+  int32_t *host_hit;       /* the copies are asynchronous */
   int64_t rows;
+  int64_t pending_rows;    /* rows of the last deferred softmax_xent, copied when metrics_ready is */
+  cudaEvent_t metrics_ready;
   conv_plan plans[CUDA_PLANS];
   int next_plan;           /* round-robin eviction */
 } cuda_ctx;
@@ -622,34 +626,8 @@ static dp_status cuda_maxpool_backward(dp_device *dev, const dp_pool_geom *g, in
 
 /* Row losses and hits on the device, then (after the stream sync) summed on
  * the host in row order in double, as the CPU backend sums them. */
-static dp_status cuda_softmax_xent(dp_device *dev, int64_t N, int K, const float *logits, const int32_t *labels,
-                                   float scale, float *dlogits, double *loss_sum, int64_t *correct) {
-  CUDA_ENTER(dev, c);
-  *loss_sum = 0.0;
-  *correct = 0;
-  if (N == 0) return DP_OK;
-  if (N > c->rows) {
-    DP_CUDA_CHECK(cudaStreamSynchronize(c->stream)); /* the old buffers may be in use */
-    dp_arena_release(c->arena, c->row_loss);
-    dp_arena_release(c->arena, c->row_hit);
-    free(c->host_loss);
-    free(c->host_hit);
-    c->row_loss = NULL;
-    c->row_hit = NULL;
-    c->host_loss = NULL;
-    c->host_hit = NULL;
-    c->rows = 0;
-    DP_TRY(cuda_scratch(dev, c, sizeof(float) * (size_t)N, (void **)&c->row_loss));
-    DP_TRY(cuda_scratch(dev, c, sizeof(int32_t) * (size_t)N, (void **)&c->row_hit));
-    c->host_loss = malloc(sizeof(float) * (size_t)N);
-    c->host_hit = malloc(sizeof(int32_t) * (size_t)N);
-    if (!c->host_loss || !c->host_hit) return DP_FAIL(DP_ERR_MEMORY, "softmax_xent on %s: cannot allocate %lld rows", dev->name, (long long)N);
-    c->rows = N;
-  }
-  DP_LAUNCH_CHECK(dp_cuda_softmax_xent(c->stream, N, K, logits, labels, scale, dlogits, c->row_loss, c->row_hit));
-  DP_CUDA_CHECK(cudaMemcpyAsync(c->host_loss, c->row_loss, sizeof(float) * (size_t)N, cudaMemcpyDeviceToHost, c->stream));
-  DP_CUDA_CHECK(cudaMemcpyAsync(c->host_hit, c->row_hit, sizeof(int32_t) * (size_t)N, cudaMemcpyDeviceToHost, c->stream));
-  DP_CUDA_CHECK(cudaStreamSynchronize(c->stream));
+/* The host's sums of the rows copied last, in row order in double, as the CPU backend sums them. */
+static void sum_rows(const cuda_ctx *c, int64_t N, double *loss_sum, int64_t *correct) {
   double s = 0.0;
   int64_t hits = 0;
   for (int64_t n = 0; n < N; ++n) {
@@ -658,6 +636,60 @@ static dp_status cuda_softmax_xent(dp_device *dev, int64_t N, int K, const float
   }
   *loss_sum = s;
   *correct = hits;
+}
+
+/* Row losses and hits on the device, copied to pinned host memory on the
+ * stream. Immediate: the host waits for the copy. Deferred (loss_sum NULL):
+ * an event marks the copy, and metrics_read waits for that event only, so
+ * the backward pass and the step queued after it run on (cudaEventSynchronize
+ * waits for the work captured by the event's last record: CUDA Runtime API,
+ * "Event Management"). A device-to-pageable copy would make the host wait
+ * ("API synchronization behavior"), hence pinned buffers. */
+static dp_status cuda_softmax_xent(dp_device *dev, int64_t N, int K, const float *logits, const int32_t *labels,
+                                   float scale, float *dlogits, double *loss_sum, int64_t *correct) {
+  CUDA_ENTER(dev, c);
+  if (loss_sum) *loss_sum = 0.0;
+  if (correct) *correct = 0;
+  c->pending_rows = 0;
+  if (N == 0) return DP_OK;
+  if (N > c->rows) {
+    DP_CUDA_CHECK(cudaStreamSynchronize(c->stream)); /* the old buffers may be in use */
+    dp_arena_release(c->arena, c->row_loss);
+    dp_arena_release(c->arena, c->row_hit);
+    if (c->host_loss) cudaFreeHost(c->host_loss);
+    if (c->host_hit) cudaFreeHost(c->host_hit);
+    c->row_loss = NULL;
+    c->row_hit = NULL;
+    c->host_loss = NULL;
+    c->host_hit = NULL;
+    c->rows = 0;
+    DP_TRY(cuda_scratch(dev, c, sizeof(float) * (size_t)N, (void **)&c->row_loss));
+    DP_TRY(cuda_scratch(dev, c, sizeof(int32_t) * (size_t)N, (void **)&c->row_hit));
+    DP_CUDA_CHECK(cudaHostAlloc((void **)&c->host_loss, sizeof(float) * (size_t)N, cudaHostAllocDefault));
+    DP_CUDA_CHECK(cudaHostAlloc((void **)&c->host_hit, sizeof(int32_t) * (size_t)N, cudaHostAllocDefault));
+    c->rows = N;
+  }
+  DP_LAUNCH_CHECK(dp_cuda_softmax_xent(c->stream, N, K, logits, labels, scale, dlogits, c->row_loss, c->row_hit));
+  DP_CUDA_CHECK(cudaMemcpyAsync(c->host_loss, c->row_loss, sizeof(float) * (size_t)N, cudaMemcpyDeviceToHost, c->stream));
+  DP_CUDA_CHECK(cudaMemcpyAsync(c->host_hit, c->row_hit, sizeof(int32_t) * (size_t)N, cudaMemcpyDeviceToHost, c->stream));
+  if (!loss_sum) {
+    DP_CUDA_CHECK(cudaEventRecord(c->metrics_ready, c->stream));
+    c->pending_rows = N;
+    return DP_OK;
+  }
+  DP_CUDA_CHECK(cudaStreamSynchronize(c->stream));
+  sum_rows(c, N, loss_sum, correct);
+  return DP_OK;
+}
+
+static dp_status cuda_metrics_read(dp_device *dev, double *loss_sum, int64_t *correct) {
+  CUDA_ENTER(dev, c);
+  *loss_sum = 0.0;
+  *correct = 0;
+  if (!c->pending_rows) return DP_OK;
+  DP_CUDA_CHECK(cudaEventSynchronize(c->metrics_ready));
+  sum_rows(c, c->pending_rows, loss_sum, correct);
+  c->pending_rows = 0;
   return DP_OK;
 }
 
@@ -759,6 +791,9 @@ static void cuda_destroy(dp_device *dev) {
     for (int r = 0; r < 2; ++r)
       if (c->staged[r]) cudaEventDestroy(c->staged[r]);
     if (c->staging) cudaFreeHost(c->staging);
+    if (c->host_loss) cudaFreeHost(c->host_loss);
+    if (c->host_hit) cudaFreeHost(c->host_hit);
+    if (c->metrics_ready) cudaEventDestroy(c->metrics_ready);
     if (c->cublas) cublasDestroy(c->cublas);
     if (c->cudnn) cudnnDestroy(c->cudnn);
     if (c->stream) cudaStreamDestroy(c->stream);
@@ -768,8 +803,6 @@ static void cuda_destroy(dp_device *dev) {
   dp_arena_destroy(c->arena);
   cudaGetLastError();
   if (c->staging_mutex_ready) pthread_mutex_destroy(&c->staging_mutex);
-  free(c->host_loss);
-  free(c->host_hit);
   free(c);
 }
 
@@ -793,6 +826,7 @@ static const dp_backend cuda_backend = {
     .maxpool_forward = cuda_maxpool_forward,
     .maxpool_backward = cuda_maxpool_backward,
     .softmax_xent = cuda_softmax_xent,
+    .metrics_read = cuda_metrics_read,
     .sgd_update = cuda_sgd_update,
     .add = cuda_add,
     .scale = cuda_scale,
@@ -824,6 +858,7 @@ static dp_status cuda_ctx_init(dp_device *dev, cuda_ctx *c) {
   /* no timing: the cheapest events to record and wait for (CUDA Runtime API,
    * cudaEventCreateWithFlags, cudaEventDisableTiming) */
   for (int r = 0; r < 2; ++r) DP_CUDA_CHECK(cudaEventCreateWithFlags(&c->staged[r], cudaEventDisableTiming));
+  DP_CUDA_CHECK(cudaEventCreateWithFlags(&c->metrics_ready, cudaEventDisableTiming));
   DP_CUDNN_CHECK(cudnnCreate(&c->cudnn));
   DP_CUDNN_CHECK(cudnnSetStream(c->cudnn, c->stream));
   DP_CUBLAS_CHECK(cublasCreate(&c->cublas));

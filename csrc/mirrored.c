@@ -217,7 +217,8 @@ static dp_status run_shard(void *arg, int rank) {
   ctx->next_bucket = 0;
   model->grad_ready = start_ready_buckets;
   model->grad_ctx = ctx;
-  dp_status st = dp_model_forward_backward_loaded(model, n, t->grad_scale, &t->loss[rank], &t->correct[rank]);
+  /* the loss is read at the end: the host queues the whole step first */
+  dp_status st = dp_model_forward_backward_loaded(model, n, t->grad_scale, NULL, NULL);
   model->sync = NULL;
   model->sync_ctx = NULL;
   model->grad_ready = NULL;
@@ -226,7 +227,8 @@ static dp_status run_shard(void *arg, int rank) {
   if (ctx->next_bucket != m->nbuckets)
     return DP_FAIL(DP_ERR_RUNTIME, "mirrored: replica %d started %d of %d gradient buckets", rank, ctx->next_bucket,
                    m->nbuckets);
-  return reduce_and_step(t, rank);
+  DP_TRY(reduce_and_step(t, rank));
+  return dp_model_read_metrics(model, &t->loss[rank], &t->correct[rank]);
 }
 
 static dp_status run_step(dp_mirrored *m, const dp_batch *b, int evaluate_only, int step, float lr, float momentum,

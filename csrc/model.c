@@ -643,6 +643,10 @@ dp_status dp_model_forward_backward(dp_model *m, const dp_batch *b, float grad_s
   return dp_model_forward_backward_loaded(m, b->n, grad_scale, loss_sum, correct);
 }
 
+dp_status dp_model_read_metrics(dp_model *m, double *loss_sum, int64_t *correct) {
+  return m->dev->backend->metrics_read(m->dev, loss_sum, correct);
+}
+
 dp_status dp_model_sgd_step(dp_model *m, float lr, float momentum, float weight_decay) {
   DP_TRY(require_finalized(m));
   if (!(lr >= 0.0f)) return DP_FAIL(DP_ERR_VALUE, "learning rate must be >= 0, got %g", (double)lr);

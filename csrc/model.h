@@ -137,9 +137,13 @@ dp_status dp_model_forward_backward_loaded(dp_model *m, int64_t n, float grad_sc
 /* Forward and backward on one batch. The gradient written to m->grads is
  * grad_scale * (sum over the batch's samples of d loss_i / d params): pass
  * 1/n for the mean, 1/global_n for a shard of a larger batch.
- * *loss_sum and *correct are sums over the batch. */
+ * *loss_sum and *correct are sums over the batch; with loss_sum == correct ==
+ * NULL they are read later with dp_model_read_metrics, so that the host need
+ * not wait for the forward pass before it queues the rest of the step. */
 dp_status dp_model_forward_backward(dp_model *m, const dp_batch *b, float grad_scale, double *loss_sum,
                                     int64_t *correct);
+/* The sums of the last forward_backward called with NULL sums (waits for its forward pass only). */
+dp_status dp_model_read_metrics(dp_model *m, double *loss_sum, int64_t *correct);
 /* w -= lr * (momentum-smoothed g + wd * w), over the flat buffer, one kernel. */
 dp_status dp_model_sgd_step(dp_model *m, float lr, float momentum, float weight_decay);
 /* Forward only: loss and accuracy sums (labels required). */

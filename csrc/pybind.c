@@ -709,8 +709,11 @@ static PyObject *run_batch(ModelObject *self, PyObject *X, PyObject *Y, enum bat
   if (call == CALL_EVALUATE) {
     st = dp_model_evaluate(self->model, &b, &loss, &correct);
   } else {
-    st = dp_model_forward_backward(self->model, &b, grad_scale, &loss, &correct);
-    if (st == DP_OK && call == CALL_TRAIN_STEP) st = dp_model_sgd_step(self->model, lr, momentum, wd);
+    /* a train step reads its loss last, after the whole step is queued */
+    const int defer = call == CALL_TRAIN_STEP;
+    st = dp_model_forward_backward(self->model, &b, grad_scale, defer ? NULL : &loss, defer ? NULL : &correct);
+    if (st == DP_OK && defer) st = dp_model_sgd_step(self->model, lr, momentum, wd);
+    if (st == DP_OK && defer) st = dp_model_read_metrics(self->model, &loss, &correct);
   }
   Py_END_ALLOW_THREADS
   self->busy = 0;
@@ -926,8 +929,9 @@ static PyObject *Model_train_step_rows(ModelObject *self, PyObject *args, PyObje
     self->busy = 1;
     Py_BEGIN_ALLOW_THREADS
     st = dp_model_load_rows(self->model, d, (const int64_t *)PyArray_DATA(rows), n);
-    if (st == DP_OK) st = dp_model_forward_backward_loaded(self->model, n, 1.0f / (float)n, &loss, &correct);
+    if (st == DP_OK) st = dp_model_forward_backward_loaded(self->model, n, 1.0f / (float)n, NULL, NULL);
     if (st == DP_OK) st = dp_model_sgd_step(self->model, lr, mu, wd);
+    if (st == DP_OK) st = dp_model_read_metrics(self->model, &loss, &correct);
     Py_END_ALLOW_THREADS
     self->busy = 0;
   }

@@ -1,0 +1,32 @@
+"""The GPU benchmark cannot run here, but its code can: --device cpu runs the
+same dpcore calls on CPU devices (a few batches), so that the script works on
+the day a GPU is lent (make bench-gpu)."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+import dpcore as dp
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_gpu_benchmark_dry_run_on_cpu_devices():
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "bench_gpu.py"), "--device", "cpu", "--epochs", "1",
+           "--max-batches", "2", "--resnet-steps", "1", "--logical", "2"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for line in ("dpcore LeNet epoch, cpu:0, resident", "dpcore LeNet epoch, cpu:0, host batches",
+                 "dpcore ResNet-18 training, cpu:0", "dpcore LeNet epoch, 2 logical cpu devices (host all-reduce)",
+                 "dpcore ResNet-18 training, 2 logical cpu devices"):
+        assert line in proc.stdout, proc.stdout
+
+
+def test_gpu_benchmark_without_a_gpu_says_why():
+    if dp._core.runtime_info()["cuda_device_count"] > 0 and dp.build_info().get("cuda_backend"):
+        pytest.skip("a GPU is present: the benchmark measures (make bench-gpu)")
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_gpu.py")], capture_output=True,
+                          text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 2
+    assert "nothing to measure" in proc.stderr
