@@ -940,10 +940,25 @@ static PyObject *Model_train_step_rows(ModelObject *self, PyObject *args, PyObje
   return Py_BuildValue("(dL)", loss, (long long)correct);
 }
 
+/* memory_stats() -> dict of the device arena's statistics (CUDA), None on a CPU device */
+static PyObject *Model_memory_stats(ModelObject *self, PyObject *unused) {
+  if (!model_ready(self)) return NULL;
+  if (self->model->dev->kind != DP_DEVICE_CUDA) Py_RETURN_NONE;
+  dp_arena_stats s;
+  dp_status st = dp_cuda_memory_stats(self->model->dev, &s);
+  if (st != DP_OK) return raise_from_status(st);
+  return Py_BuildValue("{s:n,s:n,s:n,s:n,s:n}", "reserved_bytes", (Py_ssize_t)s.reserved_bytes, "in_use_bytes",
+                       (Py_ssize_t)s.in_use_bytes, "peak_in_use_bytes", (Py_ssize_t)s.peak_in_use_bytes, "chunks",
+                       (Py_ssize_t)s.chunks, "blocks", (Py_ssize_t)s.blocks);
+}
+
 static PyObject *Model_grads_tensor(ModelObject *self, PyObject *u);
 static PyObject *Model_params_tensor(ModelObject *self, PyObject *u);
 
 static PyMethodDef Model_methods[] = {
+    {"memory_stats", (PyCFunction)Model_memory_stats, METH_NOARGS,
+     "the device arena's statistics (reserved_bytes, in_use_bytes, peak_in_use_bytes, chunks, blocks); None on a "
+     "CPU device"},
     {"train_step_rows", (PyCFunction)(void (*)(void))Model_train_step_rows, METH_VARARGS | METH_KEYWORDS,
      "train_step_rows(resident, rows, lr, momentum=0, weight_decay=0) -> (loss_sum, correct): a step on rows of "
      "a Resident dataset"},

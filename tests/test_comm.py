@@ -259,3 +259,7 @@ def test_nccl_across_gpus_matches_the_cpu():
     net.train_step(X, y, lr=0.0)
     cpu.train_step(X, y, lr=0.0)
     assert_every_replica_has(net, cpu._model.get_grads(), 1e-4)
+
+
+def test_cpu_replicas_have_no_device_arena():
+    assert dp.models.LeNet(devices=["cpu:0", "cpu:1"]).memory_stats() == [None, None]

@@ -257,3 +257,12 @@ def test_host_copies_are_staged_so_the_caller_may_reuse_its_buffer():
     first = lenet.predict(X)
     for _ in range(50):
         np.testing.assert_array_equal(lenet.predict(X), first)
+
+
+def test_memory_stats_count_the_model_on_the_gpu():
+    net = dp.models.LeNet(devices=["cuda:0"])
+    (stats,) = net.memory_stats()
+    # parameters, gradients and momentum at least, all from the arena's chunks
+    assert stats["in_use_bytes"] >= 3 * 4 * net._model.nparams
+    assert stats["reserved_bytes"] >= stats["in_use_bytes"] and stats["chunks"] >= 1
+    assert stats["peak_in_use_bytes"] >= stats["in_use_bytes"]

@@ -138,6 +138,12 @@ class Sequential:
         """The devices holding a replica, e.g. ``['cpu:0', 'cpu:1']``."""
         return [replica.device for replica in self._replicas]
 
+    def memory_stats(self):
+        """Per replica, its device's memory arena: a dict (reserved_bytes,
+        in_use_bytes, peak_in_use_bytes, chunks, blocks) on a CUDA device, None
+        on a CPU device (plain host memory)."""
+        return [replica.memory_stats() for replica in self._replicas]
+
     @property
     def all_reduce(self):
         """The all-reduce of the replicas' gradients: 'host', 'kernel' or 'nccl'
