@@ -223,13 +223,23 @@ static dp_status nccl_init(dp_comm *c) {
   return DP_OK;
 }
 
-static dp_status nccl_allreduce(dp_comm *c, int rank, float *const *bufs, int64_t n, dp_reduce_op op,
-                                cudaStream_t stream) {
+/* Every NCCL operation of a rank goes on its side stream, in the order the
+ * host issues them (the same on every rank): two NCCL kernels of one
+ * communicator on two streams may run in either order on the GPU, and NCCL
+ * does not promise progress for two of them at once (NVIDIA/nccl issues 195,
+ * 217), so one stream per communicator it is. This one, unlike the buckets,
+ * is ordered both ways with the compute stream: after its queued work, before
+ * its later work. */
+static dp_status nccl_allreduce(dp_comm *c, int rank, float *const *bufs, int64_t n, dp_reduce_op op) {
   comm_rank *me = &c->ranks[rank];
   DP_CUDA_CHECK(cudaSetDevice(me->gpu));
+  DP_CUDA_CHECK(cudaEventRecord(me->sync_in, me->compute));
+  DP_CUDA_CHECK(cudaStreamWaitEvent(me->side, me->sync_in, 0));
   /* ncclAvg (NCCL >= 2.10) divides the sum by the rank count */
   DP_NCCL_CHECK(ncclAllReduce(bufs[rank], bufs[rank], (size_t)n, ncclFloat, op == DP_REDUCE_MEAN ? ncclAvg : ncclSum,
-                              me->nccl, stream));
+                              me->nccl, me->side));
+  DP_CUDA_CHECK(cudaEventRecord(me->sync_out, me->side));
+  DP_CUDA_CHECK(cudaStreamWaitEvent(me->compute, me->sync_out, 0));
   return DP_OK;
 }
 
@@ -388,7 +398,7 @@ dp_status dp_comm_allreduce(dp_comm *c, int rank, float *const *bufs, int64_t n,
     case DP_COMM_KERNEL: return kernel_allreduce(c, rank, bufs, n, op);
 #endif
 #if defined(DP_HAVE_NCCL)
-    case DP_COMM_NCCL: return nccl_allreduce(c, rank, bufs, n, op, c->ranks[rank].compute);
+    case DP_COMM_NCCL: return nccl_allreduce(c, rank, bufs, n, op);
 #endif
     default: break;
   }
