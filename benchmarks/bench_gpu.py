@@ -224,9 +224,9 @@ def main():
     if args.write:
         lines = ["## GPU (dpcore vs PyTorch, same GPU, same run)", "",
                  f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
-                 f"- machine: {machine_info()}; CUDA devices: {dp._core.runtime_info()['cuda_device_count']}, "
-                 f"runtime {dp._core.runtime_info()['cuda_runtime_version']}, "
-                 f"driver {dp._core.runtime_info()['cuda_driver_version']}",
+                 f"- machine: {machine_info()}; GPUs: {dp._core.runtime_info()['cuda_devices']}, CUDA runtime "
+                 f"{dp._core.runtime_info()['cuda_runtime_version']}, driver "
+                 f"{dp._core.runtime_info()['cuda_driver_version']}",
                  f"- command (from the repository root): `{command_line()}`", "",
                  "| measurement | value | unit |", "|---|---|---|"]
         lines += [f"| {n} | {v:.3f} | {u} |" for n, v, u in rows]

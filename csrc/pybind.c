@@ -1642,10 +1642,29 @@ static PyObject *mod_runtime_info(PyObject *m, PyObject *unused) {
 #ifdef DP_HAVE_CUDA
   dp_cuda_probe(&count, why, sizeof why, &rt, &drv);
 #endif
-  return Py_BuildValue("{s:i,s:s,s:i,s:i,s:i,s:i,s:s,s:n}", "cuda_device_count", count, "cuda_why", why,
-                       "cuda_runtime_version", rt, "cuda_driver_version", drv, "cpu_cores", dp_cpu_core_count(),
-                       "openmp", (int)_OPENMP, "blas_config", openblas_get_config(), "cudnn_version",
-                       (Py_ssize_t)dp_cudnn_version());
+  /* the physical GPUs: [{'name', 'memory_bytes', 'compute_capability'}] */
+  PyObject *gpus = PyList_New(0);
+  if (!gpus) return NULL;
+#ifdef DP_HAVE_CUDA
+  for (int g = 0; g < count; ++g) {
+    char name[256];
+    size_t mem = 0;
+    int major = 0, minor = 0;
+    if (dp_cuda_describe(g, name, sizeof name, &mem, &major, &minor) != 0) continue;
+    PyObject *d = Py_BuildValue("{s:s,s:n,s:(ii)}", "name", name, "memory_bytes", (Py_ssize_t)mem,
+                                "compute_capability", major, minor);
+    if (!d || PyList_Append(gpus, d) < 0) {
+      Py_XDECREF(d);
+      Py_DECREF(gpus);
+      return NULL;
+    }
+    Py_DECREF(d);
+  }
+#endif
+  return Py_BuildValue("{s:i,s:s,s:N,s:i,s:i,s:i,s:i,s:s,s:n}", "cuda_device_count", count, "cuda_why", why,
+                       "cuda_devices", gpus, "cuda_runtime_version", rt, "cuda_driver_version", drv, "cpu_cores",
+                       dp_cpu_core_count(), "openmp", (int)_OPENMP, "blas_config", openblas_get_config(),
+                       "cudnn_version", (Py_ssize_t)dp_cudnn_version());
 }
 
 /* backend_null_entries(name) -> [names of the entries the backend table leaves NULL];

@@ -20,6 +20,8 @@ typedef struct CUstream_st *dp_cuda_stream;
  * missing or no device is present, *count = 0 and why names the CUDA error
  * (e.g. "cudaErrorInsufficientDriver (35): ..."). Never fails otherwise. */
 int dp_cuda_probe(int *count, char *why, size_t why_len, int *runtime_version, int *driver_version);
+/* Physical GPU gpu's name, memory and compute capability; a cudaError_t (0 = success). */
+int dp_cuda_describe(int gpu, char *name, size_t name_len, size_t *memory_bytes, int *major, int *minor);
 
 int dp_cuda_relu_forward(dp_cuda_stream s, int64_t n, const float *x, float *y);
 int dp_cuda_relu_backward(dp_cuda_stream s, int64_t n, const float *y, const float *dy, float *dx);

@@ -145,4 +145,18 @@ int dp_cuda_probe(int *count, char *why, size_t why_len, int *runtime_version, i
   return 0;
 }
 
+int dp_cuda_describe(int gpu, char *name, size_t name_len, size_t *memory_bytes, int *major, int *minor) {
+  cudaDeviceProp p;
+  cudaError_t e = cudaGetDeviceProperties(&p, gpu);
+  if (e != cudaSuccess) {
+    cudaGetLastError();
+    return (int)e;
+  }
+  snprintf(name, name_len, "%s", p.name);
+  *memory_bytes = p.totalGlobalMem;
+  *major = p.major;
+  *minor = p.minor;
+  return 0;
+}
+
 }  // extern "C"

@@ -24,6 +24,7 @@ def test_no_gpu_is_not_an_error():
     if INFO["cuda_device_count"] > 0:
         pytest.skip("a CUDA device is present: this test is about machines without one")
     assert not [d for d in dp.list_devices() if d.startswith("cuda")]
+    assert INFO["cuda_devices"] == [] and INFO["summary"]["cuda_devices"] == []
     if INFO["cuda"]:
         assert INFO["cuda_why"], "build_info must say why no CUDA device is usable"
         with pytest.warns(RuntimeWarning, match="no usable CUDA device"):

@@ -266,3 +266,10 @@ def test_memory_stats_count_the_model_on_the_gpu():
     assert stats["in_use_bytes"] >= 3 * 4 * net._model.nparams
     assert stats["reserved_bytes"] >= stats["in_use_bytes"] and stats["chunks"] >= 1
     assert stats["peak_in_use_bytes"] >= stats["in_use_bytes"]
+
+
+def test_build_info_describes_every_gpu():
+    gpus = dp.build_info()["cuda_devices"]
+    assert len(gpus) == GPUS
+    for gpu in gpus:
+        assert gpu["name"] and gpu["memory_bytes"] > 2**30 and gpu["compute_capability"] >= (7, 5)

@@ -16,15 +16,16 @@ def build_info():
 
     Keys include ``cuda`` (compiled with CUDA), ``cuda_toolkit``, ``cuda_archs``,
     ``cudnn_found``, ``cublas_found``, ``nccl_found``, ``mpi_found``, ``blas``,
-    ``cflags``, ``openmp``, ``cpu_cores``, ``cuda_device_count`` and
-    ``cuda_why`` (why no CUDA device is usable, e.g. no driver), and
-    ``summary``, a one-line dict for logs.
+    ``cflags``, ``openmp``, ``cpu_cores``, ``cuda_device_count``,
+    ``cuda_devices`` (each physical GPU's name, memory_bytes and
+    compute_capability), ``cuda_why`` (why no CUDA device is usable, e.g. no
+    driver), and ``summary``, a one-line dict for logs.
     """
     info = dict(build_flags())
     info.update(_core.runtime_info())
     info["summary"] = {
         "cuda": info["cuda_toolkit"] if info["cuda"] else "not built",
-        "cuda_devices": info["cuda_device_count"],
+        "cuda_devices": [d["name"] for d in info["cuda_devices"]],
         "blas": info["blas"],
         "openmp": info["openmp"],
         "cpu_cores": info["cpu_cores"],
