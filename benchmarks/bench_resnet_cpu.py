@@ -3,8 +3,10 @@
 Both frameworks train the same network (dpcore's ResNet18 and d2l's torch
 resnet18, built as in tests/fixtures/make_fixtures.py) on the same batch of
 real Fashion-MNIST images (batch 64, SGD lr 0.05), each in a fresh subprocess
-with the same thread count; rounds alternate the order, and the best round of
-each counts (the machine is shared).
+with the same thread count; rounds alternate the order. The headline is the
+best step of each (the machine is shared: other work only ever slows a step
+down); the median of every timed step and each round's best are reported
+beside it, so a lucky step shows.
 
     benchmarks/.venv-bench/bin/python benchmarks/bench_resnet_cpu.py [--steps 6] [--rounds 2] [--write]
 
@@ -15,6 +17,7 @@ import argparse
 import datetime
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -85,16 +88,20 @@ def main():
     if args.child:
         return child(args.child, args.steps)
     load_before = os.getloadavg()[0]
-    best = {}
+    best, steps, rounds = {}, {"torch": [], "dpcore": []}, {"torch": [], "dpcore": []}
     for r in range(args.rounds):
         order = ("torch", "dpcore") if r % 2 == 0 else ("dpcore", "torch")
         for fw in order:
             run = spawn(fw, args)
             step = min(run["times"])
+            steps[fw] += run["times"]
+            rounds[fw].append(step)
             common.log(f"round {r + 1} {fw}: best step {step:.3f} s ({BATCH / step:.1f} images/s)")
             if fw not in best or step < best[fw]["step"]:
                 best[fw] = {"step": step, "version": run["version"], "all": run["times"]}
+    median = {fw: statistics.median(t) for fw, t in steps.items()}
     ratio = (BATCH / best["dpcore"]["step"]) / (BATCH / best["torch"]["step"])
+    ratio_median = median["torch"] / median["dpcore"]
     lines = [
         SECTION_TITLE, "",
         "- date: %s" % datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
@@ -106,12 +113,19 @@ def main():
         "Fashion-MNIST images, SGD lr %g; %d warm-up + %d timed steps per fresh subprocess, %d round(s) in "
         "alternating order, best step counts" % (BATCH, LR, WARMUP, args.steps, args.rounds),
         "",
-        "| framework | best step s | images/s |",
-        "|---|---|---|",
-        "| torch | %.3f | %.1f |" % (best["torch"]["step"], BATCH / best["torch"]["step"]),
-        "| dpcore | %.3f | %.1f |" % (best["dpcore"]["step"], BATCH / best["dpcore"]["step"]),
+        "| framework | best step s | images/s (best) | median step s | images/s (median) | best step of each round, s |",
+        "|---|---|---|---|---|---|",
+    ]
+    for fw in ("torch", "dpcore"):
+        lines.append("| %s | %.3f | %.1f | %.3f | %.1f | %s |" % (
+            fw, best[fw]["step"], BATCH / best[fw]["step"], median[fw], BATCH / median[fw],
+            ", ".join("%.3f" % t for t in rounds[fw])))
+    lines += [
         "",
-        "**dpcore images/s / PyTorch images/s: %.2f** (goal >= 1.0: %s)" % (ratio, "met" if ratio >= 1 else "not met"),
+        "**dpcore images/s / PyTorch images/s: %.2f** (best steps; %.2f on the medians of all %d timed steps each; "
+        "goal >= 1.0: %s)" % (ratio, ratio_median, len(steps["dpcore"]),
+                              "met" if ratio >= 1 and ratio_median >= 1 else
+                              "met on the best steps only" if ratio >= 1 else "not met"),
         "",
     ]
     section = "\n".join(lines)

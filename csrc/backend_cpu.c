@@ -1,6 +1,7 @@
 /* backend_cpu.c — the CPU backend: OpenMP over the DP_HD bodies of
  * kernels/dp_kernels.h, GEMM through CBLAS (OpenBLAS), convolution as
- * im2col + GEMM per sample, samples spread over the device's threads.
+ * im2col + GEMM over groups of samples, each thread taking an equal share of
+ * the batch (dx of a "same" stride-1 convolution as a convolution of dy).
  *
  * Threads: a device owns `nthreads` cores. Every parallel region names that
  * count; GEMMs issued inside an active region run single-threaded (OpenBLAS's
@@ -86,7 +87,9 @@ static dp_status cpu_u8_to_unit(dp_device *dev, float *y, const uint8_t *x, int6
 
 /* ---- convolution ---------------------------------------------------------- */
 
-/* The output columns [lo, hi) whose input column o*stride - pad + kj is inside [0, W). */
+/* The output positions o in [lo, hi), o < out, whose input position
+ * o*stride - pad + kk is inside [0, in): along a row (columns, kk = kj) or
+ * a column (rows, kk = ki). */
 static void valid_range(int out, int in, int stride, int pad, int kk, int *lo, int *hi) {
   int l = pad - kk > 0 ? (pad - kk + stride - 1) / stride : 0;
   int h = (in - 1 + pad - kk) >= 0 ? (in - 1 + pad - kk) / stride + 1 : 0;
@@ -96,33 +99,112 @@ static void valid_range(int out, int in, int stride, int pad, int kk, int *lo, i
   *hi = h;
 }
 
-/* im2col of one sample x (C, H, W) into the columns [0, P) of a matrix with
- * row stride ld: row r = (c, ki, kj) holds x[c, oh*s - pad + ki, ow*s - pad + kj]
- * at column oh*OW + ow (zero where that falls in the padding). */
-static void im2col(const dp_conv_geom *g, const float *x, float *col, int64_t ld) {
-  for (int c = 0; c < g->C; ++c)
+/* im2col works from copies of the input planes, zero-padded and split into
+ * their stride phases: phase (a, b) holds the padded plane's rows a, a+s, ...
+ * and columns b, b+s, ... So every row of the column matrix is OH runs of OW
+ * contiguous floats (no padding tests, no strided reads), which matters on
+ * small planes: ResNet-18's 4x4 stage writes 16-float rows, and the per-row
+ * bookkeeping of a direct im2col cost more than the copying. */
+typedef struct im2col_phases {
+  int s, na, nb; /* stride; phases used: rows a < na, columns b < nb */
+  int64_t hq, wq; /* size of one phase plane */
+} im2col_phases;
+
+static im2col_phases im2col_phases_of(const dp_conv_geom *g) {
+  im2col_phases q;
+  q.s = g->stride;
+  q.na = g->KH < q.s ? g->KH : q.s;
+  q.nb = g->KW < q.s ? g->KW : q.s;
+  q.hq = (g->H + 2 * (int64_t)g->pad + q.s - 1) / q.s;
+  q.wq = (g->W + 2 * (int64_t)g->pad + q.s - 1) / q.s;
+  return q;
+}
+
+/* Floats of the phase buffer im2col needs for a group of cnt samples. */
+static int64_t im2col_buffer_floats(const dp_conv_geom *g, int64_t cnt) {
+  const im2col_phases q = im2col_phases_of(g);
+  return cnt * q.na * q.nb * q.hq * q.wq;
+}
+
+/* Copies of at most a few dozen floats: fixed-size pieces become single
+ * vector moves, where a loop of unknown length becomes a memcpy call. */
+static inline void copy_run(float *restrict dst, const float *restrict src, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) memcpy(dst + i, src + i, 8 * sizeof(float));
+  if (i + 4 <= n) {
+    memcpy(dst + i, src + i, 4 * sizeof(float));
+    i += 4;
+  }
+  switch (n - i) { /* a tail loop would become a memmove call too */
+    case 3:
+      memcpy(dst + i, src + i, 3 * sizeof(float));
+      break;
+    case 2:
+      memcpy(dst + i, src + i, 2 * sizeof(float));
+      break;
+    case 1:
+      dst[i] = src[i];
+      break;
+    default:
+      break;
+  }
+}
+
+/* The phase planes of one input plane (H, W) into ph (na*nb planes of
+ * hq*wq), inside only: the padding positions are the same for every plane and
+ * im2col zeroes them once. */
+static void im2col_phase_planes(const dp_conv_geom *g, const im2col_phases *q, const float *plane, float *ph) {
+  const int s = q->s;
+  for (int a = 0; a < q->na; ++a) {
+    int ilo, ihi; /* phase rows i whose input row i*s + a - pad is inside [0, H) */
+    valid_range((int)q->hq, g->H, s, g->pad, a, &ilo, &ihi);
+    for (int b = 0; b < q->nb; ++b) {
+      float *dst = ph + (a * q->nb + b) * q->hq * q->wq;
+      int lo, hi; /* likewise the phase columns j */
+      valid_range((int)q->wq, g->W, s, g->pad, b, &lo, &hi);
+      for (int i = ilo; i < ihi; ++i) {
+        float *r = dst + (int64_t)i * q->wq + lo;
+        /* the input row's first column that lands in this phase row */
+        const float *src = plane + ((int64_t)i * s + a - g->pad) * g->W + ((int64_t)lo * s + b - g->pad);
+        if (s == 1)
+          copy_run(r, src, hi - lo);
+        else
+          for (int j = 0; j < hi - lo; ++j) r[j] = src[(int64_t)j * s];
+      }
+    }
+  }
+}
+
+/* im2col of the cnt samples x[s] = x + s*x_stride, each (C, H, W), into a
+ * matrix with row stride ld (>= cnt*P): row r = (c, ki, kj) holds, at column
+ * s*P + oh*OW + ow, x[s][c, oh*stride - pad + ki, ow*stride - pad + kj] (zero
+ * where that falls in the padding). Each row is written front to back across
+ * the samples: written sample by sample, a 4x4 plane fills one cache line per
+ * row, thousands of rows apart, and the writes ran at a tenth of the speed.
+ * buf holds im2col_buffer_floats(g, cnt) floats. */
+static void im2col(const dp_conv_geom *g, const float *x, int64_t x_stride, int64_t cnt, float *col, int64_t ld,
+                   float *buf) {
+  const im2col_phases q = im2col_phases_of(g);
+  const int s = q.s, OH = g->OH, OW = g->OW;
+  const int64_t P = (int64_t)OH * OW, plane_sz = q.hq * q.wq, phases_sz = q.na * q.nb * plane_sz;
+  memset(buf, 0, sizeof(float) * (size_t)(cnt * phases_sz));
+  for (int c = 0; c < g->C; ++c) {
+    for (int64_t n = 0; n < cnt; ++n)
+      im2col_phase_planes(g, &q, x + n * x_stride + (int64_t)c * g->H * g->W, buf + n * phases_sz);
     for (int ki = 0; ki < g->KH; ++ki)
       for (int kj = 0; kj < g->KW; ++kj) {
         float *row = col + (int64_t)((c * g->KH + ki) * g->KW + kj) * ld;
-        int lo, hi;
-        valid_range(g->OW, g->W, g->stride, g->pad, kj, &lo, &hi);
-        for (int oh = 0; oh < g->OH; ++oh) {
-          float *r = row + oh * g->OW;
-          int h = oh * g->stride - g->pad + ki;
-          if (h < 0 || h >= g->H) {
-            memset(r, 0, sizeof(float) * (size_t)g->OW);
-            continue;
-          }
-          const float *src = x + ((int64_t)c * g->H + h) * g->W - g->pad + kj;
-          for (int ow = 0; ow < lo; ++ow) r[ow] = 0.0f;
-          /* rows are short (OW = 9 in LeNet): a plain loop, not a memcpy call */
-          if (g->stride == 1)
-            for (int ow = lo; ow < hi; ++ow) r[ow] = src[ow];
+        const int64_t off = ((ki % s) * q.nb + kj % s) * plane_sz + (ki / s) * q.wq + kj / s;
+        for (int64_t n = 0; n < cnt; ++n) {
+          const float *src = buf + n * phases_sz + off;
+          float *dst = row + n * P;
+          if (q.wq == OW) /* 1x1 kernel, stride 1, no padding: one run */
+            memcpy(dst, src, sizeof(float) * (size_t)P);
           else
-            for (int ow = lo; ow < hi; ++ow) r[ow] = src[ow * g->stride];
-          for (int ow = hi; ow < g->OW; ++ow) r[ow] = 0.0f;
+            for (int oh = 0; oh < OH; ++oh) copy_run(dst + (int64_t)oh * OW, src + oh * q.wq, OW);
         }
       }
+  }
 }
 
 /* dx (C, H, W) = col2im of the columns [0, P) of dcol (row stride ld): the
@@ -130,43 +212,81 @@ static void im2col(const dp_conv_geom *g, const float *x, float *col, int64_t ld
 static void col2im(const dp_conv_geom *g, const float *dcol, int64_t ld, float *dx) {
   memset(dx, 0, sizeof(float) * (size_t)g->C * g->H * g->W);
   for (int c = 0; c < g->C; ++c)
-    for (int ki = 0; ki < g->KH; ++ki)
+    for (int ki = 0; ki < g->KH; ++ki) {
+      int oh0, oh1;
+      valid_range(g->OH, g->H, g->stride, g->pad, ki, &oh0, &oh1);
       for (int kj = 0; kj < g->KW; ++kj) {
         const float *row = dcol + (int64_t)((c * g->KH + ki) * g->KW + kj) * ld;
         int lo, hi;
         valid_range(g->OW, g->W, g->stride, g->pad, kj, &lo, &hi);
-        for (int oh = 0; oh < g->OH; ++oh) {
-          int h = oh * g->stride - g->pad + ki;
-          if (h < 0 || h >= g->H) continue;
-          const float *r = row + oh * g->OW;
-          float *dst = dx + ((int64_t)c * g->H + h) * g->W - g->pad + kj;
+        if (lo >= hi) continue;
+        for (int oh = oh0; oh < oh1; ++oh) {
+          const int h = oh * g->stride - g->pad + ki;
+          const float *r = row + (int64_t)oh * g->OW + lo;
+          /* the input column of output column lo */
+          float *dst = dx + ((int64_t)c * g->H + h) * g->W + ((int64_t)lo * g->stride - g->pad + kj);
           if (g->stride == 1)
-            for (int ow = lo; ow < hi; ++ow) dst[ow] += r[ow];
+            for (int j = 0; j < hi - lo; ++j) dst[j] += r[j];
           else
-            for (int ow = lo; ow < hi; ++ow) dst[ow * g->stride] += r[ow];
+            for (int j = 0; j < hi - lo; ++j) dst[(int64_t)j * g->stride] += r[j];
         }
       }
+    }
 }
 
-static int threads_for(dp_device *dev, int64_t items) {
-  return items < dev->nthreads ? (items < 1 ? 1 : (int)items) : dev->nthreads;
-}
+/* How a convolution's N samples are split: thread t of nt takes the samples
+ * [N*t/nt, N*(t+1)/nt), an equal share (whole groups dealt to the threads
+ * could leave one thread a group more), and runs them in groups of at most G
+ * samples side by side in the GEMM's columns (N = G*OH*OW).
+ *
+ * G: at least as many samples as keep a thread's im2col matrix near a core's
+ * L2 (CONV_COL_L2 floats; LeNet's choice). Where one sample's GEMM is narrow
+ * (OH*OW < CONV_NARROW: 49 and 16 columns on ResNet-18's last two stages),
+ * enough samples for about CONV_GEMM_COLS columns: per sample, such a GEMM
+ * ran at half the speed of the wide ones and packed the whole filter again
+ * for every sample; grouped, they run as fast as the wide ones (more columns
+ * were no faster). At most as many as keep the matrix under CONV_COL_MAX
+ * floats. Wide planes stay one sample per GEMM: grouping them measured no
+ * faster, and it costs reproducibility across batch splits: OpenBLAS's result
+ * for a column depends on where in the matrix the column lies, so a sample
+ * grouped differently (a replica's shard of the batch) rounds differently,
+ * and the replica tests compare k replicas with one device. */
+#define CONV_NARROW 64
+#define CONV_GEMM_COLS 1024
+#define CONV_COL_L2 ((int64_t)1 << 17)
+#define CONV_COL_MAX ((int64_t)1 << 22)
 
-/* Samples per GEMM. One GEMM per sample has a narrow N (OH*OW = 81 for LeNet's
- * second conv) and runs far below peak; a group of G samples side by side in
- * the columns gives N = G*OH*OW. G is bounded so a thread's im2col matrix
- * stays near 512 KiB, about a core's L2 (measured: larger groups were no faster). */
-static int64_t conv_group_size(const dp_conv_geom *g, int64_t N, int nthreads) {
+typedef struct conv_plan {
+  int nt;
+  int64_t G;
+} conv_plan;
+
+static conv_plan conv_plan_make(const dp_conv_geom *g, int64_t N, int nthreads) {
   const int64_t K = (int64_t)g->C * g->KH * g->KW, P = (int64_t)g->OH * g->OW;
-  int64_t most = ((int64_t)1 << 17) / (K * P);
+  int64_t most = CONV_COL_L2 / (K * P);
+  if (P < CONV_NARROW && most * P < CONV_GEMM_COLS) {
+    most = (CONV_GEMM_COLS + P - 1) / P;
+    if (most * K * P > CONV_COL_MAX) most = CONV_COL_MAX / (K * P);
+  }
   if (most < 1) most = 1;
-  if (most > 64) most = 64;
-  if (N <= 0) return 1;
-  /* as many groups per thread as the bound needs, then groups of equal size,
-   * so every thread gets the same share of samples */
-  const int64_t per_thread = (N + (int64_t)nthreads * most - 1) / ((int64_t)nthreads * most);
-  const int64_t ngroups = (int64_t)nthreads * per_thread;
-  return (N + ngroups - 1) / ngroups;
+  conv_plan plan;
+  plan.nt = N < nthreads ? (N < 1 ? 1 : (int)N) : nthreads;
+  const int64_t share = (N + plan.nt - 1) / plan.nt, ngroups = (share + most - 1) / most;
+  plan.G = share < 1 ? 1 : (share + ngroups - 1) / ngroups;
+  return plan;
+}
+
+/* Thread t's k-th group of samples [*n0, *n0 + *cnt), k < conv_groups(); every
+ * group holds at most plan->G samples. */
+static int64_t conv_groups(const conv_plan *plan, int64_t N, int t) {
+  const int64_t share = N * (t + 1) / plan->nt - N * t / plan->nt;
+  return (share + plan->G - 1) / plan->G;
+}
+
+static void conv_group(const conv_plan *plan, int64_t N, int t, int64_t k, int64_t *n0, int64_t *cnt) {
+  const int64_t s0 = N * t / plan->nt, share = N * (t + 1) / plan->nt - s0, ng = conv_groups(plan, N, t);
+  *n0 = s0 + share * k / ng;
+  *cnt = s0 + share * (k + 1) / ng - *n0;
 }
 
 static dp_status cpu_conv2d_forward(dp_device *dev, const dp_conv_geom *g, int64_t N, const float *x, const float *w,
@@ -174,26 +294,31 @@ static dp_status cpu_conv2d_forward(dp_device *dev, const dp_conv_geom *g, int64
   cpu_enter(dev);
   const int64_t K = (int64_t)g->C * g->KH * g->KW, P = (int64_t)g->OH * g->OW;
   const int64_t in_sz = (int64_t)g->C * g->H * g->W, out_sz = (int64_t)g->O * P;
-  const int64_t G = conv_group_size(g, N, dev->nthreads), ngroups = (N + G - 1) / G;
-  const int nt = threads_for(dev, ngroups);
-  /* per thread: col (K, G*P), out (O, G*P) */
-  const int64_t per_thread = K * G * P + g->O * G * P;
+  const conv_plan plan = conv_plan_make(g, N, dev->nthreads);
+  const int64_t G = plan.G;
+  /* per thread: col (K, G*P), out (O, G*P), im2col's plane buffer */
+  const int64_t per_thread = K * G * P + g->O * G * P + im2col_buffer_floats(g, G);
   float *scratch;
-  DP_TRY(cpu_scratch(dev, (size_t)(nt * per_thread), &scratch));
-#pragma omp parallel num_threads(nt)
+  DP_TRY(cpu_scratch(dev, (size_t)(plan.nt * per_thread), &scratch));
+#pragma omp parallel num_threads(plan.nt)
   {
-    float *col = scratch + (int64_t)omp_get_thread_num() * per_thread;
+    const int t = omp_get_thread_num();
+    float *col = scratch + (int64_t)t * per_thread;
     float *out = col + K * G * P;
-#pragma omp for schedule(static)
-    for (int64_t grp = 0; grp < ngroups; ++grp) {
-      const int64_t n0 = grp * G, cnt = (N - n0) < G ? (N - n0) : G, ld = cnt * P;
-      for (int64_t s = 0; s < cnt; ++s) im2col(g, x + (n0 + s) * in_sz, col + s * P, ld);
-      /* out (O, cnt*P) = w (O, K) . col (K, cnt*P) */
+    float *buf = out + g->O * G * P;
+    const int64_t ngroups = conv_groups(&plan, N, t);
+    for (int64_t k = 0; k < ngroups; ++k) {
+      int64_t n0, cnt;
+      conv_group(&plan, N, t, k, &n0, &cnt);
+      const int64_t ld = cnt * P;
+      im2col(g, x + n0 * in_sz, in_sz, cnt, col, ld, buf);
+      /* out (O, cnt*P) = w (O, K) . col (K, cnt*P); a lone sample's out is its own y */
+      float *res = cnt == 1 ? y + n0 * out_sz : out;
       cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, g->O, (int)ld, (int)K, 1.0f, w, (int)K, col, (int)ld,
-                  0.0f, out, (int)ld);
+                  0.0f, res, (int)ld);
       for (int64_t s = 0; s < cnt; ++s)
         for (int o = 0; o < g->O; ++o) {
-          const float *src = out + o * ld + s * P;
+          const float *src = res + o * ld + s * P;
           float *dst = y + (n0 + s) * out_sz + o * P;
           const float bias = b ? b[o] : 0.0f;
           for (int64_t p = 0; p < P; ++p) dst[p] = src[p] + bias;
@@ -203,49 +328,116 @@ static dp_status cpu_conv2d_forward(dp_device *dev, const dp_conv_geom *g, int64
   return DP_OK;
 }
 
+/* dx of a stride-1 convolution is itself a convolution: of dy (O, OH, OW)
+ * with the filter transposed and flipped, wt[c, o, ki, kj] = w[o, c, KH-1-ki,
+ * KW-1-kj], padding K-1-pad, giving (C, H, W). Computed that way the GEMM
+ * sums over O*KH*KW (not over O alone: 64 on ResNet-18's first stage) and
+ * writes C*H*W values instead of the KH*KW times larger column matrix that
+ * col2im then scatters back. Taken where the output is no smaller than the
+ * input ("same" padding): otherwise it would multiply the padding's zeros
+ * (twice the work on LeNet's 13x13 -> 9x9 conv). */
+static int conv_dx_as_conv(const dp_conv_geom *g) {
+  return g->stride == 1 && g->KH == g->KW && g->KH > 1 && g->pad <= g->KH - 1 &&
+         (int64_t)g->H * g->W <= (int64_t)g->OH * g->OW;
+}
+
+static dp_conv_geom conv_dx_geom(const dp_conv_geom *g) {
+  dp_conv_geom t = {g->O, g->OH, g->OW, g->C, g->KH, g->KW, 1, g->KH - 1 - g->pad, g->H, g->W};
+  return t;
+}
+
 static dp_status cpu_conv2d_backward(dp_device *dev, const dp_conv_geom *g, int64_t N, const float *x, const float *w,
                                      const float *dy, float *dx, float *dw, float *db) {
   cpu_enter(dev);
-  const int64_t K = (int64_t)g->C * g->KH * g->KW, P = (int64_t)g->OH * g->OW;
+  const int64_t KK = (int64_t)g->KH * g->KW, K = (int64_t)g->C * KK, P = (int64_t)g->OH * g->OW;
   const int64_t in_sz = (int64_t)g->C * g->H * g->W, out_sz = (int64_t)g->O * P;
   const int64_t wsz = (int64_t)g->O * K;
-  const int64_t G = conv_group_size(g, N, dev->nthreads), ngroups = N > 0 ? (N + G - 1) / G : 0;
-  const int nt = threads_for(dev, ngroups);
-  /* per thread: partial dw (O, K) and db (O) first, then col (K, G*P),
-   * dcol (K, G*P), dy gathered as (O, G*P) */
+  const conv_plan plan = conv_plan_make(g, N, dev->nthreads);
+  const int64_t G = plan.G;
+  const int nt = plan.nt;
+  const int as_conv = dx && conv_dx_as_conv(g);
+  const dp_conv_geom tg = conv_dx_geom(g);
+  const int64_t HW = (int64_t)g->H * g->W;
+  /* per thread: partial dw (O, K) and db (O) first, then col (K, G*P) (also
+   * the transposed conv's columns (O*KH*KW, G*H*W)), dy gathered as
+   * (O, G*P), and dcol (K, G*P) for col2im or dx gathered as (C, G*H*W) */
   const int64_t acc_sz = wsz + g->O;
-  const int64_t per_thread = acc_sz + 2 * K * G * P + g->O * G * P;
+  const int64_t col_sz = as_conv ? (K * G * P > g->O * KK * G * HW ? K * G * P : g->O * KK * G * HW) : K * G * P;
+  const int64_t dcol_sz = !dx ? 0 : as_conv ? g->C * G * HW : K * G * P;
+  const int64_t buf_sz = as_conv && im2col_buffer_floats(&tg, G) > im2col_buffer_floats(g, G)
+                             ? im2col_buffer_floats(&tg, G)
+                             : im2col_buffer_floats(g, G);
+  const int64_t per_thread = acc_sz + col_sz + g->O * G * P + dcol_sz + buf_sz;
+  /* the transposed filter, (C, O*KH*KW), shared by the threads */
+  const int64_t wt_sz = as_conv ? wsz : 0;
   float *scratch;
-  DP_TRY(cpu_scratch(dev, (size_t)(nt * per_thread), &scratch));
+  DP_TRY(cpu_scratch(dev, (size_t)(nt * per_thread + wt_sz), &scratch));
+  float *wt = scratch + nt * per_thread;
 #pragma omp parallel num_threads(nt)
   {
-    float *pdw = scratch + (int64_t)omp_get_thread_num() * per_thread;
+    const int t = omp_get_thread_num();
+    float *pdw = scratch + (int64_t)t * per_thread;
     float *pdb = pdw + wsz;
     float *col = pdb + g->O;
-    float *dcol = col + K * G * P;
-    float *dyg = dcol + K * G * P;
-    memset(pdw, 0, sizeof(float) * (size_t)acc_sz);
+    float *dyg = col + col_sz;
+    float *dcol = dyg + g->O * G * P;
+    float *buf = dcol + dcol_sz;
+    const int64_t ngroups = conv_groups(&plan, N, t);
+    /* the first group's GEMM overwrites the partial sums; with no group (an
+     * empty batch) they are zero */
+    if (ngroups == 0) memset(pdw, 0, sizeof(float) * (size_t)acc_sz);
+    if (as_conv) {
 #pragma omp for schedule(static)
-    for (int64_t grp = 0; grp < ngroups; ++grp) {
-      const int64_t n0 = grp * G, cnt = (N - n0) < G ? (N - n0) : G, ld = cnt * P;
-      for (int64_t s = 0; s < cnt; ++s) {
-        im2col(g, x + (n0 + s) * in_sz, col + s * P, ld);
-        for (int o = 0; o < g->O; ++o)
-          memcpy(dyg + o * ld + s * P, dy + (n0 + s) * out_sz + o * P, sizeof(float) * (size_t)P);
+      for (int64_t oc = 0; oc < wsz / KK; ++oc) {
+        const int64_t o = oc / g->C, c = oc % g->C;
+        const float *src = w + oc * KK;
+        float *dst = wt + (c * g->O + o) * KK;
+        for (int64_t k = 0; k < KK; ++k) dst[k] = src[KK - 1 - k];
       }
-      /* pdw (O, K) += dyg (O, cnt*P) . col^T (cnt*P, K) */
-      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, g->O, (int)K, (int)ld, 1.0f, dyg, (int)ld, col, (int)ld,
-                  1.0f, pdw, (int)K);
-      for (int o = 0; o < g->O; ++o) pdb[o] += dp_row_sum(dyg + o * ld, ld);
-      if (dx) {
+    }
+    for (int64_t k = 0; k < ngroups; ++k) {
+      int64_t n0, cnt;
+      conv_group(&plan, N, t, k, &n0, &cnt);
+      const int64_t ld = cnt * P;
+      im2col(g, x + n0 * in_sz, in_sz, cnt, col, ld, buf);
+      /* dyg row o = the samples' planes o side by side (written front to back,
+       * as in im2col); a lone sample's dy is that already */
+      const float *dys = dy + n0 * out_sz;
+      if (cnt > 1) {
+        for (int o = 0; o < g->O; ++o)
+          for (int64_t s = 0; s < cnt; ++s)
+            memcpy(dyg + o * ld + s * P, dy + (n0 + s) * out_sz + o * P, sizeof(float) * (size_t)P);
+        dys = dyg;
+      }
+      /* pdw (O, K) (+)= dyg (O, cnt*P) . col^T (cnt*P, K) */
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, g->O, (int)K, (int)ld, 1.0f, dys, (int)ld, col, (int)ld,
+                  k == 0 ? 0.0f : 1.0f, pdw, (int)K);
+      for (int o = 0; o < g->O; ++o) {
+        const float *r = dys + o * ld;
+        float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t i = 0; i < ld; ++i) sum += r[i];
+        pdb[o] = k == 0 ? sum : pdb[o] + sum;
+      }
+      if (as_conv) {
+        /* dxg (C, cnt*H*W) = wt (C, O*KH*KW) . im2col(dy) (O*KH*KW, cnt*H*W) */
+        const int64_t ldx = cnt * HW;
+        im2col(&tg, dy + n0 * out_sz, out_sz, cnt, col, ldx, buf);
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, g->C, (int)ldx, (int)(g->O * KK), 1.0f, wt,
+                    (int)(g->O * KK), col, (int)ldx, 0.0f, cnt == 1 ? dx + n0 * in_sz : dcol, (int)ldx);
+        for (int64_t s = 0; cnt > 1 && s < cnt; ++s)
+          for (int c = 0; c < g->C; ++c)
+            memcpy(dx + (n0 + s) * in_sz + c * HW, dcol + c * ldx + s * HW, sizeof(float) * (size_t)HW);
+      } else if (dx) {
         /* dcol (K, cnt*P) = w^T (K, O) . dyg (O, cnt*P) */
-        cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, (int)K, (int)ld, g->O, 1.0f, w, (int)K, dyg, (int)ld,
+        cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, (int)K, (int)ld, g->O, 1.0f, w, (int)K, dys, (int)ld,
                     0.0f, dcol, (int)ld);
         for (int64_t s = 0; s < cnt; ++s) col2im(g, dcol + s * P, ld, dx + (n0 + s) * in_sz);
       }
     }
   }
   /* dw, db = the threads' partials added in thread order */
+#pragma omp parallel for num_threads(dev->nthreads) schedule(static) if (acc_sz * nt > 65536)
   for (int64_t i = 0; i < acc_sz; ++i) {
     float s = 0.0f;
     for (int t = 0; t < nt; ++t) s += scratch[t * per_thread + i];

@@ -1,0 +1,151 @@
+"""The CPU backend's convolution on ResNet-18's geometries, against float64 NumPy.
+
+tests/test_ops.py covers the convolution on small shapes. The CPU backend picks
+its plan by size (csrc/backend_cpu.c), so these cases reach what small shapes
+do not:
+
+- narrow planes (OH*OW < 64: ResNet-18's 7x7 and 4x4 stages): several samples
+  side by side in one GEMM, several groups per thread, unequal groups, and the
+  cap on the im2col matrix (512 channels, 3x3, 4x4 planes);
+- wide planes: one sample per GEMM, so a sample's result does not depend on the
+  rest of the batch (bit for bit; the replica tests rely on it);
+- dx of a stride-1 "same" convolution computed as a convolution of dy with the
+  flipped filter, on real channel counts and rectangular planes, and the
+  fallback (col2im) where the output is smaller than the input;
+- im2col's stride phases (stride 2 with and without padding, 1x1 and 3x3).
+
+The reference is written here, independent of tests/test_ops.py: float64
+windows of the padded input (sliding_window_view) contracted with einsum, and
+dx scattered back window position by window position. Tolerances as in
+tests/test_ops.py: the error is max|a - ref| / max(1, max|ref|); 1e-5 for the
+forward pass and dx, 5e-5 for dw and db (sums over the batch as well).
+"""
+import numpy as np
+import pytest
+from numpy.lib.stride_tricks import sliding_window_view
+
+import dpcore as dp
+
+ops = dp.ops
+
+TOL_SHORT = 1e-5
+TOL_LONG = 5e-5
+
+
+def err(a, ref):
+    a = np.asarray(a, dtype=np.float64)
+    return float(np.abs(a - ref).max() / max(1.0, float(np.abs(ref).max())))
+
+
+def windows(x, KH, KW, stride, pad):
+    """(N, C, OH, OW, KH, KW) float64 windows of the zero-padded input."""
+    xp = np.pad(x.astype(np.float64), ((0, 0), (0, 0), (pad, pad), (pad, pad)))
+    return sliding_window_view(xp, (KH, KW), axis=(2, 3))[:, :, ::stride, ::stride]
+
+
+def reference(x, w, b, dy, stride, pad):
+    """y, dx, dw, db in float64."""
+    N, C, H, W = x.shape
+    KH, KW = w.shape[2:]
+    w64, dy64 = w.astype(np.float64), dy.astype(np.float64)
+    win = windows(x, KH, KW, stride, pad)
+    y = np.einsum("nchwij,ocij->nohw", win, w64, optimize=True) + b.astype(np.float64)[None, :, None, None]
+    dw = np.einsum("nchwij,nohw->ocij", win, dy64, optimize=True)
+    db = dy64.sum(axis=(0, 2, 3))
+    OH, OW = dy.shape[2:]
+    dxp = np.zeros((N, C, H + 2 * pad, W + 2 * pad))
+    for i in range(KH):
+        for j in range(KW):
+            dxp[:, :, i:i + stride * (OH - 1) + 1:stride, j:j + stride * (OW - 1) + 1:stride] += np.einsum(
+                "nohw,oc->nchw", dy64, w64[:, :, i, j], optimize=True)
+    return y, dxp[:, :, pad:pad + H, pad:pad + W], dw, db
+
+
+def make(N, C, H, W, O, K, stride, pad, seed):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((N, C, H, W)).astype(np.float32)
+    w = (rng.standard_normal((O, C, K, K)) / np.sqrt(C * K * K)).astype(np.float32)
+    b = rng.standard_normal(O).astype(np.float32)
+    OH, OW = (H + 2 * pad - K) // stride + 1, (W + 2 * pad - K) // stride + 1
+    dy = rng.standard_normal((N, O, OH, OW)).astype(np.float32)
+    return x, w, b, dy
+
+
+def check(case, seed):
+    N, C, H, W, O, K, stride, pad = case
+    x, w, b, dy = make(N, C, H, W, O, K, stride, pad, seed)
+    y = ops.conv2d(x, w, b, stride=stride, padding=pad)
+    dx, dw, db = ops.conv2d_backward(x, w, dy, stride=stride, padding=pad)
+    y_ref, dx_ref, dw_ref, db_ref = reference(x, w, b, dy, stride, pad)
+    assert y.shape == y_ref.shape and dx.shape == x.shape and dw.shape == w.shape and db.shape == b.shape
+    assert err(y, y_ref) <= TOL_SHORT, f"{case} forward: {err(y, y_ref):.3g}"
+    assert err(dx, dx_ref) <= TOL_SHORT, f"{case} dx: {err(dx, dx_ref):.3g}"
+    assert err(dw, dw_ref) <= TOL_LONG, f"{case} dw: {err(dw, dw_ref):.3g}"
+    assert err(db, db_ref) <= TOL_LONG, f"{case} db: {err(db, db_ref):.3g}"
+
+
+# (N, C, H, W, O, K, stride, pad)
+RESNET_CASES = [
+    (3, 1, 28, 28, 64, 3, 1, 1),      # stem
+    (3, 64, 28, 28, 64, 3, 1, 1),     # stage 1: wide, dx as a convolution of dy
+    (3, 64, 28, 28, 128, 3, 2, 1),    # into stage 2: stride-2 phases, col2im
+    (3, 64, 28, 28, 128, 1, 2, 0),    # 1x1 shortcut, stride 2: one phase, one run per row
+    (3, 128, 14, 14, 128, 3, 1, 1),   # stage 2
+    (5, 256, 7, 7, 256, 3, 1, 1),     # stage 3: narrow (49 columns), grouped
+    (5, 256, 7, 7, 512, 3, 2, 1),     # into stage 4
+    (5, 256, 7, 7, 512, 1, 2, 0),
+    (5, 512, 4, 4, 512, 3, 1, 1),     # stage 4: 16 columns a sample
+]
+
+
+@pytest.mark.parametrize("case", RESNET_CASES, ids=lambda c: "N{}C{}H{}W{}O{}K{}s{}p{}".format(*c))
+def test_resnet18_geometries(case):
+    check(case, seed=sum(case))
+
+
+@pytest.mark.parametrize("case", [
+    (50, 256, 7, 7, 16, 3, 1, 1),     # 49 columns a sample: groups of 13-17, two or more per thread
+    (150, 512, 4, 4, 8, 3, 1, 1),     # 4608 x 16 per sample: the im2col matrix's cap bounds the groups
+    (37, 512, 2, 2, 8, 3, 1, 1),      # 2x2 planes (ResNet-18 at 16x16 inputs), odd batch
+    (9, 96, 5, 3, 12, 3, 1, 1),       # rectangular narrow planes
+    (41, 64, 7, 7, 8, 3, 2, 1),       # stride 2 into 4x4, narrow
+], ids=lambda c: "N{}C{}H{}W{}O{}K{}s{}p{}".format(*c))
+def test_narrow_planes_grouped(case):
+    check(case, seed=7 + sum(case))
+
+
+@pytest.mark.parametrize("case", [
+    (4, 24, 9, 13, 20, 5, 1, 2),      # 5x5 "same", rectangular: dx as a convolution of dy
+    (3, 16, 12, 10, 24, 7, 1, 3),     # 7x7 "same"
+    (4, 24, 9, 13, 20, 3, 1, 0),      # "valid": output smaller than the input, col2im instead
+    (2, 8, 6, 6, 4, 3, 1, 2),         # output larger than the input (pad 2 with 3x3)
+], ids=lambda c: "N{}C{}H{}W{}O{}K{}s{}p{}".format(*c))
+def test_stride1_dx_paths(case):
+    check(case, seed=11 + sum(case))
+
+
+def test_wide_plane_results_do_not_depend_on_the_rest_of_the_batch():
+    # One sample per GEMM on wide planes: a replica holding samples 3..5 of a
+    # batch computes them bit for bit as one device holding all six does.
+    # (Parts of at least two samples: a lone sample on a device with more
+    # threads gets them all inside its GEMM, which sums in another order.)
+    x, w, b, dy = make(6, 64, 16, 16, 32, 3, 1, 1, seed=3)
+    y_all = ops.conv2d(x, w, b, stride=1, padding=1)
+    dx_all = ops.conv2d_backward(x, w, dy, stride=1, padding=1)[0]
+    for lo, hi in ((0, 3), (3, 6), (4, 6), (1, 4)):
+        np.testing.assert_array_equal(ops.conv2d(x[lo:hi], w, b, stride=1, padding=1), y_all[lo:hi])
+        np.testing.assert_array_equal(ops.conv2d_backward(x[lo:hi], w, dy[lo:hi], stride=1, padding=1)[0],
+                                      dx_all[lo:hi])
+
+
+def test_results_are_repeatable_after_other_shapes():
+    # The scratch memory (im2col's zero-padded planes included) holds another
+    # geometry's numbers from the call before; the results must not change.
+    case = (5, 256, 7, 7, 16, 3, 2, 1)
+    x, w, b, dy = make(*case, seed=5)
+    first = ops.conv2d(x, w, b, stride=2, padding=1), ops.conv2d_backward(x, w, dy, stride=2, padding=1)
+    check((3, 64, 28, 28, 16, 3, 1, 1), seed=6)
+    again = ops.conv2d(x, w, b, stride=2, padding=1), ops.conv2d_backward(x, w, dy, stride=2, padding=1)
+    np.testing.assert_array_equal(first[0], again[0])
+    for a, c in zip(first[1], again[1]):
+        np.testing.assert_array_equal(a, c)
