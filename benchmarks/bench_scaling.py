@@ -91,9 +91,10 @@ TINY = (1, 4)
 # two single-thread trainers, the ceiling for 2rep.
 PAIR = "2procs-1core"
 PAIR_START_DELAY = 4.0  # seconds for both children to load data and warm up before their common start
-# dp_group_run calls (wake the replica threads, wait for all) per Mirrored train_step: stage the shards,
-# forward + backward, all-reduce + SGD (csrc/mirrored.c run_step since commit b183c20; it was 2 before).
-GROUP_RUNS_PER_STEP = 3
+# dp_group_run calls (wake the replica threads, wait for all) per Mirrored train_step of a model without
+# BatchNorm: the whole step in one run since commit c88189b (a failing replica breaks the barrier instead
+# of needing a run of its own); 2 with BatchNorm (staging apart); it was 2-3 before.
+GROUP_RUNS_PER_STEP = 1
 
 
 def log(msg):
