@@ -1,4 +1,5 @@
-/* check.h — the C test programs' CHECK: count a failed condition, say where. */
+/* check.h — the C test programs' CHECK (count a failed condition, say where)
+ * and their random numbers. */
 #ifndef DP_TEST_CHECK_H
 #define DP_TEST_CHECK_H
 
@@ -12,5 +13,12 @@ static int failures = 0;
       failures++;                                                              \
     }                                                                          \
   } while (0)
+
+/* uniform in [0, 1), a fixed sequence (an LCG) */
+static unsigned rng_state = 12345u;
+static inline float uniform(void) {
+  rng_state = rng_state * 1664525u + 1013904223u;
+  return (float)(rng_state >> 8) / (float)(1u << 24);
+}
 
 #endif

@@ -16,13 +16,6 @@
 #include "resident.h"
 #include "check.h"
 
-
-static unsigned rng_state = 12345u;
-static float uniform(void) {
-  rng_state = rng_state * 1664525u + 1013904223u;
-  return (float)(rng_state >> 8) / (float)(1u << 24);
-}
-
 static dp_status build(dp_device *dev, int variant, dp_model **out) {
   dp_model *m = NULL;
   DP_TRY(dp_model_create(dev, 1, 28, 28, &m));

@@ -22,12 +22,6 @@
 
 enum { K = 3, N = 20, SIDE = 12 };
 
-static unsigned rng_state = 777u;
-static float uniform(void) {
-  rng_state = rng_state * 1664525u + 1013904223u;
-  return (float)(rng_state >> 8) / (float)(1u << 24);
-}
-
 /* A residual block, with BatchNorm (layers 1 and 4) or without (ReLUs there). */
 static dp_status build(dp_device *dev, int bn, dp_model **out) {
   dp_model *m = NULL;
