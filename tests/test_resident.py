@@ -161,3 +161,28 @@ def test_resident_on_the_gpu_is_bitwise_host_batches():
                  verbose=False, resident=resident)
         nets.append(net)
     assert same_weights(*nets)
+
+
+def test_resident_by_default_needs_gpus_and_room(monkeypatch):
+    """The default: resident on CUDA replicas when the arrays take at most a
+    quarter of the smallest GPU's memory (checked with a stand-in GPU list)."""
+    import sys
+    import types
+
+    train_module = sys.modules["dpcore.train"]  # dp.train is the function
+    X, y = data(n=100)  # 78,400 + 800 bytes
+    it = dp.data.from_arrays(X, y, batch_size=10)
+    gpu_net, cpu_net = types.SimpleNamespace(devices=["cuda:0"]), types.SimpleNamespace(devices=["cpu:0"])
+
+    def gpus(*memory):
+        info = dict(RUNTIME, cuda_devices=[{"name": "stand-in", "memory_bytes": m, "compute_capability": (9, 0)}
+                                           for m in memory])
+        monkeypatch.setattr(train_module._core, "runtime_info", lambda: info)
+
+    gpus(4 * 79_200, 10**9)
+    assert train_module._resident_by_default(gpu_net, it)
+    gpus(4 * 79_200 - 4, 10**9)  # the smaller GPU has too little room
+    assert not train_module._resident_by_default(gpu_net, it)
+    gpus(10**9)
+    assert not train_module._resident_by_default(cpu_net, it)
+    assert not train_module._resident_by_default(gpu_net, [(X, y)])

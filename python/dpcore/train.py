@@ -9,6 +9,7 @@ import time
 import warnings
 from dataclasses import dataclass, field
 
+from . import _core
 from .data import ArrayIterator
 from .models import Sequential
 
@@ -63,6 +64,15 @@ def _check_hyper(name, value, allow_zero=True):
         raise ValueError(f"{name} must be a finite number {'>= 0' if allow_zero else '> 0'}, got {value}")
 
 
+def _resident_by_default(net, train_iter):
+    """On CUDA replicas, for a dp.data iterator whose arrays take at most a
+    quarter of the smallest GPU's memory (the rest is the model's)."""
+    if not isinstance(train_iter, ArrayIterator) or not any(d.startswith("cuda") for d in net.devices):
+        return False
+    gpus = _core.runtime_info()["cuda_devices"]
+    return bool(gpus) and train_iter.X.nbytes + train_iter.y.nbytes <= min(g["memory_bytes"] for g in gpus) // 4
+
+
 def train(net, train_iter, test_iter=None, num_epochs=10, lr=0.1, momentum=0.0, weight_decay=0.0, verbose=True,
           resident=None):
     """Train ``net`` with minibatch SGD on the mean softmax cross-entropy.
@@ -74,8 +84,9 @@ def train(net, train_iter, test_iter=None, num_epochs=10, lr=0.1, momentum=0.0, 
     resident: copy the whole training set to every replica's device once, so
     that a step moves only its samples' indices and the device gathers the
     batch (the same batches in the same order). ``None`` (default): on for
-    CUDA replicas when train_iter is a ``dp.data`` iterator, off otherwise;
-    ``True`` needs such an iterator (its arrays are what is copied).
+    CUDA replicas when train_iter is a ``dp.data`` iterator whose arrays take
+    at most a quarter of the GPU's memory, off otherwise; ``True`` needs such
+    an iterator (its arrays are what is copied).
     """
     if not isinstance(net, Sequential):
         raise TypeError(f"net must be a dpcore model (e.g. dp.models.LeNet()), got {type(net).__name__}")
@@ -85,7 +96,7 @@ def train(net, train_iter, test_iter=None, num_epochs=10, lr=0.1, momentum=0.0, 
     _check_hyper("momentum", momentum)
     _check_hyper("weight_decay", weight_decay)
     if resident is None:
-        resident = isinstance(train_iter, ArrayIterator) and any(d.startswith("cuda") for d in net.devices)
+        resident = _resident_by_default(net, train_iter)
     elif not isinstance(resident, bool):
         raise TypeError(f"resident must be True, False or None, got {type(resident).__name__}")
     elif resident and not isinstance(train_iter, ArrayIterator):
