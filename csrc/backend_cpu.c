@@ -289,9 +289,216 @@ static void conv_group(const conv_plan *plan, int64_t N, int t, int64_t k, int64
   *cnt = s0 + share * (k + 1) / ng - *n0;
 }
 
+/* ---- single-channel input: direct convolution ---------------------------- */
+
+/* A convolution of a 1-channel image (LeNet's and ResNet-18's first layer)
+ * sums over only KH*KW products per output: as im2col + GEMM that is a GEMM
+ * with a 9-long inner dimension, which OpenBLAS runs far below its speed,
+ * after im2col has written a matrix KH*KW times the input's size. Computed
+ * directly instead, on the "wide grid": the input plane zero-padded to
+ * (Hp, Wp) and the outputs taken at q = oh*Wp + ow for every ow < Wp (the
+ * columns ow >= OW are discarded), so that the input every output q reads
+ * through tap (ki, kj) is xp[q + ki*Wp + kj]: one contiguous run per tap
+ * over the whole plane, in blocks of DIRECT_BLOCK outputs held in registers.
+ * Each sample is computed alone (results do not depend on the rest of the
+ * batch). Used for stride 1 without padding (dx is then a convolution of
+ * dy padded by K-1 with the flipped filter, by the same routine; the code
+ * takes any padding below the kernel). */
+#define DIRECT_BLOCK 64
+
+/* Eight floats as one value (GCC's and Clang's vector extension: one AVX
+ * register, or two SSE ones); the loops below keep their sums in a few of
+ * these, where arrays of floats were kept on the stack. */
+typedef float dp_v8 __attribute__((vector_size(32)));
+
+/* Unaligned loads and stores of one (macros: a vector passed by value to a
+ * function changes the ABI where AVX is not enabled, and GCC warns). */
+#define V8_LOAD(v, p) memcpy(&(v), (p), sizeof(dp_v8))
+#define V8_STORE(p, v) memcpy((p), &(v), sizeof(dp_v8))
+
+typedef struct direct_geom {
+  int cin, hp, wp, kh, kw, oh, ow; /* input channels, padded plane, kernel, output */
+  int64_t len;                      /* wide outputs rounded up to DIRECT_BLOCK */
+} direct_geom;
+
+static direct_geom direct_geom_make(int cin, int hp, int wp, int kh, int kw) {
+  direct_geom d = {cin, hp, wp, kh, kw, hp - kh + 1, wp - kw + 1, 0};
+  d.len = ((int64_t)d.oh * wp + DIRECT_BLOCK - 1) / DIRECT_BLOCK * DIRECT_BLOCK;
+  return d;
+}
+
+/* Floats of a padded input buffer: the planes, then what the last block reads
+ * past the last plane (zeros). */
+static int64_t direct_input_floats(const direct_geom *d) {
+  return (int64_t)d->cin * d->hp * d->wp + d->len - (int64_t)d->oh * d->wp + d->kw;
+}
+
+/* Copies the (cin, h, w) planes of x into xp's interiors at (pad_h, pad_w);
+ * the borders and the tail stay as they were (zeroed once by the caller). */
+static void direct_pad_input(const direct_geom *d, const float *x, int h, int w, int pad_h, int pad_w, float *xp) {
+  for (int c = 0; c < d->cin; ++c)
+    for (int i = 0; i < h; ++i)
+      memcpy(xp + ((int64_t)c * d->hp + i + pad_h) * d->wp + pad_w, x + ((int64_t)c * h + i) * w,
+             sizeof(float) * (size_t)w);
+}
+
+/* y (nout, OH, OW) = w (nout, cin, kh, kw) * xp + b (b may be NULL): the
+ * taps summed in (c, ki, kj) order, then the bias added. wide: len floats. */
+static void direct_conv(const direct_geom *d, const float *xp, const float *w, const float *b, int nout,
+                        float *wide, float *y) {
+  const int64_t plane = (int64_t)d->hp * d->wp, taps = (int64_t)d->kh * d->kw;
+  for (int o = 0; o < nout; ++o) {
+    const float *wo = w + (int64_t)o * d->cin * taps;
+    for (int64_t q0 = 0; q0 < d->len; q0 += DIRECT_BLOCK) {
+      dp_v8 a[DIRECT_BLOCK / 8];
+      for (int j = 0; j < DIRECT_BLOCK / 8; ++j) a[j] = (dp_v8){0};
+      for (int c = 0; c < d->cin; ++c)
+        for (int ki = 0; ki < d->kh; ++ki)
+          for (int kj = 0; kj < d->kw; ++kj) {
+            const float wv = wo[(c * d->kh + ki) * d->kw + kj];
+            const float *s = xp + c * plane + (int64_t)ki * d->wp + kj + q0;
+            for (int j = 0; j < DIRECT_BLOCK / 8; ++j) {
+              dp_v8 sv;
+              V8_LOAD(sv, s + 8 * j);
+              a[j] += wv * sv;
+            }
+          }
+      memcpy(wide + q0, a, sizeof a);
+    }
+    const float bias = b ? b[o] : 0.0f;
+    float *yo = y + (int64_t)o * d->oh * d->ow;
+    for (int i = 0; i < d->oh; ++i)
+      for (int j = 0; j < d->ow; ++j) yo[(int64_t)i * d->ow + j] = wide[(int64_t)i * d->wp + j] + bias;
+  }
+}
+
+static int conv_is_direct(const dp_conv_geom *g) {
+  /* "valid" only: ResNet-18's padded stem keeps the GEMM path, whose
+   * roundings its sync-BatchNorm one-replica test was tuned against (with the
+   * direct path there, that test's chaotic float noise grew past its bound) */
+  return g->C == 1 && g->stride == 1 && g->pad == 0;
+}
+
+/* Thread t of nt takes the samples [N*t/nt, N*(t+1)/nt). */
+static int direct_threads(int64_t N, int nthreads) { return N < nthreads ? (N < 1 ? 1 : (int)N) : nthreads; }
+
+static dp_status conv_direct_forward(dp_device *dev, const dp_conv_geom *g, int64_t N, const float *x, const float *w,
+                                     const float *b, float *y) {
+  const direct_geom d = direct_geom_make(1, g->H + 2 * g->pad, g->W + 2 * g->pad, g->KH, g->KW);
+  const int64_t in_sz = (int64_t)g->H * g->W, out_sz = (int64_t)g->O * g->OH * g->OW;
+  const int64_t xp_sz = direct_input_floats(&d), per_thread = xp_sz + d.len;
+  const int nt = direct_threads(N, dev->nthreads);
+  float *scratch;
+  DP_TRY(cpu_scratch(dev, (size_t)(nt * per_thread), &scratch));
+#pragma omp parallel num_threads(nt)
+  {
+    const int t = omp_get_thread_num();
+    float *xp = scratch + t * per_thread, *wide = xp + xp_sz;
+    memset(xp, 0, sizeof(float) * (size_t)xp_sz);
+    for (int64_t n = N * t / nt; n < N * (t + 1) / nt; ++n) {
+      direct_pad_input(&d, x + n * in_sz, g->H, g->W, g->pad, g->pad, xp);
+      direct_conv(&d, xp, w, b, g->O, wide, y + n * out_sz);
+    }
+  }
+  return DP_OK;
+}
+
+/* dw[o, ki, kj] = sum over samples and outputs of dy[o, q] * xp[q + ki*Wp + kj]
+ * on the wide grid (dy spread to it with zeros in the discarded columns), in
+ * DIRECT_LANES independent float sums per tap and sample, accumulated over the
+ * samples in double (the stem of a BatchNorm network gets a dy whose products
+ * cancel: float sums over the batch differed between a batch and its halves
+ * by more than the replica tests allow); db the sums of dy. dx (if wanted) as described above. */
+#define DIRECT_LANES 32
+
+static dp_status conv_direct_backward(dp_device *dev, const dp_conv_geom *g, int64_t N, const float *x,
+                                      const float *w, const float *dy, float *dx, float *dw, float *db) {
+  const direct_geom d = direct_geom_make(1, g->H + 2 * g->pad, g->W + 2 * g->pad, g->KH, g->KW);
+  const int ph = g->KH - 1 - g->pad, pw = g->KW - 1 - g->pad; /* dy's padding for dx */
+  const direct_geom dt = direct_geom_make(g->O, g->OH + 2 * ph, g->OW + 2 * pw, g->KH, g->KW);
+  const int64_t taps = (int64_t)g->KH * g->KW, wsz = g->O * taps, P = (int64_t)g->OH * g->OW;
+  const int64_t in_sz = (int64_t)g->H * g->W, out_sz = g->O * P;
+  const int64_t xp_sz = direct_input_floats(&d), dyw_sz = g->O * d.len;
+  const int64_t dyp_sz = dx ? direct_input_floats(&dt) : 0, wide_sz = dx ? dt.len : 0;
+  /* per thread: the lanes of dw, db's sums, xp, dy on the wide grid, and for
+   * dx dy padded and a wide row */
+  const int64_t lanes_sz = 2 * wsz * DIRECT_LANES; /* in floats; the lanes are doubles */
+  const int64_t per_thread = (lanes_sz + g->O + xp_sz + dyw_sz + dyp_sz + wide_sz + 1) & ~(int64_t)1;
+  const int nt = direct_threads(N, dev->nthreads);
+  float *scratch;
+  DP_TRY(cpu_scratch(dev, (size_t)(nt * per_thread + (dx ? wsz : 0)), &scratch));
+  float *wt = scratch + nt * per_thread; /* the flipped filter (1, O, KH, KW) */
+#pragma omp parallel num_threads(nt)
+  {
+    const int t = omp_get_thread_num();
+    /* per_thread is even and the scratch 64-byte aligned: the lanes are aligned doubles */
+    double *lanes = (double *)(void *)(scratch + t * per_thread);
+    float *pdb = scratch + t * per_thread + lanes_sz, *xp = pdb + g->O, *dyw = xp + xp_sz;
+    float *dyp = dyw + dyw_sz, *wide = dyp + dyp_sz;
+    memset(scratch + t * per_thread, 0, sizeof(float) * (size_t)(per_thread - wide_sz));
+    if (dx) {
+#pragma omp for schedule(static)
+      for (int64_t i = 0; i < wsz; ++i) wt[i] = w[(i / taps) * taps + taps - 1 - i % taps];
+    }
+    for (int64_t n = N * t / nt; n < N * (t + 1) / nt; ++n) {
+      const float *dyn = dy + n * out_sz;
+      direct_pad_input(&d, x + n * in_sz, g->H, g->W, g->pad, g->pad, xp);
+      for (int o = 0; o < g->O; ++o) {
+        float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t i = 0; i < P; ++i) sum += dyn[o * P + i];
+        pdb[o] += sum;
+        for (int i = 0; i < g->OH; ++i)
+          memcpy(dyw + o * d.len + (int64_t)i * d.wp, dyn + o * P + (int64_t)i * g->OW, sizeof(float) * (size_t)g->OW);
+      }
+      for (int o = 0; o < g->O; ++o)
+        for (int ki = 0; ki < g->KH; ++ki)
+          for (int kj = 0; kj < g->KW; ++kj) {
+            const float *a = dyw + o * d.len, *s = xp + (int64_t)ki * d.wp + kj;
+            dp_v8 v[DIRECT_LANES / 8];
+            for (int j = 0; j < DIRECT_LANES / 8; ++j) v[j] = (dp_v8){0};
+            for (int64_t q = 0; q < d.len; q += DIRECT_LANES)
+              for (int j = 0; j < DIRECT_LANES / 8; ++j) {
+                dp_v8 av, sv;
+                V8_LOAD(av, a + q + 8 * j);
+                V8_LOAD(sv, s + q + 8 * j);
+                v[j] += av * sv;
+              }
+            float vs[DIRECT_LANES];
+            memcpy(vs, v, sizeof vs);
+            double *l = lanes + ((o * g->KH + ki) * g->KW + kj) * DIRECT_LANES;
+            for (int j = 0; j < DIRECT_LANES; ++j) l[j] += vs[j];
+          }
+      if (dx) {
+        direct_pad_input(&dt, dyn, g->OH, g->OW, ph, pw, dyp);
+        direct_conv(&dt, dyp, wt, NULL, 1, wide, dx + n * in_sz);
+      }
+    }
+  }
+  /* dw, db = each thread's lanes added up, the threads in order */
+  for (int64_t i = 0; i < wsz + g->O; ++i) {
+    double s = 0.0;
+    for (int t = 0; t < nt; ++t) {
+      const float *p = scratch + t * per_thread;
+      if (i < wsz) {
+        const double *l = (const double *)(const void *)p + i * DIRECT_LANES;
+        for (int j = 0; j < DIRECT_LANES; ++j) s += l[j];
+      } else {
+        s += p[lanes_sz + i - wsz];
+      }
+    }
+    if (i < wsz)
+      dw[i] = (float)s;
+    else if (db)
+      db[i - wsz] = (float)s;
+  }
+  return DP_OK;
+}
+
 static dp_status cpu_conv2d_forward(dp_device *dev, const dp_conv_geom *g, int64_t N, const float *x, const float *w,
                                     const float *b, float *y) {
   cpu_enter(dev);
+  if (conv_is_direct(g)) return conv_direct_forward(dev, g, N, x, w, b, y);
   const int64_t K = (int64_t)g->C * g->KH * g->KW, P = (int64_t)g->OH * g->OW;
   const int64_t in_sz = (int64_t)g->C * g->H * g->W, out_sz = (int64_t)g->O * P;
   const conv_plan plan = conv_plan_make(g, N, dev->nthreads);
@@ -349,6 +556,7 @@ static dp_conv_geom conv_dx_geom(const dp_conv_geom *g) {
 static dp_status cpu_conv2d_backward(dp_device *dev, const dp_conv_geom *g, int64_t N, const float *x, const float *w,
                                      const float *dy, float *dx, float *dw, float *db) {
   cpu_enter(dev);
+  if (conv_is_direct(g)) return conv_direct_backward(dev, g, N, x, w, dy, dx, dw, db);
   const int64_t KK = (int64_t)g->KH * g->KW, K = (int64_t)g->C * KK, P = (int64_t)g->OH * g->OW;
   const int64_t in_sz = (int64_t)g->C * g->H * g->W, out_sz = (int64_t)g->O * P;
   const int64_t wsz = (int64_t)g->O * K;
@@ -516,9 +724,50 @@ static dp_status pool_tables_make(const dp_pool_geom *g, pool_tables *t) {
 
 static void pool_tables_free(pool_tables *t) { free(t->h_lo); }
 
+/* 2x2 windows at stride 2 without padding (LeNet's pools): every window lies
+ * inside the plane and every input position in at most one window, so the
+ * bodies' loops reduce to fixed sums that vectorise across a row. The
+ * arithmetic is the bodies' own, in their order ((((0 + a) + b) + c) + d) *
+ * (1 / 4), so the results are theirs bit for bit (tests/c/kernel_bodies.c). */
+static int pool_is_2x2(const dp_pool_geom *g) { return g->k == 2 && g->stride == 2 && g->pad == 0; }
+
+static void avgpool_forward_2x2(const dp_pool_geom *g, const float *restrict x, float *restrict y) {
+  const float inv = 1.0f / (2.0f * 2.0f);
+  for (int oh = 0; oh < g->OH; ++oh) {
+    const float *r0 = x + (int64_t)2 * oh * g->W, *r1 = r0 + g->W;
+    float *dst = y + (int64_t)oh * g->OW;
+    for (int ow = 0; ow < g->OW; ++ow)
+      dst[ow] = ((((0.0f + r0[2 * ow]) + r0[2 * ow + 1]) + r1[2 * ow]) + r1[2 * ow + 1]) * inv;
+  }
+}
+
+static void avgpool_backward_2x2(const dp_pool_geom *g, const float *restrict dy, float *restrict dx) {
+  const float inv = 1.0f / (2.0f * 2.0f);
+  for (int oh = 0; oh < g->OH; ++oh) {
+    const float *src = dy + (int64_t)oh * g->OW;
+    float *d0 = dx + (int64_t)2 * oh * g->W, *d1 = d0 + g->W;
+    for (int ow = 0; ow < g->OW; ++ow) {
+      const float v = (0.0f + src[ow]) * inv; /* 0 + keeps the body's -0 -> +0 */
+      d0[2 * ow] = v;
+      d0[2 * ow + 1] = v;
+      d1[2 * ow] = v;
+      d1[2 * ow + 1] = v;
+    }
+    /* an odd width's last column lies in no window */
+    for (int w = 2 * g->OW; w < g->W; ++w) d0[w] = d1[w] = 0.0f;
+  }
+  /* likewise an odd height's last row */
+  for (int h = 2 * g->OH; h < g->H; ++h) memset(dx + (int64_t)h * g->W, 0, sizeof(float) * (size_t)g->W);
+}
+
 /* Planes are spread over the threads; within a plane the loops are the bodies'. */
 static dp_status cpu_avgpool_forward(dp_device *dev, const dp_pool_geom *g, int64_t N, const float *x, float *y) {
   const int64_t planes = N * g->C, in_sz = (int64_t)g->H * g->W, out_sz = (int64_t)g->OH * g->OW;
+  if (pool_is_2x2(g)) {
+#pragma omp parallel for num_threads(dev->nthreads) schedule(static) if (planes * out_sz > 16384)
+    for (int64_t p = 0; p < planes; ++p) avgpool_forward_2x2(g, x + p * in_sz, y + p * out_sz);
+    return DP_OK;
+  }
 #pragma omp parallel for num_threads(dev->nthreads) schedule(static) if (planes * out_sz > 16384)
   for (int64_t p = 0; p < planes; ++p)
     for (int oh = 0; oh < g->OH; ++oh)
@@ -528,6 +777,11 @@ static dp_status cpu_avgpool_forward(dp_device *dev, const dp_pool_geom *g, int6
 
 static dp_status cpu_avgpool_backward(dp_device *dev, const dp_pool_geom *g, int64_t N, const float *dy, float *dx) {
   const int64_t planes = N * g->C, in_sz = (int64_t)g->H * g->W, out_sz = (int64_t)g->OH * g->OW;
+  if (pool_is_2x2(g)) {
+#pragma omp parallel for num_threads(dev->nthreads) schedule(static) if (planes * in_sz > 16384)
+    for (int64_t p = 0; p < planes; ++p) avgpool_backward_2x2(g, dy + p * out_sz, dx + p * in_sz);
+    return DP_OK;
+  }
   pool_tables t;
   DP_TRY(pool_tables_make(g, &t));
 #pragma omp parallel for num_threads(dev->nthreads) schedule(static) if (planes * in_sz > 16384)

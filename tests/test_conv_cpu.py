@@ -12,7 +12,9 @@ do not:
 - dx of a stride-1 "same" convolution computed as a convolution of dy with the
   flipped filter, on real channel counts and rectangular planes, and the
   fallback (col2im) where the output is smaller than the input;
-- im2col's stride phases (stride 2 with and without padding, 1x1 and 3x3).
+- im2col's stride phases (stride 2 with and without padding, 1x1 and 3x3);
+- single-channel inputs (LeNet's and ResNet-18's first layer), convolved
+  directly, and 2x2 average pooling at stride 2, both with loops of their own.
 
 The reference is written here, independent of tests/test_ops.py: float64
 windows of the padded input (sliding_window_view) contracted with einsum, and
@@ -124,18 +126,23 @@ def test_stride1_dx_paths(case):
     check(case, seed=11 + sum(case))
 
 
+def assert_slices_match_the_batch(case, padding, slices):
+    """y and dx of samples lo..hi computed alone are the bits of the whole batch's."""
+    x, w, b, dy = case
+    y_all = ops.conv2d(x, w, b, stride=1, padding=padding)
+    dx_all = ops.conv2d_backward(x, w, dy, stride=1, padding=padding)[0]
+    for lo, hi in slices:
+        np.testing.assert_array_equal(ops.conv2d(x[lo:hi], w, b, stride=1, padding=padding), y_all[lo:hi])
+        np.testing.assert_array_equal(ops.conv2d_backward(x[lo:hi], w, dy[lo:hi], stride=1, padding=padding)[0],
+                                      dx_all[lo:hi])
+
+
 def test_wide_plane_results_do_not_depend_on_the_rest_of_the_batch():
     # One sample per GEMM on wide planes: a replica holding samples 3..5 of a
     # batch computes them bit for bit as one device holding all six does.
     # (Parts of at least two samples: a lone sample on a device with more
     # threads gets them all inside its GEMM, which sums in another order.)
-    x, w, b, dy = make(6, 64, 16, 16, 32, 3, 1, 1, seed=3)
-    y_all = ops.conv2d(x, w, b, stride=1, padding=1)
-    dx_all = ops.conv2d_backward(x, w, dy, stride=1, padding=1)[0]
-    for lo, hi in ((0, 3), (3, 6), (4, 6), (1, 4)):
-        np.testing.assert_array_equal(ops.conv2d(x[lo:hi], w, b, stride=1, padding=1), y_all[lo:hi])
-        np.testing.assert_array_equal(ops.conv2d_backward(x[lo:hi], w, dy[lo:hi], stride=1, padding=1)[0],
-                                      dx_all[lo:hi])
+    assert_slices_match_the_batch(make(6, 64, 16, 16, 32, 3, 1, 1, seed=3), 1, ((0, 3), (3, 6), (4, 6), (1, 4)))
 
 
 def test_results_are_repeatable_after_other_shapes():
@@ -149,3 +156,59 @@ def test_results_are_repeatable_after_other_shapes():
     np.testing.assert_array_equal(first[0], again[0])
     for a, c in zip(first[1], again[1]):
         np.testing.assert_array_equal(a, c)
+
+
+# Single-channel inputs, stride 1, no padding: the direct convolution on the
+# wide grid (forward, dw and db from the lanes, dx as a convolution of dy
+# padded by K-1 with the flipped filter). Padded and stride-2 ones take
+# im2col + GEMM.
+@pytest.mark.parametrize("case", [
+    (5, 1, 28, 28, 20, 3, 1, 0),      # LeNet's first layer
+    (3, 1, 9, 13, 6, 5, 1, 2),        # 5x5 "same", rectangular: GEMM
+    (4, 1, 12, 10, 7, 5, 1, 0),       # 5x5 valid, rectangular
+    (2, 1, 6, 7, 3, 3, 1, 2),         # padding K-1: output larger than the input (GEMM)
+    (2, 1, 5, 9, 4, 5, 1, 0),         # kernel as tall as the image: one output row
+    (3, 1, 40, 3, 4, 3, 1, 0),        # narrow plane, one output column, several wide-grid blocks
+    (3, 1, 11, 11, 5, 3, 2, 1),       # stride 2: the GEMM path
+    (1, 1, 1, 1, 2, 1, 1, 0),         # 1x1 kernel on a 1x1 image
+], ids=lambda c: "N{}C{}H{}W{}O{}K{}s{}p{}".format(*c))
+def test_single_channel_direct(case):
+    check(case, seed=13 + sum(case))
+
+
+def test_single_channel_results_do_not_depend_on_the_rest_of_the_batch():
+    # Each sample is convolved alone, so y and dx of a sample are the same bits
+    # whatever else the batch holds (and however the threads split it).
+    assert_slices_match_the_batch(make(7, 1, 28, 28, 20, 3, 1, 0, seed=4), 0, ((0, 1), (3, 6), (4, 7), (1, 4)))
+
+
+def ref_avg_pool_2x2(x):
+    """float64 2x2 average pooling at stride 2 (odd last rows/columns dropped)."""
+    N, C, H, W = x.shape
+    OH, OW = H // 2, W // 2
+    return x[:, :, :2 * OH, :2 * OW].astype(np.float64).reshape(N, C, OH, 2, OW, 2).mean(axis=(3, 5))
+
+
+def ref_avg_pool_2x2_backward(x_shape, dy):
+    dx = np.zeros(x_shape)
+    OH, OW = dy.shape[2:]
+    q = np.repeat(np.repeat(dy.astype(np.float64) / 4.0, 2, axis=2), 2, axis=3)
+    dx[:, :, :2 * OH, :2 * OW] = q
+    return dx
+
+
+# 2x2 windows at stride 2 without padding: the CPU backend's own loops
+# (tests/c/kernel_bodies.c checks them bit for bit against the GPU's bodies).
+@pytest.mark.parametrize("shape", [(3, 20, 26, 26), (3, 50, 9, 9), (2, 3, 9, 12), (1, 2, 2, 3), (2, 1, 3, 5)])
+def test_avg_pool_2x2(shape):
+    rng = np.random.default_rng(sum(shape))
+    x = rng.standard_normal(shape).astype(np.float32)
+    OH, OW = shape[2] // 2, shape[3] // 2
+    dy = rng.standard_normal(shape[:2] + (OH, OW)).astype(np.float32)
+    dy[0, 0, 0, 0] = -0.0  # the body maps -0 to +0
+    y = ops.avg_pool2d(x, 2, 2, 0)
+    dx = ops.avg_pool2d_backward(x, dy, 2, 2, 0)
+    assert y.shape == (shape[0], shape[1], OH, OW) and dx.shape == shape
+    assert err(y, ref_avg_pool_2x2(x)) <= TOL_SHORT
+    assert err(dx, ref_avg_pool_2x2_backward(shape, dy)) <= TOL_SHORT
+    assert not np.signbit(dx[0, 0, 0, 0])
