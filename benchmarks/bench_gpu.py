@@ -21,6 +21,7 @@ is there).
 """
 import argparse
 import datetime
+import itertools
 import os
 import sys
 import time
@@ -51,16 +52,12 @@ def dpcore_lenet_epoch(devices, epochs, batch, resident, max_batches=None):
     times = []
     for _ in range(epochs):
         start = time.perf_counter()
-        if resident:
-            for i, rows in enumerate(train_iter.index_batches()):
-                if i == max_batches:
-                    break
-                net.train_step_rows(residents, rows, 0.2)
-        else:
-            for i, (X, y) in enumerate(train_iter):
-                if i == max_batches:
-                    break
-                net.train_step(X, y, lr=0.2)
+        batches = train_iter.index_batches() if resident else iter(train_iter)
+        for batch in itertools.islice(batches, max_batches):
+            if resident:
+                net.train_step_rows(residents, batch, 0.2)
+            else:
+                net.train_step(*batch, lr=0.2)
         net._model.get_params()  # the host reads: every queued step is done
         times.append(time.perf_counter() - start)
     return min(times)

@@ -63,23 +63,4 @@ dp_status dp_arena_release(dp_arena *a, void *p);
 size_t dp_arena_trim(dp_arena *a);
 void dp_arena_get_stats(dp_arena *a, dp_arena_stats *out);
 
-/* ---- the CUDA backend's arena and settings (csrc/backend_cuda.c) ----------
- * Declared here rather than in backend.h for now (struct dp_device is
- * backend.h's dp_device); every function exists in the CPU-only build too. */
-struct dp_device;
-
-/* The arena statistics of a CUDA device (its cudaMalloc chunks).
- * DP_ERR_VALUE for another kind of device; DP_ERR_UNSUPPORTED without CUDA. */
-dp_status dp_cuda_memory_stats(struct dp_device *dev, dp_arena_stats *out);
-/* cuBLAS and cuDNN may use TF32 tensor cores on this device (allow != 0) or
- * stay in float32 FMA arithmetic (the default). */
-dp_status dp_cuda_set_allow_tf32(struct dp_device *dev, int allow);
-/* Process-wide settings for every CUDA device: devices created afterwards
- * start with them, existing ones take them before their next convolution or
- * dense layer. Defaults: deterministic = 1, allow_tf32 = 0. A later
- * dp_cuda_set_deterministic / dp_cuda_set_allow_tf32 on one device overrides
- * them for that device until the next call here. */
-void dp_cuda_set_defaults(int deterministic, int allow_tf32);
-void dp_cuda_get_defaults(int *deterministic, int *allow_tf32);
-
 #endif

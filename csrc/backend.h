@@ -11,6 +11,7 @@
 
 #include <stdint.h>
 
+#include "arena.h"
 #include "dp_status.h"
 
 typedef enum dp_device_kind { DP_DEVICE_CPU = 0, DP_DEVICE_CUDA = 1 } dp_device_kind;
@@ -129,6 +130,19 @@ dp_status dp_cpu_device_init(dp_device *dev, int index, int nthreads);
 dp_status dp_cuda_device_init(dp_device *dev, int index, int physical_gpu);
 /* cuDNN algorithms: deterministic ones only (the default) or any. */
 dp_status dp_cuda_set_deterministic(dp_device *dev, int deterministic);
+/* cuBLAS and cuDNN may use TF32 tensor cores on this device (allow != 0) or
+ * stay in float32 FMA arithmetic (the default). */
+dp_status dp_cuda_set_allow_tf32(dp_device *dev, int allow);
+/* Process-wide settings for every CUDA device: devices created afterwards
+ * start with them, existing ones take them before their next convolution or
+ * dense layer. Defaults: deterministic = 1, allow_tf32 = 0. A later
+ * dp_cuda_set_deterministic / dp_cuda_set_allow_tf32 on one device overrides
+ * them for that device until the next call here. Exist in every build. */
+void dp_cuda_set_defaults(int deterministic, int allow_tf32);
+void dp_cuda_get_defaults(int *deterministic, int *allow_tf32);
+/* The statistics of a CUDA device's arena (csrc/arena.c over its cudaMalloc
+ * chunks). DP_ERR_VALUE for another kind of device; DP_ERR_UNSUPPORTED without CUDA. */
+dp_status dp_cuda_memory_stats(dp_device *dev, dp_arena_stats *out);
 /* A CUDA device's physical GPU ordinal and its stream (a cudaStream_t), for
  * the collectives (csrc/collective_cuda.c); -1 / NULL for other devices. */
 int dp_cuda_device_gpu(const dp_device *dev);

@@ -647,6 +647,17 @@ dp_status dp_model_read_metrics(dp_model *m, double *loss_sum, int64_t *correct)
   return m->dev->backend->metrics_read(m->dev, loss_sum, correct);
 }
 
+dp_status dp_model_train_step_loaded(dp_model *m, int64_t n, float lr, float momentum, float weight_decay,
+                                     double *loss_sum, int64_t *correct) {
+  *loss_sum = 0.0;
+  *correct = 0;
+  if (n == 0) return DP_OK; /* no samples, no step (not even weight decay) */
+  /* the loss is read last, after the whole step is queued */
+  DP_TRY(dp_model_forward_backward_loaded(m, n, 1.0f / (float)n, NULL, NULL));
+  DP_TRY(dp_model_sgd_step(m, lr, momentum, weight_decay));
+  return dp_model_read_metrics(m, loss_sum, correct);
+}
+
 dp_status dp_model_sgd_step(dp_model *m, float lr, float momentum, float weight_decay) {
   DP_TRY(require_finalized(m));
   if (!(lr >= 0.0f)) return DP_FAIL(DP_ERR_VALUE, "learning rate must be >= 0, got %g", (double)lr);

@@ -144,6 +144,10 @@ dp_status dp_model_forward_backward(dp_model *m, const dp_batch *b, float grad_s
                                     int64_t *correct);
 /* The sums of the last forward_backward called with NULL sums (waits for its forward pass only). */
 dp_status dp_model_read_metrics(dp_model *m, double *loss_sum, int64_t *correct);
+/* One SGD step on the mean loss of the n samples staged last; the host waits
+ * only at the end, for the sums. n == 0: nothing changes. */
+dp_status dp_model_train_step_loaded(dp_model *m, int64_t n, float lr, float momentum, float weight_decay,
+                                     double *loss_sum, int64_t *correct);
 /* w -= lr * (momentum-smoothed g + wd * w), over the flat buffer, one kernel. */
 dp_status dp_model_sgd_step(dp_model *m, float lr, float momentum, float weight_decay);
 /* Forward only: loss and accuracy sums (labels required). */

@@ -15,7 +15,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "arena.h"
 #include "backend.h"
 #include "dp_build_config.h"
 #include "mirrored.h"
@@ -694,13 +693,6 @@ static PyObject *run_batch(ModelObject *self, PyObject *X, PyObject *Y, enum bat
   if (convert_labels(Y, PyArray_DIM(xa, 0), &ya) < 0) goto done;
   dp_batch b = {PyArray_DATA(xa), is_u8, (const int64_t *)PyArray_DATA(ya), (int64_t)PyArray_DIM(xa, 0), NULL,
                 NULL};
-  if (call == CALL_TRAIN_STEP) {
-    if (b.n == 0) { /* no samples, no step (not even weight decay) */
-      ret = Py_BuildValue("(dL)", 0.0, 0LL);
-      goto done;
-    }
-    grad_scale = 1.0f / (float)b.n;
-  }
   double loss = 0.0;
   int64_t correct = 0;
   dp_status st = DP_OK;
@@ -708,12 +700,11 @@ static PyObject *run_batch(ModelObject *self, PyObject *X, PyObject *Y, enum bat
   Py_BEGIN_ALLOW_THREADS
   if (call == CALL_EVALUATE) {
     st = dp_model_evaluate(self->model, &b, &loss, &correct);
-  } else {
-    /* a train step reads its loss last, after the whole step is queued */
-    const int defer = call == CALL_TRAIN_STEP;
-    st = dp_model_forward_backward(self->model, &b, grad_scale, defer ? NULL : &loss, defer ? NULL : &correct);
-    if (st == DP_OK && defer) st = dp_model_sgd_step(self->model, lr, momentum, wd);
-    if (st == DP_OK && defer) st = dp_model_read_metrics(self->model, &loss, &correct);
+  } else if (call == CALL_FORWARD_BACKWARD) {
+    st = dp_model_forward_backward(self->model, &b, grad_scale, &loss, &correct);
+  } else if (b.n > 0) {
+    st = dp_model_load(self->model, &b, 1);
+    if (st == DP_OK) st = dp_model_train_step_loaded(self->model, b.n, lr, momentum, wd, &loss, &correct);
   }
   Py_END_ALLOW_THREADS
   self->busy = 0;
@@ -929,9 +920,7 @@ static PyObject *Model_train_step_rows(ModelObject *self, PyObject *args, PyObje
     self->busy = 1;
     Py_BEGIN_ALLOW_THREADS
     st = dp_model_load_rows(self->model, d, (const int64_t *)PyArray_DATA(rows), n);
-    if (st == DP_OK) st = dp_model_forward_backward_loaded(self->model, n, 1.0f / (float)n, NULL, NULL);
-    if (st == DP_OK) st = dp_model_sgd_step(self->model, lr, mu, wd);
-    if (st == DP_OK) st = dp_model_read_metrics(self->model, &loss, &correct);
+    if (st == DP_OK) st = dp_model_train_step_loaded(self->model, n, lr, mu, wd, &loss, &correct);
     Py_END_ALLOW_THREADS
     self->busy = 0;
   }

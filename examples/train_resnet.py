@@ -9,27 +9,16 @@ backward pass (NCCL across GPUs, dpcore's own kernel across logical GPUs), and
 the training set is resident on every GPU. On a CPU it trains too, slowly
 (about 45 images/s on 2 cores: an epoch takes over 20 minutes).
 """
-import argparse
-
 import dpcore as dp
+from common import parser, set_devices
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--epochs", type=int, default=10)
-    parser.add_argument("--batch-size", type=int, default=256)
-    parser.add_argument("--lr", type=float, default=0.1)
-    parser.add_argument("--sync-batchnorm", action="store_true", help="normalise over the global batch")
-    parser.add_argument("--cpu-devices", type=int, default=1, help="split the CPU into this many replicas")
-    parser.add_argument("--gpu-devices", type=int, default=1, help="split each GPU into this many replicas")
-    parser.add_argument("--bucket-mb", type=float, default=25, help="gradient all-reduce bucket size")
-    parser.add_argument("--data", default=None, help="Fashion-MNIST directory (default: DPCORE_DATA or Debian's)")
-    args = parser.parse_args()
-
-    print("dpcore", dp.__version__, dp.build_info()["summary"])
-    dp.set_logical_devices("cpu", args.cpu_devices)
-    if args.gpu_devices != 1:
-        dp.set_logical_devices("cuda", args.gpu_devices)
+    p = parser(__doc__, lr=0.1)
+    p.add_argument("--sync-batchnorm", action="store_true", help="normalise over the global batch")
+    p.add_argument("--bucket-mb", type=float, default=25, help="gradient all-reduce bucket size")
+    args = p.parse_args()
+    set_devices(args)
     strategy = dp.MirroredStrategy(bucket_mb=args.bucket_mb)
     with strategy.scope():
         net = dp.models.ResNet18(num_classes=10, in_channels=1, sync_batchnorm=args.sync_batchnorm)

@@ -73,6 +73,19 @@ def _resident_by_default(net, train_iter):
     return bool(gpus) and train_iter.X.nbytes + train_iter.y.nbytes <= min(g["memory_bytes"] for g in gpus) // 4
 
 
+def _epoch_steps(net, train_iter, residents, lr, momentum, weight_decay):
+    """One epoch's SGD steps, each yielding (loss_sum, correct, samples): from
+    the rows of the resident dataset, or from the iterator's host batches."""
+    if residents is not None:
+        for rows in train_iter.index_batches():
+            yield net.train_step_rows(residents, rows, lr, momentum, weight_decay) + (len(rows),)
+        return
+    # one replica: its own step; several: scatter, parallel forward/backward, all-reduce, step
+    step = (net._mirrored or net._model).train_step
+    for X, y in net._labelled_batches(train_iter, "train_iter"):
+        yield step(X, y, lr, momentum, weight_decay) + (len(y),)
+
+
 def train(net, train_iter, test_iter=None, num_epochs=10, lr=0.1, momentum=0.0, weight_decay=0.0, verbose=True,
           resident=None):
     """Train ``net`` with minibatch SGD on the mean softmax cross-entropy.
@@ -104,24 +117,14 @@ def train(net, train_iter, test_iter=None, num_epochs=10, lr=0.1, momentum=0.0, 
                         f"whose arrays are copied to the devices; got {type(train_iter).__name__}")
     history = History(devices=list(net.devices))
     residents = net.make_resident(train_iter.X, train_iter.y) if resident and num_epochs else None
-    # one replica: its own step; several: scatter, parallel forward/backward, all-reduce, step
-    step = (net._mirrored or net._model).train_step
     warned = False
     for epoch in range(num_epochs):
         loss_sum, correct, seen = 0.0, 0, 0
         start = time.perf_counter()
-        if residents is not None:
-            for rows in train_iter.index_batches():
-                batch_loss, batch_correct = net.train_step_rows(residents, rows, lr, momentum, weight_decay)
-                loss_sum += batch_loss
-                correct += batch_correct
-                seen += len(rows)
-        else:
-            for X, y in net._labelled_batches(train_iter, "train_iter"):
-                batch_loss, batch_correct = step(X, y, lr, momentum, weight_decay)
-                loss_sum += batch_loss
-                correct += batch_correct
-                seen += len(y)
+        for batch_loss, batch_correct, n in _epoch_steps(net, train_iter, residents, lr, momentum, weight_decay):
+            loss_sum += batch_loss
+            correct += batch_correct
+            seen += n
         seconds = time.perf_counter() - start
         if seen == 0:
             raise ValueError("train_iter yielded no samples")

@@ -1,0 +1,24 @@
+"""What the examples share: the book's training options and the devices to mirror over."""
+import argparse
+
+import dpcore as dp
+
+
+def parser(doc, lr):
+    """Options: --epochs, --batch-size, --lr, --cpu-devices, --gpu-devices, --data."""
+    p = argparse.ArgumentParser(description=doc.splitlines()[0])
+    p.add_argument("--epochs", type=int, default=10)
+    p.add_argument("--batch-size", type=int, default=256)
+    p.add_argument("--lr", type=float, default=lr)
+    p.add_argument("--cpu-devices", type=int, default=1, help="split the CPU into this many replicas")
+    p.add_argument("--gpu-devices", type=int, default=1, help="split each GPU into this many replicas")
+    p.add_argument("--data", default=None, help="Fashion-MNIST directory (default: DPCORE_DATA or Debian's)")
+    return p
+
+
+def set_devices(args):
+    """Print what dpcore was built with and make the logical devices the options ask for."""
+    print("dpcore", dp.__version__, dp.build_info()["summary"])
+    dp.set_logical_devices("cpu", args.cpu_devices)
+    if args.gpu_devices != 1:
+        dp.set_logical_devices("cuda", args.gpu_devices)
