@@ -23,11 +23,11 @@ test-cpu-only:
 
 # The GPU tests of every file (skipped, with the reason, where no CUDA device is usable).
 test-gpu: setup
-	$(PY) -m pytest -m gpu tests -ra
+	$(PY) -m pytest -m gpu tests -ra $(PYTEST_ARGS)
 
 # The GPU benchmark: LeNet epochs, ResNet-18 images/s, logical-GPU all-reduce; PyTorch beside when installed.
 bench-gpu: setup
-	$(PY) benchmarks/bench_gpu.py
+	$(PY) benchmarks/bench_gpu.py $(BENCH_ARGS)
 
 bench: setup
 	$(PY) benchmarks/bench_lenet_cpu.py

@@ -5,11 +5,13 @@ Environment:
   DPCORE_CUDA=0        build CPU-only even when nvcc is found
   CUDA_HOME=/path      where the CUDA toolkit lives (default: /usr/local/cuda, or nvcc on PATH)
   DPCORE_BLAS_INC / DPCORE_BLAS_LIB   CBLAS header dir / library file (default: Debian's OpenBLAS)
+  DPCORE_CUDA_ARCHS="90"  cubins for these compute capabilities only (default: 7.5 8.0 8.6 8.9 9.0 + PTX)
   DPCORE_DEBUG=1       -O0 -g; DPCORE_SANITIZE=1 adds -fsanitize=address,undefined
 """
 import glob
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -21,7 +23,24 @@ from setuptools.command.build import build
 from setuptools.command.build_ext import build_ext
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-CUDA_ARCHS = ["75", "80", "86", "89", "90"]  # sm_XX cubins, plus PTX for the newest
+DEFAULT_CUDA_ARCHS = ["75", "80", "86", "89", "90"]  # sm_XX cubins, plus PTX for the newest
+
+
+def cuda_archs():
+    """DPCORE_CUDA_ARCHS="90" (or "80 90", "8.0;9.0") builds cubins for those
+    compute capabilities only: a shorter build for the GPU at hand."""
+    text = os.environ.get("DPCORE_CUDA_ARCHS", "").strip()
+    if not text:
+        return DEFAULT_CUDA_ARCHS
+    archs = [a.replace(".", "").replace("sm_", "") for a in re.split(r"[\s,;]+", text) if a]
+    bad = [a for a in archs if not (a.isdigit() and len(a) in (2, 3))]
+    if bad:
+        raise SystemExit("dpcore build: DPCORE_CUDA_ARCHS=%r: expected compute capabilities such as "
+                         "'90' or '8.6;9.0'" % text)
+    return sorted(set(archs), key=int)
+
+
+CUDA_ARCHS = cuda_archs()
 
 
 def log(msg):
@@ -107,7 +126,7 @@ class BuildExt(build_ext):
                 obj = os.path.join(self.build_temp, os.path.basename(src) + ".o")
                 cmd = [cuda["nvcc"], "-c", src, "-o", obj, "-O3", "-std=c++17", "--Werror", "all-warnings",
                        "-Xcompiler", "-fPIC,-Wall,-Wextra", "-I" + os.path.join(HERE, "kernels"),
-                       "-I" + os.path.join(HERE, "csrc")] + gencode
+                       "-I" + os.path.join(HERE, "csrc"), "--threads", "0"] + gencode
                 log(" ".join(cmd))
                 subprocess.run(cmd, check=True)
                 objs.append(obj)
