@@ -37,15 +37,24 @@ Tolerances (dpcore computes in float32, the references in float64):
     (the float32 loss is only known to ~1e-7 relative, i.e. ~1e-7 / 2h = 5e-5 in
     fd for a loss ~1, plus O(h^2) curvature; the absolute term covers the biases
     whose exact gradient is 0; observed <= 1.6e-3 ||g||, 6e-5 absolute).
-  * sync BatchNorm on k replicas vs one replica (both float32; only the
-    summation order of the channel sums differs): weights after each of three
-    steps within SYNC_TOL = 1e-4 of the tensor's max |w|, running statistics
-    1e-4 relative, losses 1e-5, and the updates w3 - w0 within SYNC_TOL of the
-    largest update beyond 3 ulps of w (observed: 2e-6 typical; BatchNorm weights
-    near 1 end one ulp = 1.2e-7 apart, 1e-4 of their update, hence the ulps).
-    The 16x16 centre of 6 images keeps ReLU flips unlikely: on 28x28 images a
-    float32-level difference flips a unit near 0 and the two runs part by ~1e-1
-    after 3 steps, as float32 and float64 PyTorch do (test_fixtures).
+  * sync BatchNorm on k replicas vs one replica: the gradient, loss and running
+    statistics of one forward/backward at three points of a training trajectory
+    (from the same weights each time, so differences never compound), within
+    SYNC_MARGIN x the float32 noise floor + (k + 1) ulps, per tensor, absolute.
+    The floor is how far one replica parts from itself when its weights move by
+    one ulp at random (SYNC_NOISE_RUNS draws), measured in the same run on the
+    same BLAS kernels: the mirrored run differs from one replica by one-ulp
+    roundings of intermediate sums (partial statistics, partial gradients, the
+    all-reduce), and this measures how far such perturbations carry through the
+    network (BatchNorm's backward cancels; a ReLU input near 0 can flip).  The
+    floor is asserted to stay under 1e-4 of the layer's largest gradient for
+    the median tensor (a flipped ReLU unit moves a few tensors' entries by up
+    to ~2e-2 of their layer's largest gradient, measured, and those tensors
+    are judged on that floor; the rest stay near 1e-6), so the test keeps its
+    power.  Three SGD steps compared end to end are not a
+    sound test: one-ulp perturbations of the weights part two float32 runs by
+    ~2% of the largest update after three steps (measured), so any tolerance
+    there would be one machine's print-out.
   * replicas of one model: BITWISE identical parameters and running statistics.
   * save/load: BITWISE identical weights and logits.
 """
@@ -69,7 +78,6 @@ LOGIT_TOL = 1e-5
 STAT_TOL = 1e-5
 FD_REF_TOL = 1e-6
 FD_DP_REL, FD_DP_ABS = 2e-2, 5e-4
-SYNC_TOL = 1e-4
 RELU_MARGIN = 1e-3
 
 
@@ -491,54 +499,91 @@ def resnet_weights(seed, input_size=16):
     return W
 
 
-def zero_gradient_bias(name):
-    """ResNet-18 biases of convolutions followed by BatchNorm: their exact gradient is 0."""
-    return name == "0.bias" or name.endswith((".conv1.bias", ".conv2.bias"))
+def ulp_perturbed(W, rng):
+    """W with every parameter moved by -1, 0 or +1 ulp at random (running statistics kept)."""
+    out = OrderedDict()
+    for n, w in W.items():
+        if n.endswith(("running_mean", "running_var")):
+            out[n] = w
+        else:
+            step = rng.integers(-1, 2, w.shape)
+            out[n] = np.where(step == 0, w, np.nextafter(w, (np.inf * step).astype(np.float32))).astype(np.float32)
+    return out
+
+
+def resnet_gradient(net, W, X, y):
+    """(loss_sum, hits), the mean-loss gradient per tensor and the running statistics after one
+    training-mode forward/backward of `net` (one replica or mirrored) from the weights W."""
+    net.set_weights(W)
+    if net._mirrored is not None:
+        result = net._mirrored.forward_backward(X, y)
+        flat = net._replicas[0].get_grads()
+        assert all(np.array_equal(r.get_grads(), flat) for r in net._replicas), "replicas' gradients differ"
+    else:
+        result = net._model.forward_backward(X, y, 1.0 / len(y))
+        flat = net._model.get_grads()
+    grads = {n: flat[o:o + int(np.prod(shape))].reshape(shape).astype(np.float64)
+             for n, (_, _, o, shape) in zip(net.parameter_names(), net._layout)}
+    stats = {n: w.astype(np.float64) for n, w in net.get_weights().items() if n.endswith(("running_mean", "running_var"))}
+    return result, grads, stats
+
+
+SYNC_NOISE_RUNS = 3  # one-ulp perturbations of the weights that measure the float32 noise floor
+SYNC_MARGIN = 4.0    # x the noise floor (see the module docstring)
 
 
 @pytest.mark.parametrize("k", [2, 3])
 def test_resnet18_sync_batchnorm_equals_one_replica(k):
-    lr, mu, wd, size = 0.05, 0.9, 1e-4, 16
+    """Synchronized BatchNorm on k replicas computes one replica's gradient and statistics, at
+    three points of one replica's training trajectory (so differences never compound). The two
+    computations part only by float32 roundings: each replica's partial sums (statistics,
+    gradients) and the k-term sums of the all-reduce, each a relative perturbation of one ulp
+    of an intermediate value. How far such one-ulp perturbations carry through this network
+    (BatchNorm's backward cancels; a ReLU input near 0 may flip) is measured in this run: one
+    replica from weights moved by one ulp at random, SYNC_NOISE_RUNS times, parts from itself
+    by `noise` per tensor. The mirrored gradient and statistics must lie within
+    SYNC_MARGIN x noise + (k + 1) ulps of the tensor's largest value (the all-reduce's own
+    rounding) of one replica's. An absolute bound per tensor: biases before BatchNorm (gradient
+    exactly 0) and BatchNorm's beta are judged on the scale of their noise, not of their own
+    near-zero values. The floor is asserted to stay small (the median tensor's under 1e-4 of
+    its layer's largest gradient; a flipped ReLU unit lifts a few tensors' floors to ~2e-2),
+    so a real fault (statistics of one shard, a mean over the wrong count, a dropped
+    replica) still fails."""
+    size, lr, mu, wd = 16, 0.05, 0.9, 1e-4
     X, y = fashion_subset(6, offset=1000)
     X = X[:, :, 6:22, 6:22].copy()  # the 16x16 centre: ResNet18(input_size=16), stage 4 at 2x2
-    W0 = resnet_weights(5, size)
-    devices = use_devices(k)
-    mirrored = dp.models.ResNet18(input_size=size, devices=devices, sync_batchnorm=True)
     single = dp.models.ResNet18(input_size=size, devices=["cpu:0"])
-    mirrored.set_weights(W0)
-    single.set_weights(W0)
-    names = param_names(W0)
-    for step in range(3):
-        lm, cm = mirrored.train_step(X, y, lr, mu, wd)
-        ls, cs = single.train_step(X, y, lr, mu, wd)
-        assert cm == cs and abs(lm - ls) <= 1e-5 * ls, (step, lm, ls, cm, cs)
-        assert mirrored.replicas_identical(), f"replicas differ after step {step + 1}"
-        wm, ws = mirrored.get_weights(), single.get_weights()
-        for n in names:
-            e = float(np.abs(wm[n].astype(np.float64) - ws[n]).max() / np.abs(ws[n]).max())
-            assert e <= SYNC_TOL, f"k={k} step {step + 1}: {n} rel {e:.3g}"
-        for n in stat_names(ws):
-            e = rel(wm[n], ws[n])
-            assert e <= SYNC_TOL, f"k={k} step {step + 1}: {n} rel {e:.3g}"
-    worst = {}
-    for n in names:
-        dm, ds = wm[n].astype(np.float64) - W0[n], ws[n].astype(np.float64) - W0[n]
-        # the updates agree to SYNC_TOL of the largest update, plus 3 float32 roundings of the
-        # weights themselves (w is rounded to float32 after each step; two correct computations may
-        # end an ulp apart, which for BatchNorm weights near 1 is ~1e-4 of their update)
-        scale = np.abs(ds).max()
-        if zero_gradient_bias(n):
-            # exact gradient 0: the update is weight decay plus float32 noise of BatchNorm's backward,
-            # which is relative to the layer's weight gradient (as in the fixture test)
-            w = n[:-5] + ".weight"
-            scale = np.abs(ws[w].astype(np.float64) - W0[w]).max()
-        ulps = 3 * np.spacing(np.abs(ws[n]).astype(np.float32)).astype(np.float64)
-        excess = np.abs(dm - ds) - ulps
-        worst[n] = float(max(excess.max(), 0.0) / scale)
-    print(f"\nk={k}: updates beyond 3 ulps, worst {max(worst.values()):.2g} ({max(worst, key=worst.get)}), "
-          f"median {np.median(list(worst.values())):.2g}")
-    bad = {n: e for n, e in worst.items() if e > SYNC_TOL}
-    assert not bad, f"k={k}: updates differ (beyond 3 ulps) by more than {SYNC_TOL} of the largest: {bad}"
+    trajectory = dp.models.ResNet18(input_size=size, devices=["cpu:0"])
+    trajectory.set_weights(resnet_weights(5, size))
+    mirrored = dp.models.ResNet18(input_size=size, devices=use_devices(k), sync_batchnorm=True)
+    rng = np.random.default_rng(11)
+    worst, relative_noise = (0.0, ""), []
+    for point in range(3):
+        W = trajectory.get_weights()
+        (ls, cs), gs, ss = resnet_gradient(single, W, X, y)
+        (lm, cm), gm, sm = resnet_gradient(mirrored, W, X, y)
+        noisy = [resnet_gradient(single, ulp_perturbed(W, rng), X, y) for _ in range(SYNC_NOISE_RUNS)]
+        loss_noise = max(abs(r[0][0] - ls) for r in noisy)
+        assert cm == cs, (point, cm, cs)
+        assert abs(lm - ls) <= SYNC_MARGIN * loss_noise + (k + 1) * np.spacing(np.float32(ls)), (point, lm, ls)
+        for got, ref, which in ((gm, gs, 1), (sm, ss, 2)):
+            for n in ref:
+                noise = max(float(np.abs(r[which][n] - ref[n]).max()) for r in noisy)
+                if which == 1:
+                    layer = n.rsplit(".", 1)[0]
+                    scale = max(float(np.abs(g).max()) for m, g in ref.items() if m.rsplit(".", 1)[0] == layer)
+                    relative_noise.append(noise / scale)
+                ulps = (k + 1) * float(np.spacing(np.float32(np.abs(ref[n]).max())))
+                diff = float(np.abs(got[n] - ref[n]).max())
+                bound = SYNC_MARGIN * noise + ulps
+                worst = max(worst, (diff / bound, f"{n} at point {point}"))
+                assert diff <= bound, (f"k={k} point {point}: {n} differs from one replica by {diff:.3g}; float32 "
+                                       f"noise of one-ulp perturbations {noise:.3g}, {k + 1} ulps {ulps:.3g}")
+        trajectory.train_step(X, y, lr, mu, wd)
+    median = float(np.median(relative_noise))
+    print(f"\nk={k}: worst difference / bound {worst[0]:.2g} ({worst[1]}); noise / layer's largest gradient: "
+          f"median {median:.2g}, max {max(relative_noise):.2g}")
+    assert median <= 1e-4, f"the float32 noise floor ({median:.2g} of a layer's gradient) is no longer small"
 
 
 # ---------------------------------------------------------------------------
