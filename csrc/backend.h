@@ -35,6 +35,23 @@ typedef struct dp_conv_geom {
 /* Pool geometry lives with its kernels. */
 #include "dp_kernels.h"
 
+/* Shapes from arguments (csrc/shapes.c), computed in 64 bits and checked
+ * where a layer or a single op is made, so that the kernels may index with an
+ * int: every argument, the values of one sample of the input and of the
+ * output, and a convolution's weights are at most INT_MAX. Failures are
+ * DP_ERR_VALUE, their message starting with `what` ("conv2d (layer 3)") and
+ * naming the argument or size at fault. */
+DP_MUST_CHECK dp_status dp_input_shape_check(const char *what, int64_t C, int64_t H, int64_t W);
+/* input (C, H, W), O filters (KH, KW) */
+DP_MUST_CHECK dp_status dp_conv_geom_make(const char *what, int64_t C, int64_t H, int64_t W, int64_t O, int64_t KH,
+                                          int64_t KW, int64_t stride, int64_t pad, dp_conv_geom *out);
+/* input (C, H, W), a k x k window; padding at most k / 2 */
+DP_MUST_CHECK dp_status dp_pool_geom_make(const char *what, int64_t C, int64_t H, int64_t W, int64_t k, int64_t stride,
+                                          int64_t pad, dp_pool_geom *out);
+/* a * b for sizes (0 when either is <= 0), saturating at INT64_MAX: a
+ * product of sizes never wraps, so it can be compared with a limit. */
+int64_t dp_size_mul(int64_t a, int64_t b);
+
 struct dp_backend {
   const char *name;
   DP_MUST_CHECK dp_status (*alloc)(dp_device *dev, size_t bytes, void **out); /* zero-filled */
