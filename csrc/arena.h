@@ -32,7 +32,7 @@
 /* Get a chunk of exactly `bytes` (a multiple of DP_ARENA_ALIGN), aligned to
  * DP_ARENA_ALIGN, into *out; a failure is a dp_status with its message set
  * (DP_ERR_MEMORY when the device is full). */
-typedef dp_status (*dp_arena_alloc_chunk_fn)(void *ctx, size_t bytes, void **out);
+typedef DP_MUST_CHECK dp_status (*dp_arena_alloc_chunk_fn)(void *ctx, size_t bytes, void **out);
 /* Give back a chunk alloc_chunk returned; nothing to report. */
 typedef void (*dp_arena_free_chunk_fn)(void *ctx, void *chunk);
 
@@ -47,18 +47,18 @@ typedef struct dp_arena_stats {
 typedef struct dp_arena dp_arena;
 
 /* min_chunk_bytes: 0 for DP_ARENA_DEFAULT_CHUNK; rounded up to DP_ARENA_ALIGN. */
-dp_status dp_arena_create(size_t min_chunk_bytes, dp_arena_alloc_chunk_fn alloc_chunk,
-                          dp_arena_free_chunk_fn free_chunk, void *ctx, dp_arena **out);
+DP_MUST_CHECK dp_status dp_arena_create(size_t min_chunk_bytes, dp_arena_alloc_chunk_fn alloc_chunk,
+                                        dp_arena_free_chunk_fn free_chunk, void *ctx, dp_arena **out);
 /* Gives every chunk back (live blocks included) and frees the arena; NULL is fine. */
 void dp_arena_destroy(dp_arena *a);
 /* A block of at least `bytes` (0 counts as 1), DP_ARENA_ALIGN-aligned. Its
  * contents are whatever the chunk held. When a new chunk is needed and the
  * owner cannot give one, chunks with no live block are given back first and
  * the request tried once more. */
-dp_status dp_arena_alloc(dp_arena *a, size_t bytes, void **out);
+DP_MUST_CHECK dp_status dp_arena_alloc(dp_arena *a, size_t bytes, void **out);
 /* DP_ERR_VALUE for a pointer that is not a live block of this arena (a
  * double release included); the arena is unchanged then. */
-dp_status dp_arena_release(dp_arena *a, void *p);
+DP_MUST_CHECK dp_status dp_arena_release(dp_arena *a, void *p);
 /* Gives back the chunks with no live block; returns how many bytes went back. */
 size_t dp_arena_trim(dp_arena *a);
 void dp_arena_get_stats(dp_arena *a, dp_arena_stats *out);

@@ -35,79 +35,101 @@ typedef struct dp_conv_geom {
 /* Pool geometry lives with its kernels. */
 #include "dp_kernels.h"
 
+/* Shapes from arguments (csrc/shapes.c), computed in 64 bits and checked
+ * where a layer or a single op is made, so that the kernels may index with an
+ * int: every argument, the values of one sample of the input and of the
+ * output, and a convolution's weights are at most INT_MAX. Failures are
+ * DP_ERR_VALUE, their message starting with `what` ("conv2d (layer 3)") and
+ * naming the argument or size at fault. */
+DP_MUST_CHECK dp_status dp_input_shape_check(const char *what, int64_t C, int64_t H, int64_t W);
+/* input (C, H, W), O filters (KH, KW) */
+DP_MUST_CHECK dp_status dp_conv_geom_make(const char *what, int64_t C, int64_t H, int64_t W, int64_t O, int64_t KH,
+                                          int64_t KW, int64_t stride, int64_t pad, dp_conv_geom *out);
+/* input (C, H, W), a k x k window; padding at most k / 2 */
+DP_MUST_CHECK dp_status dp_pool_geom_make(const char *what, int64_t C, int64_t H, int64_t W, int64_t k, int64_t stride,
+                                          int64_t pad, dp_pool_geom *out);
+/* a * b for sizes (0 when either is <= 0), saturating at INT64_MAX: a
+ * product of sizes never wraps, so it can be compared with a limit. */
+int64_t dp_size_mul(int64_t a, int64_t b);
+
 struct dp_backend {
   const char *name;
-  dp_status (*alloc)(dp_device *dev, size_t bytes, void **out);  /* zero-filled */
+  DP_MUST_CHECK dp_status (*alloc)(dp_device *dev, size_t bytes, void **out); /* zero-filled */
   void (*release)(dp_device *dev, void *p);
-  dp_status (*copy_to_device)(dp_device *dev, void *dst, const void *src, size_t bytes);
-  dp_status (*copy_to_host)(dp_device *dev, void *dst, const void *src, size_t bytes);
-  dp_status (*fill)(dp_device *dev, float *x, int64_t n, float value);
+  DP_MUST_CHECK dp_status (*copy_to_device)(dp_device *dev, void *dst, const void *src, size_t bytes);
+  DP_MUST_CHECK dp_status (*copy_to_host)(dp_device *dev, void *dst, const void *src, size_t bytes);
+  DP_MUST_CHECK dp_status (*fill)(dp_device *dev, float *x, int64_t n, float value);
   /* y (n) = x (n uint8) / 255 */
-  dp_status (*u8_to_unit)(dp_device *dev, float *y, const uint8_t *x, int64_t n);
+  DP_MUST_CHECK dp_status (*u8_to_unit)(dp_device *dev, float *y, const uint8_t *x, int64_t n);
   /* dst row r = src row rows[r] for r < nrows, rows of row_bytes bytes; rows
    * (int32, each checked by the caller) and both buffers are device memory */
-  dp_status (*gather_rows)(dp_device *dev, int64_t nrows, int64_t row_bytes, const void *src, const int32_t *rows,
-                           void *dst);
+  DP_MUST_CHECK dp_status (*gather_rows)(dp_device *dev, int64_t nrows, int64_t row_bytes, const void *src,
+                                         const int32_t *rows, void *dst);
 
   /* y = conv(x, w) + b.  x (N,C,H,W), w (O,C,KH,KW), b (O), y (N,O,OH,OW) */
-  dp_status (*conv2d_forward)(dp_device *dev, const dp_conv_geom *g, int64_t N, const float *x, const float *w,
-                              const float *b, float *y);
+  DP_MUST_CHECK dp_status (*conv2d_forward)(dp_device *dev, const dp_conv_geom *g, int64_t N, const float *x,
+                                            const float *w, const float *b, float *y);
   /* dw, db overwritten with this batch's sums; dx overwritten unless NULL (first layer). */
-  dp_status (*conv2d_backward)(dp_device *dev, const dp_conv_geom *g, int64_t N, const float *x, const float *w,
-                               const float *dy, float *dx, float *dw, float *db);
+  DP_MUST_CHECK dp_status (*conv2d_backward)(dp_device *dev, const dp_conv_geom *g, int64_t N, const float *x,
+                                             const float *w, const float *dy, float *dx, float *dw, float *db);
   /* y (N,nout) = x (N,nin) w^T + b, w (nout,nin): PyTorch's Linear layout */
-  dp_status (*dense_forward)(dp_device *dev, int64_t N, int nin, int nout, const float *x, const float *w, const float *b,
-                             float *y);
-  dp_status (*dense_backward)(dp_device *dev, int64_t N, int nin, int nout, const float *x, const float *w, const float *dy,
-                              float *dx, float *dw, float *db);
-  dp_status (*relu_forward)(dp_device *dev, int64_t n, const float *x, float *y);
-  dp_status (*relu_backward)(dp_device *dev, int64_t n, const float *y, const float *dy, float *dx);
-  dp_status (*avgpool_forward)(dp_device *dev, const dp_pool_geom *g, int64_t N, const float *x, float *y);
-  dp_status (*avgpool_backward)(dp_device *dev, const dp_pool_geom *g, int64_t N, const float *dy, float *dx);
+  DP_MUST_CHECK dp_status (*dense_forward)(dp_device *dev, int64_t N, int nin, int nout, const float *x, const float *w,
+                                           const float *b, float *y);
+  DP_MUST_CHECK dp_status (*dense_backward)(dp_device *dev, int64_t N, int nin, int nout, const float *x,
+                                            const float *w, const float *dy, float *dx, float *dw, float *db);
+  DP_MUST_CHECK dp_status (*relu_forward)(dp_device *dev, int64_t n, const float *x, float *y);
+  DP_MUST_CHECK dp_status (*relu_backward)(dp_device *dev, int64_t n, const float *y, const float *dy, float *dx);
+  DP_MUST_CHECK dp_status (*avgpool_forward)(dp_device *dev, const dp_pool_geom *g, int64_t N, const float *x,
+                                             float *y);
+  DP_MUST_CHECK dp_status (*avgpool_backward)(dp_device *dev, const dp_pool_geom *g, int64_t N, const float *dy,
+                                              float *dx);
   /* arg (N,C,OH,OW) receives the winner's offset within its input plane */
-  dp_status (*maxpool_forward)(dp_device *dev, const dp_pool_geom *g, int64_t N, const float *x, float *y,
-                               int32_t *arg);
-  dp_status (*maxpool_backward)(dp_device *dev, const dp_pool_geom *g, int64_t N, const float *dy,
-                                const int32_t *arg, float *dx);
+  DP_MUST_CHECK dp_status (*maxpool_forward)(dp_device *dev, const dp_pool_geom *g, int64_t N, const float *x, float *y,
+                                             int32_t *arg);
+  DP_MUST_CHECK dp_status (*maxpool_backward)(dp_device *dev, const dp_pool_geom *g, int64_t N, const float *dy,
+                                              const int32_t *arg, float *dx);
   /* logits (N,K), labels (N) in [0,K). dlogits = scale*(softmax - onehot) unless NULL.
    * Host outputs: *loss_sum = sum of row losses (float64 sum), *correct = argmax hits.
    * loss_sum == correct == NULL: the sums stay pending, read later by
    * metrics_read, so a training step can queue its backward pass and optimizer
    * step before the host waits for the device (no host synchronisation inside
    * the step). A later softmax_xent replaces what is pending. */
-  dp_status (*softmax_xent)(dp_device *dev, int64_t N, int K, const float *logits, const int32_t *labels,
-                            float scale, float *dlogits, double *loss_sum, int64_t *correct);
+  DP_MUST_CHECK dp_status (*softmax_xent)(dp_device *dev, int64_t N, int K, const float *logits, const int32_t *labels,
+                                          float scale, float *dlogits, double *loss_sum, int64_t *correct);
   /* One fused SGD step over a flat buffer (see dp_sgd_elem). v may be NULL when mu == 0. */
-  dp_status (*sgd_update)(dp_device *dev, int64_t n, float *w, const float *g, float *v, float lr, float mu,
-                          float wd);
+  DP_MUST_CHECK dp_status (*sgd_update)(dp_device *dev, int64_t n, float *w, const float *g, float *v, float lr,
+                                        float mu, float wd);
   /* y (n) = a + b; y may alias a. */
-  dp_status (*add)(dp_device *dev, int64_t n, const float *a, const float *b, float *y);
+  DP_MUST_CHECK dp_status (*add)(dp_device *dev, int64_t n, const float *a, const float *b, float *y);
   /* x (n) *= alpha */
-  dp_status (*scale)(dp_device *dev, int64_t n, float *x, float alpha);
+  DP_MUST_CHECK dp_status (*scale)(dp_device *dev, int64_t n, float *x, float alpha);
   /* Global average pooling: y (N, C) = mean of x (N, C, HW) over HW; backward dx = dy / HW. */
-  dp_status (*global_avgpool_forward)(dp_device *dev, int64_t N, int C, int HW, const float *x, float *y);
-  dp_status (*global_avgpool_backward)(dp_device *dev, int64_t N, int C, int HW, const float *dy, float *dx);
+  DP_MUST_CHECK dp_status (*global_avgpool_forward)(dp_device *dev, int64_t N, int C, int HW, const float *x, float *y);
+  DP_MUST_CHECK dp_status (*global_avgpool_backward)(dp_device *dev, int64_t N, int C, int HW, const float *dy,
+                                                     float *dx);
   /* BatchNorm over x (N, C, HW), per channel c:
    *   bn_sums:   out[c] = sum of x, or of (x - mean[c])^2 when mean is given
    *   bn_finalize: see dp_bn_finalize_channel (sqdev (C), count values)
    *   bn_apply:  y = gamma * (x - mean) * invstd + beta
    *   bn_backward_sums: sum_dy[c], sum_dy_xhat[c] over the batch
    *   bn_backward_dx: see dp_bn_backward_elem */
-  dp_status (*bn_sums)(dp_device *dev, int64_t N, int C, int HW, const float *x, const float *mean, float *out);
-  dp_status (*bn_finalize)(dp_device *dev, int C, const float *sqdev, float count, const float *mean, float eps,
-                           float momentum, int update_running, float *invstd, float *running_mean,
-                           float *running_var);
-  dp_status (*bn_apply)(dp_device *dev, int64_t N, int C, int HW, const float *x, const float *mean,
-                        const float *invstd, const float *gamma, const float *beta, float *y);
-  dp_status (*bn_backward_sums)(dp_device *dev, int64_t N, int C, int HW, const float *x, const float *dy,
-                                const float *mean, const float *invstd, float *sum_dy, float *sum_dy_xhat);
-  dp_status (*bn_backward_dx)(dp_device *dev, int64_t N, int C, int HW, const float *x, const float *dy,
-                              const float *mean, const float *invstd, const float *gamma, const float *sum_dy,
-                              const float *sum_dy_xhat, float inv_count, float *dx);
+  DP_MUST_CHECK dp_status (*bn_sums)(dp_device *dev, int64_t N, int C, int HW, const float *x, const float *mean,
+                                     float *out);
+  DP_MUST_CHECK dp_status (*bn_finalize)(dp_device *dev, int C, const float *sqdev, float count, const float *mean,
+                                         float eps, float momentum, int update_running, float *invstd,
+                                         float *running_mean, float *running_var);
+  DP_MUST_CHECK dp_status (*bn_apply)(dp_device *dev, int64_t N, int C, int HW, const float *x, const float *mean,
+                                      const float *invstd, const float *gamma, const float *beta, float *y);
+  DP_MUST_CHECK dp_status (*bn_backward_sums)(dp_device *dev, int64_t N, int C, int HW, const float *x, const float *dy,
+                                              const float *mean, const float *invstd, float *sum_dy,
+                                              float *sum_dy_xhat);
+  DP_MUST_CHECK dp_status (*bn_backward_dx)(dp_device *dev, int64_t N, int C, int HW, const float *x, const float *dy,
+                                            const float *mean, const float *invstd, const float *gamma,
+                                            const float *sum_dy, const float *sum_dy_xhat, float inv_count, float *dx);
   /* The pending sums of the last softmax_xent (0 and 0 when none is pending);
    * waits only for that softmax_xent, not for work queued after it. */
-  dp_status (*metrics_read)(dp_device *dev, double *loss_sum, int64_t *correct);
-  dp_status (*synchronize)(dp_device *dev);
+  DP_MUST_CHECK dp_status (*metrics_read)(dp_device *dev, double *loss_sum, int64_t *correct);
+  DP_MUST_CHECK dp_status (*synchronize)(dp_device *dev);
   /* Release the device's context (streams, handles, scratch); dev->ctx is
    * cleared by dp_device_destroy afterwards. */
   void (*destroy)(dp_device *dev);
@@ -122,17 +144,17 @@ const dp_backend *dp_cpu_backend(void);
 const dp_backend *dp_cuda_backend(void);
 
 /* The CPU backend: nthreads cores (>= 1). */
-dp_status dp_cpu_device_init(dp_device *dev, int index, int nthreads);
+DP_MUST_CHECK dp_status dp_cpu_device_init(dp_device *dev, int index, int nthreads);
 /* The CUDA backend (csrc/backend_cuda.c): logical device cuda:index on the
  * physical GPU physical_gpu, with its own stream, cuDNN and cuBLAS handles.
  * Several logical devices may share one physical GPU. DP_ERR_UNSUPPORTED when
  * built without CUDA; DP_ERR_CUDA when no usable GPU is present. */
-dp_status dp_cuda_device_init(dp_device *dev, int index, int physical_gpu);
+DP_MUST_CHECK dp_status dp_cuda_device_init(dp_device *dev, int index, int physical_gpu);
 /* cuDNN algorithms: deterministic ones only (the default) or any. */
-dp_status dp_cuda_set_deterministic(dp_device *dev, int deterministic);
+DP_MUST_CHECK dp_status dp_cuda_set_deterministic(dp_device *dev, int deterministic);
 /* cuBLAS and cuDNN may use TF32 tensor cores on this device (allow != 0) or
  * stay in float32 FMA arithmetic (the default). */
-dp_status dp_cuda_set_allow_tf32(dp_device *dev, int allow);
+DP_MUST_CHECK dp_status dp_cuda_set_allow_tf32(dp_device *dev, int allow);
 /* Process-wide settings for every CUDA device: devices created afterwards
  * start with them, existing ones take them before their next convolution or
  * dense layer. Defaults: deterministic = 1, allow_tf32 = 0. A later
@@ -142,7 +164,7 @@ void dp_cuda_set_defaults(int deterministic, int allow_tf32);
 void dp_cuda_get_defaults(int *deterministic, int *allow_tf32);
 /* The statistics of a CUDA device's arena (csrc/arena.c over its cudaMalloc
  * chunks). DP_ERR_VALUE for another kind of device; DP_ERR_UNSUPPORTED without CUDA. */
-dp_status dp_cuda_memory_stats(dp_device *dev, dp_arena_stats *out);
+DP_MUST_CHECK dp_status dp_cuda_memory_stats(dp_device *dev, dp_arena_stats *out);
 /* A CUDA device's physical GPU ordinal and its stream (a cudaStream_t), for
  * the collectives (csrc/collective_cuda.c); -1 / NULL for other devices. */
 int dp_cuda_device_gpu(const dp_device *dev);
@@ -153,14 +175,14 @@ void dp_device_destroy(dp_device *dev);
 /* cuDNN's inferred output (n, c, h, w) for a convolution of N samples, with
  * the descriptors the CUDA backend uses (csrc/cudnn_shapes.c); works without
  * a GPU. DP_ERR_UNSUPPORTED when built without cuDNN. */
-dp_status dp_cudnn_conv_output_dim(const dp_conv_geom *g, int N, int out[4]);
+DP_MUST_CHECK dp_status dp_cudnn_conv_output_dim(const dp_conv_geom *g, int N, int out[4]);
 size_t dp_cudnn_version(void); /* 0 without cuDNN */
 
 /* Number of CPU cores this process may use (sched affinity), >= 1. */
 int dp_cpu_core_count(void);
 
 /* Allocation helpers that go through the device's backend. */
-static inline dp_status dp_device_alloc(dp_device *dev, size_t bytes, void **out) {
+static inline DP_MUST_CHECK dp_status dp_device_alloc(dp_device *dev, size_t bytes, void **out) {
   return dev->backend->alloc(dev, bytes, out);
 }
 static inline void dp_device_free(dp_device *dev, void *p) {

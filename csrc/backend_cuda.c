@@ -174,7 +174,9 @@ static dp_status cuda_alloc(dp_device *dev, size_t bytes, void **out) {
   cudaError_t z = bytes ? cudaMemsetAsync(p, 0, bytes, c->stream) : cudaSuccess;
   if (z == cudaSuccess) z = cudaStreamSynchronize(c->stream);
   if (z != cudaSuccess) {
-    dp_arena_release(c->arena, p);
+    /* p is the block just handed out: releasing it cannot fail, and the
+     * zero-fill's error is the one to report */
+    dp_status_ignore(dp_arena_release(c->arena, p));
     return DP_FAIL(DP_ERR_CUDA, "zero-filling a new buffer on %s failed: %s (%d): %s", dev->name, cudaGetErrorName(z),
                    (int)z, cudaGetErrorString(z));
   }
@@ -190,7 +192,8 @@ static dp_status cuda_alloc(dp_device *dev, size_t bytes, void **out) {
 static void cuda_release(dp_device *dev, void *p) {
   cuda_ctx *c = dev->ctx;
   if (cudaSetDevice(c->gpu) == cudaSuccess && cudaStreamSynchronize(c->stream) == cudaSuccess) {
-    dp_arena_release(c->arena, p); /* an unknown p is a caller's bug with nothing to report it to */
+    /* an unknown p is a caller's bug, and release has no status to report it with */
+    dp_status_ignore(dp_arena_release(c->arena, p));
     return;
   }
   cudaGetLastError();
@@ -319,7 +322,7 @@ static dp_status cuda_u8_to_unit(dp_device *dev, float *y, const uint8_t *x, int
 static dp_status cuda_workspace(dp_device *dev, cuda_ctx *c, size_t bytes, void **out) {
   if (bytes > c->workspace_bytes) {
     DP_CUDA_CHECK(cudaStreamSynchronize(c->stream));
-    dp_arena_release(c->arena, c->workspace);
+    DP_TRY(dp_arena_release(c->arena, c->workspace));
     c->workspace = NULL;
     c->workspace_bytes = 0;
     DP_TRY(cuda_scratch(dev, c, bytes, &c->workspace));
@@ -654,8 +657,8 @@ static dp_status cuda_softmax_xent(dp_device *dev, int64_t N, int K, const float
   if (N == 0) return DP_OK;
   if (N > c->rows) {
     DP_CUDA_CHECK(cudaStreamSynchronize(c->stream)); /* the old buffers may be in use */
-    dp_arena_release(c->arena, c->row_loss);
-    dp_arena_release(c->arena, c->row_hit);
+    DP_TRY(dp_arena_release(c->arena, c->row_loss));
+    DP_TRY(dp_arena_release(c->arena, c->row_hit));
     if (c->host_loss) cudaFreeHost(c->host_loss);
     if (c->host_hit) cudaFreeHost(c->host_hit);
     c->row_loss = NULL;

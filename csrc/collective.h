@@ -28,12 +28,12 @@ typedef struct dp_barrier {
   _Atomic int broken;  /* set by dp_barrier_break: every wait fails until reset */
 } dp_barrier;
 
-dp_status dp_barrier_init(dp_barrier *b, int count);
+DP_MUST_CHECK dp_status dp_barrier_init(dp_barrier *b, int count);
 void dp_barrier_destroy(dp_barrier *b);
 /* DP_OK once all count threads have arrived; DP_ERR_ABORTED (with a message)
  * when the barrier is or becomes broken: a replica that failed will never
  * arrive, and its peers must not wait for it forever. */
-dp_status dp_barrier_wait(dp_barrier *b);
+DP_MUST_CHECK dp_status dp_barrier_wait(dp_barrier *b);
 /* A failing thread breaks the barrier: every waiter returns DP_ERR_ABORTED. */
 void dp_barrier_break(dp_barrier *b);
 /* Mends a broken barrier. Only while no thread is inside it (dp_group_run
@@ -48,6 +48,6 @@ void dp_allreduce_chunk(int64_t n, int k, int rank, int64_t *begin, int64_t *end
 /* Called by each of the k threads with its rank; bufs[0..k-1] are the k
  * replicas' buffers of n floats, reduced in place. bar counts k threads.
  * DP_ERR_ABORTED when another replica broke the barrier (it failed). */
-dp_status dp_allreduce(float *const *bufs, int k, int rank, int64_t n, dp_reduce_op op, dp_barrier *bar);
+DP_MUST_CHECK dp_status dp_allreduce(float *const *bufs, int k, int rank, int64_t n, dp_reduce_op op, dp_barrier *bar);
 
 #endif

@@ -52,26 +52,27 @@ typedef struct dp_comm dp_comm;
  * of the group's k replica threads (borrowed). want: DP_COMM_AUTO, or a kind
  * to insist on (DP_ERR_VALUE / DP_ERR_UNSUPPORTED when it cannot serve these
  * devices, naming why). */
-dp_status dp_comm_create(dp_device *const *devs, int k, dp_comm_kind want, dp_barrier *bar, dp_comm **out);
+DP_MUST_CHECK dp_status dp_comm_create(dp_device *const *devs, int k, dp_comm_kind want, dp_barrier *bar,
+                                       dp_comm **out);
 void dp_comm_destroy(dp_comm *c);
 dp_comm_kind dp_comm_get_kind(const dp_comm *c);
 const char *dp_comm_kind_name(dp_comm_kind kind); /* "host", "kernel", "nccl", "auto" */
 /* "host" -> DP_COMM_HOST ...; DP_ERR_VALUE for an unknown name. */
-dp_status dp_comm_kind_parse(const char *name, dp_comm_kind *out);
+DP_MUST_CHECK dp_status dp_comm_kind_parse(const char *name, dp_comm_kind *out);
 
 /* bufs[0..k-1]: the k replicas' buffers of n floats, each on its replica's
  * device; every buffer receives the sum (or mean). In stream order on CUDA. */
-dp_status dp_comm_allreduce(dp_comm *c, int rank, float *const *bufs, int64_t n, dp_reduce_op op);
+DP_MUST_CHECK dp_status dp_comm_allreduce(dp_comm *c, int rank, float *const *bufs, int64_t n, dp_reduce_op op);
 
 /* The sum of elements [begin, end) of every bufs[r], started once the work
  * queued on the rank's device is done, and running beside the rank's later
  * work. bucket (0 .. DP_COMM_MAX_BUCKETS-1) numbers the buckets of one step;
  * every rank starts the same buckets in the same order. */
-dp_status dp_comm_bucket_allreduce(dp_comm *c, int rank, float *const *bufs, int64_t begin, int64_t end,
-                                   int bucket);
+DP_MUST_CHECK dp_status dp_comm_bucket_allreduce(dp_comm *c, int rank, float *const *bufs, int64_t begin, int64_t end,
+                                                 int bucket);
 /* The rank's work queued after this waits for every bucket started so far by
  * every rank (they write into this rank's buffer). Ends a step's buckets. */
-dp_status dp_comm_wait_buckets(dp_comm *c, int rank);
+DP_MUST_CHECK dp_status dp_comm_wait_buckets(dp_comm *c, int rank);
 
 /* After a failed step: NCCL operations some ranks queued may never be matched
  * by the others; the communicators are aborted and the comm refuses further

@@ -16,7 +16,7 @@ typedef struct dp_cudnn_conv_descs {
 } dp_cudnn_conv_descs;
 
 /* On failure the descriptors made so far stay in d: call destroy either way. */
-dp_status dp_cudnn_conv_descs_make(const dp_conv_geom *g, int N, dp_cudnn_conv_descs *d);
+DP_MUST_CHECK dp_status dp_cudnn_conv_descs_make(const dp_conv_geom *g, int N, dp_cudnn_conv_descs *d);
 void dp_cudnn_conv_descs_destroy(dp_cudnn_conv_descs *d);
 #endif
 

@@ -5,11 +5,24 @@
  * buffer, read with dp_error_message() on the same thread. The binding turns
  * status + message into a Python exception in exactly one place
  * (raise_from_status in csrc/pybind.c). The core never exits or aborts.
+ *
+ * Every function that returns a dp_status is declared DP_MUST_CHECK, so a
+ * caller that drops one gets a compiler warning (an error under the
+ * project's -Werror builds): DP_TRY it, or hand it to dp_status_ignore with a
+ * comment saying why nothing can be done with it.
  */
 #ifndef DP_STATUS_H
 #define DP_STATUS_H
 
 #include <stddef.h>
+
+/* GCC and Clang (and nvcc's host pass, whose host compiler is one of them)
+ * warn about a call whose result is dropped; other compilers get nothing. */
+#if defined(__GNUC__) || defined(__clang__)
+#define DP_MUST_CHECK __attribute__((warn_unused_result))
+#else
+#define DP_MUST_CHECK
+#endif
 
 typedef enum dp_status {
   DP_OK = 0,
@@ -19,13 +32,19 @@ typedef enum dp_status {
   DP_ERR_IO,           /* file or stream                            -> OSError */
   DP_ERR_RUNTIME,      /* internal failure                          -> dpcore.DpcoreError */
   DP_ERR_CUDA,         /* CUDA runtime / cuDNN / cuBLAS / NCCL      -> dpcore.DeviceError */
-  DP_ERR_INTERRUPTED,  /* Ctrl-C seen between steps                 -> KeyboardInterrupt */
+  DP_ERR_INTERRUPTED,  /* never returned; to be removed (below)     -> KeyboardInterrupt */
   DP_ERR_UNSUPPORTED,  /* not built in / not available here         -> dpcore.DpcoreError */
   DP_ERR_ABORTED       /* a collective gave up: another replica failed (that replica's error is reported) */
 } dp_status;
+/* DP_ERR_INTERRUPTED: Ctrl-C is Python's to see. The loops over steps and
+ * batches are Python's (dp.train, evaluate, predict), each step or batch one
+ * C call with the GIL released, and Python raises KeyboardInterrupt when that
+ * call returns; the core has no loop of steps to check for it. The code stays
+ * only while the binding's raise_from_status (csrc/pybind.c) maps it: remove
+ * both, and its name in status.c, together. */
 
 /* Record an error (printf-style) and return code. Use through DP_FAIL. */
-dp_status dp_fail_at(dp_status code, const char *file, int line, const char *fmt, ...)
+DP_MUST_CHECK dp_status dp_fail_at(dp_status code, const char *file, int line, const char *fmt, ...)
     __attribute__((format(printf, 4, 5)));
 #define DP_FAIL(code, ...) dp_fail_at((code), __FILE__, __LINE__, __VA_ARGS__)
 
@@ -35,6 +54,12 @@ dp_status dp_fail_at(dp_status code, const char *file, int line, const char *fmt
     dp_status dp_try_s_ = (expr);          \
     if (dp_try_s_ != DP_OK) return dp_try_s_; \
   } while (0)
+
+/* Drop a status on purpose, where nothing can be done with a failure (a
+ * cleanup path that is already reporting another error). GCC warns about a
+ * (void) cast of a DP_MUST_CHECK call (Clang does not), so the cast goes here,
+ * on a parameter; every caller says why in a comment. */
+static inline void dp_status_ignore(dp_status s) { (void)s; }
 
 /* The last error message recorded on this thread ("" if none). */
 const char *dp_error_message(void);

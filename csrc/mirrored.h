@@ -64,21 +64,22 @@ int dp_plan_buckets(const dp_model *m, int64_t bucket_floats, dp_grad_bucket *ou
  * comm: which all-reduce (comm.h; DP_COMM_AUTO picks). bucket_bytes: the
  * gradient all-reduce runs in buckets of about this many bytes, each started
  * as soon as the backward pass has produced it (0: one bucket). */
-dp_status dp_mirrored_create(dp_model **models, int k, int sync_batchnorm, dp_comm_kind comm, int64_t bucket_bytes,
-                             dp_mirrored **out);
+DP_MUST_CHECK dp_status dp_mirrored_create(dp_model **models, int k, int sync_batchnorm, dp_comm_kind comm,
+                                           int64_t bucket_bytes, dp_mirrored **out);
 void dp_mirrored_destroy(dp_mirrored *m);
 /* Copy replica root's parameters to every replica and zero every momentum buffer. */
-dp_status dp_mirrored_broadcast(dp_mirrored *m, int root);
-dp_status dp_mirrored_train_step(dp_mirrored *m, const dp_batch *b, float lr, float momentum, float weight_decay,
-                                 double *loss_sum, int64_t *correct);
+DP_MUST_CHECK dp_status dp_mirrored_broadcast(dp_mirrored *m, int root);
+DP_MUST_CHECK dp_status dp_mirrored_train_step(dp_mirrored *m, const dp_batch *b, float lr, float momentum,
+                                               float weight_decay, double *loss_sum, int64_t *correct);
 /* Forward and backward only (gradients all-reduced, no step). */
-dp_status dp_mirrored_forward_backward(dp_mirrored *m, const dp_batch *b, double *loss_sum, int64_t *correct);
+DP_MUST_CHECK dp_status dp_mirrored_forward_backward(dp_mirrored *m, const dp_batch *b, double *loss_sum,
+                                                     int64_t *correct);
 /* Evaluation with the batch split over the replicas; each sample counted once. */
-dp_status dp_mirrored_evaluate(dp_mirrored *m, const dp_batch *b, double *loss_sum, int64_t *correct);
+DP_MUST_CHECK dp_status dp_mirrored_evaluate(dp_mirrored *m, const dp_batch *b, double *loss_sum, int64_t *correct);
 
 /* All-reduce of k buffers of n floats on a temporary group of k threads. */
-dp_status dp_allreduce_buffers(float *const *bufs, int k, int64_t n, dp_reduce_op op);
+DP_MUST_CHECK dp_status dp_allreduce_buffers(float *const *bufs, int k, int64_t n, dp_reduce_op op);
 /* Time iters all-reduces of n floats over k replica threads (one group run). */
-dp_status dp_allreduce_benchmark(int k, int64_t n, int iters, double *seconds);
+DP_MUST_CHECK dp_status dp_allreduce_benchmark(int k, int64_t n, int iters, double *seconds);
 
 #endif

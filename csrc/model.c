@@ -1,5 +1,7 @@
 #include "model.h"
 
+#include <limits.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -8,8 +10,7 @@ static int64_t layer_out_size(const dp_layer *l) { return (int64_t)l->out_c * l-
 
 dp_status dp_model_create(dp_device *dev, int in_c, int in_h, int in_w, dp_model **out) {
   *out = NULL;
-  if (in_c < 1 || in_h < 1 || in_w < 1)
-    return DP_FAIL(DP_ERR_VALUE, "model input shape must be positive, got (%d, %d, %d)", in_c, in_h, in_w);
+  DP_TRY(dp_input_shape_check("model input", in_c, in_h, in_w));
   dp_model *m = calloc(1, sizeof *m);
   if (!m) return DP_FAIL(DP_ERR_MEMORY, "cannot allocate a model");
   m->dev = dev;
@@ -46,9 +47,8 @@ static void free_activations(dp_model *m) {
   m->act_batch = 0;
 }
 
-void dp_model_destroy(dp_model *m) {
-  if (!m) return;
-  free_activations(m);
+/* The buffers dp_model_finalize allocates (all, or those it got before one failed). */
+static void free_flat_buffers(dp_model *m) {
   dp_device_free(m->dev, m->params);
   dp_device_free(m->dev, m->grads);
   dp_device_free(m->dev, m->velocity);
@@ -56,6 +56,13 @@ void dp_model_destroy(dp_model *m) {
   dp_device_free(m->dev, m->bn_saved);
   dp_device_free(m->dev, m->bn_tmp);
   free(m->bn_count);
+  m->params = m->grads = m->velocity = m->state = m->bn_saved = m->bn_tmp = m->bn_count = NULL;
+}
+
+void dp_model_destroy(dp_model *m) {
+  if (!m) return;
+  free_activations(m);
+  free_flat_buffers(m);
   free(m->layers);
   free(m);
 }
@@ -100,27 +107,32 @@ static dp_status push_layer(dp_model *m, dp_layer **out) {
   return DP_OK;
 }
 
+/* "conv2d (layer 3)": how an error names the layer being added. */
+static void layer_what(const dp_model *m, const char *kind, char *buf, size_t len) {
+  snprintf(buf, len, "%s (layer %d)", kind, m->nlayers);
+}
+
 static void commit_layer(dp_model *m) {
   m->nlayers++;
   m->next_src = DP_SRC_PREVIOUS;
 }
 
+/* Shapes are computed in 64 bits and checked by dp_conv_geom_make /
+ * dp_pool_geom_make before they are stored: every size in a layer fits an int. */
 dp_status dp_model_add_conv2d(dp_model *m, int out_c, int k, int stride, int pad) {
   dp_layer *l = NULL;
   DP_TRY(push_layer(m, &l));
-  if (out_c < 1 || k < 1 || stride < 1 || pad < 0)
-    return DP_FAIL(DP_ERR_VALUE, "conv2d: need out_channels, kernel, stride >= 1 and padding >= 0, got %d, %d, %d, %d",
-                   out_c, k, stride, pad);
-  if (l->in_h + 2 * pad < k || l->in_w + 2 * pad < k)
-    return DP_FAIL(DP_ERR_VALUE, "conv2d: kernel %d is larger than the padded input %dx%d (padding %d)", k, l->in_h,
-                   l->in_w, pad);
+  char what[48];
+  layer_what(m, "conv2d", what, sizeof what);
+  dp_conv_geom g;
+  DP_TRY(dp_conv_geom_make(what, l->in_c, l->in_h, l->in_w, out_c, k, k, stride, pad, &g));
   l->kind = DP_LAYER_CONV2D;
   l->k = k;
   l->stride = stride;
   l->pad = pad;
   l->out_c = out_c;
-  l->out_h = (l->in_h + 2 * pad - k) / stride + 1;
-  l->out_w = (l->in_w + 2 * pad - k) / stride + 1;
+  l->out_h = g.OH;
+  l->out_w = g.OW;
   l->w_len = (int64_t)out_c * l->in_c * k * k;
   l->b_len = out_c;
   commit_layer(m);
@@ -130,13 +142,20 @@ dp_status dp_model_add_conv2d(dp_model *m, int out_c, int k, int stride, int pad
 dp_status dp_model_add_dense(dp_model *m, int out_features) {
   dp_layer *l = NULL;
   DP_TRY(push_layer(m, &l));
-  if (out_features < 1) return DP_FAIL(DP_ERR_VALUE, "dense: out_features must be >= 1, got %d", out_features);
+  char what[48];
+  layer_what(m, "dense", what, sizeof what);
+  if (out_features < 1) return DP_FAIL(DP_ERR_VALUE, "%s: out_features must be >= 1, got %d", what, out_features);
   if (l->in_h != 1 || l->in_w != 1)
-    return DP_FAIL(DP_ERR_VALUE, "dense: input is (%d, %d, %d); add a flatten layer first", l->in_c, l->in_h, l->in_w);
+    return DP_FAIL(DP_ERR_VALUE, "%s: input is (%d, %d, %d); add a flatten layer first", what, l->in_c, l->in_h,
+                   l->in_w);
+  const int64_t weights = dp_size_mul(out_features, l->in_c);
+  if (weights > INT_MAX)
+    return DP_FAIL(DP_ERR_VALUE, "%s: %lld weights (%d x %d), more than the largest supported %d", what,
+                   (long long)weights, out_features, l->in_c, INT_MAX);
   l->kind = DP_LAYER_DENSE;
   l->out_c = out_features;
   l->out_h = l->out_w = 1;
-  l->w_len = (int64_t)out_features * l->in_c;
+  l->w_len = weights;
   l->b_len = out_features;
   commit_layer(m);
   return DP_OK;
@@ -203,19 +222,17 @@ dp_status dp_model_add_global_avgpool(dp_model *m) {
 static dp_status add_pool(dp_model *m, dp_layer_kind kind, int k, int stride, int pad) {
   dp_layer *l = NULL;
   DP_TRY(push_layer(m, &l));
-  const char *name = kind == DP_LAYER_AVGPOOL ? "avg_pool2d" : "max_pool2d";
-  if (k < 1 || stride < 1 || pad < 0)
-    return DP_FAIL(DP_ERR_VALUE, "%s: need kernel, stride >= 1 and padding >= 0, got %d, %d, %d", name, k, stride, pad);
-  if (2 * pad > k) return DP_FAIL(DP_ERR_VALUE, "%s: padding %d must be at most half the kernel %d", name, pad, k);
-  if (l->in_h + 2 * pad < k || l->in_w + 2 * pad < k)
-    return DP_FAIL(DP_ERR_VALUE, "%s: kernel %d is larger than the padded input %dx%d", name, k, l->in_h, l->in_w);
+  char what[48];
+  layer_what(m, kind == DP_LAYER_AVGPOOL ? "avg_pool2d" : "max_pool2d", what, sizeof what);
+  dp_pool_geom g;
+  DP_TRY(dp_pool_geom_make(what, l->in_c, l->in_h, l->in_w, k, stride, pad, &g));
   l->kind = kind;
   l->k = k;
   l->stride = stride;
   l->pad = pad;
   l->out_c = l->in_c;
-  l->out_h = dp_pool_out_dim(l->in_h, k, stride, pad);
-  l->out_w = dp_pool_out_dim(l->in_w, k, stride, pad);
+  l->out_h = g.OH;
+  l->out_w = g.OW;
   commit_layer(m);
   return DP_OK;
 }
@@ -231,7 +248,8 @@ dp_status dp_model_add_flatten(dp_model *m) {
   dp_layer *l = NULL;
   DP_TRY(push_layer(m, &l));
   l->kind = DP_LAYER_FLATTEN;
-  l->out_c = l->in_c * l->in_h * l->in_w;
+  /* the source's values per sample, checked to fit an int when it was made */
+  l->out_c = (int)((int64_t)l->in_c * l->in_h * l->in_w);
   l->out_h = l->out_w = 1;
   commit_layer(m);
   return DP_OK;
@@ -241,6 +259,27 @@ int dp_model_num_classes(const dp_model *m) {
   return m->nlayers ? (int)layer_out_size(&m->layers[m->nlayers - 1]) : 0;
 }
 
+/* The flat buffers of a laid-out model (nparams, nstate set). */
+static dp_status alloc_flat_buffers(dp_model *m, int64_t saved, int max_c) {
+  const int64_t off = m->nparams, state = m->nstate;
+  size_t bytes = sizeof(float) * (size_t)off;
+  DP_TRY(dp_device_alloc(m->dev, bytes, (void **)&m->params));
+  DP_TRY(dp_device_alloc(m->dev, bytes, (void **)&m->grads));
+  DP_TRY(dp_device_alloc(m->dev, bytes, (void **)&m->velocity));
+  DP_TRY(dp_device_alloc(m->dev, sizeof(float) * (size_t)(state ? state : 1), (void **)&m->state));
+  DP_TRY(dp_device_alloc(m->dev, sizeof(float) * (size_t)(saved ? saved : 1), (void **)&m->bn_saved));
+  DP_TRY(dp_device_alloc(m->dev, sizeof(float) * (size_t)(2 * max_c + 1), (void **)&m->bn_tmp));
+  m->bn_count = calloc((size_t)m->nlayers, sizeof *m->bn_count);
+  if (!m->bn_count) return DP_FAIL(DP_ERR_MEMORY, "cannot allocate the BatchNorm counts");
+  /* running variance starts at 1, running mean at 0 (PyTorch) */
+  for (int i = 0; i < m->nlayers; ++i) {
+    const dp_layer *l = &m->layers[i];
+    if (l->kind == DP_LAYER_BATCHNORM)
+      DP_TRY(m->dev->backend->fill(m->dev, m->state + l->state_off + l->in_c, l->in_c, 1.0f));
+  }
+  return DP_OK;
+}
+
 dp_status dp_model_finalize(dp_model *m) {
   if (m->finalized) return DP_OK;
   if (m->nlayers == 0) return DP_FAIL(DP_ERR_VALUE, "a model needs at least one layer");
@@ -248,6 +287,8 @@ dp_status dp_model_finalize(dp_model *m) {
   if (last->out_h != 1 || last->out_w != 1)
     return DP_FAIL(DP_ERR_VALUE, "the last layer must produce logits (N, classes); it produces (%d, %d, %d)",
                    last->out_c, last->out_h, last->out_w);
+  /* the flat length: each layer's weights fit an int (checked when it was
+   * added), their sum need not; it is only ever an int64_t or a size_t */
   int64_t off = 0, state = 0, saved = 0;
   int max_c = 1;
   for (int i = 0; i < m->nlayers; ++i) {
@@ -268,22 +309,11 @@ dp_status dp_model_finalize(dp_model *m) {
   }
   m->nparams = off;
   m->nstate = state;
-  size_t bytes = sizeof(float) * (size_t)off;
-  DP_TRY(dp_device_alloc(m->dev, bytes, (void **)&m->params));
-  DP_TRY(dp_device_alloc(m->dev, bytes, (void **)&m->grads));
-  DP_TRY(dp_device_alloc(m->dev, bytes, (void **)&m->velocity));
-  DP_TRY(dp_device_alloc(m->dev, sizeof(float) * (size_t)(state ? state : 1), (void **)&m->state));
-  DP_TRY(dp_device_alloc(m->dev, sizeof(float) * (size_t)(saved ? saved : 1), (void **)&m->bn_saved));
-  DP_TRY(dp_device_alloc(m->dev, sizeof(float) * (size_t)(2 * max_c + 1), (void **)&m->bn_tmp));
-  m->bn_count = calloc((size_t)m->nlayers, sizeof *m->bn_count);
-  if (!m->bn_count) return DP_FAIL(DP_ERR_MEMORY, "cannot allocate the BatchNorm counts");
-  /* running variance starts at 1, running mean at 0 (PyTorch) */
-  for (int i = 0; i < m->nlayers; ++i) {
-    const dp_layer *l = &m->layers[i];
-    if (l->kind == DP_LAYER_BATCHNORM) DP_TRY(m->dev->backend->fill(m->dev, m->state + l->state_off + l->in_c, l->in_c, 1.0f));
-  }
-  m->finalized = 1;
-  return DP_OK;
+  /* a failure leaves no buffer behind, so that finalize may be called again */
+  dp_status st = alloc_flat_buffers(m, saved, max_c);
+  if (st != DP_OK) free_flat_buffers(m);
+  if (st == DP_OK) m->finalized = 1;
+  return st;
 }
 
 static dp_status require_finalized(const dp_model *m) {
@@ -295,6 +325,14 @@ static dp_status require_finalized(const dp_model *m) {
 static dp_status ensure_batch(dp_model *m, int64_t n) {
   if (n <= m->act_batch) return DP_OK;
   const int64_t cap = n;
+  /* a byte count that wraps would allocate too little; one that does not
+   * fit an allocation fails there, as DP_ERR_MEMORY too */
+  int64_t largest = layer_in_size(&m->layers[0]);
+  for (int i = 0; i < m->nlayers; ++i)
+    if (layer_out_size(&m->layers[i]) > largest) largest = layer_out_size(&m->layers[i]);
+  if (dp_size_mul(dp_size_mul(cap, largest), (int64_t)sizeof(float)) == INT64_MAX)
+    return DP_FAIL(DP_ERR_MEMORY, "cannot allocate the activations of %lld samples of up to %lld values",
+                   (long long)cap, (long long)largest);
   free_activations(m);
   const size_t L = (size_t)m->nlayers;
   m->acts = calloc(L, sizeof *m->acts);
@@ -303,11 +341,9 @@ static dp_status ensure_batch(dp_model *m, int64_t n) {
   m->dready = calloc(L, 1);
   if (!m->acts || !m->dacts || !m->argmax || !m->dready)
     return DP_FAIL(DP_ERR_MEMORY, "cannot allocate the activation table");
-  int64_t largest = layer_in_size(&m->layers[0]);
   for (int i = 0; i < m->nlayers; ++i) {
     const dp_layer *l = &m->layers[i];
     const int64_t sz = layer_out_size(l);
-    if (sz > largest) largest = sz;
     const size_t bytes = sizeof(float) * (size_t)(cap * sz);
     DP_TRY(dp_device_alloc(m->dev, bytes, (void **)&m->dacts[i]));
     if (l->kind == DP_LAYER_FLATTEN) continue; /* its output is a view of its source's, set in forward */

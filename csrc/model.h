@@ -44,11 +44,11 @@ typedef struct dp_layer {
 /* All-reduce (sum) of n floats across the replicas of a mirrored model; set
  * by the mirrored runner for synchronized BatchNorm, NULL otherwise. Every
  * replica calls it the same number of times in the same order. */
-typedef dp_status (*dp_sync_fn)(void *ctx, float *buf, int64_t n);
+typedef DP_MUST_CHECK dp_status (*dp_sync_fn)(void *ctx, float *buf, int64_t n);
 /* Called by the backward pass after each layer (every layer, from the last to
  * the first), when that layer's parameter gradients are final; the mirrored
  * runner starts each gradient bucket's all-reduce from it. NULL otherwise. */
-typedef dp_status (*dp_grad_ready_fn)(void *ctx, int layer);
+typedef DP_MUST_CHECK dp_status (*dp_grad_ready_fn)(void *ctx, int layer);
 
 #define DP_SRC_PREVIOUS (-2)
 
@@ -98,61 +98,61 @@ typedef struct dp_batch {
   dp_resident *const *resident;
 } dp_batch;
 
-dp_status dp_model_create(dp_device *dev, int in_c, int in_h, int in_w, dp_model **out);
+DP_MUST_CHECK dp_status dp_model_create(dp_device *dev, int in_c, int in_h, int in_w, dp_model **out);
 void dp_model_destroy(dp_model *m);
-dp_status dp_model_add_conv2d(dp_model *m, int out_c, int k, int stride, int pad);
-dp_status dp_model_add_dense(dp_model *m, int out_features);
-dp_status dp_model_add_relu(dp_model *m);
-dp_status dp_model_add_avgpool(dp_model *m, int k, int stride, int pad);
-dp_status dp_model_add_maxpool(dp_model *m, int k, int stride, int pad);
-dp_status dp_model_add_flatten(dp_model *m);
-dp_status dp_model_add_batchnorm(dp_model *m, float eps, float momentum);
+DP_MUST_CHECK dp_status dp_model_add_conv2d(dp_model *m, int out_c, int k, int stride, int pad);
+DP_MUST_CHECK dp_status dp_model_add_dense(dp_model *m, int out_features);
+DP_MUST_CHECK dp_status dp_model_add_relu(dp_model *m);
+DP_MUST_CHECK dp_status dp_model_add_avgpool(dp_model *m, int k, int stride, int pad);
+DP_MUST_CHECK dp_status dp_model_add_maxpool(dp_model *m, int k, int stride, int pad);
+DP_MUST_CHECK dp_status dp_model_add_flatten(dp_model *m);
+DP_MUST_CHECK dp_status dp_model_add_batchnorm(dp_model *m, float eps, float momentum);
 /* out = output(a) + output(b) (same shapes) */
-dp_status dp_model_add_add(dp_model *m, int a, int b);
-dp_status dp_model_add_global_avgpool(dp_model *m);
+DP_MUST_CHECK dp_status dp_model_add_add(dp_model *m, int a, int b);
+DP_MUST_CHECK dp_status dp_model_add_global_avgpool(dp_model *m);
 /* The next layer added reads layer src's output (-1: the model input). */
-dp_status dp_model_set_source(dp_model *m, int src);
-dp_status dp_model_finalize(dp_model *m);
+DP_MUST_CHECK dp_status dp_model_set_source(dp_model *m, int src);
+DP_MUST_CHECK dp_status dp_model_finalize(dp_model *m);
 int dp_model_num_classes(const dp_model *m);
 
 /* Copy the flat parameters from / to host memory (nparams floats). */
-dp_status dp_model_set_params(dp_model *m, const float *host);
-dp_status dp_model_get_params(dp_model *m, float *host);
-dp_status dp_model_get_grads(dp_model *m, float *host);
-dp_status dp_model_reset_velocity(dp_model *m);
-dp_status dp_model_get_state(dp_model *m, float *host);
-dp_status dp_model_set_state(dp_model *m, const float *host);
+DP_MUST_CHECK dp_status dp_model_set_params(dp_model *m, const float *host);
+DP_MUST_CHECK dp_status dp_model_get_params(dp_model *m, float *host);
+DP_MUST_CHECK dp_status dp_model_get_grads(dp_model *m, float *host);
+DP_MUST_CHECK dp_status dp_model_reset_velocity(dp_model *m);
+DP_MUST_CHECK dp_status dp_model_get_state(dp_model *m, float *host);
+DP_MUST_CHECK dp_status dp_model_set_state(dp_model *m, const float *host);
 
 /* Stage a batch on the model's device (labels checked when need_labels). */
-dp_status dp_model_load(dp_model *m, const dp_batch *b, int need_labels);
+DP_MUST_CHECK dp_status dp_model_load(dp_model *m, const dp_batch *b, int need_labels);
 /* Stage rows[0..n-1] of a dataset resident on the model's device: only the
  * indices travel; the device gathers the images and labels. */
-dp_status dp_model_load_rows(dp_model *m, const dp_resident *d, const int64_t *rows, int64_t n);
+DP_MUST_CHECK dp_status dp_model_load_rows(dp_model *m, const dp_resident *d, const int64_t *rows, int64_t n);
 /* DP_ERR_VALUE when a BatchNorm layer would see at most one value per
  * channel in training on n samples (n > 0); checked before anything changes. */
-dp_status dp_model_check_batchnorm_batch(const dp_model *m, int64_t n);
+DP_MUST_CHECK dp_status dp_model_check_batchnorm_batch(const dp_model *m, int64_t n);
 /* dp_model_forward_backward on the batch staged last by dp_model_load. */
-dp_status dp_model_forward_backward_loaded(dp_model *m, int64_t n, float grad_scale, double *loss_sum,
-                                           int64_t *correct);
+DP_MUST_CHECK dp_status dp_model_forward_backward_loaded(dp_model *m, int64_t n, float grad_scale, double *loss_sum,
+                                                         int64_t *correct);
 /* Forward and backward on one batch. The gradient written to m->grads is
  * grad_scale * (sum over the batch's samples of d loss_i / d params): pass
  * 1/n for the mean, 1/global_n for a shard of a larger batch.
  * *loss_sum and *correct are sums over the batch; with loss_sum == correct ==
  * NULL they are read later with dp_model_read_metrics, so that the host need
  * not wait for the forward pass before it queues the rest of the step. */
-dp_status dp_model_forward_backward(dp_model *m, const dp_batch *b, float grad_scale, double *loss_sum,
-                                    int64_t *correct);
+DP_MUST_CHECK dp_status dp_model_forward_backward(dp_model *m, const dp_batch *b, float grad_scale, double *loss_sum,
+                                                  int64_t *correct);
 /* The sums of the last forward_backward called with NULL sums (waits for its forward pass only). */
-dp_status dp_model_read_metrics(dp_model *m, double *loss_sum, int64_t *correct);
+DP_MUST_CHECK dp_status dp_model_read_metrics(dp_model *m, double *loss_sum, int64_t *correct);
 /* One SGD step on the mean loss of the n samples staged last; the host waits
  * only at the end, for the sums. n == 0: nothing changes. */
-dp_status dp_model_train_step_loaded(dp_model *m, int64_t n, float lr, float momentum, float weight_decay,
-                                     double *loss_sum, int64_t *correct);
+DP_MUST_CHECK dp_status dp_model_train_step_loaded(dp_model *m, int64_t n, float lr, float momentum, float weight_decay,
+                                                   double *loss_sum, int64_t *correct);
 /* w -= lr * (momentum-smoothed g + wd * w), over the flat buffer, one kernel. */
-dp_status dp_model_sgd_step(dp_model *m, float lr, float momentum, float weight_decay);
+DP_MUST_CHECK dp_status dp_model_sgd_step(dp_model *m, float lr, float momentum, float weight_decay);
 /* Forward only: loss and accuracy sums (labels required). */
-dp_status dp_model_evaluate(dp_model *m, const dp_batch *b, double *loss_sum, int64_t *correct);
+DP_MUST_CHECK dp_status dp_model_evaluate(dp_model *m, const dp_batch *b, double *loss_sum, int64_t *correct);
 /* Forward only: logits (n, num_classes) copied to host memory. */
-dp_status dp_model_predict(dp_model *m, const dp_batch *b, float *logits_host);
+DP_MUST_CHECK dp_status dp_model_predict(dp_model *m, const dp_batch *b, float *logits_host);
 
 #endif

@@ -14,10 +14,10 @@
 #include "dp_status.h"
 
 typedef struct dp_group dp_group;
-typedef dp_status (*dp_group_fn)(void *arg, int rank);
+typedef DP_MUST_CHECK dp_status (*dp_group_fn)(void *arg, int rank);
 
 /* threads[r]: OpenMP threads of worker r. */
-dp_status dp_group_create(int k, const int *threads, dp_group **out);
+DP_MUST_CHECK dp_status dp_group_create(int k, const int *threads, dp_group **out);
 void dp_group_destroy(dp_group *g);
 int dp_group_size(const dp_group *g);
 /* The barrier of the k workers, for collectives inside fn. */
@@ -25,6 +25,6 @@ dp_barrier *dp_group_barrier(dp_group *g);
 /* Runs fn(arg, r) on worker r for every r; returns DP_OK or the status of the
  * lowest failing rank (one that failed by itself before one that aborted
  * because of it), with its message moved to the calling thread. */
-dp_status dp_group_run(dp_group *g, dp_group_fn fn, void *arg);
+DP_MUST_CHECK dp_status dp_group_run(dp_group *g, dp_group_fn fn, void *arg);
 
 #endif

@@ -23,8 +23,8 @@ typedef struct dp_resident {
 
 /* Copies count samples of sample_elems elements (uint8 or float32) and their
  * labels (int64, each in [0, num_classes)) to dev. */
-dp_status dp_resident_create(dp_device *dev, const void *x, int x_is_u8, const int64_t *y, int64_t count,
-                             int64_t sample_elems, int num_classes, dp_resident **out);
+DP_MUST_CHECK dp_status dp_resident_create(dp_device *dev, const void *x, int x_is_u8, const int64_t *y, int64_t count,
+                                           int64_t sample_elems, int num_classes, dp_resident **out);
 void dp_resident_destroy(dp_resident *d);
 size_t dp_resident_bytes(const dp_resident *d);
 

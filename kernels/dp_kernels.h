@@ -82,7 +82,11 @@ typedef struct dp_pool_geom {
   int k, stride, pad;
 } dp_pool_geom;
 
-static inline DP_HD int dp_pool_out_dim(int in, int k, int stride, int pad) {
+/* The output extent of a window k at stride over in positions padded by pad
+ * on both sides (pooling's and cuDNN's convolution formula), in 64 bits:
+ * in + 2 * pad overflows an int. Callers check that the result fits an int
+ * (dp_pool_geom_make, dp_conv_geom_make). */
+static inline DP_HD int64_t dp_pool_out_dim(int64_t in, int64_t k, int64_t stride, int64_t pad) {
   return (in + 2 * pad - k) / stride + 1;
 }
 

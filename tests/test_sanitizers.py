@@ -23,7 +23,7 @@ def blas_paths():
     return None
 
 
-def build_and_run(tmp_path, program, core_sources):
+def build_and_run(tmp_path, program, core_sources, link_flags=()):
     cc = shutil.which("gcc") or shutil.which("cc")
     paths = blas_paths()
     if cc is None or paths is None:
@@ -34,7 +34,7 @@ def build_and_run(tmp_path, program, core_sources):
     cmd = [cc, "-std=c11", "-O1", "-g", "-fno-omit-frame-pointer", "-fsanitize=address,undefined",
            "-fno-sanitize-recover=undefined", "-fopenmp", "-D_GNU_SOURCE", "-Wall", "-Wextra",
            "-Wno-unused-parameter", "-Werror", "-I", os.path.join(ROOT, "csrc"), "-I", os.path.join(ROOT, "kernels"),
-           "-I", inc, *sources, lib, "-lm", "-o", str(exe)]
+           "-I", inc, *sources, lib, "-lm", *link_flags, "-o", str(exe)]
     subprocess.run(cmd, check=True)
     env = dict(os.environ, ASAN_OPTIONS="detect_leaks=1:abort_on_error=0:halt_on_error=1",
                UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1", OMP_NUM_THREADS="2")
@@ -48,7 +48,7 @@ def build_and_run(tmp_path, program, core_sources):
 def test_core_is_clean_under_asan_lsan_ubsan(tmp_path):
     """Models (LeNet, strides/padding/max-pool) trained, evaluated and misused, a
     resident dataset gathered from, all freed."""
-    build_and_run(tmp_path, "core_smoke", ["backend_cpu.c", "model.c", "resident.c", "status.c"])
+    build_and_run(tmp_path, "core_smoke", ["backend_cpu.c", "model.c", "resident.c", "shapes.c", "status.c"])
 
 
 def test_dp_hd_bodies_as_the_gpu_runs_them(tmp_path):
@@ -62,4 +62,14 @@ def test_replica_threads_and_collectives_are_clean(tmp_path):
     buckets, per-replica and synchronized BatchNorm and resident data; a
     failing replica breaks the barrier; everything joined and freed."""
     build_and_run(tmp_path, "mirrored_smoke", ["backend_cpu.c", "backend_cuda.c", "collective.c", "comm.c", "mirrored.c",
-                                                "model.c", "replica.c", "resident.c", "status.c"])
+                                                "model.c", "replica.c", "resident.c", "shapes.c", "status.c"])
+
+
+def test_every_failed_allocation_is_a_memory_error(tmp_path):
+    """tests/c/alloc_failures.c: with malloc, calloc, realloc and aligned_alloc
+    wrapped (ld --wrap), a training run is repeated with each of its
+    allocations failing in turn; every run ends in DP_ERR_MEMORY with nothing
+    leaked, and pooling's window tables and the convolution scratch, failed
+    through the backend table as the single ops call it, are DP_ERR_MEMORY too."""
+    build_and_run(tmp_path, "alloc_failures", ["backend_cpu.c", "model.c", "resident.c", "shapes.c", "status.c"],
+                  link_flags=["-Wl,--wrap=malloc,--wrap=calloc,--wrap=realloc,--wrap=aligned_alloc"])

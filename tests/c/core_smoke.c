@@ -125,6 +125,58 @@ static void train_variant(dp_device *dev, int variant) {
   dp_model_destroy(m);
 }
 
+/* status == DP_ERR_VALUE and the message names `what` */
+static int value_error_naming(dp_status status, const char *what) {
+  if (status == DP_ERR_VALUE && strstr(dp_error_message(), what)) return 1;
+  fprintf(stderr, "expected a DP_ERR_VALUE naming '%s', got %s: %s\n", what, dp_status_name(status),
+          dp_error_message());
+  return 0;
+}
+
+/* Shapes whose sizes overflow an int are rejected where the layer is added,
+ * naming the layer; the model stays as it was (nothing is allocated before
+ * finalize, so none of these needs memory). */
+static void check_sizes(dp_device *dev) {
+  dp_model *m = NULL;
+  /* 2^15 x 2^16 values per sample */
+  CHECK(value_error_naming(dp_model_create(dev, 1, 1 << 15, 1 << 16, &m), "model input") && m == NULL);
+  CHECK(dp_model_create(dev, 1, 28, 28, &m) == DP_OK);
+  if (!m) return;
+  /* in_h + 2 * pad overflows an int: the output would be (2^31 + 26)^2 */
+  CHECK(value_error_naming(dp_model_add_conv2d(m, 1, 3, 1, 1 << 30), "conv2d (layer 0)"));
+  CHECK(strstr(dp_error_message(), "output") != NULL);
+  /* (2^30, 28, 28) values per sample */
+  CHECK(value_error_naming(dp_model_add_conv2d(m, 1 << 30, 1, 1, 0), "conv2d (layer 0)"));
+  /* a (2^22, 1, 1) output, but 2^22 x 1 x 28 x 28 weights */
+  CHECK(value_error_naming(dp_model_add_conv2d(m, 1 << 22, 28, 1, 0), "weights"));
+  /* padding at most half the kernel, 2 * pad computed without overflow */
+  CHECK(value_error_naming(dp_model_add_avgpool(m, 1 << 30, 1, 1 << 30), "avg_pool2d (layer 0)"));
+  CHECK(value_error_naming(dp_model_add_maxpool(m, 3, 0, 1), "stride"));
+  CHECK(m->nlayers == 0);
+  CHECK(dp_model_add_conv2d(m, 20, 3, 1, 0) == DP_OK); /* 26x26 */
+  CHECK(dp_model_add_flatten(m) == DP_OK);              /* 13520 features */
+  CHECK(value_error_naming(dp_model_add_dense(m, 1 << 20), "dense (layer 2)"));
+  CHECK(strstr(dp_error_message(), "weights") != NULL);
+  CHECK(dp_model_add_dense(m, 10) == DP_OK);
+  CHECK(m->nlayers == 3);
+  dp_model_destroy(m);
+  /* pooling that grows the plane past INT_MAX values: 46340^2 fits, 46341^2 does not */
+  CHECK(dp_model_create(dev, 1, 46340, 46340, &m) == DP_OK);
+  if (!m) return;
+  CHECK(value_error_naming(dp_model_add_maxpool(m, 2, 1, 1), "max_pool2d (layer 0)"));
+  CHECK(dp_model_add_maxpool(m, 2, 2, 0) == DP_OK);
+  dp_model_destroy(m);
+  /* the single ops' geometry takes the binding's 64-bit values as they are */
+  dp_conv_geom cg;
+  dp_pool_geom pg;
+  CHECK(value_error_naming(dp_conv_geom_make("conv2d", 1, 28, 28, 8, 3, 3, (int64_t)1 << 40, 0, &cg), "stride"));
+  CHECK(value_error_naming(dp_conv_geom_make("conv2d", 1, 28, 28, 8, 3, 3, 1, (int64_t)1 << 31, &cg), "padding"));
+  CHECK(value_error_naming(dp_conv_geom_make("conv2d", 1, 28, 28, 8, 3, 3, 1, -1, &cg), "padding"));
+  CHECK(value_error_naming(dp_pool_geom_make("avg_pool2d", 1, 28, 28, (int64_t)1 << 40, 1, 0, &pg), "kernel"));
+  CHECK(dp_conv_geom_make("conv2d", 3, 28, 28, 8, 5, 3, 2, 1, &cg) == DP_OK && cg.OH == 13 && cg.OW == 14);
+  CHECK(dp_pool_geom_make("avg_pool2d", 3, 28, 28, 3, 2, 1, &pg) == DP_OK && pg.OH == 14 && pg.OW == 14);
+}
+
 int main(void) {
   dp_device dev;
   if (dp_cpu_device_init(&dev, 0, 2) != DP_OK) return 2;
@@ -139,6 +191,7 @@ int main(void) {
   CHECK(dp_model_add_dense(m, 3) == DP_ERR_VALUE); /* needs flatten first */
   CHECK(dp_model_finalize(m) == DP_ERR_VALUE);     /* no layers */
   dp_model_destroy(m);
+  check_sizes(&dev);
   dp_device_destroy(&dev);
   if (failures) fprintf(stderr, "%d checks failed\n", failures);
   printf("core_smoke: %s\n", failures ? "FAILED" : "ok");

@@ -32,6 +32,16 @@ static void expect_same(const char *what, const float *a, const float *b, int64_
   }
 }
 
+/* A backend call the comparison depends on: its failure is a failure of the
+ * check, with the core's message. */
+#define EXPECT_OK(call) expect_ok(#call, (call))
+static void expect_ok(const char *what, dp_status s) {
+  if (s != DP_OK) {
+    fprintf(stderr, "%s failed: %s\n", what, dp_error_message());
+    failures++;
+  }
+}
+
 static float *randoms(int64_t n) {
   float *p = malloc(sizeof(float) * (size_t)(n ? n : 1));
   for (int64_t i = 0; i < n; ++i) p[i] = uniform();
@@ -48,17 +58,17 @@ static void check_pooling(dp_device *dev, int N, int C, int H, int W, int k, int
   char what[96];
 
   for (int64_t o = 0; o < nout; ++o) y_gpu[o] = dp_avgpool_forward_elem(x, &g, o);
-  dev->backend->avgpool_forward(dev, &g, N, x, y_cpu);
+  EXPECT_OK(dev->backend->avgpool_forward(dev, &g, N, x, y_cpu));
   snprintf(what, sizeof what, "avgpool forward k%d s%d p%d", k, stride, pad);
   expect_same(what, y_gpu, y_cpu, nout);
 
   for (int64_t i = 0; i < nin; ++i) dx_gpu[i] = dp_avgpool_backward_elem(dy, &g, i);
-  dev->backend->avgpool_backward(dev, &g, N, dy, dx_cpu);
+  EXPECT_OK(dev->backend->avgpool_backward(dev, &g, N, dy, dx_cpu));
   snprintf(what, sizeof what, "avgpool backward k%d s%d p%d", k, stride, pad);
   expect_same(what, dx_gpu, dx_cpu, nin);
 
   for (int64_t o = 0; o < nout; ++o) y_gpu[o] = dp_maxpool_forward_elem(x, &g, o, &arg_gpu[o]);
-  dev->backend->maxpool_forward(dev, &g, N, x, y_cpu, arg_cpu);
+  EXPECT_OK(dev->backend->maxpool_forward(dev, &g, N, x, y_cpu, arg_cpu));
   snprintf(what, sizeof what, "maxpool forward k%d s%d p%d", k, stride, pad);
   expect_same(what, y_gpu, y_cpu, nout);
   if (memcmp(arg_gpu, arg_cpu, sizeof(int32_t) * (size_t)nout) != 0) {
@@ -66,7 +76,7 @@ static void check_pooling(dp_device *dev, int N, int C, int H, int W, int k, int
     failures++;
   }
   for (int64_t i = 0; i < nin; ++i) dx_gpu[i] = dp_maxpool_backward_elem(dy, arg_gpu, &g, i);
-  dev->backend->maxpool_backward(dev, &g, N, dy, arg_cpu, dx_cpu);
+  EXPECT_OK(dev->backend->maxpool_backward(dev, &g, N, dy, arg_cpu, dx_cpu));
   snprintf(what, sizeof what, "maxpool backward k%d s%d p%d", k, stride, pad);
   expect_same(what, dx_gpu, dx_cpu, nin);
 
@@ -77,19 +87,19 @@ static void check_elementwise(dp_device *dev) {
   const int64_t n = 1003;
   float *x = randoms(n), *dy = randoms(n), *a = malloc(sizeof(float) * n), *b = malloc(sizeof(float) * n);
   for (int64_t i = 0; i < n; ++i) a[i] = dp_relu_forward_elem(x[i]);
-  dev->backend->relu_forward(dev, n, x, b);
+  EXPECT_OK(dev->backend->relu_forward(dev, n, x, b));
   expect_same("relu forward", a, b, n);
   for (int64_t i = 0; i < n; ++i) a[i] = dp_relu_backward_elem(x[i], dy[i]);
-  dev->backend->relu_backward(dev, n, x, dy, b);
+  EXPECT_OK(dev->backend->relu_backward(dev, n, x, dy, b));
   expect_same("relu backward", a, b, n);
   for (int64_t i = 0; i < n; ++i) a[i] = dp_add_elem(x[i], dy[i]);
-  dev->backend->add(dev, n, x, dy, b);
+  EXPECT_OK(dev->backend->add(dev, n, x, dy, b));
   expect_same("add", a, b, n);
 
   uint8_t u8[256];
   float ua[256], ub[256];
   for (int i = 0; i < 256; ++i) u8[i] = (uint8_t)i, ua[i] = dp_u8_to_unit_elem(u8[i]);
-  dev->backend->u8_to_unit(dev, ub, u8, 256);
+  EXPECT_OK(dev->backend->u8_to_unit(dev, ub, u8, 256));
   expect_same("u8 to unit", ua, ub, 256);
 
   /* SGD: the kernel's per-element body against the backend's fused loop */
@@ -97,7 +107,7 @@ static void check_elementwise(dp_device *dev) {
   memcpy(w2, w1, sizeof(float) * n);
   memcpy(v2, v1, sizeof(float) * n);
   for (int64_t i = 0; i < n; ++i) dp_sgd_elem(w1, dy, v1, i, 0.05f, 0.9f, 1e-4f);
-  dev->backend->sgd_update(dev, n, w2, dy, v2, 0.05f, 0.9f, 1e-4f);
+  EXPECT_OK(dev->backend->sgd_update(dev, n, w2, dy, v2, 0.05f, 0.9f, 1e-4f));
   expect_same("sgd weights", w1, w2, n);
   expect_same("sgd velocity", v1, v2, n);
 
@@ -107,7 +117,7 @@ static void check_elementwise(dp_device *dev) {
   for (int64_t i = 0; i < 2 * C * HW; ++i) fill[i] = dp_bias_value_elem(bias, i, C, HW);
   dp_conv_geom g = {3, 7, 9, 5, 3, 3, 1, 1, 7, 9};
   float *xin = randoms(2 * 3 * 7 * 9), *yout = malloc(sizeof(float) * 2 * 5 * 63);
-  dev->backend->conv2d_forward(dev, &g, 2, xin, zeros, bias, yout);
+  EXPECT_OK(dev->backend->conv2d_forward(dev, &g, 2, xin, zeros, bias, yout));
   for (int s = 0; s < 2; ++s)
     for (int c = 0; c < C; ++c)
       for (int p = 0; p < HW; ++p) conv[(s * C + c) * HW + p] = yout[(s * C + c) * 63 + p];
@@ -130,7 +140,7 @@ static void check_softmax(dp_device *dev) {
   }
   double loss2;
   int64_t correct2;
-  dev->backend->softmax_xent(dev, N, K, logits, labels, 0.25f, d2, &loss2, &correct2);
+  EXPECT_OK(dev->backend->softmax_xent(dev, N, K, logits, labels, 0.25f, d2, &loss2, &correct2));
   expect_same("softmax dlogits", d1, d2, N * K);
   double sum = 0.0;
   for (int r = 0; r < N; ++r) sum += loss1[r];
@@ -149,12 +159,12 @@ static void check_batchnorm(dp_device *dev) {
   float mean[4], sqdev[4], invstd1[4], invstd2[4], rm1[4] = {0}, rv1[4] = {1, 1, 1, 1}, rm2[4] = {0},
                                                     rv2[4] = {1, 1, 1, 1};
   float gamma[4] = {1.0f, 0.5f, -2.0f, 1.5f}, beta[4] = {0.0f, 0.1f, -0.2f, 0.3f};
-  dev->backend->bn_sums(dev, N, C, HW, x, NULL, mean);
+  EXPECT_OK(dev->backend->bn_sums(dev, N, C, HW, x, NULL, mean));
   for (int c = 0; c < C; ++c) mean[c] /= (float)(N * HW);
-  dev->backend->bn_sums(dev, N, C, HW, x, mean, sqdev);
+  EXPECT_OK(dev->backend->bn_sums(dev, N, C, HW, x, mean, sqdev));
   for (int c = 0; c < C; ++c)
     dp_bn_finalize_channel(sqdev[c], (float)(N * HW), mean[c], 1e-5f, 0.1f, 1, &invstd1[c], &rm1[c], &rv1[c]);
-  dev->backend->bn_finalize(dev, C, sqdev, (float)(N * HW), mean, 1e-5f, 0.1f, 1, invstd2, rm2, rv2);
+  EXPECT_OK(dev->backend->bn_finalize(dev, C, sqdev, (float)(N * HW), mean, 1e-5f, 0.1f, 1, invstd2, rm2, rv2));
   expect_same("bn invstd", invstd1, invstd2, C);
   expect_same("bn running mean", rm1, rm2, C);
   expect_same("bn running var", rv1, rv2, C);
@@ -162,15 +172,15 @@ static void check_batchnorm(dp_device *dev) {
     const int c = (int)((i / HW) % C);
     y1[i] = dp_bn_apply_elem(x[i], mean[c], invstd1[c], gamma[c], beta[c]);
   }
-  dev->backend->bn_apply(dev, N, C, HW, x, mean, invstd1, gamma, beta, y2);
+  EXPECT_OK(dev->backend->bn_apply(dev, N, C, HW, x, mean, invstd1, gamma, beta, y2));
   expect_same("bn apply", y1, y2, n);
   float sdy[4], sdx[4];
-  dev->backend->bn_backward_sums(dev, N, C, HW, x, dy, mean, invstd1, sdy, sdx);
+  EXPECT_OK(dev->backend->bn_backward_sums(dev, N, C, HW, x, dy, mean, invstd1, sdy, sdx));
   for (int64_t i = 0; i < n; ++i) {
     const int c = (int)((i / HW) % C);
     y1[i] = dp_bn_backward_elem(x[i], dy[i], mean[c], invstd1[c], gamma[c], sdy[c], sdx[c], 1.0f / (N * HW));
   }
-  dev->backend->bn_backward_dx(dev, N, C, HW, x, dy, mean, invstd1, gamma, sdy, sdx, 1.0f / (N * HW), y2);
+  EXPECT_OK(dev->backend->bn_backward_dx(dev, N, C, HW, x, dy, mean, invstd1, gamma, sdy, sdx, 1.0f / (N * HW), y2));
   expect_same("bn backward", y1, y2, n);
   free(x), free(dy), free(y1), free(y2);
 }
@@ -183,7 +193,7 @@ static void check_sum_parts(void) {
     for (int r = 0; r < k; ++r) bufs[r] = randoms(n);
     for (int64_t i = 0; i < n; ++i) expected[i] = dp_sum_parts_elem((const float *const *)bufs, k, i);
     dp_barrier bar;
-    dp_barrier_init(&bar, 1);
+    EXPECT_OK(dp_barrier_init(&bar, 1));
     /* one thread plays every rank in turn: the chunks are disjoint, and a
      * barrier of count 1 never waits */
     /* and dp_allreduce_elem (the logical-GPU all-reduce kernel's body) on copies */
@@ -223,7 +233,7 @@ static void check_gather(dp_device *dev) {
             *b = malloc((size_t)(nrows * row_bytes));
     for (int64_t i = 0; i < count * row_bytes; ++i) src[i] = (uint8_t)(i * 31 + 7);
     for (int64_t i = 0; i < nrows * row_bytes; ++i) a[i] = dp_gather_elem(src, rows, row_bytes, i);
-    dev->backend->gather_rows(dev, nrows, row_bytes, src, rows, b);
+    EXPECT_OK(dev->backend->gather_rows(dev, nrows, row_bytes, src, rows, b));
     if (memcmp(a, b, (size_t)(nrows * row_bytes)) != 0) {
       fprintf(stderr, "gather rows of %lld bytes: body and CPU backend differ\n", (long long)row_bytes);
       failures++;

@@ -1,0 +1,122 @@
+"""Absurd shapes are a ValueError that names the layer and the argument or
+size at fault, never an OverflowError, a MemoryError after a huge allocation,
+a wrong shape from a wrapped int, or a crash.
+
+The core computes every layer shape in 64 bits and rejects any size its
+kernels cannot index with an int (values per sample, weights) where the layer
+is added (csrc/shapes.c, csrc/model.c), so none of these models allocates
+anything. Arguments the binding parses as C ints (the model's input shape,
+the single ops' stride / padding / kernel) need checks there: those tests are
+marked xfail until the binding has them.
+"""
+import numpy as np
+import pytest
+
+import dpcore as dp
+
+INT_MAX = 2**31 - 1
+
+
+def needs_binding(reason):
+    return pytest.mark.xfail(strict=True, reason=f"needs binding check: {reason}")
+
+
+# ---- models: rejected where the layer is added, naming it ---------------------------
+
+
+def test_conv_padding_that_overflows_int_is_a_value_error():
+    # 28 + 2 * 2**30 overflows an int; the output would be (2**31 + 26)**2 per channel
+    with pytest.raises(ValueError, match=r"conv2d \(layer 0\): the output .* more than the largest supported"):
+        dp.models.Sequential([("conv2d", 1, 3, 1, 2**30), ("flatten",), ("dense", 10)])
+
+
+def test_conv_output_over_int_max_values_per_sample_is_a_value_error():
+    with pytest.raises(ValueError, match=r"conv2d \(layer 0\): the output \(1073741824, 28, 28\)"):
+        dp.models.Sequential([("conv2d", 2**30, 1, 1, 0), ("flatten",), ("dense", 10)])
+
+
+def test_conv_weights_over_int_max_are_a_value_error():
+    # a (2**22, 1, 1) output, but 2**22 * 28 * 28 weights
+    with pytest.raises(ValueError, match=r"conv2d \(layer 0\): 3288334336 weights"):
+        dp.models.Sequential([("conv2d", 2**22, 28, 1, 0), ("flatten",), ("dense", 10)])
+
+
+def test_dense_weights_over_int_max_are_a_value_error():
+    with pytest.raises(ValueError, match=r"dense \(layer 1\): 841813590016 weights \(1073741824 x 784\)"):
+        dp.models.Sequential([("flatten",), ("dense", 2**30)])
+
+
+def test_model_input_over_int_max_values_is_a_value_error():
+    with pytest.raises(ValueError, match=r"model input: the input \(1, 1048576, 1048576\)"):
+        dp.models.Sequential([("flatten",), ("dense", 10)], input_shape=(1, 2**20, 2**20))
+
+
+def test_pool_padding_is_checked_without_overflow():
+    # 2 * padding overflows an int; the rule is padding <= kernel / 2
+    with pytest.raises(ValueError, match=r"avg_pool2d \(layer 0\): padding 1073741824 must be at most half"):
+        dp.models.Sequential([("avgpool", 2**30, 1, 2**30), ("flatten",), ("dense", 10)])
+
+
+def test_pool_that_grows_past_int_max_is_a_value_error():
+    # 46340**2 values fit an int, 46341**2 do not; rejected before anything is allocated
+    with pytest.raises(ValueError, match=r"max_pool2d \(layer 0\): the output \(1, 46341, 46341\)"):
+        dp.models.Sequential([("maxpool", 2, 1, 1), ("flatten",), ("dense", 10)], input_shape=(1, 46340, 46340))
+
+
+def test_lenet_with_absurd_sizes():
+    with pytest.raises(ValueError, match="model input"):
+        dp.models.LeNet(in_channels=2**30)
+    with pytest.raises(ValueError, match=r"dense \(layer \d+\): \d+ weights"):
+        dp.models.LeNet(num_classes=2**30)
+
+
+def test_largest_accepted_shapes_still_build():
+    """The checks reject sizes, not large arguments: a stride of 2**30 (the
+    binding's cap for layer arguments) builds."""
+    net = dp.models.Sequential([("conv2d", 1, 3, 2**30, 0), ("flatten",), ("dense", 10)], input_shape=(1, 3, 3))
+    assert net.num_classes == 10
+
+
+@needs_binding("a layer argument above 2**30 is 'argument N out of range' without its name (say 'padding')")
+def test_conv_padding_2_31_names_the_argument():
+    with pytest.raises(ValueError, match="padding"):
+        dp.models.Sequential([("conv2d", 1, 3, 1, 2**31), ("flatten",), ("dense", 10)])
+
+
+@needs_binding("input_shape is parsed with '(iii)': 2**31 raises OverflowError")
+def test_model_input_dimension_over_int_max_is_a_value_error():
+    with pytest.raises(ValueError, match="input"):
+        dp.models.Sequential([("flatten",), ("dense", 10)], input_shape=(1, 2**31, 1))
+
+
+# ---- single ops ------------------------------------------------------------------------
+
+X = np.ones((1, 1, 8, 8), np.float32)
+W = np.ones((2, 1, 3, 3), np.float32)
+
+
+def test_single_ops_accept_the_largest_int_stride():
+    assert dp.ops.conv2d(X, W, stride=INT_MAX).shape == (1, 2, 1, 1)
+    assert dp.ops.max_pool2d(X, 2, stride=INT_MAX).shape == (1, 1, 1, 1)
+
+
+PARSED_AS_INT = "is parsed as a C int ('i'), so a value above INT_MAX raises OverflowError"
+
+
+@pytest.mark.parametrize("op, match", [
+    pytest.param(lambda: dp.ops.conv2d(X, W, stride=2**40), "stride", id="conv2d-stride-2**40",
+                 marks=needs_binding(f"stride {PARSED_AS_INT}; dp_conv_geom_make takes int64 and names the argument")),
+    pytest.param(lambda: dp.ops.conv2d(X, W, padding=2**31), "padding", id="conv2d-padding-2**31",
+                 marks=needs_binding(f"padding {PARSED_AS_INT}")),
+    pytest.param(lambda: dp.ops.conv2d(X, W, padding=2**30), "output", id="conv2d-padding-2**30",
+                 marks=needs_binding("the binding computes H + 2 * padding in int (overflow, undefined behaviour) "
+                                     "and reports 'the kernel is larger than the padded input'; dp_conv_geom_make "
+                                     "reports the output size")),
+    pytest.param(lambda: dp.ops.avg_pool2d(X, 2**40), "kernel", id="avg_pool2d-kernel-2**40",
+                 marks=needs_binding(f"kernel_size {PARSED_AS_INT}; dp_pool_geom_make names it")),
+    pytest.param(lambda: dp.ops.max_pool2d(X, 2, stride=2**40), "stride", id="max_pool2d-stride-2**40",
+                 marks=needs_binding(f"stride {PARSED_AS_INT}")),
+])
+def test_single_op_sizes_over_int_max_are_value_errors(op, match):
+    with pytest.raises(ValueError, match=match):
+        op()
