@@ -1,4 +1,5 @@
 """Fixtures shared by the test files."""
+import os
 import warnings
 
 import pytest
@@ -16,3 +17,12 @@ def logical_cpus():
             dp.set_logical_devices("cpu", k)
     yield split
     dp.set_logical_devices("cpu", 1)
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Which BLAS kernels this run's numerics went through (shown under -q too): CI runs the suite
+    on this CPU's own kernels and again with OPENBLAS_CORETYPE=Sandybridge (.ci/run)."""
+    info = dp.build_info()
+    forced = os.environ.get("OPENBLAS_CORETYPE")
+    terminalreporter.write_line(f"dpcore BLAS: {info.get('blas_config', info['blas'])}"
+                                + (f" (OPENBLAS_CORETYPE={forced})" if forced else " (this CPU's own kernels)"))

@@ -126,6 +126,16 @@ def test_build_info_reports_what_was_found():
     assert dp.list_devices()[0] == "cpu:0"
 
 
+def test_forced_openblas_kernels_take_effect():
+    """CI's second run sets OPENBLAS_CORETYPE to use another CPU's BLAS kernels (other rounding):
+    that only proves portability if Debian's OpenBLAS (a DYNAMIC_ARCH build) really switched."""
+    forced = os.environ.get("OPENBLAS_CORETYPE")
+    config = dp.build_info()["blas_config"]
+    assert "DYNAMIC_ARCH" in config, config
+    if forced:
+        assert forced.lower() in config.lower().split(), (forced, config)
+
+
 @pytest.mark.slow
 def test_book_lenet_experiment_on_real_fashion_mnist():
     """Dive into Deep Learning 12.5: LeNet, batch 256, lr 0.2, 10 epochs -> test accuracy ~0.84."""
