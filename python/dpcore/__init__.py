@@ -8,7 +8,10 @@
 __version__ = "0.1.0"
 
 from .errors import DataError, DeviceError, DpcoreError  # noqa: F401  (first: the extension imports them)
-from . import _core  # noqa: F401
+from . import _blas_kernels
+
+with _blas_kernels.loading():  # OpenBLAS picks its kernels as the extension loads it
+    from . import _core  # noqa: F401
 from . import data, models, ops  # noqa: F401
 from .config import get_allow_tf32, get_deterministic, set_allow_tf32, set_deterministic  # noqa: F401
 from .devices import list_devices, set_logical_devices  # noqa: F401
