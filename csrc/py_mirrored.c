@@ -1,0 +1,264 @@
+/* py_mirrored.c — Mirrored: k replicas (Models, one per device) trained in
+ * lockstep, one thread per replica (csrc/mirrored.c).
+ *
+ * A call marks every replica busy while it runs without the GIL, so a second
+ * thread calling the Mirrored or one of its Models gets RuntimeError.
+ */
+#include "py_private.h"
+
+typedef struct {
+  PyObject_HEAD
+  PyObject *models; /* tuple of ModelObject; set first by __init__ */
+  dp_mirrored *mirrored;
+} MirroredObject;
+
+static void Mirrored_dealloc(MirroredObject *self) {
+  dp_mirrored_destroy(self->mirrored);
+  Py_XDECREF(self->models);
+  Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static int mirrored_ready(MirroredObject *self) {
+  if (!self->mirrored) {
+    PyErr_SetString(PyExc_RuntimeError, "Mirrored is not initialized");
+    return 0;
+  }
+  return 1;
+}
+
+/* Runs work without the GIL with every replica marked busy. */
+static int mirrored_run_without_gil(MirroredObject *self, nogil_work work, void *ctx) {
+  return models_run_without_gil(PySequence_Fast_ITEMS(self->models), PyTuple_GET_SIZE(self->models), work, ctx);
+}
+
+typedef struct {
+  dp_model *ptrs[DP_COMM_MAX_REPLICAS];
+  int k, sync_batchnorm;
+  dp_comm_kind kind;
+  int64_t bucket_bytes;
+  dp_mirrored *out;
+} mirrored_create_work;
+
+static dp_status mirrored_create_run(void *p) {
+  mirrored_create_work *w = p;
+  return dp_mirrored_create(w->ptrs, w->k, w->sync_batchnorm, w->kind, w->bucket_bytes, &w->out);
+}
+
+static int Mirrored_init(MirroredObject *self, PyObject *args, PyObject *kwds) {
+  static char *kwlist[] = {"models", "sync_batchnorm", "all_reduce", "bucket_bytes", NULL};
+  PyObject *seq_obj;
+  int sync_batchnorm = 0;
+  const char *all_reduce = "auto";
+  long long bucket_bytes = 25ll << 20; /* PyTorch DDP's default bucket, 25 MiB */
+  if (!PyArg_ParseTupleAndKeywords(args, kwds, "O|psL", kwlist, &seq_obj, &sync_batchnorm, &all_reduce,
+                                   &bucket_bytes))
+    return -1;
+  mirrored_create_work w = {.sync_batchnorm = sync_batchnorm, .bucket_bytes = bucket_bytes};
+  dp_status st = dp_comm_kind_parse(all_reduce, &w.kind);
+  if (st != DP_OK) return raise_from_status(st), -1;
+  if (bucket_bytes < 0) {
+    PyErr_Format(PyExc_ValueError, "bucket_bytes must be >= 0, got %lld", bucket_bytes);
+    return -1;
+  }
+  /* models is set before the communicators are made without the GIL, so that
+   * a second __init__ meanwhile is refused too */
+  if (self->mirrored || self->models) {
+    PyErr_SetString(PyExc_RuntimeError, "Mirrored is already initialized");
+    return -1;
+  }
+  PyObject *models = PySequence_Tuple(seq_obj);
+  if (!models) return -1;
+  Py_ssize_t k = PyTuple_GET_SIZE(models);
+  if (k < 1 || k > DP_COMM_MAX_REPLICAS) {
+    PyErr_Format(PyExc_ValueError, "Mirrored needs 1 to %d replicas, got %zd", DP_COMM_MAX_REPLICAS, k);
+    Py_DECREF(models);
+    return -1;
+  }
+  for (Py_ssize_t r = 0; r < k; ++r) {
+    PyObject *o = PyTuple_GET_ITEM(models, r);
+    if (!PyObject_TypeCheck(o, &ModelType) || !((ModelObject *)o)->model || !((ModelObject *)o)->model->finalized) {
+      PyErr_Format(PyExc_TypeError, "Mirrored: replica %zd is not an initialized Model", r);
+      Py_DECREF(models);
+      return -1;
+    }
+    w.ptrs[r] = ((ModelObject *)o)->model;
+  }
+  w.k = (int)k;
+  self->models = models;
+  /* NCCL communicators take a while to make */
+  if (mirrored_run_without_gil(self, mirrored_create_run, &w) < 0) {
+    Py_CLEAR(self->models);
+    return -1;
+  }
+  self->mirrored = w.out;
+  return 0;
+}
+
+enum mirrored_call { MIRRORED_TRAIN, MIRRORED_FORWARD_BACKWARD, MIRRORED_EVALUATE, MIRRORED_BROADCAST };
+
+typedef struct {
+  dp_mirrored *mirrored;
+  enum mirrored_call call;
+  dp_batch batch; /* host images and labels, or rows of the datasets batch.resident[r] */
+  float lr, momentum, weight_decay;
+  int root;       /* broadcast */
+  double loss;
+  int64_t correct;
+} mirrored_work;
+
+static dp_status mirrored_work_run(void *p) {
+  mirrored_work *w = p;
+  switch (w->call) {
+    case MIRRORED_FORWARD_BACKWARD: return dp_mirrored_forward_backward(w->mirrored, &w->batch, &w->loss, &w->correct);
+    case MIRRORED_EVALUATE: return dp_mirrored_evaluate(w->mirrored, &w->batch, &w->loss, &w->correct);
+    case MIRRORED_BROADCAST: return dp_mirrored_broadcast(w->mirrored, w->root);
+    case MIRRORED_TRAIN: break;
+  }
+  if (w->batch.n == 0) return DP_OK; /* an empty batch changes nothing */
+  return dp_mirrored_train_step(w->mirrored, &w->batch, w->lr, w->momentum, w->weight_decay, &w->loss, &w->correct);
+}
+
+/* train_step / forward_backward / evaluate on a host batch split over the replicas. */
+static PyObject *mirrored_batch(MirroredObject *self, PyObject *X, PyObject *Y, mirrored_work *w) {
+  if (!mirrored_ready(self)) return NULL;
+  PyArrayObject *xa = NULL, *ya = NULL;
+  PyObject *ret = NULL;
+  int is_u8 = 0;
+  if (convert_images(X, self->mirrored->models[0], &xa, &is_u8) < 0) goto done;
+  if (convert_labels(Y, PyArray_DIM(xa, 0), &ya) < 0) goto done;
+  w->mirrored = self->mirrored;
+  w->batch = (dp_batch){PyArray_DATA(xa), is_u8, (const int64_t *)PyArray_DATA(ya), (int64_t)PyArray_DIM(xa, 0),
+                        NULL, NULL};
+  if (mirrored_run_without_gil(self, mirrored_work_run, w) < 0) goto done;
+  ret = Py_BuildValue("(dL)", w->loss, (long long)w->correct);
+done:
+  Py_XDECREF(xa);
+  Py_XDECREF(ya);
+  return ret;
+}
+
+static PyObject *Mirrored_train_step(MirroredObject *self, PyObject *args, PyObject *kwds) {
+  static char *kwlist[] = {"images", "labels", "lr", "momentum", "weight_decay", NULL};
+  PyObject *X, *Y;
+  mirrored_work w = {.call = MIRRORED_TRAIN};
+  if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOf|ff", kwlist, &X, &Y, &w.lr, &w.momentum, &w.weight_decay))
+    return NULL;
+  return mirrored_batch(self, X, Y, &w);
+}
+
+static PyObject *Mirrored_forward_backward(MirroredObject *self, PyObject *args, PyObject *kwds) {
+  static char *kwlist[] = {"images", "labels", NULL};
+  PyObject *X, *Y;
+  mirrored_work w = {.call = MIRRORED_FORWARD_BACKWARD};
+  if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO", kwlist, &X, &Y)) return NULL;
+  return mirrored_batch(self, X, Y, &w);
+}
+
+static PyObject *Mirrored_evaluate(MirroredObject *self, PyObject *args, PyObject *kwds) {
+  static char *kwlist[] = {"images", "labels", NULL};
+  PyObject *X, *Y;
+  mirrored_work w = {.call = MIRRORED_EVALUATE};
+  if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO", kwlist, &X, &Y)) return NULL;
+  return mirrored_batch(self, X, Y, &w);
+}
+
+/* train_step_rows(residents, rows, lr, momentum=0, weight_decay=0): residents[r]
+ * is the dataset resident on replica r's device. */
+static PyObject *Mirrored_train_step_rows(MirroredObject *self, PyObject *args, PyObject *kwds) {
+  static char *kwlist[] = {"residents", "rows", "lr", "momentum", "weight_decay", NULL};
+  PyObject *R, *rows_obj;
+  mirrored_work w = {.call = MIRRORED_TRAIN};
+  if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOf|ff", kwlist, &R, &rows_obj, &w.lr, &w.momentum,
+                                   &w.weight_decay))
+    return NULL;
+  if (!mirrored_ready(self)) return NULL;
+  /* the step runs without the GIL: the tuple keeps every Resident (and its
+   * dataset) alive whatever happens to the caller's list */
+  PyObject *residents = items_of(R, "residents must be a sequence, one Resident per replica");
+  if (!residents) return NULL;
+  const Py_ssize_t k = PyTuple_GET_SIZE(self->models);
+  dp_resident *data[DP_COMM_MAX_REPLICAS];
+  PyArrayObject *rows = NULL;
+  PyObject *ret = NULL;
+  if (PyTuple_GET_SIZE(residents) != k) {
+    PyErr_Format(PyExc_ValueError, "residents: need one per replica (%zd), got %zd", k, PyTuple_GET_SIZE(residents));
+    goto done;
+  }
+  for (Py_ssize_t r = 0; r < k; ++r)
+    if (!(data[r] = resident_of(PyTuple_GET_ITEM(residents, r), (ModelObject *)PyTuple_GET_ITEM(self->models, r))))
+      goto done;
+  if (!(rows = convert_rows(rows_obj))) goto done;
+  w.mirrored = self->mirrored;
+  w.batch = (dp_batch){NULL, 0, NULL, (int64_t)PyArray_DIM(rows, 0), (const int64_t *)PyArray_DATA(rows), data};
+  if (mirrored_run_without_gil(self, mirrored_work_run, &w) < 0) goto done;
+  ret = Py_BuildValue("(dL)", w.loss, (long long)w.correct);
+done:
+  Py_XDECREF(rows);
+  Py_DECREF(residents);
+  return ret;
+}
+
+static PyObject *Mirrored_broadcast(MirroredObject *self, PyObject *args) {
+  mirrored_work w = {.call = MIRRORED_BROADCAST};
+  if (!PyArg_ParseTuple(args, "|i", &w.root)) return NULL;
+  if (!mirrored_ready(self)) return NULL;
+  w.mirrored = self->mirrored;
+  if (mirrored_run_without_gil(self, mirrored_work_run, &w) < 0) return NULL;
+  Py_RETURN_NONE;
+}
+
+static PyObject *Mirrored_get_all_reduce(MirroredObject *self, void *c) {
+  if (!mirrored_ready(self)) return NULL;
+  return PyUnicode_FromString(dp_comm_kind_name(dp_comm_get_kind(self->mirrored->comm)));
+}
+
+/* [(begin, end, ready_layer), ...] in the order the backward pass starts them */
+static PyObject *Mirrored_get_buckets(MirroredObject *self, void *c) {
+  if (!mirrored_ready(self)) return NULL;
+  const dp_mirrored *m = self->mirrored;
+  PyObject *list = PyList_New(m->nbuckets);
+  if (!list) return NULL;
+  for (int b = 0; b < m->nbuckets; ++b) {
+    PyObject *t = Py_BuildValue("(LLi)", (long long)m->buckets[b].begin, (long long)m->buckets[b].end,
+                                m->buckets[b].ready_layer);
+    if (!t) {
+      Py_DECREF(list);
+      return NULL;
+    }
+    PyList_SET_ITEM(list, b, t);
+  }
+  return list;
+}
+
+static PyGetSetDef Mirrored_getset[] = {
+    {"all_reduce", (getter)Mirrored_get_all_reduce, NULL, "the all-reduce in use: 'host', 'kernel' or 'nccl'", NULL},
+    {"buckets", (getter)Mirrored_get_buckets, NULL,
+     "the gradient buckets: (begin, end, ready_layer) ranges of the flat buffer, in backward order", NULL},
+    {NULL, NULL, NULL, NULL, NULL}};
+
+static PyMethodDef Mirrored_methods[] = {
+    {"train_step", (PyCFunction)(void (*)(void))Mirrored_train_step, METH_VARARGS | METH_KEYWORDS,
+     "train_step(images, labels, lr, momentum=0, weight_decay=0) -> (loss_sum, correct) over the global batch"},
+    {"forward_backward", (PyCFunction)(void (*)(void))Mirrored_forward_backward, METH_VARARGS | METH_KEYWORDS,
+     "forward_backward(images, labels) -> (loss_sum, correct); gradients all-reduced (mean), no step"},
+    {"evaluate", (PyCFunction)(void (*)(void))Mirrored_evaluate, METH_VARARGS | METH_KEYWORDS,
+     "evaluate(images, labels) -> (loss_sum, correct), the batch split over the replicas"},
+    {"train_step_rows", (PyCFunction)(void (*)(void))Mirrored_train_step_rows, METH_VARARGS | METH_KEYWORDS,
+     "train_step_rows(residents, rows, lr, momentum=0, weight_decay=0) -> (loss_sum, correct): a step on rows of "
+     "the dataset resident on every replica's device"},
+    {"broadcast", (PyCFunction)Mirrored_broadcast, METH_VARARGS,
+     "broadcast(root=0): copy a replica's parameters to all and zero the momentum"},
+    {NULL, NULL, 0, NULL}};
+
+PyTypeObject MirroredType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "dpcore._core.Mirrored",
+    .tp_basicsize = sizeof(MirroredObject),
+    .tp_dealloc = (destructor)Mirrored_dealloc,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "Mirrored(models, sync_batchnorm=False, all_reduce='auto', bucket_bytes=25 MiB): one replica per "
+              "device, one thread per replica",
+    .tp_methods = Mirrored_methods,
+    .tp_getset = Mirrored_getset,
+    .tp_init = (initproc)Mirrored_init,
+    .tp_new = PyType_GenericNew,
+};

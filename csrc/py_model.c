@@ -1,0 +1,643 @@
+/* py_model.c — Model (one replica: a network on one device, its flat
+ * parameter, gradient and state buffers) and Resident (a dataset copied once
+ * to a model's device).
+ *
+ * A model takes one call at a time: a call that runs without the GIL marks it
+ * busy (models_run_without_gil), and every method checks model_ready first, so
+ * a second thread gets RuntimeError instead of racing with the first.
+ */
+#include "py_private.h"
+
+#include <string.h>
+
+static void Model_dealloc(ModelObject *self) {
+  dp_model_destroy(self->model);
+  if (self->device_ready) dp_device_destroy(&self->device);
+  Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+int model_check_idle(const ModelObject *self) {
+  if (self->busy) {
+    PyErr_SetString(PyExc_RuntimeError, "this model is in use by another thread");
+    return -1;
+  }
+  return 0;
+}
+
+int model_ready(ModelObject *self) {
+  if (!self->model || !self->model->finalized) {
+    PyErr_SetString(PyExc_RuntimeError, "Model is not initialized");
+    return 0;
+  }
+  return model_check_idle(self) == 0;
+}
+
+/* Runs work on this model alone without the GIL; see models_run_without_gil. */
+static int model_run_without_gil(ModelObject *self, nogil_work work, void *ctx) {
+  PyObject *models[1] = {(PyObject *)self};
+  return models_run_without_gil(models, 1, work, ctx);
+}
+
+/* One layer spec: (kind, *args). Integers for every kind but batchnorm,
+ * whose optional arguments are (eps, momentum) as floats. Returns -1 with a
+ * Python exception for a malformed spec; otherwise 0 and the core's verdict in *st. */
+static int layer_from_tuple(dp_model *m, PyObject *spec, dp_status *st) {
+  if (!PyTuple_Check(spec) || PyTuple_GET_SIZE(spec) < 1 || !PyUnicode_Check(PyTuple_GET_ITEM(spec, 0))) {
+    PyErr_SetString(PyExc_TypeError, "each layer must be a tuple (name, *args)");
+    return -1;
+  }
+  const char *name = PyUnicode_AsUTF8(PyTuple_GET_ITEM(spec, 0));
+  if (!name) return -1;
+  Py_ssize_t n = PyTuple_GET_SIZE(spec) - 1;
+  if (strcmp(name, "batchnorm") == 0) {
+    double eps = 1e-5, momentum = 0.1;
+    if (n > 2) {
+      PyErr_SetString(PyExc_ValueError, "layer batchnorm takes (eps, momentum) at most");
+      return -1;
+    }
+    if (n >= 1 && (eps = PyFloat_AsDouble(PyTuple_GET_ITEM(spec, 1))) == -1.0 && PyErr_Occurred()) return -1;
+    if (n >= 2 && (momentum = PyFloat_AsDouble(PyTuple_GET_ITEM(spec, 2))) == -1.0 && PyErr_Occurred()) return -1;
+    *st = dp_model_add_batchnorm(m, (float)eps, (float)momentum);
+    return 0;
+  }
+  int v[4] = {0, 0, 0, 0};
+  if (n > 4) {
+    PyErr_Format(PyExc_ValueError, "layer %s: too many arguments", name);
+    return -1;
+  }
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    long x = PyLong_AsLong(PyTuple_GET_ITEM(spec, i + 1));
+    if (x == -1 && PyErr_Occurred()) return -1;
+    if (x < -1 || x > (1L << 30)) {
+      PyErr_Format(PyExc_ValueError, "layer %s: argument %ld out of range", name, x);
+      return -1;
+    }
+    v[i] = (int)x;
+  }
+  struct { const char *name; int nargs; } table[] = {{"conv2d", 4}, {"dense", 1},   {"relu", 0},
+                                                      {"avgpool", 3}, {"maxpool", 3}, {"flatten", 0},
+                                                      {"add", 2},     {"global_avgpool", 0}};
+  for (size_t i = 0; i < sizeof table / sizeof table[0]; ++i) {
+    if (strcmp(name, table[i].name) != 0) continue;
+    if (n != table[i].nargs) {
+      PyErr_Format(PyExc_ValueError, "layer %s takes %d arguments, got %zd", name, table[i].nargs, n);
+      return -1;
+    }
+    switch (i) {
+      case 0: *st = dp_model_add_conv2d(m, v[0], v[1], v[2], v[3]); break;
+      case 1: *st = dp_model_add_dense(m, v[0]); break;
+      case 2: *st = dp_model_add_relu(m); break;
+      case 3: *st = dp_model_add_avgpool(m, v[0], v[1], v[2]); break;
+      case 4: *st = dp_model_add_maxpool(m, v[0], v[1], v[2]); break;
+      case 5: *st = dp_model_add_flatten(m); break;
+      case 6: *st = dp_model_add_add(m, v[0], v[1]); break;
+      default: *st = dp_model_add_global_avgpool(m); break;
+    }
+    return 0;
+  }
+  PyErr_Format(PyExc_ValueError, "unknown layer kind '%s'", name);
+  return -1;
+}
+
+typedef struct {
+  dp_device *device;
+  int index, gpu;
+} cuda_init_work;
+
+static dp_status cuda_init_run(void *p) {
+  cuda_init_work *w = p;
+  return dp_cuda_device_init(w->device, w->index, w->gpu);
+}
+
+/* The model's device: a CPU device of `threads` cores (0: every core), or
+ * logical GPU cuda:index on physical GPU gpu. 0, or -1 with the exception set. */
+static int model_device_init(ModelObject *self, const char *kind, int index, int threads, int gpu) {
+  if (strcmp(kind, "cpu") == 0) {
+    dp_status st = dp_cpu_device_init(&self->device, index, threads ? threads : dp_cpu_core_count());
+    if (st != DP_OK) return raise_from_status(st), -1;
+  } else if (strcmp(kind, "cuda") == 0) {
+    /* creating a CUDA context takes a while */
+    cuda_init_work w = {&self->device, index, gpu};
+    if (model_run_without_gil(self, cuda_init_run, &w) < 0) return -1;
+  } else {
+    PyErr_Format(PyExc_ValueError, "device_kind must be 'cpu' or 'cuda', got '%s'", kind);
+    return -1;
+  }
+  self->device_ready = 1;
+  return 0;
+}
+
+/* Model(input_shape=(C, H, W), layers=[...], threads=0, device_index=0, sources=None,
+ *       device_kind='cpu', gpu=0) — threads 0: every core. device_kind 'cuda'
+ * puts the model on logical GPU cuda:device_index of physical GPU `gpu`. */
+static int Model_init(ModelObject *self, PyObject *args, PyObject *kwds) {
+  static char *kwlist[] = {"input_shape", "layers", "threads", "device_index", "sources", "device_kind", "gpu", NULL};
+  int c, h, w, threads = 0, index = 0, gpu = 0;
+  const char *kind = "cpu";
+  PyObject *layers, *sources = Py_None;
+  if (!PyArg_ParseTupleAndKeywords(args, kwds, "(iii)O|iiOsi", kwlist, &c, &h, &w, &layers, &threads, &index,
+                                   &sources, &kind, &gpu))
+    return -1;
+  /* busy: another thread's __init__ is creating the device right now */
+  if (model_check_idle(self) < 0) return -1;
+  if (self->model || self->device_ready) {
+    PyErr_SetString(PyExc_RuntimeError, "Model is already initialized");
+    return -1;
+  }
+  if (threads < 0) {
+    PyErr_Format(PyExc_ValueError, "threads must be >= 0, got %d", threads);
+    return -1;
+  }
+  if (model_device_init(self, kind, index, threads, gpu) < 0) return -1;
+  dp_status st = dp_model_create(&self->device, c, h, w, &self->model);
+  if (st != DP_OK) return raise_from_status(st), -1;
+  PyObject *seq = NULL, *srcs = NULL;
+  int rc = -1;
+  /* tuples: converting an item may run Python code, which could shrink a list */
+  if (!(seq = items_of(layers, "layers must be a sequence of tuples"))) goto done;
+  if (sources != Py_None && !(srcs = items_of(sources, "sources must be a sequence of ints"))) goto done;
+  if (srcs && PySequence_Fast_GET_SIZE(srcs) != PySequence_Fast_GET_SIZE(seq)) {
+    PyErr_SetString(PyExc_ValueError, "sources must have one entry per layer");
+    goto done;
+  }
+  for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(seq); ++i) {
+    /* the layer's input: an earlier layer, -1 for the model input, None for the previous layer */
+    PyObject *src = srcs ? PySequence_Fast_GET_ITEM(srcs, i) : Py_None;
+    if (src != Py_None) {
+      long v = PyLong_AsLong(src);
+      if (v == -1 && PyErr_Occurred()) goto done;
+      if ((st = dp_model_set_source(self->model, (int)v)) != DP_OK) {
+        raise_from_status(st);
+        goto done;
+      }
+    }
+    if (layer_from_tuple(self->model, PySequence_Fast_GET_ITEM(seq, i), &st) < 0) goto done;
+    if (st != DP_OK) {
+      raise_from_status(st);
+      goto done;
+    }
+  }
+  if ((st = dp_model_finalize(self->model)) != DP_OK) {
+    raise_from_status(st);
+    goto done;
+  }
+  rc = 0;
+done:
+  Py_XDECREF(srcs);
+  Py_XDECREF(seq);
+  return rc;
+}
+
+/* Appends item (a new reference, or NULL after a failed build) to list, and drops it. */
+static int list_append_new(PyObject *list, PyObject *item) {
+  int rc = item ? PyList_Append(list, item) : -1;
+  Py_XDECREF(item);
+  return rc;
+}
+
+/* A weight's shape: conv (O, C, K, K), BatchNorm's gamma (C,), dense (out, in). */
+static PyObject *weight_shape(const dp_layer *l) {
+  if (l->kind == DP_LAYER_CONV2D) return Py_BuildValue("(iiii)", l->out_c, l->in_c, l->k, l->k);
+  if (l->kind == DP_LAYER_BATCHNORM) return Py_BuildValue("(i)", l->out_c);
+  return Py_BuildValue("(ii)", l->out_c, l->in_c);
+}
+
+/* [(layer_index, name, offset, shape)]: into the flat parameter buffer, a
+ * weight and a bias per layer with parameters (state 0); into the state
+ * buffer, a running mean and variance per BatchNorm layer (state 1). */
+static PyObject *model_layout(ModelObject *self, int state) {
+  if (!model_ready(self)) return NULL;
+  PyObject *out = PyList_New(0);
+  if (!out) return NULL;
+  const dp_model *m = self->model;
+  for (int i = 0; i < m->nlayers; ++i) {
+    const dp_layer *l = &m->layers[i];
+    if (state ? l->kind != DP_LAYER_BATCHNORM : !l->w_len) continue;
+    const char *first = state ? "running_mean" : "weight", *second = state ? "running_var" : "bias";
+    const long long off1 = state ? l->state_off : l->w_off, off2 = state ? l->state_off + l->in_c : l->b_off;
+    PyObject *shape1 = state ? Py_BuildValue("(i)", l->in_c) : weight_shape(l);
+    if (!shape1 || list_append_new(out, Py_BuildValue("(isLN)", i, first, off1, shape1)) < 0 ||
+        list_append_new(out, Py_BuildValue("(isL(i))", i, second, off2, state ? l->in_c : l->out_c)) < 0) {
+      Py_DECREF(out);
+      return NULL;
+    }
+  }
+  return out;
+}
+
+static PyObject *Model_param_layout(ModelObject *self, PyObject *unused) { return model_layout(self, 0); }
+static PyObject *Model_state_layout(ModelObject *self, PyObject *unused) { return model_layout(self, 1); }
+
+static PyObject *Model_layers(ModelObject *self, PyObject *unused) {
+  if (!model_ready(self)) return NULL;
+  static const char *names[] = {"conv2d", "dense",     "relu", "avgpool",       "maxpool",
+                                "flatten", "batchnorm", "add",  "global_avgpool"};
+  const dp_model *m = self->model;
+  PyObject *out = PyList_New(m->nlayers);
+  if (!out) return NULL;
+  for (int i = 0; i < m->nlayers; ++i) {
+    const dp_layer *l = &m->layers[i];
+    PyObject *t = Py_BuildValue("(s(iii)(iii))", names[l->kind], l->in_c, l->in_h, l->in_w, l->out_c, l->out_h,
+                                l->out_w);
+    if (!t) {
+      Py_DECREF(out);
+      return NULL;
+    }
+    PyList_SET_ITEM(out, i, t);
+  }
+  return out;
+}
+
+/* ---- the flat buffers: copies in and out, with the GIL held (one copy each) -- */
+
+typedef dp_status (*flat_getter)(dp_model *, float *);
+typedef dp_status (*flat_setter)(dp_model *, const float *);
+
+/* A new float32 array of the n floats get copies out of the model. */
+static PyObject *get_flat(ModelObject *self, int64_t n, flat_getter get) {
+  npy_intp len = (npy_intp)n;
+  PyArrayObject *out = new_float32(1, &len);
+  if (!out) return NULL;
+  dp_status st = get(self->model, (float *)PyArray_DATA(out));
+  if (st != DP_OK) {
+    Py_DECREF(out);
+    return raise_from_status(st);
+  }
+  return (PyObject *)out;
+}
+
+/* set(model, arg) after checking that arg holds n float32 values. */
+static PyObject *set_flat(ModelObject *self, PyObject *arg, const char *what, int64_t n, flat_setter set) {
+  PyArrayObject *a = as_float32(arg, 1, what);
+  if (!a) return NULL;
+  PyObject *ret = NULL;
+  if (PyArray_DIM(a, 0) != n) {
+    PyErr_Format(PyExc_ValueError, "%s must have %lld elements, got %ld", what, (long long)n, (long)PyArray_DIM(a, 0));
+    goto done;
+  }
+  dp_status st = set(self->model, (const float *)PyArray_DATA(a));
+  if (st != DP_OK) {
+    raise_from_status(st);
+    goto done;
+  }
+  ret = Py_NewRef(Py_None);
+done:
+  Py_DECREF(a);
+  return ret;
+}
+
+static PyObject *Model_get_params(ModelObject *self, PyObject *unused) {
+  if (!model_ready(self)) return NULL;
+  return get_flat(self, self->model->nparams, dp_model_get_params);
+}
+
+static PyObject *Model_get_grads(ModelObject *self, PyObject *unused) {
+  if (!model_ready(self)) return NULL;
+  return get_flat(self, self->model->nparams, dp_model_get_grads);
+}
+
+static PyObject *Model_get_state(ModelObject *self, PyObject *unused) {
+  if (!model_ready(self)) return NULL;
+  return get_flat(self, self->model->nstate, dp_model_get_state);
+}
+
+static PyObject *Model_set_params(ModelObject *self, PyObject *arg) {
+  if (!model_ready(self)) return NULL;
+  return set_flat(self, arg, "params", self->model->nparams, dp_model_set_params);
+}
+
+static PyObject *Model_set_state(ModelObject *self, PyObject *arg) {
+  if (!model_ready(self)) return NULL;
+  return set_flat(self, arg, "state", self->model->nstate, dp_model_set_state);
+}
+
+static PyObject *Model_reset_velocity(ModelObject *self, PyObject *unused) {
+  if (!model_ready(self)) return NULL;
+  dp_status st = dp_model_reset_velocity(self->model);
+  if (st != DP_OK) return raise_from_status(st);
+  Py_RETURN_NONE;
+}
+
+/* The flat buffers as Tensors sharing their memory (CPU models): the
+ * chapter-12.5 replica's grads and params that dp.all_reduce works on. */
+static PyObject *model_view(ModelObject *self, int grads) {
+  if (!model_ready(self)) return NULL;
+  if (self->device.kind != DP_DEVICE_CPU) {
+    /* a Tensor's memory is read from the host; use get_params / get_grads */
+    PyErr_Format(PyExc_ValueError, "a view of the flat buffers exists for CPU models only; %s is not one",
+                 self->device.name);
+    return NULL;
+  }
+  return tensor_view_of_model(self, grads ? self->model->grads : self->model->params, (npy_intp)self->model->nparams);
+}
+
+static PyObject *Model_grads_tensor(ModelObject *self, PyObject *u) { return model_view(self, 1); }
+static PyObject *Model_params_tensor(ModelObject *self, PyObject *u) { return model_view(self, 0); }
+
+/* ---- the calls that compute: without the GIL, the model marked busy --------- */
+
+enum model_call { MODEL_TRAIN_STEP, MODEL_FORWARD_BACKWARD, MODEL_EVALUATE, MODEL_PREDICT, MODEL_SGD_STEP };
+
+typedef struct {
+  dp_model *model;
+  enum model_call call;
+  dp_batch batch;  /* host images and labels, or rows of the dataset batch.resident[0] */
+  float grad_scale, lr, momentum, weight_decay;
+  float *logits;   /* predict: (n, num_classes), host memory */
+  double loss;
+  int64_t correct;
+} model_work;
+
+static dp_status model_work_run(void *p) {
+  model_work *w = p;
+  dp_model *m = w->model;
+  const dp_batch *b = &w->batch;
+  switch (w->call) {
+    case MODEL_EVALUATE: return dp_model_evaluate(m, b, &w->loss, &w->correct);
+    case MODEL_FORWARD_BACKWARD: return dp_model_forward_backward(m, b, w->grad_scale, &w->loss, &w->correct);
+    case MODEL_PREDICT: return dp_model_predict(m, b, w->logits);
+    case MODEL_SGD_STEP: return dp_model_sgd_step(m, w->lr, w->momentum, w->weight_decay);
+    case MODEL_TRAIN_STEP: break;
+  }
+  if (b->n == 0) return DP_OK; /* an empty batch changes nothing */
+  DP_TRY(b->resident ? dp_model_load_rows(m, b->resident[0], b->rows, b->n) : dp_model_load(m, b, 1));
+  return dp_model_train_step_loaded(m, b->n, w->lr, w->momentum, w->weight_decay, &w->loss, &w->correct);
+}
+
+/* train_step / forward_backward / evaluate on a host batch: convert, run
+ * without the GIL, report (loss_sum, correct). */
+static PyObject *model_batch(ModelObject *self, PyObject *X, PyObject *Y, model_work *w) {
+  if (!model_ready(self)) return NULL;
+  PyArrayObject *xa = NULL, *ya = NULL;
+  PyObject *ret = NULL;
+  int is_u8 = 0;
+  if (convert_images(X, self->model, &xa, &is_u8) < 0) goto done;
+  if (convert_labels(Y, PyArray_DIM(xa, 0), &ya) < 0) goto done;
+  w->model = self->model;
+  w->batch = (dp_batch){PyArray_DATA(xa), is_u8, (const int64_t *)PyArray_DATA(ya), (int64_t)PyArray_DIM(xa, 0),
+                        NULL, NULL};
+  if (model_run_without_gil(self, model_work_run, w) < 0) goto done;
+  ret = Py_BuildValue("(dL)", w->loss, (long long)w->correct);
+done:
+  Py_XDECREF(xa);
+  Py_XDECREF(ya);
+  return ret;
+}
+
+static PyObject *Model_train_step(ModelObject *self, PyObject *args, PyObject *kwds) {
+  static char *kwlist[] = {"images", "labels", "lr", "momentum", "weight_decay", NULL};
+  PyObject *X, *Y;
+  model_work w = {.call = MODEL_TRAIN_STEP};
+  if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOf|ff", kwlist, &X, &Y, &w.lr, &w.momentum, &w.weight_decay))
+    return NULL;
+  return model_batch(self, X, Y, &w);
+}
+
+static PyObject *Model_forward_backward(ModelObject *self, PyObject *args, PyObject *kwds) {
+  static char *kwlist[] = {"images", "labels", "grad_scale", NULL};
+  PyObject *X, *Y;
+  model_work w = {.call = MODEL_FORWARD_BACKWARD};
+  if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOf", kwlist, &X, &Y, &w.grad_scale)) return NULL;
+  return model_batch(self, X, Y, &w);
+}
+
+static PyObject *Model_evaluate(ModelObject *self, PyObject *args, PyObject *kwds) {
+  static char *kwlist[] = {"images", "labels", NULL};
+  PyObject *X, *Y;
+  model_work w = {.call = MODEL_EVALUATE};
+  if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO", kwlist, &X, &Y)) return NULL;
+  return model_batch(self, X, Y, &w);
+}
+
+static PyObject *Model_sgd_step(ModelObject *self, PyObject *args, PyObject *kwds) {
+  static char *kwlist[] = {"lr", "momentum", "weight_decay", NULL};
+  model_work w = {.call = MODEL_SGD_STEP};
+  if (!PyArg_ParseTupleAndKeywords(args, kwds, "f|ff", kwlist, &w.lr, &w.momentum, &w.weight_decay)) return NULL;
+  if (!model_ready(self)) return NULL;
+  w.model = self->model;
+  if (model_run_without_gil(self, model_work_run, &w) < 0) return NULL;
+  Py_RETURN_NONE;
+}
+
+static PyObject *Model_predict(ModelObject *self, PyObject *X) {
+  if (!model_ready(self)) return NULL;
+  PyArrayObject *xa = NULL, *out = NULL;
+  PyObject *ret = NULL;
+  int is_u8 = 0;
+  if (convert_images(X, self->model, &xa, &is_u8) < 0) goto done;
+  npy_intp dims[2] = {PyArray_DIM(xa, 0), dp_model_num_classes(self->model)};
+  if (!(out = new_float32(2, dims))) goto done;
+  model_work w = {.model = self->model, .call = MODEL_PREDICT, .logits = (float *)PyArray_DATA(out)};
+  w.batch = (dp_batch){PyArray_DATA(xa), is_u8, NULL, (int64_t)dims[0], NULL, NULL};
+  if (model_run_without_gil(self, model_work_run, &w) < 0) goto done;
+  ret = Py_NewRef(out);
+done:
+  Py_XDECREF(xa);
+  Py_XDECREF(out);
+  return ret;
+}
+
+/* train_step_rows(resident, rows, lr, momentum=0, weight_decay=0) -> (loss_sum, correct) */
+static PyObject *Model_train_step_rows(ModelObject *self, PyObject *args, PyObject *kwds) {
+  static char *kwlist[] = {"resident", "rows", "lr", "momentum", "weight_decay", NULL};
+  PyObject *R, *rows_obj;
+  model_work w = {.call = MODEL_TRAIN_STEP};
+  if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOf|ff", kwlist, &R, &rows_obj, &w.lr, &w.momentum,
+                                   &w.weight_decay))
+    return NULL;
+  if (!model_ready(self)) return NULL;
+  /* R (held by the call's arguments) keeps the dataset alive */
+  dp_resident *data = resident_of(R, self);
+  if (!data) return NULL;
+  PyArrayObject *rows = convert_rows(rows_obj);
+  if (!rows) return NULL;
+  w.model = self->model;
+  w.batch = (dp_batch){NULL, 0, NULL, (int64_t)PyArray_DIM(rows, 0), (const int64_t *)PyArray_DATA(rows), &data};
+  PyObject *ret = NULL;
+  if (model_run_without_gil(self, model_work_run, &w) == 0)
+    ret = Py_BuildValue("(dL)", w.loss, (long long)w.correct);
+  Py_DECREF(rows);
+  return ret;
+}
+
+/* memory_stats() -> dict of the device arena's statistics (CUDA), None on a CPU device */
+static PyObject *Model_memory_stats(ModelObject *self, PyObject *unused) {
+  if (!model_ready(self)) return NULL;
+  if (self->model->dev->kind != DP_DEVICE_CUDA) Py_RETURN_NONE;
+  dp_arena_stats s;
+  dp_status st = dp_cuda_memory_stats(self->model->dev, &s);
+  if (st != DP_OK) return raise_from_status(st);
+  return Py_BuildValue("{s:n,s:n,s:n,s:n,s:n}", "reserved_bytes", (Py_ssize_t)s.reserved_bytes, "in_use_bytes",
+                       (Py_ssize_t)s.in_use_bytes, "peak_in_use_bytes", (Py_ssize_t)s.peak_in_use_bytes, "chunks",
+                       (Py_ssize_t)s.chunks, "blocks", (Py_ssize_t)s.blocks);
+}
+
+static PyObject *Model_get_nparams(ModelObject *self, void *c) {
+  return self->model ? PyLong_FromLongLong(self->model->nparams) : PyLong_FromLong(0);
+}
+static PyObject *Model_get_num_classes(ModelObject *self, void *c) {
+  return self->model ? PyLong_FromLong(dp_model_num_classes(self->model)) : PyLong_FromLong(0);
+}
+static PyObject *Model_get_threads(ModelObject *self, void *c) { return PyLong_FromLong(self->device.nthreads); }
+static PyObject *Model_get_device(ModelObject *self, void *c) { return PyUnicode_FromString(self->device.name); }
+static PyObject *Model_get_input_shape(ModelObject *self, void *c) {
+  if (!self->model) Py_RETURN_NONE;
+  return Py_BuildValue("(iii)", self->model->in_c, self->model->in_h, self->model->in_w);
+}
+
+static PyMethodDef Model_methods[] = {
+    {"memory_stats", (PyCFunction)Model_memory_stats, METH_NOARGS,
+     "the device arena's statistics (reserved_bytes, in_use_bytes, peak_in_use_bytes, chunks, blocks); None on a "
+     "CPU device"},
+    {"train_step_rows", (PyCFunction)(void (*)(void))Model_train_step_rows, METH_VARARGS | METH_KEYWORDS,
+     "train_step_rows(resident, rows, lr, momentum=0, weight_decay=0) -> (loss_sum, correct): a step on rows of "
+     "a Resident dataset"},
+    {"grads_tensor", (PyCFunction)Model_grads_tensor, METH_NOARGS, "the flat gradient buffer as a Tensor (a view)"},
+    {"params_tensor", (PyCFunction)Model_params_tensor, METH_NOARGS, "the flat parameter buffer as a Tensor (a view)"},
+    {"param_layout", (PyCFunction)Model_param_layout, METH_NOARGS,
+     "[(layer_index, 'weight'|'bias', offset, shape)] into the flat parameter buffer"},
+    {"layers", (PyCFunction)Model_layers, METH_NOARGS, "[(kind, input_shape, output_shape)]"},
+    {"state_layout", (PyCFunction)Model_state_layout, METH_NOARGS,
+     "[(layer_index, 'running_mean'|'running_var', offset, shape)] into the flat state buffer"},
+    {"get_state", (PyCFunction)Model_get_state, METH_NOARGS, "a copy of the BatchNorm running statistics"},
+    {"set_state", (PyCFunction)Model_set_state, METH_O, "replace the BatchNorm running statistics"},
+    {"get_params", (PyCFunction)Model_get_params, METH_NOARGS, "a copy of the flat parameter buffer"},
+    {"get_grads", (PyCFunction)Model_get_grads, METH_NOARGS, "a copy of the flat gradient buffer"},
+    {"set_params", (PyCFunction)Model_set_params, METH_O, "replace the flat parameter buffer"},
+    {"reset_velocity", (PyCFunction)Model_reset_velocity, METH_NOARGS, "zero the SGD momentum buffer"},
+    {"train_step", (PyCFunction)(void (*)(void))Model_train_step, METH_VARARGS | METH_KEYWORDS,
+     "train_step(images, labels, lr, momentum=0, weight_decay=0) -> (loss_sum, correct)"},
+    {"forward_backward", (PyCFunction)(void (*)(void))Model_forward_backward, METH_VARARGS | METH_KEYWORDS,
+     "forward_backward(images, labels, grad_scale) -> (loss_sum, correct); gradients stay in the model"},
+    {"sgd_step", (PyCFunction)(void (*)(void))Model_sgd_step, METH_VARARGS | METH_KEYWORDS,
+     "sgd_step(lr, momentum=0, weight_decay=0)"},
+    {"evaluate", (PyCFunction)(void (*)(void))Model_evaluate, METH_VARARGS | METH_KEYWORDS,
+     "evaluate(images, labels) -> (loss_sum, correct)"},
+    {"predict", (PyCFunction)Model_predict, METH_O, "predict(images) -> logits (N, classes) float32"},
+    {NULL, NULL, 0, NULL}};
+
+static PyGetSetDef Model_getset[] = {
+    {"nparams", (getter)Model_get_nparams, NULL, "length of the flat parameter buffer", NULL},
+    {"num_classes", (getter)Model_get_num_classes, NULL, "width of the logits", NULL},
+    {"threads", (getter)Model_get_threads, NULL, "cores the model's device uses", NULL},
+    {"device", (getter)Model_get_device, NULL, "device name", NULL},
+    {"input_shape", (getter)Model_get_input_shape, NULL, "(C, H, W)", NULL},
+    {NULL, NULL, NULL, NULL, NULL}};
+
+PyTypeObject ModelType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "dpcore._core.Model",
+    .tp_basicsize = sizeof(ModelObject),
+    .tp_dealloc = (destructor)Model_dealloc,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "A sequential network on one CPU device with flat parameter and gradient buffers.",
+    .tp_methods = Model_methods,
+    .tp_getset = Model_getset,
+    .tp_init = (initproc)Model_init,
+    .tp_new = PyType_GenericNew,
+};
+
+/* ---- Resident: a dataset copied once to a model's device ----------------------- */
+
+typedef struct {
+  PyObject_HEAD
+  PyObject *owner; /* the ModelObject whose device holds the data (kept alive); set first by __init__ */
+  dp_resident *data;
+} ResidentObject;
+
+static void Resident_dealloc(ResidentObject *self) {
+  dp_resident_destroy(self->data);
+  Py_XDECREF(self->owner);
+  Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+typedef struct {
+  const dp_model *model;
+  const void *x;
+  int x_is_u8;
+  const int64_t *y;
+  int64_t n;
+  dp_resident *out;
+} resident_work;
+
+static dp_status resident_run(void *p) {
+  resident_work *w = p;
+  const dp_model *m = w->model;
+  return dp_resident_create(m->dev, w->x, w->x_is_u8, w->y, w->n, (int64_t)m->in_c * m->in_h * m->in_w,
+                            dp_model_num_classes(m), &w->out);
+}
+
+/* Resident(model, images, labels): images (N, C, H, W) uint8 or float32 as
+ * the model takes them, labels (N,) int64 in [0, num_classes). */
+static int Resident_init(ResidentObject *self, PyObject *args, PyObject *kwds) {
+  static char *kwlist[] = {"model", "images", "labels", NULL};
+  PyObject *model, *X, *Y;
+  if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!OO", kwlist, &ModelType, &model, &X, &Y)) return -1;
+  /* owner is set before the copy runs without the GIL, so that a second
+   * __init__ meanwhile is refused too */
+  if (self->data || self->owner) {
+    PyErr_SetString(PyExc_RuntimeError, "Resident is already initialized");
+    return -1;
+  }
+  ModelObject *mo = (ModelObject *)model;
+  if (!model_ready(mo)) return -1;
+  PyArrayObject *xa = NULL, *ya = NULL;
+  int is_u8 = 0, rc = -1;
+  if (convert_images(X, mo->model, &xa, &is_u8) < 0) goto done;
+  if (convert_labels(Y, PyArray_DIM(xa, 0), &ya) < 0) goto done;
+  resident_work w = {mo->model, PyArray_DATA(xa), is_u8, (const int64_t *)PyArray_DATA(ya),
+                     (int64_t)PyArray_DIM(xa, 0), NULL};
+  self->owner = Py_NewRef(model);
+  if (model_run_without_gil(mo, resident_run, &w) < 0) {
+    Py_CLEAR(self->owner);
+    goto done;
+  }
+  self->data = w.out;
+  rc = 0;
+done:
+  Py_XDECREF(xa);
+  Py_XDECREF(ya);
+  return rc;
+}
+
+static PyObject *Resident_get_len(ResidentObject *self, void *c) {
+  return self->data ? PyLong_FromLongLong((long long)self->data->count) : PyLong_FromLong(0);
+}
+static PyObject *Resident_get_nbytes(ResidentObject *self, void *c) {
+  return PyLong_FromSize_t(self->data ? dp_resident_bytes(self->data) : 0);
+}
+static PyObject *Resident_get_device(ResidentObject *self, void *c) {
+  if (!self->data) Py_RETURN_NONE;
+  return PyUnicode_FromString(self->data->dev->name);
+}
+
+static PyGetSetDef Resident_getset[] = {
+    {"num_samples", (getter)Resident_get_len, NULL, "samples held", NULL},
+    {"nbytes", (getter)Resident_get_nbytes, NULL, "device bytes held (images and labels)", NULL},
+    {"device", (getter)Resident_get_device, NULL, "the device holding the data", NULL},
+    {NULL, NULL, NULL, NULL, NULL}};
+
+PyTypeObject ResidentType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "dpcore._core.Resident",
+    .tp_basicsize = sizeof(ResidentObject),
+    .tp_dealloc = (destructor)Resident_dealloc,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "Resident(model, images, labels): a dataset copied once to the model's device; train_step_rows "
+              "then moves only the indices of each batch",
+    .tp_getset = Resident_getset,
+    .tp_init = (initproc)Resident_init,
+    .tp_new = PyType_GenericNew,
+};
+
+dp_resident *resident_of(PyObject *obj, const ModelObject *mo) {
+  if (!PyObject_TypeCheck(obj, &ResidentType) || !((ResidentObject *)obj)->data) {
+    PyErr_Format(PyExc_TypeError, "expected an initialized dpcore Resident, got %s", Py_TYPE(obj)->tp_name);
+    return NULL;
+  }
+  ResidentObject *r = (ResidentObject *)obj;
+  if (r->data->dev != mo->model->dev) {
+    PyErr_Format(PyExc_ValueError, "the resident dataset is on %s, the model replica on %s", r->data->dev->name,
+                 mo->model->dev->name);
+    return NULL;
+  }
+  return r->data;
+}

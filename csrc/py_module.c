@@ -1,0 +1,322 @@
+/* py_module.c — module dpcore._core: PyInit__core, the module functions
+ * (build and runtime info, CUDA options, shard ranges, benchmarks), and the
+ * helpers every file of the binding shares (py_private.h): dp_status to
+ * exception, the NumPy converters, and the one way to release the GIL.
+ */
+#define DP_PY_MODULE_INIT /* this file defines NumPy's API table (py_private.h) */
+#include "py_private.h"
+
+#include <cblas.h>
+#include <omp.h>
+#include <string.h>
+
+#include "dp_build_config.h"
+#ifdef DP_HAVE_CUDA
+#include "dp_cuda.h"
+#endif
+
+/* OpenBLAS extension: the build's configuration string. */
+extern char *openblas_get_config(void);
+
+PyObject *DpcoreError;
+PyObject *DeviceError;
+
+/* ---- errors: the one place ------------------------------------------------ */
+
+PyObject *raise_from_status(dp_status s) {
+  const char *msg = dp_error_message();
+  if (!msg || !msg[0]) msg = dp_status_name(s);
+  PyObject *type;
+  switch (s) {
+    case DP_ERR_VALUE: type = PyExc_ValueError; break;
+    case DP_ERR_TYPE: type = PyExc_TypeError; break;
+    case DP_ERR_MEMORY: type = PyExc_MemoryError; break;
+    case DP_ERR_IO: type = PyExc_OSError; break;
+    case DP_ERR_CUDA: type = DeviceError; break;
+    case DP_ERR_INTERRUPTED: type = PyExc_KeyboardInterrupt; break;
+    default: type = DpcoreError; break;
+  }
+  PyErr_SetString(type, msg);
+  dp_error_clear();
+  return NULL;
+}
+
+/* ---- the GIL ---------------------------------------------------------------- */
+
+int models_run_without_gil(PyObject *const *models, Py_ssize_t n, nogil_work work, void *ctx) {
+  /* all idle before any is marked, so that a refusal leaves no mark behind */
+  for (Py_ssize_t i = 0; i < n; ++i)
+    if (model_check_idle((const ModelObject *)models[i]) < 0) return -1;
+  for (Py_ssize_t i = 0; i < n; ++i) ((ModelObject *)models[i])->busy = 1;
+  dp_status st;
+  Py_BEGIN_ALLOW_THREADS
+  st = work(ctx);
+  Py_END_ALLOW_THREADS
+  for (Py_ssize_t i = 0; i < n; ++i) ((ModelObject *)models[i])->busy = 0;
+  /* the message is thread-local and the work ran on this thread */
+  if (st != DP_OK) return raise_from_status(st), -1;
+  return 0;
+}
+
+/* ---- array converters ----------------------------------------------------- */
+
+const char *dtype_name(PyArrayObject *a) { return PyArray_DESCR(a)->typeobj->tp_name; }
+
+PyArrayObject *as_float32(PyObject *obj, int rank, const char *what) {
+  if (!PyArray_Check(obj)) {
+    PyErr_Format(PyExc_TypeError, "%s must be a numpy.ndarray, got %s", what, Py_TYPE(obj)->tp_name);
+    return NULL;
+  }
+  PyArrayObject *a = (PyArrayObject *)obj;
+  if (PyArray_TYPE(a) != NPY_FLOAT32) {
+    PyErr_Format(PyExc_TypeError, "%s must be float32, got %s", what, dtype_name(a));
+    return NULL;
+  }
+  if (rank >= 0 && PyArray_NDIM(a) != rank) {
+    PyErr_Format(PyExc_ValueError, "%s must have %d dimensions, got %d", what, rank, PyArray_NDIM(a));
+    return NULL;
+  }
+  return (PyArrayObject *)PyArray_FROM_OTF(obj, NPY_FLOAT32, NPY_ARRAY_IN_ARRAY | NPY_ARRAY_NOTSWAPPED);
+}
+
+PyArrayObject *new_float32(int rank, const npy_intp *dims) {
+  return (PyArrayObject *)PyArray_ZEROS(rank, (npy_intp *)dims, NPY_FLOAT32, 0);
+}
+
+int convert_images(PyObject *obj, const dp_model *m, PyArrayObject **out, int *is_u8) {
+  *out = NULL;
+  if (!PyArray_Check(obj)) {
+    PyErr_Format(PyExc_TypeError, "images must be a numpy.ndarray, got %s", Py_TYPE(obj)->tp_name);
+    return -1;
+  }
+  PyArrayObject *a = (PyArrayObject *)obj;
+  int t = PyArray_TYPE(a);
+  if (t != NPY_UINT8 && t != NPY_FLOAT32) {
+    PyErr_Format(PyExc_TypeError, "images must be uint8 or float32, got %s", dtype_name(a));
+    return -1;
+  }
+  const npy_intp *d = PyArray_DIMS(a);
+  if (PyArray_NDIM(a) != 4 || d[1] != m->in_c || d[2] != m->in_h || d[3] != m->in_w) {
+    char got[128] = "(";
+    for (int i = 0; i < PyArray_NDIM(a); ++i)
+      snprintf(got + strlen(got), sizeof got - strlen(got), "%s%ld", i ? ", " : "", (long)d[i]);
+    snprintf(got + strlen(got), sizeof got - strlen(got), ")");
+    PyErr_Format(PyExc_ValueError, "images must have shape (N, %d, %d, %d), got %s", m->in_c, m->in_h, m->in_w, got);
+    return -1;
+  }
+  *out = (PyArrayObject *)PyArray_FROM_OTF(obj, t, NPY_ARRAY_IN_ARRAY | NPY_ARRAY_NOTSWAPPED);
+  *is_u8 = t == NPY_UINT8;
+  return *out ? 0 : -1;
+}
+
+int convert_labels(PyObject *obj, npy_intp n, PyArrayObject **out) {
+  *out = NULL;
+  if (!PyArray_Check(obj)) {
+    PyErr_Format(PyExc_TypeError, "labels must be a numpy.ndarray, got %s", Py_TYPE(obj)->tp_name);
+    return -1;
+  }
+  PyArrayObject *a = (PyArrayObject *)obj;
+  if (PyArray_TYPE(a) != NPY_INT64) {
+    PyErr_Format(PyExc_TypeError, "labels must be int64, got %s", dtype_name(a));
+    return -1;
+  }
+  if (PyArray_NDIM(a) != 1 || PyArray_DIM(a, 0) != n) {
+    PyErr_Format(PyExc_ValueError, "labels must have shape (%ld,) to match the images, got %d dimensions of length %ld",
+                 (long)n, PyArray_NDIM(a), PyArray_NDIM(a) ? (long)PyArray_DIM(a, 0) : 0L);
+    return -1;
+  }
+  *out = (PyArrayObject *)PyArray_FROM_OTF(obj, NPY_INT64, NPY_ARRAY_IN_ARRAY | NPY_ARRAY_NOTSWAPPED);
+  return *out ? 0 : -1;
+}
+
+PyArrayObject *convert_rows(PyObject *obj) {
+  if (!PyArray_Check(obj) || PyArray_TYPE((PyArrayObject *)obj) != NPY_INT64 ||
+      PyArray_NDIM((PyArrayObject *)obj) != 1) {
+    PyErr_SetString(PyExc_TypeError, "rows must be a 1-D int64 numpy array of sample indices");
+    return NULL;
+  }
+  return (PyArrayObject *)PyArray_FROM_OTF(obj, NPY_INT64, NPY_ARRAY_IN_ARRAY | NPY_ARRAY_NOTSWAPPED);
+}
+
+PyObject *items_of(PyObject *obj, const char *what) {
+  PyObject *seq = PySequence_Fast(obj, what);
+  if (!seq) return NULL;
+  PyObject *items = PyList_Check(seq) ? PyList_AsTuple(seq) : Py_NewRef(seq);
+  Py_DECREF(seq);
+  return items;
+}
+
+/* ---- module functions ------------------------------------------------------- */
+
+typedef struct {
+  int k, iters;
+  int64_t n;
+  double seconds;
+} benchmark_work;
+
+static dp_status benchmark_run(void *p) {
+  benchmark_work *w = p;
+  return dp_allreduce_benchmark(w->k, w->n, w->iters, &w->seconds);
+}
+
+/* allreduce_benchmark(k, n, iters) -> seconds for iters all-reduces of n floats */
+static PyObject *mod_allreduce_benchmark(PyObject *mod, PyObject *args) {
+  long long n;
+  benchmark_work w = {0, 0, 0, 0.0};
+  if (!PyArg_ParseTuple(args, "iLi", &w.k, &n, &w.iters)) return NULL;
+  w.n = n;
+  if (models_run_without_gil(NULL, 0, benchmark_run, &w) < 0) return NULL;
+  return PyFloat_FromDouble(w.seconds);
+}
+
+/* cudnn_conv_output_dim(N, C, H, W, O, KH, KW, stride, pad) -> (n, c, h, w) as cuDNN infers it */
+static PyObject *mod_cudnn_conv_output_dim(PyObject *mod, PyObject *args) {
+  dp_conv_geom g = {0};
+  int N;
+  if (!PyArg_ParseTuple(args, "iiiiiiiii", &N, &g.C, &g.H, &g.W, &g.O, &g.KH, &g.KW, &g.stride, &g.pad)) return NULL;
+  int out[4] = {0, 0, 0, 0};
+  dp_status st = dp_cudnn_conv_output_dim(&g, N, out);
+  if (st != DP_OK) return raise_from_status(st);
+  return Py_BuildValue("(iiii)", out[0], out[1], out[2], out[3]);
+}
+
+/* shard_ranges(n, k) -> [(begin, end)]: the split the trainer uses. */
+static PyObject *mod_shard_ranges(PyObject *mod, PyObject *args) {
+  long long n;
+  int k;
+  if (!PyArg_ParseTuple(args, "Li", &n, &k)) return NULL;
+  if (n < 0 || k < 1) {
+    PyErr_SetString(PyExc_ValueError, "shard_ranges needs n >= 0 and k >= 1");
+    return NULL;
+  }
+  PyObject *out = PyList_New(k);
+  if (!out) return NULL;
+  for (int r = 0; r < k; ++r) {
+    int64_t b, e;
+    dp_shard_range(n, k, r, &b, &e);
+    PyObject *t = Py_BuildValue("(LL)", (long long)b, (long long)e);
+    if (!t) {
+      Py_DECREF(out);
+      return NULL;
+    }
+    PyList_SET_ITEM(out, r, t);
+  }
+  return out;
+}
+
+static PyObject *mod_build_info_json(PyObject *m, PyObject *unused) { return PyUnicode_FromString(DP_BUILD_INFO_JSON); }
+
+/* The physical GPUs: [{'name', 'memory_bytes', 'compute_capability'}], a new list or NULL. */
+static PyObject *runtime_gpus(int count) {
+  PyObject *gpus = PyList_New(0);
+#ifdef DP_HAVE_CUDA
+  for (int g = 0; gpus && g < count; ++g) {
+    char name[256];
+    size_t mem = 0;
+    int major = 0, minor = 0;
+    if (dp_cuda_describe(g, name, sizeof name, &mem, &major, &minor) != 0) continue;
+    PyObject *d = Py_BuildValue("{s:s,s:n,s:(ii)}", "name", name, "memory_bytes", (Py_ssize_t)mem,
+                                "compute_capability", major, minor);
+    if (!d || PyList_Append(gpus, d) < 0) Py_CLEAR(gpus);
+    Py_XDECREF(d);
+  }
+#endif
+  return gpus;
+}
+
+static PyObject *mod_runtime_info(PyObject *m, PyObject *unused) {
+  int count = 0, rt = 0, drv = 0;
+  char why[256] = "built without CUDA";
+#ifdef DP_HAVE_CUDA
+  dp_cuda_probe(&count, why, sizeof why, &rt, &drv); /* never fails: count 0 and why say what is missing */
+#endif
+  PyObject *gpus = runtime_gpus(count);
+  if (!gpus) return NULL;
+  return Py_BuildValue("{s:i,s:s,s:N,s:i,s:i,s:i,s:i,s:s,s:n}", "cuda_device_count", count, "cuda_why", why,
+                       "cuda_devices", gpus, "cuda_runtime_version", rt, "cuda_driver_version", drv, "cpu_cores",
+                       dp_cpu_core_count(), "openmp", (int)_OPENMP, "blas_config", openblas_get_config(),
+                       "cudnn_version", (Py_ssize_t)dp_cudnn_version());
+}
+
+/* backend_null_entries(name) -> [names of the entries the backend table leaves NULL];
+ * None when the backend was not built. Needs no device. */
+static PyObject *mod_backend_null_entries(PyObject *m, PyObject *args) {
+  const char *name;
+  if (!PyArg_ParseTuple(args, "s", &name)) return NULL;
+  const dp_backend *be = strcmp(name, "cpu") == 0 ? dp_cpu_backend() : strcmp(name, "cuda") == 0 ? dp_cuda_backend() : NULL;
+  if (!be) {
+    if (strcmp(name, "cpu") == 0 || strcmp(name, "cuda") == 0) Py_RETURN_NONE;
+    PyErr_Format(PyExc_ValueError, "unknown backend '%s' (cpu, cuda)", name);
+    return NULL;
+  }
+  const char *names[64];
+  int n = dp_backend_null_entries(be, names, 64);
+  if (n > 64) n = 64;
+  PyObject *out = PyList_New(0);
+  for (int i = 0; out && i < n; ++i) {
+    PyObject *u = PyUnicode_FromString(names[i]);
+    if (!u || PyList_Append(out, u) < 0) Py_CLEAR(out);
+    Py_XDECREF(u);
+  }
+  return out;
+}
+
+/* set_cuda_options(deterministic, allow_tf32): the process-wide CUDA settings
+ * (dpcore.config validates them); every CUDA device takes them before its next
+ * convolution or dense layer, new devices start with them. */
+static PyObject *mod_set_cuda_options(PyObject *m, PyObject *args) {
+  int deterministic, allow_tf32;
+  if (!PyArg_ParseTuple(args, "pp", &deterministic, &allow_tf32)) return NULL;
+  dp_cuda_set_defaults(deterministic, allow_tf32);
+  Py_RETURN_NONE;
+}
+
+static PyObject *mod_get_cuda_options(PyObject *m, PyObject *unused) {
+  int deterministic, allow_tf32;
+  dp_cuda_get_defaults(&deterministic, &allow_tf32);
+  return Py_BuildValue("(NN)", PyBool_FromLong(deterministic), PyBool_FromLong(allow_tf32));
+}
+
+static PyMethodDef module_methods[] = {
+    {"backend_null_entries", mod_backend_null_entries, METH_VARARGS,
+     "backend_null_entries(name) -> names of the NULL entries of backend 'cpu' or 'cuda' (None if not built)"},
+    {"build_info_json", mod_build_info_json, METH_NOARGS, "what the build found and used, as JSON"},
+    {"runtime_info", mod_runtime_info, METH_NOARGS, "devices and libraries found at run time"},
+    {"allreduce_benchmark", mod_allreduce_benchmark, METH_VARARGS,
+     "allreduce_benchmark(k, n, iters) -> seconds for iters in-process all-reduces of n floats"},
+    {"cudnn_conv_output_dim", mod_cudnn_conv_output_dim, METH_VARARGS,
+     "cudnn_conv_output_dim(N, C, H, W, O, KH, KW, stride, pad) -> (n, c, h, w) from cuDNN's shape inference"},
+    {"shard_ranges", mod_shard_ranges, METH_VARARGS, "shard_ranges(n, k) -> [(begin, end)] per replica"},
+    {"set_cuda_options", mod_set_cuda_options, METH_VARARGS,
+     "set_cuda_options(deterministic, allow_tf32): process-wide settings of every CUDA device"},
+    {"get_cuda_options", mod_get_cuda_options, METH_NOARGS, "get_cuda_options() -> (deterministic, allow_tf32)"},
+    {NULL, NULL, 0, NULL}};
+
+static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "dpcore._core",
+                                        "dpcore's C core (see python/dpcore for the API)", -1, module_methods,
+                                        NULL, NULL, NULL, NULL};
+
+PyMODINIT_FUNC PyInit__core(void) {
+  import_array();
+  PyObject *errors = PyImport_ImportModule("dpcore.errors");
+  if (!errors) return NULL;
+  DpcoreError = PyObject_GetAttrString(errors, "DpcoreError");
+  DeviceError = DpcoreError ? PyObject_GetAttrString(errors, "DeviceError") : NULL;
+  Py_DECREF(errors);
+  if (!DpcoreError || !DeviceError) return NULL;
+  if (PyType_Ready(&ModelType) < 0 || PyType_Ready(&TensorType) < 0 || PyType_Ready(&MirroredType) < 0 ||
+      PyType_Ready(&ResidentType) < 0)
+    return NULL;
+  if (ops_init() < 0) return NULL;
+  PyObject *m = PyModule_Create(&module_def);
+  if (!m) return NULL;
+  if (PyModule_AddFunctions(m, tensor_functions) < 0 || PyModule_AddFunctions(m, ops_functions) < 0 ||
+      PyModule_AddObjectRef(m, "Model", (PyObject *)&ModelType) < 0 ||
+      PyModule_AddObjectRef(m, "Tensor", (PyObject *)&TensorType) < 0 ||
+      PyModule_AddObjectRef(m, "Mirrored", (PyObject *)&MirroredType) < 0 ||
+      PyModule_AddObjectRef(m, "Resident", (PyObject *)&ResidentType) < 0) {
+    Py_DECREF(m);
+    return NULL;
+  }
+  return m;
+}

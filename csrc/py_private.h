@@ -1,0 +1,131 @@
+/* py_private.h — what the files of the CPython binding (module dpcore._core)
+ * share, as CPython's Modules/_io shares _iomodule.h:
+ *
+ *   py_module.c    the module: PyInit__core, module functions, build and
+ *                  runtime info; the shared helpers declared here (errors,
+ *                  NumPy converters, the one way to release the GIL)
+ *   py_tensor.c    Tensor, and all_reduce over tensors (chapter 12.5)
+ *   py_model.c     Model (one replica) and Resident (a dataset on its device)
+ *   py_mirrored.c  Mirrored (k replicas in lockstep)
+ *   py_ops.c       single ops on NumPy arrays (tests, notebooks)
+ *
+ * Rules every file keeps: dp_status values become Python exceptions only
+ * through raise_from_status; NumPy inputs go through the converters below,
+ * which require the exact dtype, C order, alignment and native byte order
+ * (python/dpcore does the friendly conversions); the GIL is released only by
+ * models_run_without_gil; a wrapper holding more than one owned reference
+ * cleans up at one `done:` label.
+ */
+#ifndef DP_PY_PRIVATE_H
+#define DP_PY_PRIVATE_H
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+/* NumPy's C API is a table of pointers filled by import_array(). With several
+ * files, all share one table under this name; only py_module.c (which
+ * defines DP_PY_MODULE_INIT) defines it and calls import_array(). */
+#define PY_ARRAY_UNIQUE_SYMBOL dpcore_ARRAY_API
+#ifndef DP_PY_MODULE_INIT
+#define NO_IMPORT_ARRAY
+#endif
+#include <numpy/arrayobject.h>
+
+#include "backend.h"
+#include "mirrored.h"
+#include "model.h"
+
+/* Names shared between the binding's files but not exported from _core.so,
+ * so that they cannot clash with another extension's (NumPy's NPY_NO_EXPORT). */
+#define DP_PY_LOCAL __attribute__((visibility("hidden")))
+
+/* ---- errors (py_module.c) ------------------------------------------------- */
+
+DP_PY_LOCAL extern PyObject *DpcoreError; /* dpcore.errors.DpcoreError */
+DP_PY_LOCAL extern PyObject *DeviceError; /* dpcore.errors.DeviceError */
+
+/* The one place a dp_status becomes an exception (with the core's message).
+ * Always returns NULL, so that a wrapper can `return raise_from_status(st);`. */
+DP_PY_LOCAL PyObject *raise_from_status(dp_status s);
+
+/* 0 when st is DP_OK; else the exception raised and -1. For `goto done` wrappers. */
+static inline int check_status(dp_status st) { return st == DP_OK ? 0 : (raise_from_status(st), -1); }
+
+/* ---- NumPy converters (py_module.c) ---------------------------------------- */
+
+DP_PY_LOCAL const char *dtype_name(PyArrayObject *a);
+/* A C-contiguous, aligned, native float32 array of the given rank (rank < 0:
+ * any). Returns a new reference or NULL with TypeError/ValueError set. */
+DP_PY_LOCAL PyArrayObject *as_float32(PyObject *obj, int rank, const char *what);
+/* A new zero-filled float32 array. */
+DP_PY_LOCAL PyArrayObject *new_float32(int rank, const npy_intp *dims);
+/* Images for model m: (N, C, H, W) uint8 or float32 matching its input.
+ * 0 and a new reference in *out, or -1 with the exception set. */
+DP_PY_LOCAL int convert_images(PyObject *obj, const dp_model *m, PyArrayObject **out, int *is_u8);
+/* Labels: (n,) int64. 0 and a new reference in *out, or -1. */
+DP_PY_LOCAL int convert_labels(PyObject *obj, npy_intp n, PyArrayObject **out);
+/* Row indices: a 1-D int64 array; a new reference or NULL with TypeError set. */
+DP_PY_LOCAL PyArrayObject *convert_rows(PyObject *obj);
+/* The items of a sequence as a new tuple (TypeError with `what` when obj is
+ * not one): strong references that another thread cannot take away while a
+ * call runs without the GIL, as it could empty a list. */
+DP_PY_LOCAL PyObject *items_of(PyObject *obj, const char *what);
+
+/* ---- Model (py_model.c) ---------------------------------------------------- */
+
+typedef struct {
+  PyObject_HEAD
+  dp_device device;
+  int device_ready;
+  dp_model *model;
+  /* Set while a call runs on this model without the GIL (models_run_without_gil).
+   * Read and written only with the GIL held, so a plain int suffices. */
+  int busy;
+} ModelObject;
+
+DP_PY_LOCAL extern PyTypeObject ModelType;
+DP_PY_LOCAL extern PyTypeObject ResidentType;
+
+/* 1 when the model is initialized and no call runs on it without the GIL;
+ * else 0 with RuntimeError set. Every method that touches the model checks it. */
+DP_PY_LOCAL int model_ready(ModelObject *self);
+/* 0 when no call runs on the model without the GIL, else -1 with RuntimeError
+ * set ("in use by another thread"). */
+DP_PY_LOCAL int model_check_idle(const ModelObject *self);
+/* The dataset of an initialized Resident on model mo's device, or NULL with
+ * TypeError/ValueError set. Borrowed: the Resident object owns it. */
+DP_PY_LOCAL dp_resident *resident_of(PyObject *obj, const ModelObject *mo);
+
+/* ---- the one way to release the GIL (py_module.c) --------------------------- */
+
+/* Pure C work done without the GIL; it may touch only memory the caller keeps
+ * alive (strong references taken before the call) and the models marked busy. */
+typedef dp_status (*nogil_work)(void *ctx);
+
+/* Marks models[0..n-1] (ModelObjects; n may be 0, repeats allowed) busy,
+ * releases the GIL, runs work(ctx), takes the GIL back and clears the marks.
+ * Another thread that calls into one of those models meanwhile gets
+ * RuntimeError from model_ready instead of racing with the work.
+ * Returns 0, or -1 with an exception set: RuntimeError when a model is busy
+ * already (work not run), or the work's failure through raise_from_status. */
+DP_PY_LOCAL int models_run_without_gil(PyObject *const *models, Py_ssize_t n, nogil_work work, void *ctx);
+
+/* ---- Tensor (py_tensor.c) --------------------------------------------------- */
+
+DP_PY_LOCAL extern PyTypeObject TensorType;
+/* A 1-D float32 Tensor of n elements on owner's device, viewing data, which
+ * model `owner` holds (kept alive by the tensor; the tensor refuses to be
+ * read while the model is busy). */
+DP_PY_LOCAL PyObject *tensor_view_of_model(ModelObject *owner, float *data, npy_intp n);
+DP_PY_LOCAL extern PyMethodDef tensor_functions[]; /* all_reduce */
+
+/* ---- Mirrored (py_mirrored.c) ----------------------------------------------- */
+
+DP_PY_LOCAL extern PyTypeObject MirroredType;
+
+/* ---- single ops (py_ops.c) -------------------------------------------------- */
+
+/* Sets up the CPU device the ops run on; 0, or -1 with the exception set. */
+DP_PY_LOCAL int ops_init(void);
+DP_PY_LOCAL extern PyMethodDef ops_functions[];
+
+#endif
