@@ -22,8 +22,8 @@ def main():
     ap.add_argument("--seeds", type=int, nargs="+", default=list(range(8)))
     ap.add_argument("--epochs", type=int, default=10)
     args = ap.parse_args()
-    core = os.environ.get("OPENBLAS_CORETYPE", "(native)")
-    print(f"OpenBLAS core: {dp._core.runtime_info().get('blas_core', core)}; OPENBLAS_CORETYPE={core}", flush=True)
+    print(f"BLAS: {dp.build_info()['blas_config']}; OPENBLAS_CORETYPE={os.environ.get('OPENBLAS_CORETYPE')}",
+          flush=True)
     accs = []
     for s in args.seeds:
         start = time.perf_counter()

@@ -4,11 +4,19 @@ every test is marked ``gpu`` and skipped, with the reason, where none is usable
 repository: the first run on one is the backend's first test.
 
 Tolerances (float32 on both sides, different summation orders: cuDNN / cuBLAS
-versus im2col + OpenBLAS; TF32 is off on both libraries):
-  * one layer forward / gradients: max|gpu - cpu| / max(1, max|cpu|) <= OP_TOL = 1e-5
-  * whole-model gradients after one step: rel per flat buffer <= GRAD_TOL = 1e-4
-    (LeNet; ResNet-18: RESNET_TOL = 1e-3, 20 convolutions and BatchNorm deep)
-  * losses: relative LOSS_TOL = 1e-5; hits equal
+versus im2col + OpenBLAS; TF32 is off on both libraries). Each side is a float32
+computation that the CPU suite bounds against a float64 reference; by the
+triangle inequality the two differ by at most the sum of those bounds, so every
+tolerance here is twice the CPU suite's (none is a print-out of one machine):
+  * one layer forward / gradients: max|gpu - cpu| / max(1, max|cpu|) <= OP_TOL =
+    2 x test_ops.TOL_SHORT (sums of up to ~1000 products)
+  * LeNet's gradients after one step: rel per flat buffer <= GRAD_TOL = 2 x
+    test_lenet.GRAD_TOL; losses relative LOSS_TOL = 2 x test_lenet.LOSS_TOL
+  * ResNet-18 (28x28, 20 convolutions and BatchNorm deep): float32 flips ReLU
+    units whose input is within rounding of 0, so its gradients are compared as
+    the fixtures compare them (test_fixtures.TOLS['resnet18']['grad']): the
+    relative L2 error of the flat gradient <= 2 x 'l2' and of its norm <= 2 x
+    'norm'; the loss (a forward quantity) within 2 x 'loss'
   * all-reduce over logical GPUs: exact (integer-valued floats)
 """
 import time
@@ -27,10 +35,16 @@ pytestmark = [
                           else "dpcore was built without the CUDA backend")),
 ]
 
-OP_TOL = 1e-5
-GRAD_TOL = 1e-4
-RESNET_TOL = 1e-3
-LOSS_TOL = 1e-5
+from test_fixtures import TOLS as FIXTURE_TOLS  # noqa: E402
+from test_lenet import GRAD_TOL as LENET_GRAD_TOL, LOSS_TOL as LENET_LOSS_TOL  # noqa: E402
+from test_ops import TOL_SHORT  # noqa: E402
+from test_train import BOOK_ACCURACY  # noqa: E402
+
+OP_TOL = 2 * TOL_SHORT
+GRAD_TOL = 2 * LENET_GRAD_TOL
+LOSS_TOL = 2 * LENET_LOSS_TOL
+RESNET_GRAD = {m: 2 * t for m, t in FIXTURE_TOLS["resnet18"]["grad"].items()}
+RESNET_LOSS_TOL = 2 * FIXTURE_TOLS["resnet18"]["loss"]["max"]
 
 
 def err(a, ref):
@@ -130,10 +144,21 @@ def test_training_step_on_cuda_matches_cpu(model):
     X, y = batch((1, 28, 28), 32 if model == "ResNet18" else 256)
     loss_cpu, hits_cpu = cpu.train_step(X, y, lr=0.1)
     loss_gpu, hits_gpu = gpu.train_step(X, y, lr=0.1)
-    tol = RESNET_TOL if model == "ResNet18" else GRAD_TOL
-    assert rel(gpu._model.get_grads(), cpu._model.get_grads()) <= tol
-    assert abs(loss_gpu - loss_cpu) <= tol * max(1.0, abs(loss_cpu))
-    assert err(gpu._model.get_params(), cpu._model.get_params()) <= tol
+    g_gpu, g_cpu = gpu._model.get_grads().astype(np.float64), cpu._model.get_grads().astype(np.float64)
+    assert hits_gpu == hits_cpu or model == "ResNet18"  # a flipped unit may move one argmax
+    if model == "ResNet18":
+        norm = float(np.linalg.norm(g_cpu))
+        assert np.linalg.norm(g_gpu - g_cpu) <= RESNET_GRAD["l2"] * norm
+        assert abs(np.linalg.norm(g_gpu) - norm) <= RESNET_GRAD["norm"] * norm
+        assert abs(loss_gpu - loss_cpu) <= RESNET_LOSS_TOL * abs(loss_cpu)
+        # the step moved the weights by lr x the gradient, from the same weights
+        w_gpu, w_cpu = gpu._model.get_params().astype(np.float64), cpu._model.get_params().astype(np.float64)
+        assert np.linalg.norm(w_gpu - w_cpu) <= 0.1 * RESNET_GRAD["l2"] * norm + 4 * np.spacing(np.float32(1)) * \
+            np.linalg.norm(w_cpu)
+    else:
+        assert rel(g_gpu, g_cpu) <= GRAD_TOL
+        assert abs(loss_gpu - loss_cpu) <= LOSS_TOL * max(1.0, abs(loss_cpu))
+        assert err(gpu._model.get_params(), cpu._model.get_params()) <= GRAD_TOL
 
 
 @pytest.mark.parametrize("bucket_mb", [0, 0.05])
@@ -169,7 +194,7 @@ def test_book_lenet_accuracy_on_the_gpu():
     dp.train(net, train_iter, test_iter, num_epochs=10, lr=0.2)
     seconds = time.perf_counter() - start
     acc = net.evaluate(test_iter).accuracy
-    assert acc >= 0.83, f"test accuracy {acc:.3f} after 10 epochs ({seconds:.1f} s)"
+    assert acc >= BOOK_ACCURACY, f"test accuracy {acc:.3f} after 10 epochs ({seconds:.1f} s)"
 
 
 # ---- the arena, pinned staging and the settings (dp.set_deterministic, dp.set_allow_tf32) ----

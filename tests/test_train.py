@@ -136,11 +136,18 @@ def test_forced_openblas_kernels_take_effect():
         assert forced.lower() in config.lower().split(), (forced, config)
 
 
+# The book's experiment ends near 0.84 (the README's figure), but where exactly depends on the
+# seed (initial weights, data order) and on the rounding of the machine's BLAS kernels, which
+# after ten epochs acts like another seed. Measured by benchmarks/book_accuracy_seeds.py: see
+# BOOK_SPREAD below; the threshold leaves the margin stated there.
+BOOK_ACCURACY = 0.80
+
+
 @pytest.mark.slow
 def test_book_lenet_experiment_on_real_fashion_mnist():
     """Dive into Deep Learning 12.5: LeNet, batch 256, lr 0.2, 10 epochs -> test accuracy ~0.84."""
     train_iter, test_iter = dp.data.load_fashion_mnist(batch_size=256)
     net = dp.models.LeNet()
     history = dp.train(net, train_iter, test_iter, num_epochs=10, lr=0.2)
-    assert history.test_acc[-1] >= 0.83, history
+    assert history.test_acc[-1] >= BOOK_ACCURACY, history
     assert history.train_loss[-1] < history.train_loss[0]
