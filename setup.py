@@ -124,7 +124,16 @@ class BuildExt(build_ext):
             gencode += ["-gencode", f"arch=compute_{CUDA_ARCHS[-1]},code=compute_{CUDA_ARCHS[-1]}"]
             for src in sorted(glob.glob(os.path.join(HERE, "kernels", "*.cu"))):
                 obj = os.path.join(self.build_temp, os.path.basename(src) + ".o")
-                cmd = [cuda["nvcc"], "-c", src, "-o", obj, "-O3", "-std=c++17", "--Werror", "all-warnings",
+                # --fmad=false: nvcc contracts a * b + c into one FMA by default, the C
+                # build (-std=c11, so GCC's -ffp-contract=off) does not; without contraction
+                # the DP_HD bodies of kernels/dp_kernels.h round the same on both sides, so
+                # a GPU body is bit-identical to the CPU's (tests/c/kernel_bodies.c checks
+                # the CPU side against independent loops) except where libm and CUDA's
+                # expf/logf differ (the softmax rows). It costs nothing measurable: these
+                # kernels are memory-bound element loops, and it reaches only our .cu files,
+                # not cuBLAS or cuDNN.
+                cmd = [cuda["nvcc"], "-c", src, "-o", obj, "-O3", "-std=c++17", "--fmad=false",
+                       "--Werror", "all-warnings",
                        "-Xcompiler", "-fPIC,-Wall,-Wextra", "-I" + os.path.join(HERE, "kernels"),
                        "-I" + os.path.join(HERE, "csrc"), "--threads", "0"] + gencode
                 log(" ".join(cmd))
@@ -154,7 +163,10 @@ def extension():
     blas, cuda = CONFIG["blas"], CONFIG["cuda"]
     debug = os.environ.get("DPCORE_DEBUG") == "1"
     sanitize = os.environ.get("DPCORE_SANITIZE") == "1"
-    cflags = ["-std=c11", "-Wall", "-Wextra", "-Wno-unused-parameter", "-fopenmp", "-D_GNU_SOURCE"]
+    # -ffp-contract=off: no FMA contraction (GCC's default under -std=c11 anyway, said here because
+    # the DP_HD bodies are bit-identical to the GPU's only so; see --fmad=false below)
+    cflags = ["-std=c11", "-Wall", "-Wextra", "-Wno-unused-parameter", "-fopenmp", "-D_GNU_SOURCE",
+              "-ffp-contract=off"]
     cflags += ["-O0", "-g"] if debug else ["-O3"]
     if os.environ.get("DPCORE_NATIVE", "1") != "0":
         cflags.append("-march=native")  # built from source on the machine that runs it

@@ -213,7 +213,8 @@ static arena_block *best_fit(const dp_arena *a, size_t need) {
   return best;
 }
 
-static dp_status alloc_locked(dp_arena *a, size_t bytes, void **out) {
+/* grow: may ask the owner for a chunk (and give empty ones back first) */
+static dp_status alloc_locked(dp_arena *a, size_t bytes, int grow, const char *what, void **out) {
   if (bytes == 0) bytes = 1;
   if (bytes > SIZE_MAX - DP_ARENA_ALIGN)
     return DP_FAIL(DP_ERR_MEMORY, "arena: cannot allocate %zu bytes (too large)", bytes);
@@ -223,6 +224,13 @@ static dp_status alloc_locked(dp_arena *a, size_t bytes, void **out) {
   arena_block *tail = calloc(1, sizeof *tail);
   if (!tail) return DP_FAIL(DP_ERR_MEMORY, "arena: cannot allocate a block node");
   arena_block *b = best_fit(a, need);
+  if (!b && !grow) {
+    free(tail);
+    return DP_FAIL(DP_ERR_RUNTIME,
+                   "arena: %s needs %zu bytes and no free block of the %zu reserved bytes fits; a new chunk is not "
+                   "allowed here (inside a training step)",
+                   what, need, a->stats.reserved_bytes);
+  }
   if (!b) {
     const size_t chunk = need > a->min_chunk ? need : a->min_chunk;
     dp_status st = chunk_add(a, chunk);
@@ -263,7 +271,15 @@ static dp_status alloc_locked(dp_arena *a, size_t bytes, void **out) {
 dp_status dp_arena_alloc(dp_arena *a, size_t bytes, void **out) {
   *out = NULL;
   pthread_mutex_lock(&a->mutex);
-  dp_status st = alloc_locked(a, bytes, out);
+  dp_status st = alloc_locked(a, bytes, 1, NULL, out);
+  pthread_mutex_unlock(&a->mutex);
+  return st;
+}
+
+dp_status dp_arena_alloc_reserved(dp_arena *a, size_t bytes, const char *what, void **out) {
+  *out = NULL;
+  pthread_mutex_lock(&a->mutex);
+  dp_status st = alloc_locked(a, bytes, 0, what ? what : "a block", out);
   pthread_mutex_unlock(&a->mutex);
   return st;
 }

@@ -56,6 +56,12 @@ void dp_arena_destroy(dp_arena *a);
  * owner cannot give one, chunks with no live block are given back first and
  * the request tried once more. */
 DP_MUST_CHECK dp_status dp_arena_alloc(dp_arena *a, size_t bytes, void **out);
+/* dp_arena_alloc from the chunks already held: never asks the owner for a
+ * chunk (nor gives one back). DP_ERR_RUNTIME when no free block fits, its
+ * message naming `what` and the sizes; the arena is unchanged then. For the
+ * inside of a training step, where a cudaMalloc could hang the collectives
+ * (dp_device.in_step in backend.h). */
+DP_MUST_CHECK dp_status dp_arena_alloc_reserved(dp_arena *a, size_t bytes, const char *what, void **out);
 /* DP_ERR_VALUE for a pointer that is not a live block of this arena (a
  * double release included); the arena is unchanged then. */
 DP_MUST_CHECK dp_status dp_arena_release(dp_arena *a, void *p);

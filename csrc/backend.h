@@ -25,6 +25,14 @@ typedef struct dp_device {
   const dp_backend *backend;
   void *ctx;            /* backend-private */
   char name[32];        /* "cpu:0" */
+  /* Set by the mirrored runner (csrc/mirrored.c) while a step runs, when a
+   * peer replica's collective may be in flight: the device's memory must not
+   * grow then (dp_device_may_grow). cudaMalloc, cudaFree and cudaHostAlloc
+   * may synchronize with the device, and a thread that allocates while its
+   * peers' NCCL kernels wait for it is the known way a one-process,
+   * many-thread NCCL program hangs (NVIDIA/nccl pull request 194). The runner
+   * sizes every buffer in a warm-up pass before the step instead. */
+  int in_step;
 } dp_device;
 
 /* Convolution geometry: input (N, C, H, W), filter (O, C, KH, KW), output (N, O, OH, OW). */
@@ -181,8 +189,23 @@ size_t dp_cudnn_version(void); /* 0 without cuDNN */
 /* Number of CPU cores this process may use (sched affinity), >= 1. */
 int dp_cpu_core_count(void);
 
+/* Every place a device's memory grows (a new buffer, the activations, a
+ * larger scratch or workspace, more pinned staging) asks this first: DP_OK
+ * outside a step; inside one (dev->in_step) DP_ERR_RUNTIME naming `what` and
+ * the sizes (in `unit`), reported instead of an allocation that could hang
+ * the collectives. */
+static inline DP_MUST_CHECK dp_status dp_device_may_grow(const dp_device *dev, const char *what, size_t have,
+                                                         size_t want, const char *unit) {
+  if (!dev->in_step) return DP_OK;
+  return DP_FAIL(DP_ERR_RUNTIME,
+                 "%s: %s would grow from %zu to %zu %s inside a training step, while other replicas' collectives "
+                 "may be in flight (an allocation there can hang NCCL); the step's warm-up did not size it",
+                 dev->name, what, have, want, unit);
+}
+
 /* Allocation helpers that go through the device's backend. */
 static inline DP_MUST_CHECK dp_status dp_device_alloc(dp_device *dev, size_t bytes, void **out) {
+  DP_TRY(dp_device_may_grow(dev, "a new device buffer", 0, bytes, "bytes"));
   return dev->backend->alloc(dev, bytes, out);
 }
 static inline void dp_device_free(dp_device *dev, void *p) {

@@ -33,6 +33,10 @@ static void cpu_enter(dp_device *dev) { omp_set_num_threads(dev->nthreads); }
 static dp_status cpu_scratch(dp_device *dev, size_t floats, float **out) {
   cpu_ctx *c = dev->ctx;
   if (floats > c->scratch_floats) {
+    /* the GPU's rule on the CPU too, so that the CPU suite tests it: a step
+     * uses what its warm-up sized */
+    DP_TRY(dp_device_may_grow(dev, "the CPU scratch", c->scratch_floats * sizeof(float), floats * sizeof(float),
+                              "bytes"));
     free(c->scratch);
     c->scratch = NULL;
     c->scratch_floats = 0;

@@ -10,7 +10,11 @@
  *   cudaMalloc (never managed memory): every buffer of the device (the model's,
  *   the cuDNN workspace, the loss rows) is a block of it, so growing or
  *   replacing a buffer reuses device memory without a cudaMalloc/cudaFree pair
- *   (each of which synchronizes). dp_cuda_memory_stats reports it.
+ *   (each of which synchronizes). dp_cuda_memory_stats reports it. Inside a
+ *   mirrored step (dev->in_step) nothing grows: no new chunk, workspace, loss
+ *   rows or staging; the runner's warm-up pass sized them, and a growth the
+ *   warm-up missed is a reported error naming what grew (backend.h,
+ *   dp_device_may_grow), never a cudaMalloc while peers' NCCL kernels wait.
  * - Ordering: every kernel, cuDNN and cuBLAS call is issued on the device's
  *   stream, so the calls of one replica are ordered among themselves without
  *   host synchronization. The host waits (cudaStreamSynchronize) only where it
@@ -154,9 +158,11 @@ static void cuda_chunk_free(void *ctx, void *chunk) {
 }
 
 /* A block of the device's arena, contents undefined: the scratch buffers.
- * The name goes into the error message. */
-static dp_status cuda_scratch(dp_device *dev, cuda_ctx *c, size_t bytes, void **out) {
-  dp_status st = dp_arena_alloc(c->arena, bytes, out);
+ * `what` goes into the error message. Inside a step (dev->in_step) only the
+ * chunks already held serve it: never a cudaMalloc (backend.h, in_step). */
+static dp_status cuda_scratch(dp_device *dev, cuda_ctx *c, size_t bytes, const char *what, void **out) {
+  dp_status st = dev->in_step ? dp_arena_alloc_reserved(c->arena, bytes, what, out)
+                              : dp_arena_alloc(c->arena, bytes, out);
   if (st != DP_OK) {
     char why[512];
     snprintf(why, sizeof why, "%s", dp_error_message());
@@ -168,7 +174,7 @@ static dp_status cuda_scratch(dp_device *dev, cuda_ctx *c, size_t bytes, void **
 static dp_status cuda_alloc(dp_device *dev, size_t bytes, void **out) {
   CUDA_ENTER(dev, c);
   void *p = NULL;
-  DP_TRY(cuda_scratch(dev, c, bytes, &p));
+  DP_TRY(cuda_scratch(dev, c, bytes, "a new buffer", &p));
   /* zero-filled as the table promises; synchronized so that the zeros are
    * visible to work on any stream (the collectives read other replicas' buffers) */
   cudaError_t z = bytes ? cudaMemsetAsync(p, 0, bytes, c->stream) : cudaSuccess;
@@ -213,10 +219,12 @@ static int is_device_pointer(const void *p) {
  * grown after every copy out of the old ones has finished. cudaHostAlloc with
  * cudaHostAllocDefault is cudaMallocHost: page-locked host memory the device
  * reads by DMA (CUDA Runtime API, cudaHostAlloc). */
-static dp_status staging_reserve(cuda_ctx *c, size_t want) {
+static dp_status staging_reserve(const dp_device *dev, cuda_ctx *c, size_t want) {
   if (want <= c->region_bytes) return DP_OK;
   size_t region = STAGING_MIN;
   while (region < want && region < STAGING_MAX) region *= 2;
+  /* cudaFreeHost and cudaHostAlloc: not while peers' collectives may wait */
+  DP_TRY(dp_device_may_grow(dev, "the pinned staging regions", 2 * c->region_bytes, 2 * region, "bytes"));
   if (c->staging) {
     DP_CUDA_CHECK(cudaEventSynchronize(c->staged[0]));
     DP_CUDA_CHECK(cudaEventSynchronize(c->staged[1]));
@@ -244,8 +252,8 @@ static dp_status staging_reserve(cuda_ctx *c, size_t want) {
  * returns at once for an event never recorded). So the next piece's memcpy
  * overlaps the previous piece's DMA, and the caller's buffer is free on
  * return. Caller holds staging_mutex. */
-static dp_status stage_to_device(cuda_ctx *c, char *dst, const char *src, size_t bytes) {
-  DP_TRY(staging_reserve(c, bytes < STAGING_MAX ? bytes : STAGING_MAX));
+static dp_status stage_to_device(const dp_device *dev, cuda_ctx *c, char *dst, const char *src, size_t bytes) {
+  DP_TRY(staging_reserve(dev, c, bytes < STAGING_MAX ? bytes : STAGING_MAX));
   while (bytes) {
     const int r = c->next_region;
     char *region = c->staging + (size_t)r * c->region_bytes;
@@ -290,7 +298,7 @@ static dp_status cuda_copy_to_device(dp_device *dev, void *dst, const void *src,
     return DP_OK;
   }
   pthread_mutex_lock(&c->staging_mutex);
-  dp_status st = stage_to_device(c, dst, src, bytes);
+  dp_status st = stage_to_device(dev, c, dst, src, bytes);
   pthread_mutex_unlock(&c->staging_mutex);
   return st;
 }
@@ -321,11 +329,12 @@ static dp_status cuda_u8_to_unit(dp_device *dev, float *y, const uint8_t *x, int
  * after the stream's queued work (which may use it) has finished. */
 static dp_status cuda_workspace(dp_device *dev, cuda_ctx *c, size_t bytes, void **out) {
   if (bytes > c->workspace_bytes) {
+    DP_TRY(dp_device_may_grow(dev, "the cuDNN workspace", c->workspace_bytes, bytes, "bytes"));
     DP_CUDA_CHECK(cudaStreamSynchronize(c->stream));
     DP_TRY(dp_arena_release(c->arena, c->workspace));
     c->workspace = NULL;
     c->workspace_bytes = 0;
-    DP_TRY(cuda_scratch(dev, c, bytes, &c->workspace));
+    DP_TRY(cuda_scratch(dev, c, bytes, "the cuDNN workspace", &c->workspace));
     c->workspace_bytes = bytes;
   }
   *out = bytes ? c->workspace : NULL;
@@ -656,6 +665,7 @@ static dp_status cuda_softmax_xent(dp_device *dev, int64_t N, int K, const float
   c->pending_rows = 0;
   if (N == 0) return DP_OK;
   if (N > c->rows) {
+    DP_TRY(dp_device_may_grow(dev, "the loss rows (device and pinned host)", (size_t)c->rows, (size_t)N, "rows"));
     DP_CUDA_CHECK(cudaStreamSynchronize(c->stream)); /* the old buffers may be in use */
     DP_TRY(dp_arena_release(c->arena, c->row_loss));
     DP_TRY(dp_arena_release(c->arena, c->row_hit));
@@ -666,8 +676,8 @@ static dp_status cuda_softmax_xent(dp_device *dev, int64_t N, int K, const float
     c->host_loss = NULL;
     c->host_hit = NULL;
     c->rows = 0;
-    DP_TRY(cuda_scratch(dev, c, sizeof(float) * (size_t)N, (void **)&c->row_loss));
-    DP_TRY(cuda_scratch(dev, c, sizeof(int32_t) * (size_t)N, (void **)&c->row_hit));
+    DP_TRY(cuda_scratch(dev, c, sizeof(float) * (size_t)N, "the loss rows", (void **)&c->row_loss));
+    DP_TRY(cuda_scratch(dev, c, sizeof(int32_t) * (size_t)N, "the hit rows", (void **)&c->row_hit));
     DP_CUDA_CHECK(cudaHostAlloc((void **)&c->host_loss, sizeof(float) * (size_t)N, cudaHostAllocDefault));
     DP_CUDA_CHECK(cudaHostAlloc((void **)&c->host_hit, sizeof(int32_t) * (size_t)N, cudaHostAllocDefault));
     c->rows = N;

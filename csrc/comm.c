@@ -37,6 +37,7 @@
 
 typedef struct comm_rank {
   dp_device *dev;
+  int64_t issued;  /* collectives this rank issued since dp_comm_step_begin */
 #if defined(DP_HAVE_CUDA)
   int gpu;
   cudaStream_t compute;                    /* the device's stream (borrowed) */
@@ -375,8 +376,20 @@ void dp_comm_destroy(dp_comm *c) {
   free(c);
 }
 
-void dp_comm_poison(dp_comm *c) {
-  if (!c || c->kind != DP_COMM_NCCL) return;
+void dp_comm_step_begin(dp_comm *c) {
+  for (int r = 0; r < c->k; ++r) c->ranks[r].issued = 0;
+}
+
+int64_t dp_comm_collectives_issued(const dp_comm *c) {
+  int64_t n = 0;
+  for (int r = 0; r < c->k; ++r) n += c->ranks[r].issued;
+  return n;
+}
+
+int dp_comm_is_poisoned(const dp_comm *c) { return c->poisoned; }
+
+int dp_comm_step_failed(dp_comm *c) {
+  if (!c || dp_comm_collectives_issued(c) == 0 || c->kind != DP_COMM_NCCL) return 0;
   c->poisoned = 1;
 #if defined(DP_HAVE_NCCL)
   for (int r = 0; r < c->k; ++r)
@@ -385,6 +398,7 @@ void dp_comm_poison(dp_comm *c) {
       c->ranks[r].nccl = NULL;
     }
 #endif
+  return 1;
 }
 
 /* ---- operations ------------------------------------------------------------------ */
@@ -392,6 +406,7 @@ void dp_comm_poison(dp_comm *c) {
 dp_status dp_comm_allreduce(dp_comm *c, int rank, float *const *bufs, int64_t n, dp_reduce_op op) {
   DP_TRY(usable(c));
   if (c->k == 1 || n <= 0) return DP_OK;
+  c->ranks[rank].issued++; /* counted before the call: a failing one may have queued work */
   switch (c->kind) {
     case DP_COMM_HOST: return host_range(c, rank, bufs, 0, n, op);
 #if defined(DP_HAVE_CUDA)
@@ -411,6 +426,7 @@ dp_status dp_comm_bucket_allreduce(dp_comm *c, int rank, float *const *bufs, int
   if (bucket < 0 || bucket >= DP_COMM_MAX_BUCKETS)
     return DP_FAIL(DP_ERR_VALUE, "all-reduce: bucket %d outside [0, %d)", bucket, DP_COMM_MAX_BUCKETS);
   if (c->k == 1 || end <= begin) return DP_OK;
+  c->ranks[rank].issued++;
   switch (c->kind) {
     case DP_COMM_HOST: return host_range(c, rank, bufs, begin, end, DP_REDUCE_SUM);
 #if defined(DP_HAVE_CUDA)

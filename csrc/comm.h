@@ -74,10 +74,23 @@ DP_MUST_CHECK dp_status dp_comm_bucket_allreduce(dp_comm *c, int rank, float *co
  * every rank (they write into this rank's buffer). Ends a step's buckets. */
 DP_MUST_CHECK dp_status dp_comm_wait_buckets(dp_comm *c, int rank);
 
-/* After a failed step: NCCL operations some ranks queued may never be matched
- * by the others; the communicators are aborted and the comm refuses further
- * use (DP_ERR_RUNTIME naming the reason). Other kinds need nothing. Called by
- * one thread while no replica thread uses the comm. */
-void dp_comm_poison(dp_comm *c);
+/* A step's bookkeeping, every kind alike (so that the CPU suite runs the
+ * logic the NCCL kind depends on): dp_comm_step_begin zeroes each rank's
+ * count of collectives issued; dp_comm_allreduce and dp_comm_bucket_allreduce
+ * count the ones they issue (to the other ranks: k > 1, a non-empty range);
+ * dp_comm_collectives_issued reads the total. Called by one thread while no
+ * replica thread uses the comm. */
+void dp_comm_step_begin(dp_comm *c);
+int64_t dp_comm_collectives_issued(const dp_comm *c);
+/* After a failed step. When a collective was issued since dp_comm_step_begin,
+ * NCCL operations some ranks queued may never be matched by the others: an
+ * NCCL comm's communicators are then aborted and the comm refuses further use
+ * (DP_ERR_RUNTIME naming the reason); returns 1 then. When none was issued
+ * (the step failed before its first collective, e.g. a bad label found while
+ * staging) nothing is pending anywhere and the comm stays usable: returns 0.
+ * Other kinds never need aborting. Called by one thread while no replica
+ * thread uses the comm. */
+int dp_comm_step_failed(dp_comm *c);
+int dp_comm_is_poisoned(const dp_comm *c);
 
 #endif

@@ -157,23 +157,42 @@ static dp_status start_ready_buckets(void *arg, int layer) {
   return DP_OK;
 }
 
-/* Stage and check a shard. */
+/* Stage a shard (checked by dp_mirrored_check_batch already). */
 static dp_status load_shard(void *arg, int rank) {
   step_task *t = arg;
   dp_batch s = shard_of(t, rank);
   t->m->shard_n[rank] = s.n;
-  /* per-replica BatchNorm: each shard alone needs more than one value per channel */
-  if (!t->m->sync_batchnorm) DP_TRY(dp_model_check_batchnorm_batch(t->m->models[rank], s.n));
   if (s.rows) return dp_model_load_rows(t->m->models[rank], s.resident[rank], s.rows, s.n);
   return dp_model_load(t->m->models[rank], &s, 1);
 }
 
+dp_status dp_mirrored_check_batch(const dp_mirrored *m, const dp_batch *b, int evaluate_only) {
+  if (b->n < 0) return DP_FAIL(DP_ERR_VALUE, "batch size must be >= 0, got %lld", (long long)b->n);
+  if (b->rows && (evaluate_only || !b->resident))
+    return DP_FAIL(DP_ERR_VALUE, "mirrored: resident rows are for training steps, with one dataset per replica");
+  if (!b->rows && b->n > 0 && !b->x) return DP_FAIL(DP_ERR_VALUE, "images are required");
+  for (int r = 0; r < m->k; ++r) {
+    int64_t begin, end;
+    dp_shard_range(b->n, m->k, r, &begin, &end);
+    const dp_model *model = m->models[r];
+    if (b->rows)
+      DP_TRY(dp_model_check_rows(model, b->resident[r], b->rows + begin, end - begin, begin));
+    else
+      DP_TRY(dp_model_check_labels(model, b->y ? b->y + begin : NULL, end - begin, begin));
+    /* per-replica BatchNorm: each shard alone needs more than one value per channel */
+    if (!evaluate_only && !m->sync_batchnorm) DP_TRY(dp_model_check_batchnorm_batch(model, end - begin));
+  }
+  if (!evaluate_only && m->sync_batchnorm) DP_TRY(dp_model_check_batchnorm_batch(m->models[0], b->n));
+  return DP_OK;
+}
+
 /* Staging runs in a fork-join of its own when a replica failing to stage its
- * shard could leave the others changed: with BatchNorm, whose forward pass
- * updates the running statistics before the first collective. Otherwise a
- * failing replica breaks the group's barrier, its peers give up at their
- * first collective before changing anything, and the whole step is one
- * wake-up of the replica threads. */
+ * shard (the batch was checked: a device error, memory) could leave the
+ * others changed: with BatchNorm, whose forward pass updates the running
+ * statistics before the first collective. Otherwise a failing replica breaks
+ * the group's barrier, its peers give up at their first collective before
+ * changing anything, and the whole step is one wake-up of the replica
+ * threads. */
 static int stage_separately(const dp_mirrored *m) { return m->models[0]->nstate > 0; }
 
 /* After the backward pass: the running statistics of per-replica BatchNorm,
@@ -231,23 +250,119 @@ static dp_status run_shard(void *arg, int rank) {
   return dp_model_read_metrics(model, &t->loss[rank], &t->correct[rank]);
 }
 
+/* The collective hook of the warm-up: BatchNorm sees the whole batch's
+ * count (sync_batch) but nothing is exchanged. */
+static dp_status no_collective(void *ctx, float *buf, int64_t n) {
+  (void)ctx;
+  (void)buf;
+  (void)n;
+  return DP_OK;
+}
+
+/* Replica rank's warm-up for the step in t: its shard staged, forward and
+ * backward with the collectives off, and the kernels the step launches after
+ * its first collective (fill and scale of the BatchNorm statistics, the SGD
+ * step) run once on the gradient scratch, whose contents no one reads. With
+ * CUDA's lazy module loading a kernel's first launch loads it, which must not
+ * happen while a peer's NCCL kernel spins (CUDA Programming Guide, "Lazy
+ * Loading", potential hazards). The running statistics the forward pass
+ * updated are put back; the gradients are overwritten by the step. */
+static dp_status warm_shard(void *arg, int rank) {
+  step_task *t = arg;
+  dp_mirrored *m = t->m;
+  dp_model *model = m->models[rank];
+  dp_device *dev = model->dev;
+  DP_TRY(load_shard(arg, rank));
+  float *state = NULL;
+  if (model->nstate > 0) {
+    state = malloc(sizeof(float) * (size_t)model->nstate);
+    if (!state)
+      return DP_FAIL(DP_ERR_MEMORY, "mirrored warm-up: cannot save %lld statistics", (long long)model->nstate);
+    dp_status st = dp_model_get_state(model, state);
+    if (st != DP_OK) {
+      free(state);
+      return st;
+    }
+  }
+  if (m->sync_batchnorm) {
+    model->sync = no_collective;
+    model->sync_batch = t->batch->n;
+  }
+  dp_status st = dp_model_forward_backward_loaded(model, m->shard_n[rank], t->grad_scale, NULL, NULL);
+  model->sync = NULL;
+  double loss;
+  int64_t hits;
+  if (st == DP_OK) st = dp_model_read_metrics(model, &loss, &hits);
+  if (st == DP_OK) st = dev->backend->fill(dev, model->dscratch, 1, 0.0f);
+  if (st == DP_OK) st = dev->backend->scale(dev, 1, model->dscratch, 1.0f);
+  if (st == DP_OK) st = dev->backend->sgd_update(dev, 1, model->dscratch, model->dscratch, NULL, 0.0f, 0.0f, 0.0f);
+  if (state) {
+    const dp_status restored = dp_model_set_state(model, state);
+    if (st == DP_OK) st = restored;
+    free(state);
+  }
+  if (st == DP_OK) st = dev->backend->synchronize(dev);
+  return st;
+}
+
+static dp_warm_key warm_key_of(const dp_batch *b) {
+  int deterministic, allow_tf32;
+  dp_cuda_get_defaults(&deterministic, &allow_tf32);
+  dp_warm_key key = {b->n, b->rows ? 2 : b->x_is_u8 ? 1 : 0, deterministic | allow_tf32 << 1};
+  return key;
+}
+
+static int warm_find(const dp_mirrored *m, dp_warm_key key) {
+  for (int i = 0; i < m->nwarm; ++i)
+    if (m->warm[i].n == key.n && m->warm[i].source == key.source && m->warm[i].settings == key.settings) return i;
+  return -1;
+}
+
+/* Warms the replicas up for t's batch shape unless they are already. */
+static dp_status warm_up(dp_mirrored *m, step_task *t, dp_warm_key key) {
+  if (warm_find(m, key) >= 0) return DP_OK;
+  DP_TRY(dp_group_run(m->group, warm_shard, t));
+  m->warm[m->next_warm] = key;
+  m->next_warm = (m->next_warm + 1) % DP_MIRRORED_WARM_KEYS;
+  if (m->nwarm < DP_MIRRORED_WARM_KEYS) m->nwarm++;
+  return DP_OK;
+}
+
+static void warm_forget(dp_mirrored *m, dp_warm_key key) {
+  const int i = warm_find(m, key);
+  if (i >= 0) m->warm[i].n = -1; /* matches no batch */
+}
+
+static void set_in_step(dp_mirrored *m, int on) {
+  for (int r = 0; r < m->k; ++r) m->models[r]->dev->in_step = on;
+}
+
 static dp_status run_step(dp_mirrored *m, const dp_batch *b, int evaluate_only, int step, float lr, float momentum,
                           float weight_decay, double *loss_sum, int64_t *correct) {
-  if (b->n < 0) return DP_FAIL(DP_ERR_VALUE, "batch size must be >= 0");
-  if (b->rows && (evaluate_only || !b->resident))
-    return DP_FAIL(DP_ERR_VALUE, "mirrored: resident rows are for training steps, with one dataset per replica");
+  DP_TRY(dp_mirrored_check_batch(m, b, evaluate_only));
   const dp_model *m0 = m->models[0];
   step_task t = {m, b, (size_t)m0->in_c * m0->in_h * m0->in_w * (b->x_is_u8 ? 1 : sizeof(float)),
                  b->n ? 1.0f / (float)b->n : 0.0f, lr, momentum, weight_decay, evaluate_only, step, {0}, {0}};
   if (b->n == 0) t.step = 0; /* an empty batch: zero gradients, nothing to learn */
-  if (!evaluate_only && m->sync_batchnorm) DP_TRY(dp_model_check_batchnorm_batch(m->models[0], b->n));
-  if (!evaluate_only && stage_separately(m)) DP_TRY(dp_group_run(m->group, load_shard, &t));
-  dp_status st = dp_group_run(m->group, run_shard, &t);
-  if (st != DP_OK) {
-    /* NCCL operations queued by some replicas may never be matched */
-    if (!evaluate_only) dp_comm_poison(m->comm);
-    return st;
+  dp_status st;
+  if (evaluate_only) {
+    st = dp_group_run(m->group, run_shard, &t); /* no collectives */
+  } else {
+    const dp_warm_key key = warm_key_of(b);
+    DP_TRY(warm_up(m, &t, key));
+    dp_comm_step_begin(m->comm);
+    set_in_step(m, 1);
+    st = stage_separately(m) ? dp_group_run(m->group, load_shard, &t) : DP_OK;
+    if (st == DP_OK) st = dp_group_run(m->group, run_shard, &t);
+    set_in_step(m, 0);
+    if (st != DP_OK) {
+      /* NCCL operations queued by some replicas may never be matched; none
+       * queued, nothing to abort. The next step of this shape warms up again. */
+      dp_comm_step_failed(m->comm);
+      warm_forget(m, key);
+    }
   }
+  if (st != DP_OK) return st;
   double loss = 0.0;
   int64_t hits = 0;
   for (int r = 0; r < m->k; ++r) {

@@ -33,6 +33,18 @@ typedef struct dp_grad_bucket {
   int ready_layer;
 } dp_grad_bucket;
 
+/* A batch shape every replica has been warmed for (mirrored.c, warm_up):
+ * the global batch size, where its samples come from (0 float32 images,
+ * 1 uint8 images, 2 resident rows: the staging differs) and the CUDA settings
+ * (deterministic | allow_tf32 << 1: they choose the cuDNN algorithms, hence
+ * the workspace sizes). */
+typedef struct dp_warm_key {
+  int64_t n;
+  int source, settings;
+} dp_warm_key;
+
+enum { DP_MIRRORED_WARM_KEYS = 8 };
+
 struct dp_mirrored {
   int k;
   dp_model **models; /* borrowed: the caller keeps them alive */
@@ -43,6 +55,10 @@ struct dp_mirrored {
   int64_t shard_n[DP_COMM_MAX_REPLICAS]; /* samples of each replica in the current step */
   int nbuckets;
   dp_grad_bucket buckets[DP_COMM_MAX_BUCKETS];
+  /* the shapes warmed so far (the oldest replaced first); a failed step
+   * forgets its own, so that the next one warms up again */
+  int nwarm, next_warm;
+  dp_warm_key warm[DP_MIRRORED_WARM_KEYS];
 };
 
 /* Shard r of n samples over k replicas: [begin, end). */
@@ -69,6 +85,20 @@ DP_MUST_CHECK dp_status dp_mirrored_create(dp_model **models, int k, int sync_ba
 void dp_mirrored_destroy(dp_mirrored *m);
 /* Copy replica root's parameters to every replica and zero every momentum buffer. */
 DP_MUST_CHECK dp_status dp_mirrored_broadcast(dp_mirrored *m, int root);
+/* A training step (dp_mirrored_train_step, dp_mirrored_forward_backward):
+ * 1. the whole batch is checked on the calling thread before any replica
+ *    starts (dp_mirrored_check_batch), so that a bad label or row index is a
+ *    DP_ERR_VALUE that leaves every replica and the comm as they were;
+ * 2. a batch shape not seen before is warmed up first: every replica stages
+ *    its shard and runs forward and backward with the collectives off (no-op
+ *    hooks), BatchNorm's running statistics restored afterwards, so that
+ *    every buffer, workspace and staging region the step needs is allocated,
+ *    and every kernel it launches loaded, before its first collective;
+ * 3. the step runs with dev->in_step set on every replica's device: memory
+ *    that would still grow is a DP_ERR_RUNTIME naming it (backend.h);
+ * 4. a failed step aborts an NCCL comm only if a collective was issued
+ *    (dp_comm_step_failed). */
+DP_MUST_CHECK dp_status dp_mirrored_check_batch(const dp_mirrored *m, const dp_batch *b, int evaluate_only);
 DP_MUST_CHECK dp_status dp_mirrored_train_step(dp_mirrored *m, const dp_batch *b, float lr, float momentum,
                                                float weight_decay, double *loss_sum, int64_t *correct);
 /* Forward and backward only (gradients all-reduced, no step). */

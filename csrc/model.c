@@ -324,6 +324,7 @@ static dp_status require_finalized(const dp_model *m) {
 /* Make room for batches of n samples (activations grow, never shrink). */
 static dp_status ensure_batch(dp_model *m, int64_t n) {
   if (n <= m->act_batch) return DP_OK;
+  DP_TRY(dp_device_may_grow(m->dev, "the activations", (size_t)m->act_batch, (size_t)n, "samples"));
   const int64_t cap = n;
   /* a byte count that wraps would allocate too little; one that does not
    * fit an allocation fails there, as DP_ERR_MEMORY too */
@@ -382,18 +383,10 @@ dp_status dp_model_load(dp_model *m, const dp_batch *b, int need_labels) {
     DP_TRY(be->copy_to_device(m->dev, m->input, b->x, sizeof(float) * (size_t)nx));
   }
   if (need_labels) {
-    if (!b->y) return DP_FAIL(DP_ERR_VALUE, "labels are required");
-    const int K = dp_model_num_classes(m);
+    DP_TRY(dp_model_check_labels(m, b->y, b->n, 0));
     int32_t *tmp = malloc(sizeof(int32_t) * (size_t)(b->n ? b->n : 1));
     if (!tmp) return DP_FAIL(DP_ERR_MEMORY, "cannot allocate labels");
-    for (int64_t i = 0; i < b->n; ++i) {
-      if (b->y[i] < 0 || b->y[i] >= K) {
-        long long bad = (long long)b->y[i];
-        free(tmp);
-        return DP_FAIL(DP_ERR_VALUE, "label %lld at index %lld is outside [0, %d)", bad, (long long)i, K);
-      }
-      tmp[i] = (int32_t)b->y[i];
-    }
+    for (int64_t i = 0; i < b->n; ++i) tmp[i] = (int32_t)b->y[i];
     dp_status s = be->copy_to_device(m->dev, m->labels, tmp, sizeof(int32_t) * (size_t)b->n);
     free(tmp);
     DP_TRY(s);
@@ -401,9 +394,20 @@ dp_status dp_model_load(dp_model *m, const dp_batch *b, int need_labels) {
   return DP_OK;
 }
 
-dp_status dp_model_load_rows(dp_model *m, const dp_resident *d, const int64_t *rows, int64_t n) {
-  DP_TRY(require_finalized(m));
+dp_status dp_model_check_labels(const dp_model *m, const int64_t *y, int64_t n, int64_t first) {
+  if (!y) return DP_FAIL(DP_ERR_VALUE, "labels are required");
+  const int K = dp_model_num_classes(m);
+  for (int64_t i = 0; i < n; ++i)
+    if (y[i] < 0 || y[i] >= K)
+      return DP_FAIL(DP_ERR_VALUE, "label %lld at index %lld is outside [0, %d)", (long long)y[i],
+                     (long long)(first + i), K);
+  return DP_OK;
+}
+
+dp_status dp_model_check_rows(const dp_model *m, const dp_resident *d, const int64_t *rows, int64_t n,
+                              int64_t first) {
   if (n < 0) return DP_FAIL(DP_ERR_VALUE, "batch size must be >= 0, got %lld", (long long)n);
+  if (!d) return DP_FAIL(DP_ERR_VALUE, "%s has no resident dataset", m->dev->name);
   if (d->dev != m->dev)
     return DP_FAIL(DP_ERR_VALUE, "the resident dataset is on %s, the model on %s", d->dev->name, m->dev->name);
   const int64_t elems = (int64_t)m->in_c * m->in_h * m->in_w;
@@ -413,19 +417,22 @@ dp_status dp_model_load_rows(dp_model *m, const dp_resident *d, const int64_t *r
   if (d->num_classes != dp_model_num_classes(m))
     return DP_FAIL(DP_ERR_VALUE, "the resident dataset's labels were checked for %d classes, the model has %d",
                    d->num_classes, dp_model_num_classes(m));
+  for (int64_t i = 0; i < n; ++i)
+    if (rows[i] < 0 || rows[i] >= d->count)
+      return DP_FAIL(DP_ERR_VALUE, "sample index %lld at position %lld is outside the resident dataset [0, %lld)",
+                     (long long)rows[i], (long long)(first + i), (long long)d->count);
+  return DP_OK;
+}
+
+dp_status dp_model_load_rows(dp_model *m, const dp_resident *d, const int64_t *rows, int64_t n) {
+  DP_TRY(require_finalized(m));
+  DP_TRY(dp_model_check_rows(m, d, rows, n, 0));
+  const int64_t elems = (int64_t)m->in_c * m->in_h * m->in_w;
   DP_TRY(ensure_batch(m, n > 0 ? n : 1));
   if (n == 0) return DP_OK;
   int32_t *tmp = malloc(sizeof(int32_t) * (size_t)n);
   if (!tmp) return DP_FAIL(DP_ERR_MEMORY, "cannot allocate %lld row indices", (long long)n);
-  for (int64_t i = 0; i < n; ++i) {
-    if (rows[i] < 0 || rows[i] >= d->count) {
-      long long bad = (long long)rows[i];
-      free(tmp);
-      return DP_FAIL(DP_ERR_VALUE, "sample index %lld at position %lld is outside the resident dataset [0, %lld)", bad,
-                     (long long)i, (long long)d->count);
-    }
-    tmp[i] = (int32_t)rows[i];
-  }
+  for (int64_t i = 0; i < n; ++i) tmp[i] = (int32_t)rows[i];
   const dp_backend *be = m->dev->backend;
   dp_status st = be->copy_to_device(m->dev, m->rows, tmp, sizeof(int32_t) * (size_t)n);
   free(tmp);

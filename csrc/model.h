@@ -125,6 +125,13 @@ DP_MUST_CHECK dp_status dp_model_set_state(dp_model *m, const float *host);
 
 /* Stage a batch on the model's device (labels checked when need_labels). */
 DP_MUST_CHECK dp_status dp_model_load(dp_model *m, const dp_batch *b, int need_labels);
+/* DP_ERR_VALUE unless every y[i] (i < n) is a class of m; an error names the
+ * index first + i (the position in a larger batch of which y is a part). */
+DP_MUST_CHECK dp_status dp_model_check_labels(const dp_model *m, const int64_t *y, int64_t n, int64_t first);
+/* DP_ERR_VALUE unless d fits m (its device, sample size and classes) and
+ * every rows[i] (i < n) is a sample of d; errors name the position first + i. */
+DP_MUST_CHECK dp_status dp_model_check_rows(const dp_model *m, const dp_resident *d, const int64_t *rows, int64_t n,
+                                            int64_t first);
 /* Stage rows[0..n-1] of a dataset resident on the model's device: only the
  * indices travel; the device gathers the images and labels. */
 DP_MUST_CHECK dp_status dp_model_load_rows(dp_model *m, const dp_resident *d, const int64_t *rows, int64_t n);

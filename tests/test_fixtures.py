@@ -50,6 +50,12 @@ TOL_MARGIN x that worst case.
     missing momentum or weight-decay term, a factor 2 still fail the norms and
     losses).
 
+On the GPU.  The same two comparisons run on 'cuda:0' (marked ``gpu``, skipped
+with the reason where no CUDA device is usable, as in tests/test_gpu.py) with
+the same tolerances, TF32 off and deterministic cuDNN algorithms: they are set
+by float32 PyTorch's own spread over summation orders, which cuDNN / cuBLAS
+are one more of.
+
 Observed for dpcore (CPU backend, 2 threads):
 LeNet gradients 1.7e-6, updates 9.3e-6, logits 2.2e-7; ResNet-18 loss 7.5e-8,
 evaluation logits 3.2e-7, running statistics 1.1e-7, gradients 6.2e-2 (max),
@@ -174,8 +180,30 @@ def grads_by_name(net):
             for name, buffer, off, shape in net._entries() if buffer == "params"}
 
 
-def make_net(model):
-    return dp.models.LeNet() if model == "lenet" else dp.models.ResNet18()
+def make_net(model, device="cpu:0"):
+    return dp.models.LeNet(devices=[device]) if model == "lenet" else dp.models.ResNet18(devices=[device])
+
+
+_RUNTIME = dp._core.runtime_info()
+_GPUS = _RUNTIME["cuda_device_count"] if dp.build_info().get("cuda_backend") else 0
+_NO_GPU = ("no usable CUDA device: " + (_RUNTIME["cuda_why"] if dp.build_info().get("cuda_backend")
+                                        else "dpcore was built without the CUDA backend"))
+# every comparison with PyTorch runs on the CPU and, where one is usable, on the GPU
+DEVICES = ["cpu:0", pytest.param("cuda:0", marks=[pytest.mark.gpu, pytest.mark.skipif(_GPUS == 0, reason=_NO_GPU)])]
+
+
+@pytest.fixture
+def device(request):
+    """The device under test; on a GPU with TF32 off and deterministic cuDNN
+    algorithms (the defaults, set explicitly), restored afterwards."""
+    if request.param.startswith("cuda"):
+        dp.set_deterministic(True)
+        dp.set_allow_tf32(False)
+        yield request.param
+        dp.set_deterministic(True)
+        dp.set_allow_tf32(False)
+    else:
+        yield request.param
 
 
 @pytest.fixture(autouse=True)
@@ -247,9 +275,10 @@ def test_tolerances_cover_pytorch_float32(fx):
 # dpcore against the fixtures
 # ---------------------------------------------------------------------------
 
-def test_forward_backward_matches_pytorch(fx):
+@pytest.mark.parametrize("device", DEVICES, indirect=True)
+def test_forward_backward_matches_pytorch(fx, device):
     X, y = fx.t["input"], fx.t["labels"]
-    net = make_net(fx.model)
+    net = make_net(fx.model, device)
     net.set_weights(fx.initial_weights())
     rep = Report(fx)
     # evaluation mode first (predict uses the running statistics, which forward_backward updates)
@@ -273,15 +302,16 @@ def test_forward_backward_matches_pytorch(fx):
     W = net.get_weights()
     for n in fx.buffers:
         rep.check(f"stats1/{n}", W[n])
-    print(f"\n{fx.model} forward/backward vs float64 PyTorch: " +
+    print(f"\n{fx.model} on {device}, forward/backward vs float64 PyTorch: " +
           ", ".join(f"{p} {' '.join(f'{m}={e:.2g}' for m, e in sorted(rep.worst(p).items()))}"
                     for p in ("eval_logits", "loss", "grad/", "stats1/") if any(r[0].startswith(p) for r in rep.rows)))
     rep.finish()
 
 
-def test_three_sgd_steps_match_pytorch(fx):
+@pytest.mark.parametrize("device", DEVICES, indirect=True)
+def test_three_sgd_steps_match_pytorch(fx, device):
     X, y = fx.t["input"], fx.t["labels"]
-    net = make_net(fx.model)
+    net = make_net(fx.model, device)
     init = fx.initial_weights()
     net.set_weights(init)
     rep = Report(fx)
@@ -296,7 +326,7 @@ def test_three_sgd_steps_match_pytorch(fx):
     for n in fx.buffers:
         rep.check(f"after3/{n}", W[n])
     rep.check("after3/eval_logits", net.predict(X), category="after3/eval_logits")
-    print(f"\n{fx.model} three SGD steps vs float64 PyTorch: losses {np.round(losses, 5)} (PyTorch "
+    print(f"\n{fx.model} on {device}, three SGD steps vs float64 PyTorch: losses {np.round(losses, 5)} (PyTorch "
           f"{np.round(fx.t['losses3'], 5)}); " +
           ", ".join(f"{p} {' '.join(f'{m}={e:.2g}' for m, e in sorted(rep.worst(p).items()))}"
                     for p in ("losses3", "update3/", "after3/") if any(r[0].startswith(p) for r in rep.rows)))

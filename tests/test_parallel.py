@@ -425,6 +425,39 @@ def test_mirrored_tiny_batches_with_empty_shards(n):
                 assert rel(d, ws[name].astype(np.float64) - W0[name]) <= UPDATE_TOL, (n, step, name)
 
 
+@pytest.mark.parametrize("all_reduce", ["auto", "host"])  # every kind CPU replicas have
+@pytest.mark.parametrize("bucket_mb", [0, 0.05])
+def test_a_bad_batch_leaves_the_strategy_usable(all_reduce, bucket_mb):
+    """A bad label or resident row is found on the calling thread before any replica starts (so no
+    collective was issued, and an NCCL strategy would not be aborted): ValueError naming it, nothing
+    changed, and the SAME strategy then trains the next good batches bitwise as a twin that never saw
+    the bad ones. The next good batch has a new size: its warm-up runs after the failure."""
+    devices = use_devices(2)
+    strategy = dp.MirroredStrategy(devices, all_reduce=all_reduce, bucket_mb=bucket_mb)
+    with strategy.scope():
+        net = dp.models.LeNet(seed=3)
+        twin = dp.models.LeNet(seed=3)
+    X, y = images(64, seed=5)
+    for m in (net, twin):
+        m.train_step(X, y, lr=0.1, momentum=0.9)
+    W = net.get_weights()
+    bad = y.copy()
+    bad[40] = 10  # in replica 1's shard
+    with pytest.raises(ValueError, match="label 10 at index 40 is outside"):
+        net.train_step(X, bad, lr=0.1, momentum=0.9)
+    residents = net.make_resident(X, y)
+    with pytest.raises(ValueError, match="sample index 64 at position 33 is outside"):
+        net.train_step_rows(residents, np.r_[np.arange(33), 64], lr=0.1, momentum=0.9)
+    assert all(np.array_equal(W[name], w) for name, w in net.get_weights().items())
+    X2, y2 = images(37, seed=6)
+    for m in (net, twin):
+        m.train_step(X2, y2, lr=0.1, momentum=0.9)
+        m.train_step(X, y, lr=0.1, momentum=0.9)
+    assert_replicas_bitwise(net, "after the good batches")
+    for name, w in net.get_weights().items():
+        assert np.array_equal(w, twin.get_weights()[name]), name
+
+
 def test_mirrored_on_a_subset_of_devices_in_any_order():
     # replicas on cpu:3 and cpu:1 (shard 0 goes to cpu:3): the same training as one replica
     use_devices(4)

@@ -53,14 +53,18 @@ def test_core_is_clean_under_asan_lsan_ubsan(tmp_path):
 
 def test_dp_hd_bodies_as_the_gpu_runs_them(tmp_path):
     """tests/c/kernel_bodies.c: every DP_HD body in the flat-index form the CUDA
-    launchers call, bit for bit against the CPU backend (under the sanitizers too)."""
+    launchers call, and the CPU backend's loops over them, against reference
+    loops written in the test (exact where the formula fixes the bits, a
+    stated tolerance otherwise), under the sanitizers too."""
     build_and_run(tmp_path, "kernel_bodies", ["backend_cpu.c", "collective.c", "status.c"])
 
 
 def test_replica_threads_and_collectives_are_clean(tmp_path):
     """tests/c/mirrored_smoke.c: three replica threads train with gradient
-    buckets, per-replica and synchronized BatchNorm and resident data; a
-    failing replica breaks the barrier; everything joined and freed."""
+    buckets, per-replica and synchronized BatchNorm and resident data; a bad
+    label or row is refused before any replica starts; a step whose memory
+    would grow after its warm-up is a reported error before any collective;
+    everything joined and freed."""
     build_and_run(tmp_path, "mirrored_smoke", ["backend_cpu.c", "backend_cuda.c", "collective.c", "comm.c", "mirrored.c",
                                                 "model.c", "replica.c", "resident.c", "shapes.c", "status.c"])
 

@@ -295,6 +295,47 @@ static void failing_owner(void) {
   owner_done(&o);
 }
 
+/* Inside a training step the arena serves from the chunks it holds and never
+ * asks the owner (a cudaMalloc there could hang the collectives): a request
+ * that fits a free block is served, one that does not is a DP_ERR_RUNTIME
+ * naming what asked, with no owner call and nothing changed. */
+static void reserved_only(void) {
+  owner o;
+  const size_t chunk = 64 * DP_ARENA_ALIGN;
+  owner_init(&o, SIZE_MAX);
+  dp_arena *a = NULL;
+  CHECK(dp_arena_create(chunk, owner_alloc, owner_free, &o, &a) == DP_OK);
+  if (!a) return;
+  void *p = NULL, *q = NULL, *r = NULL;
+  /* nothing reserved yet: even one byte is refused */
+  CHECK(dp_arena_alloc_reserved(a, 1, "the first block", &p) == DP_ERR_RUNTIME && p == NULL && o.calls == 0);
+  CHECK(strstr(dp_error_message(), "the first block") != NULL);
+  CHECK(dp_arena_alloc(a, 16 * DP_ARENA_ALIGN, &p) == DP_OK && o.calls == 1); /* the warm-up reserves */
+  CHECK(dp_arena_release(a, p) == DP_OK);
+  /* the step: the whole chunk is there to be used, in pieces */
+  CHECK(dp_arena_alloc_reserved(a, 48 * DP_ARENA_ALIGN, "activations", &q) == DP_OK && q != NULL);
+  CHECK(dp_arena_alloc_reserved(a, 16 * DP_ARENA_ALIGN, "workspace", &r) == DP_OK && r != NULL);
+  dp_arena_stats before, after;
+  dp_arena_get_stats(a, &before);
+  void *s = (void *)1;
+  dp_error_clear();
+  CHECK(dp_arena_alloc_reserved(a, 1, "the cuDNN workspace", &s) == DP_ERR_RUNTIME && s == NULL);
+  CHECK(strstr(dp_error_message(), "the cuDNN workspace") != NULL);
+  CHECK(strstr(dp_error_message(), "inside a training step") != NULL);
+  dp_arena_get_stats(a, &after);
+  CHECK(o.calls == 1 && after.chunks == 1 && after.blocks == before.blocks && after.in_use_bytes == chunk);
+  /* an empty chunk is not given back either (that would be a cudaFree) */
+  CHECK(dp_arena_release(a, q) == DP_OK && dp_arena_release(a, r) == DP_OK);
+  CHECK(dp_arena_alloc_reserved(a, 2 * chunk, "too large", &s) == DP_ERR_RUNTIME);
+  dp_arena_get_stats(a, &after);
+  CHECK(after.chunks == 1 && after.reserved_bytes == chunk && o.calls == 1);
+  /* outside the step it grows as before */
+  CHECK(dp_arena_alloc(a, 2 * chunk, &s) == DP_OK && o.calls == 2);
+  CHECK(dp_arena_release(a, s) == DP_OK);
+  dp_arena_destroy(a);
+  owner_done(&o);
+}
+
 static void misuse(void) {
   owner o;
   owner_init(&o, SIZE_MAX);
@@ -398,6 +439,7 @@ int main(void) {
   random_sequences();
   reuse_and_coalescing();
   failing_owner();
+  reserved_only();
   misuse();
   threads();
   if (failures) {

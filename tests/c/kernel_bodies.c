@@ -1,10 +1,23 @@
-/* kernel_bodies.c — the DP_HD bodies the CUDA launchers call, run on the CPU.
+/* kernel_bodies.c — the DP_HD bodies the CUDA launchers call, run on the CPU,
+ * against loops written here.
  *
- * The CUDA kernels in kernels/elementwise.cu call the flat-index forms of the
- * bodies (one thread per output element). The CPU backend calls the per-plane
- * forms. This program runs the flat-index forms exactly as a grid-stride loop
- * would, and checks them bit for bit against the CPU backend on the same
- * inputs, so the arithmetic a GPU runs is exercised by the CPU test suite.
+ * The CUDA kernels in kernels/ .cu files call the flat-index forms of the bodies
+ * (one thread per output element); the CPU backend calls the per-plane forms
+ * of the same bodies. Comparing one with the other cannot catch a wrong body,
+ * so both are compared with a reference written independently in this file
+ * from the formula each body documents: scatter loops where the bodies gather,
+ * double precision where the arithmetic is not fixed to the bit.
+ *
+ * Exact comparisons where the formula fixes every rounding (ReLU, add, SGD in
+ * PyTorch's order, the bias fill, max pooling, the gather, the rank-ordered
+ * float sum of the all-reduce). Elsewhere a tolerance: REL_TOL, relative to
+ * max(1, |reference|), for a float32 result of at most a few dozen roundings
+ * (pooling averages, BatchNorm); SOFTMAX_TOL for expf/logf (a few ulp each).
+ * A bug in an index or a term is an error of order 0.1 here.
+ *
+ * The GPU runs these bodies bit for bit as the CPU does: nvcc compiles them
+ * with --fmad=false and the C build with -ffp-contract=off (setup.py), except
+ * expf/logf, whose CUDA versions differ from libm's by a few ulp.
  * Exit status 0 only if every comparison matched. */
 #include <math.h>
 #include <stdio.h>
@@ -15,6 +28,9 @@
 #include "collective.h"
 #include "dp_kernels.h"
 
+#define REL_TOL 1e-6
+#define SOFTMAX_TOL 1e-5
+
 static int failures = 0;
 
 static unsigned rng = 777u;
@@ -23,13 +39,24 @@ static float uniform(void) {
   return (float)(rng >> 8) / (float)(1u << 24) - 0.5f;
 }
 
-static void expect_same(const char *what, const float *a, const float *b, int64_t n) {
-  if (memcmp(a, b, sizeof(float) * (size_t)n) != 0) {
-    int64_t i = 0;
-    while (i < n && memcmp(&a[i], &b[i], sizeof(float)) == 0) ++i;
-    fprintf(stderr, "%s: element %lld differs: %.9g vs %.9g\n", what, (long long)i, (double)a[i], (double)b[i]);
-    failures++;
-  }
+static void expect_same(const char *what, const float *a, const float *ref, int64_t n) {
+  for (int64_t i = 0; i < n; ++i)
+    if (memcmp(&a[i], &ref[i], sizeof(float)) != 0) {
+      fprintf(stderr, "%s: element %lld is %.9g, the reference %.9g\n", what, (long long)i, (double)a[i],
+              (double)ref[i]);
+      failures++;
+      return;
+    }
+}
+
+static void expect_close(const char *what, const float *a, const double *ref, int64_t n, double tol) {
+  for (int64_t i = 0; i < n; ++i)
+    if (!(fabs((double)a[i] - ref[i]) <= tol * fmax(1.0, fabs(ref[i])))) {
+      fprintf(stderr, "%s: element %lld is %.9g, the reference %.9g (tolerance %g)\n", what, (long long)i,
+              (double)a[i], ref[i], tol);
+      failures++;
+      return;
+    }
 }
 
 /* A backend call the comparison depends on: its failure is a failure of the
@@ -48,203 +75,342 @@ static float *randoms(int64_t n) {
   return p;
 }
 
+static float *floats(int64_t n) { return malloc(sizeof(float) * (size_t)(n ? n : 1)); }
+static double *doubles(int64_t n) { return calloc((size_t)(n ? n : 1), sizeof(double)); }
+
+/* ---- pooling: references by windows (forward) and by scattering (backward) -- */
+
 static void check_pooling(dp_device *dev, int N, int C, int H, int W, int k, int stride, int pad) {
-  dp_pool_geom g = {C, H, W, dp_pool_out_dim(H, k, stride, pad), dp_pool_out_dim(W, k, stride, pad), k, stride, pad};
+  dp_pool_geom g = {C, H, W, (int)dp_pool_out_dim(H, k, stride, pad), (int)dp_pool_out_dim(W, k, stride, pad), k,
+                    stride, pad};
   const int64_t nin = (int64_t)N * C * H * W, nout = (int64_t)N * C * g.OH * g.OW;
-  float *x = randoms(nin), *dy = randoms(nout);
-  float *y_gpu = malloc(sizeof(float) * nout), *y_cpu = malloc(sizeof(float) * nout);
-  float *dx_gpu = malloc(sizeof(float) * nin), *dx_cpu = malloc(sizeof(float) * nin);
-  int32_t *arg_gpu = malloc(sizeof(int32_t) * nout), *arg_cpu = malloc(sizeof(int32_t) * nout);
-  char what[96];
+  float *x = randoms(nin), *dy = randoms(nout), *a = floats(nin > nout ? nin : nout);
+  float *ymax = floats(nout);
+  double *avg = doubles(nout), *davg = doubles(nin), *dmax = doubles(nin);
+  int32_t *arg_ref = malloc(sizeof(int32_t) * (size_t)nout), *arg = malloc(sizeof(int32_t) * (size_t)nout);
+  for (int64_t nc = 0; nc < (int64_t)N * C; ++nc)
+    for (int oh = 0; oh < g.OH; ++oh)
+      for (int ow = 0; ow < g.OW; ++ow) {
+        const int64_t o = (nc * g.OH + oh) * g.OW + ow;
+        double s = 0.0;
+        int best = -1;
+        for (int i = 0; i < k; ++i)
+          for (int j = 0; j < k; ++j) {
+            const int h = oh * stride - pad + i, w = ow * stride - pad + j;
+            if (h < 0 || h >= H || w < 0 || w >= W) continue; /* padding: counted in k*k, never a winner */
+            const int64_t at = nc * H * W + h * W + w;
+            s += x[at];
+            if (best < 0 || x[at] > x[nc * H * W + best]) best = h * W + w; /* the first maximum wins */
+          }
+        avg[o] = s / (k * k);
+        ymax[o] = x[nc * H * W + best];
+        arg_ref[o] = best;
+        for (int i = 0; i < k; ++i) /* scatter each window's gradient back */
+          for (int j = 0; j < k; ++j) {
+            const int h = oh * stride - pad + i, w = ow * stride - pad + j;
+            if (h >= 0 && h < H && w >= 0 && w < W) davg[nc * H * W + h * W + w] += (double)dy[o] / (k * k);
+          }
+        dmax[nc * H * W + best] += dy[o];
+      }
+  char what[128];
+#define POOL_WHAT(s) (snprintf(what, sizeof what, "%s k%d s%d p%d", s, k, stride, pad), what)
+  for (int64_t o = 0; o < nout; ++o) a[o] = dp_avgpool_forward_elem(x, &g, o);
+  expect_close(POOL_WHAT("avgpool forward (body)"), a, avg, nout, REL_TOL);
+  EXPECT_OK(dev->backend->avgpool_forward(dev, &g, N, x, a));
+  expect_close(POOL_WHAT("avgpool forward (cpu)"), a, avg, nout, REL_TOL);
 
-  for (int64_t o = 0; o < nout; ++o) y_gpu[o] = dp_avgpool_forward_elem(x, &g, o);
-  EXPECT_OK(dev->backend->avgpool_forward(dev, &g, N, x, y_cpu));
-  snprintf(what, sizeof what, "avgpool forward k%d s%d p%d", k, stride, pad);
-  expect_same(what, y_gpu, y_cpu, nout);
+  for (int64_t i = 0; i < nin; ++i) a[i] = dp_avgpool_backward_elem(dy, &g, i);
+  expect_close(POOL_WHAT("avgpool backward (body)"), a, davg, nin, REL_TOL);
+  EXPECT_OK(dev->backend->avgpool_backward(dev, &g, N, dy, a));
+  expect_close(POOL_WHAT("avgpool backward (cpu)"), a, davg, nin, REL_TOL);
 
-  for (int64_t i = 0; i < nin; ++i) dx_gpu[i] = dp_avgpool_backward_elem(dy, &g, i);
-  EXPECT_OK(dev->backend->avgpool_backward(dev, &g, N, dy, dx_cpu));
-  snprintf(what, sizeof what, "avgpool backward k%d s%d p%d", k, stride, pad);
-  expect_same(what, dx_gpu, dx_cpu, nin);
-
-  for (int64_t o = 0; o < nout; ++o) y_gpu[o] = dp_maxpool_forward_elem(x, &g, o, &arg_gpu[o]);
-  EXPECT_OK(dev->backend->maxpool_forward(dev, &g, N, x, y_cpu, arg_cpu));
-  snprintf(what, sizeof what, "maxpool forward k%d s%d p%d", k, stride, pad);
-  expect_same(what, y_gpu, y_cpu, nout);
-  if (memcmp(arg_gpu, arg_cpu, sizeof(int32_t) * (size_t)nout) != 0) {
-    fprintf(stderr, "maxpool argmax differs\n");
+  for (int64_t o = 0; o < nout; ++o) a[o] = dp_maxpool_forward_elem(x, &g, o, &arg[o]);
+  expect_same(POOL_WHAT("maxpool forward (body)"), a, ymax, nout);
+  if (memcmp(arg, arg_ref, sizeof(int32_t) * (size_t)nout) != 0) {
+    fprintf(stderr, "%s: argmax differs\n", POOL_WHAT("maxpool forward (body)"));
     failures++;
   }
-  for (int64_t i = 0; i < nin; ++i) dx_gpu[i] = dp_maxpool_backward_elem(dy, arg_gpu, &g, i);
-  EXPECT_OK(dev->backend->maxpool_backward(dev, &g, N, dy, arg_cpu, dx_cpu));
-  snprintf(what, sizeof what, "maxpool backward k%d s%d p%d", k, stride, pad);
-  expect_same(what, dx_gpu, dx_cpu, nin);
-
-  free(x), free(dy), free(y_gpu), free(y_cpu), free(dx_gpu), free(dx_cpu), free(arg_gpu), free(arg_cpu);
+  EXPECT_OK(dev->backend->maxpool_forward(dev, &g, N, x, a, arg));
+  expect_same(POOL_WHAT("maxpool forward (cpu)"), a, ymax, nout);
+  if (memcmp(arg, arg_ref, sizeof(int32_t) * (size_t)nout) != 0) {
+    fprintf(stderr, "%s: argmax differs\n", POOL_WHAT("maxpool forward (cpu)"));
+    failures++;
+  }
+  for (int64_t i = 0; i < nin; ++i) a[i] = dp_maxpool_backward_elem(dy, arg_ref, &g, i);
+  expect_close(POOL_WHAT("maxpool backward (body)"), a, dmax, nin, REL_TOL);
+  EXPECT_OK(dev->backend->maxpool_backward(dev, &g, N, dy, arg_ref, a));
+  expect_close(POOL_WHAT("maxpool backward (cpu)"), a, dmax, nin, REL_TOL);
+#undef POOL_WHAT
+  free(x), free(dy), free(a), free(ymax), free(avg), free(davg), free(dmax), free(arg_ref), free(arg);
 }
+
+/* ---- element-wise ----------------------------------------------------------- */
 
 static void check_elementwise(dp_device *dev) {
   const int64_t n = 1003;
-  float *x = randoms(n), *dy = randoms(n), *a = malloc(sizeof(float) * n), *b = malloc(sizeof(float) * n);
+  float *x = randoms(n), *dy = randoms(n), *a = floats(n), *ref = floats(n);
+
+  for (int64_t i = 0; i < n; ++i) ref[i] = x[i] > 0.0f ? x[i] : 0.0f;
   for (int64_t i = 0; i < n; ++i) a[i] = dp_relu_forward_elem(x[i]);
-  EXPECT_OK(dev->backend->relu_forward(dev, n, x, b));
-  expect_same("relu forward", a, b, n);
+  expect_same("relu forward (body)", a, ref, n);
+  EXPECT_OK(dev->backend->relu_forward(dev, n, x, a));
+  expect_same("relu forward (cpu)", a, ref, n);
+
+  for (int64_t i = 0; i < n; ++i) ref[i] = x[i] > 0.0f ? dy[i] : 0.0f;
   for (int64_t i = 0; i < n; ++i) a[i] = dp_relu_backward_elem(x[i], dy[i]);
-  EXPECT_OK(dev->backend->relu_backward(dev, n, x, dy, b));
-  expect_same("relu backward", a, b, n);
+  expect_same("relu backward (body)", a, ref, n);
+  EXPECT_OK(dev->backend->relu_backward(dev, n, x, dy, a));
+  expect_same("relu backward (cpu)", a, ref, n);
+
+  for (int64_t i = 0; i < n; ++i) ref[i] = x[i] + dy[i];
   for (int64_t i = 0; i < n; ++i) a[i] = dp_add_elem(x[i], dy[i]);
-  EXPECT_OK(dev->backend->add(dev, n, x, dy, b));
-  expect_same("add", a, b, n);
+  expect_same("add (body)", a, ref, n);
+  EXPECT_OK(dev->backend->add(dev, n, x, dy, a));
+  expect_same("add (cpu)", a, ref, n);
 
+  /* v / 255; the body multiplies by the rounded reciprocal: within an ulp */
   uint8_t u8[256];
-  float ua[256], ub[256];
-  for (int i = 0; i < 256; ++i) u8[i] = (uint8_t)i, ua[i] = dp_u8_to_unit_elem(u8[i]);
-  EXPECT_OK(dev->backend->u8_to_unit(dev, ub, u8, 256));
-  expect_same("u8 to unit", ua, ub, 256);
+  float ua[256];
+  double uref[256];
+  for (int i = 0; i < 256; ++i) u8[i] = (uint8_t)i, uref[i] = i / 255.0, ua[i] = dp_u8_to_unit_elem(u8[i]);
+  expect_close("u8 to unit (body)", ua, uref, 256, 1.2e-7);
+  EXPECT_OK(dev->backend->u8_to_unit(dev, ua, u8, 256));
+  expect_close("u8 to unit (cpu)", ua, uref, 256, 1.2e-7);
 
-  /* SGD: the kernel's per-element body against the backend's fused loop */
-  float *w1 = randoms(n), *w2 = malloc(sizeof(float) * n), *v1 = randoms(n), *v2 = malloc(sizeof(float) * n);
-  memcpy(w2, w1, sizeof(float) * n);
-  memcpy(v2, v1, sizeof(float) * n);
-  for (int64_t i = 0; i < n; ++i) dp_sgd_elem(w1, dy, v1, i, 0.05f, 0.9f, 1e-4f);
-  EXPECT_OK(dev->backend->sgd_update(dev, n, w2, dy, v2, 0.05f, 0.9f, 1e-4f));
-  expect_same("sgd weights", w1, w2, n);
-  expect_same("sgd velocity", v1, v2, n);
+  /* SGD, torch.optim.SGD's order: g' = g + wd w; v = mu v + g'; w -= lr v */
+  const float lr = 0.05f, mu = 0.9f, wd = 1e-4f;
+  float *w0 = randoms(n), *v0 = randoms(n), *wref = floats(n), *vref = floats(n), *w = floats(n), *v = floats(n);
+  for (int64_t i = 0; i < n; ++i) {
+    const float gp = dy[i] + wd * w0[i];
+    vref[i] = mu * v0[i] + gp;
+    wref[i] = w0[i] - lr * vref[i];
+  }
+  memcpy(w, w0, sizeof(float) * n), memcpy(v, v0, sizeof(float) * n);
+  for (int64_t i = 0; i < n; ++i) dp_sgd_elem(w, dy, v, i, lr, mu, wd);
+  expect_same("sgd weights (body)", w, wref, n);
+  expect_same("sgd velocity (body)", v, vref, n);
+  memcpy(w, w0, sizeof(float) * n), memcpy(v, v0, sizeof(float) * n);
+  EXPECT_OK(dev->backend->sgd_update(dev, n, w, dy, v, lr, mu, wd));
+  expect_same("sgd weights (cpu)", w, wref, n);
+  expect_same("sgd velocity (cpu)", v, vref, n);
+  /* without momentum the velocity is not used: w -= lr (g + wd w) */
+  for (int64_t i = 0; i < n; ++i) wref[i] = w0[i] - lr * (dy[i] + wd * w0[i]);
+  memcpy(w, w0, sizeof(float) * n);
+  for (int64_t i = 0; i < n; ++i) dp_sgd_elem(w, dy, NULL, i, lr, 0.0f, wd);
+  expect_same("sgd without momentum (body)", w, wref, n);
 
-  /* bias fill: what the CUDA conv epilogue writes, against the CPU conv with zero weights */
-  const int C = 5, HW = 7;
-  float bias[5] = {0.5f, -1.0f, 2.0f, 0.25f, -0.125f}, fill[2 * 5 * 7], conv[2 * 5 * 7], zeros[5 * 3 * 9 * 9] = {0};
-  for (int64_t i = 0; i < 2 * C * HW; ++i) fill[i] = dp_bias_value_elem(bias, i, C, HW);
-  dp_conv_geom g = {3, 7, 9, 5, 3, 3, 1, 1, 7, 9};
-  float *xin = randoms(2 * 3 * 7 * 9), *yout = malloc(sizeof(float) * 2 * 5 * 63);
-  EXPECT_OK(dev->backend->conv2d_forward(dev, &g, 2, xin, zeros, bias, yout));
+  /* the bias fill of the CUDA convolution's epilogue: y (2, C, HW) */
+  enum { C = 5, HW = 7 };
+  const float bias[C] = {0.5f, -1.0f, 2.0f, 0.25f, -0.125f};
+  float fill[2 * C * HW], fill_ref[2 * C * HW];
   for (int s = 0; s < 2; ++s)
     for (int c = 0; c < C; ++c)
-      for (int p = 0; p < HW; ++p) conv[(s * C + c) * HW + p] = yout[(s * C + c) * 63 + p];
-  expect_same("bias value", fill, conv, 2 * C * HW);
+      for (int p = 0; p < HW; ++p) fill_ref[(s * C + c) * HW + p] = bias[c];
+  for (int64_t i = 0; i < 2 * C * HW; ++i) fill[i] = dp_bias_value_elem(bias, i, C, HW);
+  expect_same("bias value (body)", fill, fill_ref, 2 * C * HW);
 
-  free(x), free(dy), free(a), free(b), free(w1), free(w2), free(v1), free(v2), free(xin), free(yout);
+  /* row sums: the bias gradients and global average pooling, y (N, C) the
+   * mean of each plane of x (N, C, HW) */
+  enum { PLANES = 6, AREA = 49 };
+  float rows_sum[PLANES], gap[PLANES];
+  double rows_ref[PLANES] = {0}, gap_ref[PLANES];
+  for (int p = 0; p < PLANES; ++p) {
+    for (int i = 0; i < AREA; ++i) rows_ref[p] += x[p * AREA + i];
+    gap_ref[p] = rows_ref[p] / AREA;
+    rows_sum[p] = dp_row_sum(x + p * AREA, AREA);
+  }
+  expect_close("row sum (body)", rows_sum, rows_ref, PLANES, REL_TOL);
+  EXPECT_OK(dev->backend->global_avgpool_forward(dev, 2, PLANES / 2, AREA, x, gap));
+  expect_close("global average pool (cpu)", gap, gap_ref, PLANES, REL_TOL);
+
+  free(x), free(dy), free(a), free(ref), free(w0), free(v0), free(wref), free(vref), free(w), free(v);
 }
 
+/* ---- softmax cross-entropy: a double-precision reference ------------------- */
+
 static void check_softmax(dp_device *dev) {
-  const int N = 9, K = 10;
-  float *logits = randoms(N * K), d1[9 * 10], d2[9 * 10];
-  int32_t labels[9];
-  for (int i = 0; i < N; ++i) labels[i] = (i * 7) % K, logits[i * K] *= 1000.0f;
-  float loss1[9];
-  int correct1 = 0;
+  enum { N = 9, K = 10 };
+  const float scale = 0.25f;
+  float *logits = randoms(N * K), d[N * K], loss[N];
+  double dref[N * K], lref[N], total = 0.0;
+  int32_t labels[N];
+  int hits_ref = 0, hits = 0;
+  for (int i = 0; i < N; ++i) labels[i] = (i * 7) % K, logits[i * K] *= 1000.0f; /* one row far from the others */
+  for (int r = 0; r < N; ++r) {
+    const float *z = logits + r * K;
+    int am = 0;
+    double mx = z[0], s = 0.0;
+    for (int j = 1; j < K; ++j)
+      if (z[j] > z[am]) am = j;
+    mx = z[am];
+    for (int j = 0; j < K; ++j) s += exp((double)z[j] - mx);
+    lref[r] = log(s) + mx - z[labels[r]];
+    for (int j = 0; j < K; ++j) dref[r * K + j] = scale * (exp((double)z[j] - mx) / s - (j == labels[r]));
+    hits_ref += am == labels[r];
+    total += lref[r];
+  }
   for (int r = 0; r < N; ++r) {
     int hit;
-    loss1[r] = dp_softmax_xent_row(logits + r * K, K, labels[r], 0.25f, d1 + r * K, &hit);
-    correct1 += hit;
+    loss[r] = dp_softmax_xent_row(logits + r * K, K, labels[r], scale, d + r * K, &hit);
+    hits += hit;
   }
-  double loss2;
-  int64_t correct2;
-  EXPECT_OK(dev->backend->softmax_xent(dev, N, K, logits, labels, 0.25f, d2, &loss2, &correct2));
-  expect_same("softmax dlogits", d1, d2, N * K);
-  double sum = 0.0;
-  for (int r = 0; r < N; ++r) sum += loss1[r];
-  if (sum != loss2 || correct1 != correct2) {
-    fprintf(stderr, "softmax loss/correct differ: %.17g vs %.17g, %d vs %lld\n", sum, loss2, correct1,
-            (long long)correct2);
+  expect_close("softmax loss rows (body)", loss, lref, N, SOFTMAX_TOL);
+  expect_close("softmax dlogits (body)", d, dref, N * K, SOFTMAX_TOL);
+  double loss_cpu;
+  int64_t hits_cpu;
+  EXPECT_OK(dev->backend->softmax_xent(dev, N, K, logits, labels, scale, d, &loss_cpu, &hits_cpu));
+  expect_close("softmax dlogits (cpu)", d, dref, N * K, SOFTMAX_TOL);
+  if (hits != hits_ref || hits_cpu != hits_ref || !(fabs(loss_cpu - total) <= SOFTMAX_TOL * fmax(1.0, total))) {
+    fprintf(stderr, "softmax: hits %d (body) %lld (cpu) vs %d, loss %.9g vs %.9g\n", hits, (long long)hits_cpu,
+            hits_ref, loss_cpu, total);
     failures++;
   }
   free(logits);
 }
 
+/* ---- BatchNorm: double-precision references of PyTorch's formulas --------- */
+
 static void check_batchnorm(dp_device *dev) {
-  const int N = 3, C = 4, HW = 10;
+  enum { N = 3, C = 4, HW = 10 };
   const int64_t n = (int64_t)N * C * HW;
-  float *x = randoms(n), *dy = randoms(n), *y1 = malloc(sizeof(float) * n), *y2 = malloc(sizeof(float) * n);
-  float mean[4], sqdev[4], invstd1[4], invstd2[4], rm1[4] = {0}, rv1[4] = {1, 1, 1, 1}, rm2[4] = {0},
-                                                    rv2[4] = {1, 1, 1, 1};
-  float gamma[4] = {1.0f, 0.5f, -2.0f, 1.5f}, beta[4] = {0.0f, 0.1f, -0.2f, 0.3f};
-  EXPECT_OK(dev->backend->bn_sums(dev, N, C, HW, x, NULL, mean));
-  for (int c = 0; c < C; ++c) mean[c] /= (float)(N * HW);
+  const float eps = 1e-5f, momentum = 0.1f, count = (float)(N * HW);
+  float *x = randoms(n), *dy = randoms(n), *y = floats(n);
+  double *ref = doubles(n);
+  const float gamma[C] = {1.0f, 0.5f, -2.0f, 1.5f}, beta[C] = {0.0f, 0.1f, -0.2f, 0.3f};
+  double mean_ref[C] = {0}, sq_ref[C] = {0}, invstd_ref[C], rm_ref[C], rv_ref[C], sdy_ref[C] = {0},
+         sdx_ref[C] = {0};
+  for (int64_t i = 0; i < n; ++i) mean_ref[(i / HW) % C] += x[i];
+  for (int c = 0; c < C; ++c) mean_ref[c] /= count;
+  for (int64_t i = 0; i < n; ++i) sq_ref[(i / HW) % C] += pow(x[i] - mean_ref[(i / HW) % C], 2);
+
+  /* the sums (backend bn_sums) */
+  float sums[C], mean[C], sqdev[C];
+  EXPECT_OK(dev->backend->bn_sums(dev, N, C, HW, x, NULL, sums));
+  for (int c = 0; c < C; ++c) mean[c] = sums[c] / count;
+  expect_close("bn mean (cpu)", mean, mean_ref, C, REL_TOL);
   EXPECT_OK(dev->backend->bn_sums(dev, N, C, HW, x, mean, sqdev));
-  for (int c = 0; c < C; ++c)
-    dp_bn_finalize_channel(sqdev[c], (float)(N * HW), mean[c], 1e-5f, 0.1f, 1, &invstd1[c], &rm1[c], &rv1[c]);
-  EXPECT_OK(dev->backend->bn_finalize(dev, C, sqdev, (float)(N * HW), mean, 1e-5f, 0.1f, 1, invstd2, rm2, rv2));
-  expect_same("bn invstd", invstd1, invstd2, C);
-  expect_same("bn running mean", rm1, rm2, C);
-  expect_same("bn running var", rv1, rv2, C);
+  expect_close("bn squared deviations (cpu)", sqdev, sq_ref, C, REL_TOL);
+
+  /* finalize: biased variance for invstd, unbiased for the running variance */
+  float invstd[C], rm[C], rv[C];
+  for (int c = 0; c < C; ++c) {
+    invstd_ref[c] = 1.0 / sqrt((double)sqdev[c] / count + eps);
+    rm_ref[c] = (1.0 - momentum) * 0.25 + momentum * mean[c];
+    rv_ref[c] = (1.0 - momentum) * 2.0 + momentum * ((double)sqdev[c] / (count - 1.0));
+  }
+  for (int c = 0; c < C; ++c) {
+    rm[c] = 0.25f, rv[c] = 2.0f;
+    dp_bn_finalize_channel(sqdev[c], count, mean[c], eps, momentum, 1, &invstd[c], &rm[c], &rv[c]);
+  }
+  expect_close("bn invstd (body)", invstd, invstd_ref, C, REL_TOL);
+  expect_close("bn running mean (body)", rm, rm_ref, C, REL_TOL);
+  expect_close("bn running var (body)", rv, rv_ref, C, REL_TOL);
+  for (int c = 0; c < C; ++c) rm[c] = 0.25f, rv[c] = 2.0f;
+  EXPECT_OK(dev->backend->bn_finalize(dev, C, sqdev, count, mean, eps, momentum, 1, invstd, rm, rv));
+  expect_close("bn invstd (cpu)", invstd, invstd_ref, C, REL_TOL);
+  expect_close("bn running mean (cpu)", rm, rm_ref, C, REL_TOL);
+  expect_close("bn running var (cpu)", rv, rv_ref, C, REL_TOL);
+
+  /* apply: y = gamma (x - mean) invstd + beta */
   for (int64_t i = 0; i < n; ++i) {
     const int c = (int)((i / HW) % C);
-    y1[i] = dp_bn_apply_elem(x[i], mean[c], invstd1[c], gamma[c], beta[c]);
+    ref[i] = gamma[c] * ((double)x[i] - mean[c]) * invstd[c] + beta[c];
   }
-  EXPECT_OK(dev->backend->bn_apply(dev, N, C, HW, x, mean, invstd1, gamma, beta, y2));
-  expect_same("bn apply", y1, y2, n);
-  float sdy[4], sdx[4];
-  EXPECT_OK(dev->backend->bn_backward_sums(dev, N, C, HW, x, dy, mean, invstd1, sdy, sdx));
   for (int64_t i = 0; i < n; ++i) {
     const int c = (int)((i / HW) % C);
-    y1[i] = dp_bn_backward_elem(x[i], dy[i], mean[c], invstd1[c], gamma[c], sdy[c], sdx[c], 1.0f / (N * HW));
+    y[i] = dp_bn_apply_elem(x[i], mean[c], invstd[c], gamma[c], beta[c]);
   }
-  EXPECT_OK(dev->backend->bn_backward_dx(dev, N, C, HW, x, dy, mean, invstd1, gamma, sdy, sdx, 1.0f / (N * HW), y2));
-  expect_same("bn backward", y1, y2, n);
-  free(x), free(dy), free(y1), free(y2);
+  expect_close("bn apply (body)", y, ref, n, REL_TOL);
+  EXPECT_OK(dev->backend->bn_apply(dev, N, C, HW, x, mean, invstd, gamma, beta, y));
+  expect_close("bn apply (cpu)", y, ref, n, REL_TOL);
+
+  /* backward: sum dy, sum dy xhat; dx = gamma invstd (dy - sum_dy / m - xhat sum_dy_xhat / m) */
+  for (int64_t i = 0; i < n; ++i) {
+    const int c = (int)((i / HW) % C);
+    sdy_ref[c] += dy[i];
+    sdx_ref[c] += dy[i] * ((double)x[i] - mean[c]) * invstd[c];
+  }
+  float sdy[C], sdx[C];
+  EXPECT_OK(dev->backend->bn_backward_sums(dev, N, C, HW, x, dy, mean, invstd, sdy, sdx));
+  expect_close("bn sum dy (cpu)", sdy, sdy_ref, C, REL_TOL);
+  expect_close("bn sum dy xhat (cpu)", sdx, sdx_ref, C, REL_TOL);
+  for (int64_t i = 0; i < n; ++i) {
+    const int c = (int)((i / HW) % C);
+    const double xhat = ((double)x[i] - mean[c]) * invstd[c];
+    ref[i] = gamma[c] * (double)invstd[c] * (dy[i] - sdy[c] / (double)count - xhat * sdx[c] / (double)count);
+  }
+  for (int64_t i = 0; i < n; ++i) {
+    const int c = (int)((i / HW) % C);
+    y[i] = dp_bn_backward_elem(x[i], dy[i], mean[c], invstd[c], gamma[c], sdy[c], sdx[c], 1.0f / count);
+  }
+  expect_close("bn backward (body)", y, ref, n, REL_TOL);
+  EXPECT_OK(dev->backend->bn_backward_dx(dev, N, C, HW, x, dy, mean, invstd, gamma, sdy, sdx, 1.0f / count, y));
+  expect_close("bn backward (cpu)", y, ref, n, REL_TOL);
+  free(x), free(dy), free(y), free(ref);
 }
 
-/* dp_sum_parts_elem (the CUDA reduction's body) against the CPU all-reduce */
+/* ---- the all-reduce: the rank-ordered float sum ((p0 + p1) + p2) + ... ----- */
+
 static void check_sum_parts(void) {
   for (int k = 1; k <= 5; ++k) {
     const int64_t n = 1031;
-    float *bufs[5], *expected = malloc(sizeof(float) * n);
-    for (int r = 0; r < k; ++r) bufs[r] = randoms(n);
-    for (int64_t i = 0; i < n; ++i) expected[i] = dp_sum_parts_elem((const float *const *)bufs, k, i);
-    dp_barrier bar;
-    EXPECT_OK(dp_barrier_init(&bar, 1));
-    /* one thread plays every rank in turn: the chunks are disjoint, and a
-     * barrier of count 1 never waits */
-    /* and dp_allreduce_elem (the logical-GPU all-reduce kernel's body) on copies */
-    float *copies[5];
+    float *bufs[5], *copies[5], *sum = floats(n), *ref = floats(n);
     for (int r = 0; r < k; ++r) {
-      copies[r] = malloc(sizeof(float) * n);
+      bufs[r] = randoms(n);
+      copies[r] = floats(n);
       memcpy(copies[r], bufs[r], sizeof(float) * n);
     }
+    for (int64_t i = 0; i < n; ++i) {
+      float s = bufs[0][i];
+      for (int r = 1; r < k; ++r) s += bufs[r][i];
+      ref[i] = s;
+    }
+    char what[64];
+    for (int64_t i = 0; i < n; ++i) sum[i] = dp_sum_parts_elem((const float *const *)bufs, k, i);
+    snprintf(what, sizeof what, "dp_sum_parts_elem k=%d", k);
+    expect_same(what, sum, ref, n);
+    /* dp_allreduce_elem (the logical-GPU all-reduce kernel's body) on the copies */
     for (int64_t i = 0; i < n; ++i) dp_allreduce_elem(copies, k, i, 1.0f);
-    for (int rank = 0; rank < k; ++rank)
-      if (dp_allreduce(bufs, k, rank, n, DP_REDUCE_SUM, &bar) != DP_OK) {
-        fprintf(stderr, "dp_allreduce k=%d rank %d failed\n", k, rank);
-        failures++;
-      }
+    /* the CPU all-reduce: one thread plays every rank in turn (the chunks are
+     * disjoint, and a barrier of count 1 never waits) */
+    dp_barrier bar;
+    EXPECT_OK(dp_barrier_init(&bar, 1));
+    for (int rank = 0; rank < k; ++rank) EXPECT_OK(dp_allreduce(bufs, k, rank, n, DP_REDUCE_SUM, &bar));
     dp_barrier_destroy(&bar);
     for (int r = 0; r < k; ++r) {
-      char what[64];
       snprintf(what, sizeof what, "all-reduce k=%d replica %d", k, r);
-      expect_same(what, expected, bufs[r], n);
+      expect_same(what, bufs[r], ref, n);
       snprintf(what, sizeof what, "dp_allreduce_elem k=%d replica %d", k, r);
-      expect_same(what, expected, copies[r], n);
+      expect_same(what, copies[r], ref, n);
       free(bufs[r]);
       free(copies[r]);
     }
-    free(expected);
+    free(sum), free(ref);
   }
 }
 
-/* dp_gather_elem (the resident dataset's gather, byte by byte as the GPU runs
- * it) against the CPU backend's row copies: images of 13 bytes, labels of 4 */
+/* ---- the resident dataset's gather: whole rows, byte by byte ---------------- */
+
 static void check_gather(dp_device *dev) {
   const int64_t count = 50, nrows = 37;
   int32_t rows[37];
   for (int64_t r = 0; r < nrows; ++r) rows[r] = (int32_t)((r * 17 + 3) % count);
   for (int64_t row_bytes = 1; row_bytes <= 13; row_bytes += 3) {
     uint8_t *src = malloc((size_t)(count * row_bytes)), *a = malloc((size_t)(nrows * row_bytes)),
-            *b = malloc((size_t)(nrows * row_bytes));
+            *ref = malloc((size_t)(nrows * row_bytes));
     for (int64_t i = 0; i < count * row_bytes; ++i) src[i] = (uint8_t)(i * 31 + 7);
+    for (int64_t r = 0; r < nrows; ++r) memcpy(ref + r * row_bytes, src + rows[r] * row_bytes, (size_t)row_bytes);
     for (int64_t i = 0; i < nrows * row_bytes; ++i) a[i] = dp_gather_elem(src, rows, row_bytes, i);
-    EXPECT_OK(dev->backend->gather_rows(dev, nrows, row_bytes, src, rows, b));
-    if (memcmp(a, b, (size_t)(nrows * row_bytes)) != 0) {
-      fprintf(stderr, "gather rows of %lld bytes: body and CPU backend differ\n", (long long)row_bytes);
+    if (memcmp(a, ref, (size_t)(nrows * row_bytes)) != 0) {
+      fprintf(stderr, "gather rows of %lld bytes (body): not the source rows\n", (long long)row_bytes);
       failures++;
     }
-    for (int64_t r = 0; r < nrows; ++r)
-      if (memcmp(b + r * row_bytes, src + rows[r] * row_bytes, (size_t)row_bytes) != 0) {
-        fprintf(stderr, "gather rows of %lld bytes: row %lld is not source row %d\n", (long long)row_bytes,
-                (long long)r, rows[r]);
-        failures++;
-      }
-    free(src), free(a), free(b);
+    EXPECT_OK(dev->backend->gather_rows(dev, nrows, row_bytes, src, rows, a));
+    if (memcmp(a, ref, (size_t)(nrows * row_bytes)) != 0) {
+      fprintf(stderr, "gather rows of %lld bytes (cpu): not the source rows\n", (long long)row_bytes);
+      failures++;
+    }
+    free(src), free(a), free(ref);
   }
 }
 

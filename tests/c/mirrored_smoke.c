@@ -74,26 +74,56 @@ static void run(dp_device *devs, int bn, int sync_batchnorm, int64_t bucket_byte
   }
   CHECK(same_params(models));
 
-  /* a label the last replica finds while staging its shard: the error names
-   * it (not the peers' "aborted"), and nothing changed anywhere. Without
-   * BatchNorm the staging is part of the one fork-join of the step, so the
-   * peers run their forward and backward passes and give up at the first
-   * gradient bucket's broken barrier. */
+  CHECK(dp_comm_collectives_issued(m->comm) > 0); /* counted, on every kind */
+
+  /* a label in the last replica's shard: found on the calling thread before
+   * any replica starts, the error names it, and nothing changed anywhere */
   float *before = malloc(sizeof(float) * (size_t)models[0]->nparams);
   CHECK(dp_model_get_params(models[0], before) == DP_OK);
   y[N - 1] = 10;
   dp_batch bad = {x, 0, y, N, NULL, NULL};
   CHECK(dp_mirrored_train_step(m, &bad, 0.1f, 0.0f, 0.0f, &loss, &correct) == DP_ERR_VALUE);
-  CHECK(strstr(dp_error_message(), "label 10") != NULL);
+  CHECK(strstr(dp_error_message(), "label 10 at index 19") != NULL);
+  CHECK(!dp_comm_is_poisoned(m->comm));
   y[N - 1] = 9;
   float *after = malloc(sizeof(float) * (size_t)models[0]->nparams);
   CHECK(dp_model_get_params(models[0], after) == DP_OK &&
         !memcmp(before, after, sizeof(float) * (size_t)models[0]->nparams));
   CHECK(same_params(models));
 
-  /* the group works again, from resident data too */
+  /* a shape the warm-up has not sized (the test marks it warm): inside the
+   * step the activations would grow, which is a reported error before any
+   * collective (so an NCCL comm would not be aborted), not an allocation;
+   * the next step of that shape warms up and trains */
+  enum { BIG = N + 5 };
+  float *xb = malloc(sizeof(float) * BIG * SIDE * SIDE);
+  int64_t yb[BIG];
+  for (int i = 0; i < BIG * SIDE * SIDE; ++i) xb[i] = uniform();
+  for (int i = 0; i < BIG; ++i) yb[i] = (i * 3) % 10;
+  dp_batch big = {xb, 0, yb, BIG, NULL, NULL};
+  int deterministic, allow_tf32;
+  dp_cuda_get_defaults(&deterministic, &allow_tf32);
+  CHECK(m->nwarm < DP_MIRRORED_WARM_KEYS);
+  m->warm[m->nwarm++] = (dp_warm_key){BIG, 0, deterministic | allow_tf32 << 1};
+  CHECK(dp_mirrored_train_step(m, &big, 0.1f, 0.0f, 0.0f, &loss, &correct) == DP_ERR_RUNTIME);
+  CHECK(strstr(dp_error_message(), "activations would grow") != NULL);
+  CHECK(strstr(dp_error_message(), "inside a training step") != NULL);
+  CHECK(dp_comm_collectives_issued(m->comm) == 0 && !dp_comm_is_poisoned(m->comm));
+  CHECK(dp_model_get_params(models[0], after) == DP_OK &&
+        !memcmp(before, after, sizeof(float) * (size_t)models[0]->nparams));
+  CHECK(same_params(models));
+  CHECK(dp_mirrored_train_step(m, &big, 0.1f, 0.0f, 0.0f, &loss, &correct) == DP_OK && isfinite(loss));
+  CHECK(dp_comm_collectives_issued(m->comm) > 0 && same_params(models));
+  free(xb);
+
+  /* the group works again, from resident data too; a row outside a
+   * replica's dataset is refused first, like a label */
   dp_resident *res[K] = {0};
   for (int r = 0; r < K; ++r) CHECK(dp_resident_create(&devs[r], x, 0, y, N, SIDE * SIDE, 10, &res[r]) == DP_OK);
+  const int64_t bad_rows[7] = {3, 19, 0, 7, 7, 12, N};
+  CHECK(dp_mirrored_train_step(m, &(dp_batch){NULL, 0, NULL, 7, bad_rows, res}, 0.1f, 0.0f, 0.0f, &loss,
+                               &correct) == DP_ERR_VALUE);
+  CHECK(strstr(dp_error_message(), "sample index 20 at position 6") != NULL);
   const int64_t rows[7] = {3, 19, 0, 7, 7, 12, 5};
   dp_batch rb = {NULL, 0, NULL, 7, rows, res};
   CHECK(dp_mirrored_train_step(m, &rb, 0.1f, 0.0f, 0.0f, &loss, &correct) == DP_OK && isfinite(loss));
