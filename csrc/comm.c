@@ -217,6 +217,15 @@ static dp_status nccl_init(dp_comm *c) {
   int gpus[DP_COMM_MAX_REPLICAS];
   ncclComm_t comms[DP_COMM_MAX_REPLICAS];
   for (int r = 0; r < c->k; ++r) gpus[r] = c->ranks[r].gpu;
+  /* Since NCCL 2.22 peers connect lazily, inside the first collective that
+   * needs them (NCCL_RUNTIME_CONNECT=1, the default), and connecting
+   * allocates device memory. Our replica threads keep every allocation out of
+   * the step (the mirrored warm-up), so NCCL must not allocate in the middle
+   * of one either: connect at initialisation instead, unless the user chose
+   * otherwise (setenv does not overwrite). NCCL reads the variable when the
+   * communicators are made. */
+  if (setenv("NCCL_RUNTIME_CONNECT", "0", 0) != 0)
+    return DP_FAIL(DP_ERR_RUNTIME, "nccl: cannot set NCCL_RUNTIME_CONNECT=0 before ncclCommInitAll");
   /* one process, one communicator per device, rank r on gpus[r] (NCCL API,
    * ncclCommInitAll); the devices must be distinct, checked by the caller */
   DP_NCCL_CHECK(ncclCommInitAll(comms, c->k, gpus));
