@@ -33,7 +33,6 @@ PyObject *raise_from_status(dp_status s) {
     case DP_ERR_MEMORY: type = PyExc_MemoryError; break;
     case DP_ERR_IO: type = PyExc_OSError; break;
     case DP_ERR_CUDA: type = DeviceError; break;
-    case DP_ERR_INTERRUPTED: type = PyExc_KeyboardInterrupt; break;
     default: type = DpcoreError; break;
   }
   PyErr_SetString(type, msg);
