@@ -4,10 +4,11 @@ a wrong shape from a wrapped int, or a crash.
 
 The core computes every layer shape in 64 bits and rejects any size its
 kernels cannot index with an int (values per sample, weights) where the layer
-is added (csrc/shapes.c, csrc/model.c), so none of these models allocates
-anything. Arguments the binding parses as C ints (the model's input shape,
-the single ops' stride / padding / kernel) need checks there: those tests are
-marked xfail until the binding has them.
+is added (csrc/shapes.c, csrc/layers.c), so none of these models allocates
+anything. The binding parses every size argument (layer arguments, the
+model's input shape) in 64 bits and leaves the range to those checks, which
+name the argument. The single ops' stride / padding / kernel are still C ints
+in the binding: those tests are marked xfail until it parses them in 64 bits.
 """
 import numpy as np
 import pytest
@@ -71,22 +72,42 @@ def test_lenet_with_absurd_sizes():
 
 
 def test_largest_accepted_shapes_still_build():
-    """The checks reject sizes, not large arguments: a stride of 2**30 (the
-    binding's cap for layer arguments) builds."""
-    net = dp.models.Sequential([("conv2d", 1, 3, 2**30, 0), ("flatten",), ("dense", 10)], input_shape=(1, 3, 3))
+    """The checks reject sizes, not large arguments: a stride of INT_MAX builds."""
+    net = dp.models.Sequential([("conv2d", 1, 3, INT_MAX, 0), ("flatten",), ("dense", 10)], input_shape=(1, 3, 3))
     assert net.num_classes == 10
 
 
-@needs_binding("a layer argument above 2**30 is 'argument N out of range' without its name (say 'padding')")
 def test_conv_padding_2_31_names_the_argument():
-    with pytest.raises(ValueError, match="padding"):
+    with pytest.raises(ValueError, match=r"conv2d \(layer 0\): padding 2147483648 is larger than"):
         dp.models.Sequential([("conv2d", 1, 3, 1, 2**31), ("flatten",), ("dense", 10)])
 
 
-@needs_binding("input_shape is parsed with '(iii)': 2**31 raises OverflowError")
+@pytest.mark.parametrize("spec, match", [
+    (("conv2d", 1, 3, 1, 2**70), r"conv2d \(layer 0\): padding 1180591620717411303424 is out of range"),
+    (("conv2d", -2**70, 3, 1, 0), r"conv2d \(layer 0\): out_channels -1180591620717411303424 is out of range"),
+    (("maxpool", 2, 2**64, 0), r"max_pool2d \(layer 0\): stride 18446744073709551616 is out of range"),
+    (("dense", 2**62), r"dense \(layer 0\): out_features 4611686018427387904 is larger than"),
+    (("batchnorm", 10**400), r"batchnorm \(layer 0\): eps 1000.* is out of range"),
+    (("add", -1, 2**40), r"add \(layer 0\): layer_b 1099511627776 is not an existing layer"),
+])
+def test_layer_arguments_beyond_any_size_name_the_argument(spec, match):
+    with pytest.raises(ValueError, match=match):
+        dp.models.Sequential([spec, ("flatten",), ("dense", 10)])
+
+
 def test_model_input_dimension_over_int_max_is_a_value_error():
-    with pytest.raises(ValueError, match="input"):
+    with pytest.raises(ValueError, match="model input: height 2147483648 is larger than"):
         dp.models.Sequential([("flatten",), ("dense", 10)], input_shape=(1, 2**31, 1))
+    with pytest.raises(ValueError, match="model input: width 1267650600228229401496703205376 is out of range"):
+        dp.models.Sequential([("flatten",), ("dense", 10)], input_shape=(1, 1, 2**100))
+
+
+def test_a_source_beyond_64_bits_is_a_value_error():
+    with pytest.raises(ValueError, match=r"sources\[1\]: layer 18446744073709551616 is out of range"):
+        dp.models.Sequential([("flatten",), ("dense", 10)], sources=[None, 2**64])
+    # 2**32 wrapped to layer 0 when the binding cut it to an int
+    with pytest.raises(ValueError, match="source 4294967296 is not an existing layer"):
+        dp.models.Sequential([("flatten",), ("dense", 10)], sources=[None, 2**32])
 
 
 # ---- single ops ------------------------------------------------------------------------
