@@ -6,9 +6,8 @@ The core computes every layer shape in 64 bits and rejects any size its
 kernels cannot index with an int (values per sample, weights) where the layer
 is added (csrc/shapes.c, csrc/layers.c), so none of these models allocates
 anything. The binding parses every size argument (layer arguments, the
-model's input shape) in 64 bits and leaves the range to those checks, which
-name the argument. The single ops' stride / padding / kernel are still C ints
-in the binding: those tests are marked xfail until it parses them in 64 bits.
+model's input shape, the single ops' stride / padding / kernel) in 64 bits
+and leaves the range to those checks, which name the argument.
 """
 import numpy as np
 import pytest
@@ -16,10 +15,6 @@ import pytest
 import dpcore as dp
 
 INT_MAX = 2**31 - 1
-
-
-def needs_binding(reason):
-    return pytest.mark.xfail(strict=True, reason=f"needs binding check: {reason}")
 
 
 # ---- models: rejected where the layer is added, naming it ---------------------------
@@ -121,22 +116,22 @@ def test_single_ops_accept_the_largest_int_stride():
     assert dp.ops.max_pool2d(X, 2, stride=INT_MAX).shape == (1, 1, 1, 1)
 
 
-PARSED_AS_INT = "is parsed as a C int ('i'), so a value above INT_MAX raises OverflowError"
-
-
 @pytest.mark.parametrize("op, match", [
-    pytest.param(lambda: dp.ops.conv2d(X, W, stride=2**40), "stride", id="conv2d-stride-2**40",
-                 marks=needs_binding(f"stride {PARSED_AS_INT}; dp_conv_geom_make takes int64 and names the argument")),
-    pytest.param(lambda: dp.ops.conv2d(X, W, padding=2**31), "padding", id="conv2d-padding-2**31",
-                 marks=needs_binding(f"padding {PARSED_AS_INT}")),
-    pytest.param(lambda: dp.ops.conv2d(X, W, padding=2**30), "output", id="conv2d-padding-2**30",
-                 marks=needs_binding("the binding computes H + 2 * padding in int (overflow, undefined behaviour) "
-                                     "and reports 'the kernel is larger than the padded input'; dp_conv_geom_make "
-                                     "reports the output size")),
-    pytest.param(lambda: dp.ops.avg_pool2d(X, 2**40), "kernel", id="avg_pool2d-kernel-2**40",
-                 marks=needs_binding(f"kernel_size {PARSED_AS_INT}; dp_pool_geom_make names it")),
-    pytest.param(lambda: dp.ops.max_pool2d(X, 2, stride=2**40), "stride", id="max_pool2d-stride-2**40",
-                 marks=needs_binding(f"stride {PARSED_AS_INT}")),
+    pytest.param(lambda: dp.ops.conv2d(X, W, stride=2**40), "conv2d: stride 1099511627776 is larger than",
+                 id="conv2d-stride-2**40"),
+    pytest.param(lambda: dp.ops.conv2d(X, W, padding=2**31), "conv2d: padding 2147483648 is larger than",
+                 id="conv2d-padding-2**31"),
+    # H + 2 * padding overflowed an int here once; the output is what is too large
+    pytest.param(lambda: dp.ops.conv2d(X, W, padding=2**30), r"conv2d: the output \(2, 2147483654, 2147483654\)",
+                 id="conv2d-padding-2**30"),
+    pytest.param(lambda: dp.ops.avg_pool2d(X, 2**40), "avg_pool2d: kernel 1099511627776 is larger than",
+                 id="avg_pool2d-kernel-2**40"),
+    pytest.param(lambda: dp.ops.max_pool2d(X, 2, stride=2**40), "max_pool2d: stride 1099511627776 is larger than",
+                 id="max_pool2d-stride-2**40"),
+    pytest.param(lambda: dp.ops.max_pool2d_backward(X, X, 2, padding=2**80), "max_pool2d: padding .* is out of range",
+                 id="max_pool2d_backward-padding-2**80"),
+    pytest.param(lambda: dp.ops.conv2d_backward(X, W, np.ones((1, 2, 6, 6), np.float32), stride=-2**70),
+                 "conv2d: stride .* is out of range", id="conv2d_backward-stride--2**70"),
 ])
 def test_single_op_sizes_over_int_max_are_value_errors(op, match):
     with pytest.raises(ValueError, match=match):
