@@ -32,16 +32,13 @@ typedef enum dp_status {
   DP_ERR_IO,           /* file or stream                            -> OSError */
   DP_ERR_RUNTIME,      /* internal failure                          -> dpcore.DpcoreError */
   DP_ERR_CUDA,         /* CUDA runtime / cuDNN / cuBLAS / NCCL      -> dpcore.DeviceError */
-  DP_ERR_INTERRUPTED,  /* never returned; to be removed (below)     -> KeyboardInterrupt */
   DP_ERR_UNSUPPORTED,  /* not built in / not available here         -> dpcore.DpcoreError */
   DP_ERR_ABORTED       /* a collective gave up: another replica failed (that replica's error is reported) */
 } dp_status;
-/* DP_ERR_INTERRUPTED: Ctrl-C is Python's to see. The loops over steps and
- * batches are Python's (dp.train, evaluate, predict), each step or batch one
- * C call with the GIL released, and Python raises KeyboardInterrupt when that
- * call returns; the core has no loop of steps to check for it. The code stays
- * only while the binding's raise_from_status (csrc/pybind.c) maps it: remove
- * both, and its name in status.c, together. */
+/* No status means "interrupted": Ctrl-C is Python's to see. The loops over
+ * steps and batches are Python's (dp.train, evaluate, predict), each step or
+ * batch one C call with the GIL released, and Python raises KeyboardInterrupt
+ * when that call returns; the core has no loop of steps to check for it. */
 
 /* Record an error (printf-style) and return code. Use through DP_FAIL. */
 DP_MUST_CHECK dp_status dp_fail_at(dp_status code, const char *file, int line, const char *fmt, ...)

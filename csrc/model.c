@@ -8,15 +8,16 @@
 static int64_t layer_in_size(const dp_layer *l) { return (int64_t)l->in_c * l->in_h * l->in_w; }
 static int64_t layer_out_size(const dp_layer *l) { return (int64_t)l->out_c * l->out_h * l->out_w; }
 
-dp_status dp_model_create(dp_device *dev, int in_c, int in_h, int in_w, dp_model **out) {
+dp_status dp_model_create(dp_device *dev, int64_t in_c, int64_t in_h, int64_t in_w, dp_model **out) {
   *out = NULL;
   DP_TRY(dp_input_shape_check("model input", in_c, in_h, in_w));
   dp_model *m = calloc(1, sizeof *m);
   if (!m) return DP_FAIL(DP_ERR_MEMORY, "cannot allocate a model");
   m->dev = dev;
-  m->in_c = in_c;
-  m->in_h = in_h;
-  m->in_w = in_w;
+  /* each fits an int: checked above */
+  m->in_c = (int)in_c;
+  m->in_h = (int)in_h;
+  m->in_w = (int)in_w;
   m->next_src = DP_SRC_PREVIOUS;
   *out = m;
   return DP_OK;
@@ -67,11 +68,12 @@ void dp_model_destroy(dp_model *m) {
   free(m);
 }
 
-dp_status dp_model_set_source(dp_model *m, int src) {
+dp_status dp_model_set_source(dp_model *m, int64_t src) {
   if (m->finalized) return DP_FAIL(DP_ERR_VALUE, "cannot add a layer to a finalized model");
   if (src < -1 || src >= m->nlayers)
-    return DP_FAIL(DP_ERR_VALUE, "source %d is not an existing layer (0..%d) or the input (-1)", src, m->nlayers - 1);
-  m->next_src = src;
+    return DP_FAIL(DP_ERR_VALUE, "source %lld is not an existing layer (0..%d) or the input (-1)", (long long)src,
+                   m->nlayers - 1);
+  m->next_src = (int)src;
   return DP_OK;
 }
 
@@ -108,8 +110,8 @@ static dp_status push_layer(dp_model *m, dp_layer **out) {
 }
 
 /* "conv2d (layer 3)": how an error names the layer being added. */
-static void layer_what(const dp_model *m, const char *kind, char *buf, size_t len) {
-  snprintf(buf, len, "%s (layer %d)", kind, m->nlayers);
+static void layer_what(const dp_model *m, const char *op, char *buf, size_t len) {
+  snprintf(buf, len, "%s (layer %d)", op, m->nlayers);
 }
 
 static void commit_layer(dp_model *m) {
@@ -117,165 +119,107 @@ static void commit_layer(dp_model *m) {
   m->next_src = DP_SRC_PREVIOUS;
 }
 
-/* Shapes are computed in 64 bits and checked by dp_conv_geom_make /
- * dp_pool_geom_make before they are stored: every size in a layer fits an int. */
-dp_status dp_model_add_conv2d(dp_model *m, int out_c, int k, int stride, int pad) {
+/* What the arguments of a layer that names its sources (add) may name. */
+static dp_status check_source_arg(const dp_model *m, const char *what, const char *name, int64_t src) {
+  if (src < -1 || src >= m->nlayers)
+    return DP_FAIL(DP_ERR_VALUE, "%s: %s %lld is not an existing layer (0..%d) or the input (-1)", what, name,
+                   (long long)src, m->nlayers - 1);
+  return DP_OK;
+}
+
+/* Shapes come from the kind's infer (layers.c), computed in 64 bits and
+ * checked before they are stored: every size in a layer fits an int. */
+dp_status dp_model_add_layer(dp_model *m, dp_layer_kind kind, const dp_layer_arg_value *args, int nargs) {
+  if ((unsigned)kind >= DP_LAYER_KIND_COUNT) return DP_FAIL(DP_ERR_VALUE, "unknown layer kind %d", (int)kind);
+  const dp_layer_kind_info *info = dp_layer_kind_info_of(kind);
   dp_layer *l = NULL;
   DP_TRY(push_layer(m, &l));
   char what[48];
-  layer_what(m, "conv2d", what, sizeof what);
-  dp_conv_geom g;
-  DP_TRY(dp_conv_geom_make(what, l->in_c, l->in_h, l->in_w, out_c, k, k, stride, pad, &g));
-  l->kind = DP_LAYER_CONV2D;
-  l->k = k;
-  l->stride = stride;
-  l->pad = pad;
-  l->out_c = out_c;
-  l->out_h = g.OH;
-  l->out_w = g.OW;
-  l->w_len = (int64_t)out_c * l->in_c * k * k;
-  l->b_len = out_c;
+  layer_what(m, info->op, what, sizeof what);
+  dp_layer_arg_value a[DP_LAYER_MAX_ARGS];
+  DP_TRY(dp_layer_args_fill(kind, what, args, nargs, a));
+  int in2[3];
+  for (int i = 0; i < info->sources; ++i) DP_TRY(check_source_arg(m, what, info->args[i].name, a[i].i));
+  if (info->sources >= 1) {
+    l->src = (int)a[0].i;
+    shape_of(m, l->src, &l->in_c, &l->in_h, &l->in_w);
+  }
+  if (info->sources >= 2) {
+    l->src2 = (int)a[1].i;
+    shape_of(m, l->src2, &in2[0], &in2[1], &in2[2]);
+  }
+  l->kind = kind;
+  DP_TRY(info->infer(l, a, info->sources >= 2 ? in2 : NULL, what));
+  /* the parameter tensors' lengths (each fits an int: infer checked it) */
+  for (int t = 0; t < info->ntensors; ++t)
+    if (info->tensors[t].buffer == DP_BUFFER_PARAMS) *(t == 0 ? &l->w_len : &l->b_len) = dp_layer_tensor_size(l, t);
   commit_layer(m);
   return DP_OK;
+}
+
+dp_status dp_model_add_conv2d(dp_model *m, int out_c, int k, int stride, int pad) {
+  const dp_layer_arg_value a[] = {{.i = out_c}, {.i = k}, {.i = stride}, {.i = pad}};
+  return dp_model_add_layer(m, DP_LAYER_CONV2D, a, 4);
 }
 
 dp_status dp_model_add_dense(dp_model *m, int out_features) {
-  dp_layer *l = NULL;
-  DP_TRY(push_layer(m, &l));
-  char what[48];
-  layer_what(m, "dense", what, sizeof what);
-  if (out_features < 1) return DP_FAIL(DP_ERR_VALUE, "%s: out_features must be >= 1, got %d", what, out_features);
-  if (l->in_h != 1 || l->in_w != 1)
-    return DP_FAIL(DP_ERR_VALUE, "%s: input is (%d, %d, %d); add a flatten layer first", what, l->in_c, l->in_h,
-                   l->in_w);
-  const int64_t weights = dp_size_mul(out_features, l->in_c);
-  if (weights > INT_MAX)
-    return DP_FAIL(DP_ERR_VALUE, "%s: %lld weights (%d x %d), more than the largest supported %d", what,
-                   (long long)weights, out_features, l->in_c, INT_MAX);
-  l->kind = DP_LAYER_DENSE;
-  l->out_c = out_features;
-  l->out_h = l->out_w = 1;
-  l->w_len = weights;
-  l->b_len = out_features;
-  commit_layer(m);
-  return DP_OK;
+  const dp_layer_arg_value a[] = {{.i = out_features}};
+  return dp_model_add_layer(m, DP_LAYER_DENSE, a, 1);
 }
 
-static dp_status add_shape_preserving(dp_model *m, dp_layer_kind kind, dp_layer **out) {
-  dp_layer *l = NULL;
-  DP_TRY(push_layer(m, &l));
-  l->kind = kind;
-  l->out_c = l->in_c;
-  l->out_h = l->in_h;
-  l->out_w = l->in_w;
-  *out = l;
-  return DP_OK;
-}
-
-dp_status dp_model_add_relu(dp_model *m) {
-  dp_layer *l = NULL;
-  DP_TRY(add_shape_preserving(m, DP_LAYER_RELU, &l));
-  commit_layer(m);
-  return DP_OK;
-}
+dp_status dp_model_add_relu(dp_model *m) { return dp_model_add_layer(m, DP_LAYER_RELU, NULL, 0); }
 
 dp_status dp_model_add_batchnorm(dp_model *m, float eps, float momentum) {
-  if (!(eps > 0.0f)) return DP_FAIL(DP_ERR_VALUE, "batchnorm: eps must be > 0, got %g", (double)eps);
-  if (!(momentum >= 0.0f && momentum <= 1.0f))
-    return DP_FAIL(DP_ERR_VALUE, "batchnorm: momentum must be in [0, 1], got %g", (double)momentum);
-  dp_layer *l = NULL;
-  DP_TRY(add_shape_preserving(m, DP_LAYER_BATCHNORM, &l));
-  l->eps = eps;
-  l->momentum = momentum;
-  l->w_len = l->b_len = l->in_c;
-  commit_layer(m);
-  return DP_OK;
+  const dp_layer_arg_value a[] = {{.f = eps}, {.f = momentum}};
+  return dp_model_add_layer(m, DP_LAYER_BATCHNORM, a, 2);
 }
 
 dp_status dp_model_add_add(dp_model *m, int a, int b) {
-  if (a < -1 || a >= m->nlayers || b < -1 || b >= m->nlayers)
-    return DP_FAIL(DP_ERR_VALUE, "add: sources %d and %d must be existing layers (0..%d) or the input (-1)", a, b,
-                   m->nlayers - 1);
-  int ca, ha, wa, cb, hb, wb;
-  shape_of(m, a, &ca, &ha, &wa);
-  shape_of(m, b, &cb, &hb, &wb);
-  if (ca != cb || ha != hb || wa != wb)
-    return DP_FAIL(DP_ERR_VALUE, "add: shapes differ: (%d, %d, %d) and (%d, %d, %d)", ca, ha, wa, cb, hb, wb);
-  dp_layer *l = NULL;
-  m->next_src = a;
-  DP_TRY(add_shape_preserving(m, DP_LAYER_ADD, &l));
-  l->src2 = b;
-  commit_layer(m);
-  return DP_OK;
+  const dp_layer_arg_value args[] = {{.i = a}, {.i = b}};
+  return dp_model_add_layer(m, DP_LAYER_ADD, args, 2);
 }
 
-dp_status dp_model_add_global_avgpool(dp_model *m) {
-  dp_layer *l = NULL;
-  DP_TRY(push_layer(m, &l));
-  l->kind = DP_LAYER_GLOBAL_AVGPOOL;
-  l->out_c = l->in_c;
-  l->out_h = l->out_w = 1;
-  commit_layer(m);
-  return DP_OK;
-}
-
-static dp_status add_pool(dp_model *m, dp_layer_kind kind, int k, int stride, int pad) {
-  dp_layer *l = NULL;
-  DP_TRY(push_layer(m, &l));
-  char what[48];
-  layer_what(m, kind == DP_LAYER_AVGPOOL ? "avg_pool2d" : "max_pool2d", what, sizeof what);
-  dp_pool_geom g;
-  DP_TRY(dp_pool_geom_make(what, l->in_c, l->in_h, l->in_w, k, stride, pad, &g));
-  l->kind = kind;
-  l->k = k;
-  l->stride = stride;
-  l->pad = pad;
-  l->out_c = l->in_c;
-  l->out_h = g.OH;
-  l->out_w = g.OW;
-  commit_layer(m);
-  return DP_OK;
-}
+dp_status dp_model_add_global_avgpool(dp_model *m) { return dp_model_add_layer(m, DP_LAYER_GLOBAL_AVGPOOL, NULL, 0); }
 
 dp_status dp_model_add_avgpool(dp_model *m, int k, int stride, int pad) {
-  return add_pool(m, DP_LAYER_AVGPOOL, k, stride, pad);
-}
-dp_status dp_model_add_maxpool(dp_model *m, int k, int stride, int pad) {
-  return add_pool(m, DP_LAYER_MAXPOOL, k, stride, pad);
+  const dp_layer_arg_value a[] = {{.i = k}, {.i = stride}, {.i = pad}};
+  return dp_model_add_layer(m, DP_LAYER_AVGPOOL, a, 3);
 }
 
-dp_status dp_model_add_flatten(dp_model *m) {
-  dp_layer *l = NULL;
-  DP_TRY(push_layer(m, &l));
-  l->kind = DP_LAYER_FLATTEN;
-  /* the source's values per sample, checked to fit an int when it was made */
-  l->out_c = (int)((int64_t)l->in_c * l->in_h * l->in_w);
-  l->out_h = l->out_w = 1;
-  commit_layer(m);
-  return DP_OK;
+dp_status dp_model_add_maxpool(dp_model *m, int k, int stride, int pad) {
+  const dp_layer_arg_value a[] = {{.i = k}, {.i = stride}, {.i = pad}};
+  return dp_model_add_layer(m, DP_LAYER_MAXPOOL, a, 3);
 }
+
+dp_status dp_model_add_flatten(dp_model *m) { return dp_model_add_layer(m, DP_LAYER_FLATTEN, NULL, 0); }
 
 int dp_model_num_classes(const dp_model *m) {
   return m->nlayers ? (int)layer_out_size(&m->layers[m->nlayers - 1]) : 0;
 }
 
-/* The flat buffers of a laid-out model (nparams, nstate set). */
-static dp_status alloc_flat_buffers(dp_model *m, int64_t saved, int max_c) {
+/* The flat buffers of a laid-out model (nparams, nstate set); max_state:
+ * the longest state tensor, BatchNorm's channels, whose sums bn_tmp reduces. */
+static dp_status alloc_flat_buffers(dp_model *m, int64_t max_state) {
   const int64_t off = m->nparams, state = m->nstate;
   size_t bytes = sizeof(float) * (size_t)off;
   DP_TRY(dp_device_alloc(m->dev, bytes, (void **)&m->params));
   DP_TRY(dp_device_alloc(m->dev, bytes, (void **)&m->grads));
   DP_TRY(dp_device_alloc(m->dev, bytes, (void **)&m->velocity));
   DP_TRY(dp_device_alloc(m->dev, sizeof(float) * (size_t)(state ? state : 1), (void **)&m->state));
-  DP_TRY(dp_device_alloc(m->dev, sizeof(float) * (size_t)(saved ? saved : 1), (void **)&m->bn_saved));
-  DP_TRY(dp_device_alloc(m->dev, sizeof(float) * (size_t)(2 * max_c + 1), (void **)&m->bn_tmp));
+  /* per BatchNorm layer the batch mean and invstd, laid out as its running statistics */
+  DP_TRY(dp_device_alloc(m->dev, sizeof(float) * (size_t)(state ? state : 1), (void **)&m->bn_saved));
+  DP_TRY(dp_device_alloc(m->dev, sizeof(float) * (size_t)(2 * max_state + 1), (void **)&m->bn_tmp));
   m->bn_count = calloc((size_t)m->nlayers, sizeof *m->bn_count);
   if (!m->bn_count) return DP_FAIL(DP_ERR_MEMORY, "cannot allocate the BatchNorm counts");
-  /* running variance starts at 1, running mean at 0 (PyTorch) */
+  /* state tensors start as their kind's table says (the running variance at
+   * 1, as PyTorch's); alloc zero-filled the rest */
   for (int i = 0; i < m->nlayers; ++i) {
     const dp_layer *l = &m->layers[i];
-    if (l->kind == DP_LAYER_BATCHNORM)
-      DP_TRY(m->dev->backend->fill(m->dev, m->state + l->state_off + l->in_c, l->in_c, 1.0f));
+    const dp_layer_kind_info *info = dp_layer_kind_info_of(l->kind);
+    for (int t = 0; t < info->ntensors; ++t)
+      if (info->tensors[t].buffer == DP_BUFFER_STATE && info->tensors[t].init[0] == DP_INIT_ONES)
+        DP_TRY(m->dev->backend->fill(m->dev, m->state + dp_layer_tensor_offset(l, t), dp_layer_tensor_size(l, t),
+                                     1.0f));
   }
   return DP_OK;
 }
@@ -289,28 +233,27 @@ dp_status dp_model_finalize(dp_model *m) {
                    last->out_c, last->out_h, last->out_w);
   /* the flat length: each layer's weights fit an int (checked when it was
    * added), their sum need not; it is only ever an int64_t or a size_t */
-  int64_t off = 0, state = 0, saved = 0;
-  int max_c = 1;
+  int64_t off = 0, state = 0, max_state = 1;
   for (int i = 0; i < m->nlayers; ++i) {
     dp_layer *l = &m->layers[i];
-    /* Each tensor starts on a 16-float (64-byte) boundary of the flat buffer. */
-    if (l->w_len) {
-      l->w_off = off;
-      off += (l->w_len + 15) & ~(int64_t)15;
-      l->b_off = off;
-      off += (l->b_len + 15) & ~(int64_t)15;
-    }
-    if (l->kind == DP_LAYER_BATCHNORM) {
-      l->state_off = state;
-      state += 2 * (int64_t)l->in_c;
-      saved += 2 * (int64_t)l->in_c;
-      if (l->in_c > max_c) max_c = l->in_c;
+    const dp_layer_kind_info *info = dp_layer_kind_info_of(l->kind);
+    l->state_off = state;
+    for (int t = 0; t < info->ntensors; ++t) {
+      const int64_t size = dp_layer_tensor_size(l, t);
+      if (info->tensors[t].buffer == DP_BUFFER_STATE) {
+        state += size;
+        if (size > max_state) max_state = size;
+        continue;
+      }
+      /* Each parameter tensor starts on a 16-float (64-byte) boundary of the flat buffer. */
+      *(t == 0 ? &l->w_off : &l->b_off) = off;
+      off += (size + 15) & ~(int64_t)15;
     }
   }
   m->nparams = off;
   m->nstate = state;
   /* a failure leaves no buffer behind, so that finalize may be called again */
-  dp_status st = alloc_flat_buffers(m, saved, max_c);
+  dp_status st = alloc_flat_buffers(m, max_state);
   if (st != DP_OK) free_flat_buffers(m);
   if (st == DP_OK) m->finalized = 1;
   return st;

@@ -1,9 +1,9 @@
 /* model.h — a feed-forward network whose parameters live in one flat buffer.
  *
- * Build: dp_model_create, then dp_model_add_* per layer, then
- * dp_model_finalize, which lays every weight and bias out in one flat
- * parameter buffer (and the same layout in the gradient and momentum
- * buffers): replication is one copy, the gradient all-reduce one collective,
+ * Build: dp_model_create, then dp_model_add_layer (or a dp_model_add_*
+ * shorthand) per layer, then dp_model_finalize, which lays every weight and
+ * bias out in one flat parameter buffer (and the same layout in the gradient
+ * and momentum buffers): replication is one copy, the gradient all-reduce one collective,
  * the SGD step one fused kernel. Layers read the previous layer's output
  * unless dp_model_set_source names another (residual blocks: a layer's output
  * may feed several layers; an add layer reads two). BatchNorm's running
@@ -15,31 +15,8 @@
 #include <stdint.h>
 
 #include "backend.h"
+#include "layers.h"
 #include "resident.h"
-
-typedef enum dp_layer_kind {
-  DP_LAYER_CONV2D,
-  DP_LAYER_DENSE,
-  DP_LAYER_RELU,
-  DP_LAYER_AVGPOOL,
-  DP_LAYER_MAXPOOL,
-  DP_LAYER_FLATTEN,
-  DP_LAYER_BATCHNORM,
-  DP_LAYER_ADD,            /* output = source + source2 */
-  DP_LAYER_GLOBAL_AVGPOOL  /* (C, H, W) -> (C, 1, 1) */
-} dp_layer_kind;
-
-typedef struct dp_layer {
-  dp_layer_kind kind;
-  int src, src2;            /* producing layers (-1: the model input); src2 for add only */
-  int in_c, in_h, in_w;     /* per-sample input shape (dense: in_c features, h = w = 1) */
-  int out_c, out_h, out_w;  /* per-sample output shape */
-  int k, stride, pad;       /* conv (square kernel) and pooling */
-  int64_t w_off, w_len;     /* into the flat buffers; w_len == 0: no parameters */
-  int64_t b_off, b_len;     /* batchnorm: w = gamma, b = beta */
-  int64_t state_off;        /* batchnorm: running mean (C) then running var (C) in m->state */
-  float eps, momentum;      /* batchnorm */
-} dp_layer;
 
 /* All-reduce (sum) of n floats across the replicas of a mirrored model; set
  * by the mirrored runner for synchronized BatchNorm, NULL otherwise. Every
@@ -98,8 +75,15 @@ typedef struct dp_batch {
   dp_resident *const *resident;
 } dp_batch;
 
-DP_MUST_CHECK dp_status dp_model_create(dp_device *dev, int in_c, int in_h, int in_w, dp_model **out);
+DP_MUST_CHECK dp_status dp_model_create(dp_device *dev, int64_t in_c, int64_t in_h, int64_t in_w, dp_model **out);
 void dp_model_destroy(dp_model *m);
+/* Append a layer of the given kind (layers.h) with its first nargs
+ * arguments (the rest take their defaults), reading the layer chosen by
+ * dp_model_set_source (by default the previous one), or, for a kind whose
+ * arguments name its sources (add), those. DP_ERR_VALUE, naming the layer and
+ * the argument, for arguments the kind does not take or sizes it cannot hold. */
+DP_MUST_CHECK dp_status dp_model_add_layer(dp_model *m, dp_layer_kind kind, const dp_layer_arg_value *args, int nargs);
+/* Shorthands for dp_model_add_layer (C callers and tests). */
 DP_MUST_CHECK dp_status dp_model_add_conv2d(dp_model *m, int out_c, int k, int stride, int pad);
 DP_MUST_CHECK dp_status dp_model_add_dense(dp_model *m, int out_features);
 DP_MUST_CHECK dp_status dp_model_add_relu(dp_model *m);
@@ -111,7 +95,7 @@ DP_MUST_CHECK dp_status dp_model_add_batchnorm(dp_model *m, float eps, float mom
 DP_MUST_CHECK dp_status dp_model_add_add(dp_model *m, int a, int b);
 DP_MUST_CHECK dp_status dp_model_add_global_avgpool(dp_model *m);
 /* The next layer added reads layer src's output (-1: the model input). */
-DP_MUST_CHECK dp_status dp_model_set_source(dp_model *m, int src);
+DP_MUST_CHECK dp_status dp_model_set_source(dp_model *m, int64_t src);
 DP_MUST_CHECK dp_status dp_model_finalize(dp_model *m);
 int dp_model_num_classes(const dp_model *m);
 

@@ -8,6 +8,8 @@
  */
 #include "py_private.h"
 
+#include <limits.h>
+#include <stdio.h>
 #include <string.h>
 
 static void Model_dealloc(ModelObject *self) {
@@ -38,9 +40,9 @@ static int model_run_without_gil(ModelObject *self, nogil_work work, void *ctx) 
   return models_run_without_gil(models, 1, work, ctx);
 }
 
-/* One layer spec: (kind, *args). Integers for every kind but batchnorm,
- * whose optional arguments are (eps, momentum) as floats. Returns -1 with a
- * Python exception for a malformed spec; otherwise 0 and the core's verdict in *st. */
+/* One layer spec: (kind, *args), its arguments named and typed by the
+ * layer kinds' table (layers.c). Returns -1 with a Python exception for a
+ * malformed spec; otherwise 0 and the core's verdict in *st. */
 static int layer_from_tuple(dp_model *m, PyObject *spec, dp_status *st) {
   if (!PyTuple_Check(spec) || PyTuple_GET_SIZE(spec) < 1 || !PyUnicode_Check(PyTuple_GET_ITEM(spec, 0))) {
     PyErr_SetString(PyExc_TypeError, "each layer must be a tuple (name, *args)");
@@ -48,55 +50,45 @@ static int layer_from_tuple(dp_model *m, PyObject *spec, dp_status *st) {
   }
   const char *name = PyUnicode_AsUTF8(PyTuple_GET_ITEM(spec, 0));
   if (!name) return -1;
-  Py_ssize_t n = PyTuple_GET_SIZE(spec) - 1;
-  if (strcmp(name, "batchnorm") == 0) {
-    double eps = 1e-5, momentum = 0.1;
-    if (n > 2) {
-      PyErr_SetString(PyExc_ValueError, "layer batchnorm takes (eps, momentum) at most");
-      return -1;
-    }
-    if (n >= 1 && (eps = PyFloat_AsDouble(PyTuple_GET_ITEM(spec, 1))) == -1.0 && PyErr_Occurred()) return -1;
-    if (n >= 2 && (momentum = PyFloat_AsDouble(PyTuple_GET_ITEM(spec, 2))) == -1.0 && PyErr_Occurred()) return -1;
-    *st = dp_model_add_batchnorm(m, (float)eps, (float)momentum);
-    return 0;
-  }
-  int v[4] = {0, 0, 0, 0};
-  if (n > 4) {
-    PyErr_Format(PyExc_ValueError, "layer %s: too many arguments", name);
+  const int kind = dp_layer_kind_find(name);
+  if (kind < 0) {
+    PyErr_Format(PyExc_ValueError, "unknown layer kind '%s'", name);
     return -1;
   }
-  for (Py_ssize_t i = 0; i < n; ++i) {
-    long x = PyLong_AsLong(PyTuple_GET_ITEM(spec, i + 1));
-    if (x == -1 && PyErr_Occurred()) return -1;
-    if (x < -1 || x > (1L << 30)) {
-      PyErr_Format(PyExc_ValueError, "layer %s: argument %ld out of range", name, x);
+  const dp_layer_kind_info *info = dp_layer_kind_info_of((dp_layer_kind)kind);
+  char what[48];
+  snprintf(what, sizeof what, "%s (layer %d)", info->op, m->nlayers);
+  /* only the arguments the kind takes are parsed; a count it does not take
+   * is the core's to refuse, naming the arguments */
+  const Py_ssize_t n = PyTuple_GET_SIZE(spec) - 1;
+  dp_layer_arg_value args[DP_LAYER_MAX_ARGS] = {{0}};
+  for (Py_ssize_t i = 0; i < n && i < info->nargs; ++i) {
+    PyObject *item = PyTuple_GET_ITEM(spec, i + 1);
+    const dp_layer_arg *arg = &info->args[i];
+    if (arg->type == DP_ARG_INT ? int64_arg(item, what, arg->name, &args[i].i) < 0
+                                : float64_arg(item, what, arg->name, &args[i].f) < 0)
       return -1;
-    }
-    v[i] = (int)x;
   }
-  struct { const char *name; int nargs; } table[] = {{"conv2d", 4}, {"dense", 1},   {"relu", 0},
-                                                      {"avgpool", 3}, {"maxpool", 3}, {"flatten", 0},
-                                                      {"add", 2},     {"global_avgpool", 0}};
-  for (size_t i = 0; i < sizeof table / sizeof table[0]; ++i) {
-    if (strcmp(name, table[i].name) != 0) continue;
-    if (n != table[i].nargs) {
-      PyErr_Format(PyExc_ValueError, "layer %s takes %d arguments, got %zd", name, table[i].nargs, n);
-      return -1;
-    }
-    switch (i) {
-      case 0: *st = dp_model_add_conv2d(m, v[0], v[1], v[2], v[3]); break;
-      case 1: *st = dp_model_add_dense(m, v[0]); break;
-      case 2: *st = dp_model_add_relu(m); break;
-      case 3: *st = dp_model_add_avgpool(m, v[0], v[1], v[2]); break;
-      case 4: *st = dp_model_add_maxpool(m, v[0], v[1], v[2]); break;
-      case 5: *st = dp_model_add_flatten(m); break;
-      case 6: *st = dp_model_add_add(m, v[0], v[1]); break;
-      default: *st = dp_model_add_global_avgpool(m); break;
-    }
-    return 0;
+  *st = dp_model_add_layer(m, (dp_layer_kind)kind, args, n > INT_MAX ? INT_MAX : (int)n);
+  return 0;
+}
+
+/* input_shape (C, H, W): three integers, in 64 bits for the core to check. */
+static int input_shape_from(PyObject *obj, int64_t shape[3]) {
+  PyObject *items = items_of(obj, "input_shape must be a sequence (C, H, W)");
+  if (!items) return -1;
+  static const char *names[3] = {"channels", "height", "width"};
+  int rc = -1;
+  if (PySequence_Fast_GET_SIZE(items) != 3) {
+    PyErr_Format(PyExc_TypeError, "input_shape must be (C, H, W), got %zd values", PySequence_Fast_GET_SIZE(items));
+    goto done;
   }
-  PyErr_Format(PyExc_ValueError, "unknown layer kind '%s'", name);
-  return -1;
+  for (int i = 0; i < 3; ++i)
+    if (int64_arg(PySequence_Fast_GET_ITEM(items, i), "model input", names[i], &shape[i]) < 0) goto done;
+  rc = 0;
+done:
+  Py_DECREF(items);
+  return rc;
 }
 
 typedef struct {
@@ -132,12 +124,14 @@ static int model_device_init(ModelObject *self, const char *kind, int index, int
  * puts the model on logical GPU cuda:device_index of physical GPU `gpu`. */
 static int Model_init(ModelObject *self, PyObject *args, PyObject *kwds) {
   static char *kwlist[] = {"input_shape", "layers", "threads", "device_index", "sources", "device_kind", "gpu", NULL};
-  int c, h, w, threads = 0, index = 0, gpu = 0;
+  int threads = 0, index = 0, gpu = 0;
+  int64_t shape[3];
   const char *kind = "cpu";
-  PyObject *layers, *sources = Py_None;
-  if (!PyArg_ParseTupleAndKeywords(args, kwds, "(iii)O|iiOsi", kwlist, &c, &h, &w, &layers, &threads, &index,
-                                   &sources, &kind, &gpu))
+  PyObject *shape_obj, *layers, *sources = Py_None;
+  if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO|iiOsi", kwlist, &shape_obj, &layers, &threads, &index, &sources,
+                                   &kind, &gpu))
     return -1;
+  if (input_shape_from(shape_obj, shape) < 0) return -1;
   /* busy: another thread's __init__ is creating the device right now */
   if (model_check_idle(self) < 0) return -1;
   if (self->model || self->device_ready) {
@@ -149,7 +143,7 @@ static int Model_init(ModelObject *self, PyObject *args, PyObject *kwds) {
     return -1;
   }
   if (model_device_init(self, kind, index, threads, gpu) < 0) return -1;
-  dp_status st = dp_model_create(&self->device, c, h, w, &self->model);
+  dp_status st = dp_model_create(&self->device, shape[0], shape[1], shape[2], &self->model);
   if (st != DP_OK) return raise_from_status(st), -1;
   PyObject *seq = NULL, *srcs = NULL;
   int rc = -1;
@@ -164,9 +158,11 @@ static int Model_init(ModelObject *self, PyObject *args, PyObject *kwds) {
     /* the layer's input: an earlier layer, -1 for the model input, None for the previous layer */
     PyObject *src = srcs ? PySequence_Fast_GET_ITEM(srcs, i) : Py_None;
     if (src != Py_None) {
-      long v = PyLong_AsLong(src);
-      if (v == -1 && PyErr_Occurred()) goto done;
-      if ((st = dp_model_set_source(self->model, (int)v)) != DP_OK) {
+      int64_t v;
+      char what[32];
+      snprintf(what, sizeof what, "sources[%zd]", i);
+      if (int64_arg(src, what, "layer", &v) < 0) goto done;
+      if ((st = dp_model_set_source(self->model, v)) != DP_OK) {
         raise_from_status(st);
         goto done;
       }
@@ -195,50 +191,50 @@ static int list_append_new(PyObject *list, PyObject *item) {
   return rc;
 }
 
-/* A weight's shape: conv (O, C, K, K), BatchNorm's gamma (C,), dense (out, in). */
-static PyObject *weight_shape(const dp_layer *l) {
-  if (l->kind == DP_LAYER_CONV2D) return Py_BuildValue("(iiii)", l->out_c, l->in_c, l->k, l->k);
-  if (l->kind == DP_LAYER_BATCHNORM) return Py_BuildValue("(i)", l->out_c);
-  return Py_BuildValue("(ii)", l->out_c, l->in_c);
-}
-
-/* [(layer_index, name, offset, shape)]: into the flat parameter buffer, a
- * weight and a bias per layer with parameters (state 0); into the state
- * buffer, a running mean and variance per BatchNorm layer (state 1). */
-static PyObject *model_layout(ModelObject *self, int state) {
+/* [(layer_index, name, offset, shape)] of the tensors of every layer that
+ * live in one flat buffer (params: weights and biases; state: BatchNorm's
+ * running statistics), named and shaped by the layer kinds' table. */
+static PyObject *model_layout(ModelObject *self, dp_layer_buffer buffer) {
   if (!model_ready(self)) return NULL;
   PyObject *out = PyList_New(0);
   if (!out) return NULL;
   const dp_model *m = self->model;
   for (int i = 0; i < m->nlayers; ++i) {
     const dp_layer *l = &m->layers[i];
-    if (state ? l->kind != DP_LAYER_BATCHNORM : !l->w_len) continue;
-    const char *first = state ? "running_mean" : "weight", *second = state ? "running_var" : "bias";
-    const long long off1 = state ? l->state_off : l->w_off, off2 = state ? l->state_off + l->in_c : l->b_off;
-    PyObject *shape1 = state ? Py_BuildValue("(i)", l->in_c) : weight_shape(l);
-    if (!shape1 || list_append_new(out, Py_BuildValue("(isLN)", i, first, off1, shape1)) < 0 ||
-        list_append_new(out, Py_BuildValue("(isL(i))", i, second, off2, state ? l->in_c : l->out_c)) < 0) {
-      Py_DECREF(out);
-      return NULL;
+    const dp_layer_kind_info *info = dp_layer_kind_info_of(l->kind);
+    for (int t = 0; t < info->ntensors; ++t) {
+      const dp_layer_tensor *x = &info->tensors[t];
+      if (x->buffer != buffer) continue;
+      PyObject *shape = PyTuple_New(x->rank);
+      for (int d = 0; shape && d < x->rank; ++d) {
+        PyObject *extent = PyLong_FromLongLong(dp_layer_dim_of(l, x->dims[d]));
+        if (!extent) Py_CLEAR(shape);
+        else PyTuple_SET_ITEM(shape, d, extent);
+      }
+      if (!shape || list_append_new(out, Py_BuildValue("(isLN)", i, x->name, (long long)dp_layer_tensor_offset(l, t),
+                                                       shape)) < 0) {
+        Py_DECREF(out);
+        return NULL;
+      }
     }
   }
   return out;
 }
 
-static PyObject *Model_param_layout(ModelObject *self, PyObject *unused) { return model_layout(self, 0); }
-static PyObject *Model_state_layout(ModelObject *self, PyObject *unused) { return model_layout(self, 1); }
+static PyObject *Model_param_layout(ModelObject *self, PyObject *unused) {
+  return model_layout(self, DP_BUFFER_PARAMS);
+}
+static PyObject *Model_state_layout(ModelObject *self, PyObject *unused) { return model_layout(self, DP_BUFFER_STATE); }
 
 static PyObject *Model_layers(ModelObject *self, PyObject *unused) {
   if (!model_ready(self)) return NULL;
-  static const char *names[] = {"conv2d", "dense",     "relu", "avgpool",       "maxpool",
-                                "flatten", "batchnorm", "add",  "global_avgpool"};
   const dp_model *m = self->model;
   PyObject *out = PyList_New(m->nlayers);
   if (!out) return NULL;
   for (int i = 0; i < m->nlayers; ++i) {
     const dp_layer *l = &m->layers[i];
-    PyObject *t = Py_BuildValue("(s(iii)(iii))", names[l->kind], l->in_c, l->in_h, l->in_w, l->out_c, l->out_h,
-                                l->out_w);
+    PyObject *t = Py_BuildValue("(s(iii)(iii))", dp_layer_kind_info_of(l->kind)->name, l->in_c, l->in_h, l->in_w,
+                                l->out_c, l->out_h, l->out_w);
     if (!t) {
       Py_DECREF(out);
       return NULL;

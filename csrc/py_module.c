@@ -33,7 +33,6 @@ PyObject *raise_from_status(dp_status s) {
     case DP_ERR_MEMORY: type = PyExc_MemoryError; break;
     case DP_ERR_IO: type = PyExc_OSError; break;
     case DP_ERR_CUDA: type = DeviceError; break;
-    case DP_ERR_INTERRUPTED: type = PyExc_KeyboardInterrupt; break;
     default: type = DpcoreError; break;
   }
   PyErr_SetString(type, msg);
@@ -146,6 +145,40 @@ PyObject *items_of(PyObject *obj, const char *what) {
   return items;
 }
 
+/* ---- arguments ------------------------------------------------------------- */
+
+int int64_arg(PyObject *obj, const char *what, const char *name, int64_t *out) {
+  if (!PyIndex_Check(obj)) {
+    PyErr_Format(PyExc_TypeError, "%s: %s must be an integer, got %s", what, name, Py_TYPE(obj)->tp_name);
+    return -1;
+  }
+  int overflow = 0;
+  long long v = PyLong_AsLongLongAndOverflow(obj, &overflow);
+  if (v == -1 && PyErr_Occurred()) return -1;
+  if (overflow) {
+    PyErr_Format(PyExc_ValueError, "%s: %s %S is out of range (more than 64 bits)", what, name, obj);
+    return -1;
+  }
+  *out = v;
+  return 0;
+}
+
+int float64_arg(PyObject *obj, const char *what, const char *name, double *out) {
+  double v = PyFloat_AsDouble(obj);
+  if (v == -1.0 && PyErr_Occurred()) {
+    if (PyErr_ExceptionMatches(PyExc_OverflowError)) { /* an int beyond a double's range */
+      PyErr_Clear();
+      PyErr_Format(PyExc_ValueError, "%s: %s %S is out of range", what, name, obj);
+    } else if (PyErr_ExceptionMatches(PyExc_TypeError)) {
+      PyErr_Clear();
+      PyErr_Format(PyExc_TypeError, "%s: %s must be a real number, got %s", what, name, Py_TYPE(obj)->tp_name);
+    }
+    return -1;
+  }
+  *out = v;
+  return 0;
+}
+
 /* ---- module functions ------------------------------------------------------- */
 
 typedef struct {
@@ -200,6 +233,74 @@ static PyObject *mod_shard_ranges(PyObject *mod, PyObject *args) {
       return NULL;
     }
     PyList_SET_ITEM(out, r, t);
+  }
+  return out;
+}
+
+/* One layer kind's table entry (layers.h) as a dict; a new reference or NULL. */
+static PyObject *layer_kind_dict(const dp_layer_kind_info *info) {
+  PyObject *d = NULL, *args = PyTuple_New(info->nargs), *types = PyTuple_New(info->nargs), *defaults = PyDict_New(),
+           *tensors = PyTuple_New(info->ntensors);
+  if (!args || !types || !defaults || !tensors) goto done;
+  for (int i = 0; i < info->nargs; ++i) {
+    const dp_layer_arg *a = &info->args[i];
+    const int is_int = a->type == DP_ARG_INT;
+    PyObject *name = PyUnicode_FromString(a->name), *type = PyUnicode_FromString(is_int ? "int" : "float");
+    if (!name || !type) {
+      Py_XDECREF(name);
+      Py_XDECREF(type);
+      goto done;
+    }
+    PyTuple_SET_ITEM(args, i, name);
+    PyTuple_SET_ITEM(types, i, type);
+    if (!a->optional) continue;
+    PyObject *v = is_int ? PyLong_FromLongLong(a->fallback.i) : PyFloat_FromDouble(a->fallback.f);
+    if (!v || PyDict_SetItemString(defaults, a->name, v) < 0) {
+      Py_XDECREF(v);
+      goto done;
+    }
+    Py_DECREF(v);
+  }
+  for (int t = 0; t < info->ntensors; ++t) {
+    const dp_layer_tensor *x = &info->tensors[t];
+    PyObject *dims = PyTuple_New(x->rank), *init = PyDict_New(), *item = NULL;
+    for (int k = 0; dims && k < x->rank; ++k) {
+      PyObject *dim = PyUnicode_FromString(dp_layer_dim_name(x->dims[k]));
+      if (!dim) Py_CLEAR(dims);
+      else PyTuple_SET_ITEM(dims, k, dim);
+    }
+    for (int mode = 0; init && mode < DP_INIT_MODE_COUNT; ++mode) {
+      PyObject *rule = PyUnicode_FromString(dp_init_rule_name(x->init[mode]));
+      if (!rule || PyDict_SetItemString(init, dp_init_mode_name((dp_init_mode)mode), rule) < 0) Py_CLEAR(init);
+      Py_XDECREF(rule);
+    }
+    if (dims && init)
+      item = Py_BuildValue("(ssOO)", x->name, x->buffer == DP_BUFFER_PARAMS ? "params" : "state", dims, init);
+    Py_XDECREF(dims);
+    Py_XDECREF(init);
+    if (!item) goto done;
+    PyTuple_SET_ITEM(tensors, t, item);
+  }
+  d = Py_BuildValue("{s:s,s:O,s:O,s:O,s:i,s:O}", "op", info->op, "args", args, "types", types, "defaults", defaults,
+                    "sources", info->sources, "tensors", tensors);
+done:
+  Py_XDECREF(args);
+  Py_XDECREF(types);
+  Py_XDECREF(defaults);
+  Py_XDECREF(tensors);
+  return d;
+}
+
+/* layer_kinds() -> {name: {op, args, types, defaults, sources, tensors}}: the
+ * layer kinds' table (csrc/layers.c), in its order. A tensor is (name,
+ * 'params'|'state', dims, {init mode: rule}). */
+static PyObject *mod_layer_kinds(PyObject *m, PyObject *unused) {
+  PyObject *out = PyDict_New();
+  for (int k = 0; out && k < DP_LAYER_KIND_COUNT; ++k) {
+    const dp_layer_kind_info *info = dp_layer_kind_info_of((dp_layer_kind)k);
+    PyObject *d = layer_kind_dict(info);
+    if (!d || PyDict_SetItemString(out, info->name, d) < 0) Py_CLEAR(out);
+    Py_XDECREF(d);
   }
   return out;
 }
@@ -280,6 +381,8 @@ static PyObject *mod_get_cuda_options(PyObject *m, PyObject *unused) {
 static PyMethodDef module_methods[] = {
     {"backend_null_entries", mod_backend_null_entries, METH_VARARGS,
      "backend_null_entries(name) -> names of the NULL entries of backend 'cpu' or 'cuda' (None if not built)"},
+    {"layer_kinds", mod_layer_kinds, METH_NOARGS,
+     "layer_kinds() -> {name: {op, args, types, defaults, sources, tensors}}: the table of layer kinds"},
     {"build_info_json", mod_build_info_json, METH_NOARGS, "what the build found and used, as JSON"},
     {"runtime_info", mod_runtime_info, METH_NOARGS, "devices and libraries found at run time"},
     {"allreduce_benchmark", mod_allreduce_benchmark, METH_VARARGS,

@@ -4,7 +4,10 @@
  * They run on one module-level CPU device with every core and hold the GIL:
  * the device's scratch memory is shared by all calls. Every status the
  * backend returns is checked: a failing kernel is an exception, never a
- * result full of whatever the output held.
+ * result full of whatever the output held. Strides, paddings and kernels are
+ * parsed in 64 bits and shapes made by shapes.c, as a model's layers' are: an
+ * absurd one is a ValueError naming it, never an OverflowError or a size that
+ * wrapped around an int.
  */
 #include "py_private.h"
 
@@ -13,14 +16,6 @@
 static dp_device ops_device;
 
 int ops_init(void) { return check_status(dp_cpu_device_init(&ops_device, 0, dp_cpu_core_count())); }
-
-static int check_pos(long v, const char *what) {
-  if (v < 1) {
-    PyErr_Format(PyExc_ValueError, "%s must be >= 1, got %ld", what, v);
-    return -1;
-  }
-  return 0;
-}
 
 /* The arrays of a layer op (conv2d, dense): inputs x, w and b or dy (t);
  * outputs y (forward) or dx, dw, db (backward). */
@@ -53,34 +48,23 @@ static void layer_arrays_clear(layer_arrays *a) {
 }
 
 static PyObject *ops_conv2d(PyObject *args, int backward) {
-  PyObject *xo, *wo, *third;
-  int stride, pad;
-  if (!PyArg_ParseTuple(args, "OOOii", &xo, &wo, &third, &stride, &pad)) return NULL;
+  PyObject *xo, *wo, *third, *stride_obj, *pad_obj;
+  int64_t stride, pad;
+  if (!PyArg_ParseTuple(args, "OOOOO", &xo, &wo, &third, &stride_obj, &pad_obj)) return NULL;
+  if (int64_arg(stride_obj, "conv2d", "stride", &stride) < 0 || int64_arg(pad_obj, "conv2d", "padding", &pad) < 0)
+    return NULL;
   layer_arrays a = {0};
   PyObject *ret = NULL;
   const dp_backend *be = ops_device.backend;
   if (layer_arrays_convert(&a, xo, wo, third, 4, backward) < 0) goto done;
-  if (check_pos(stride, "stride") < 0) goto done;
-  if (pad < 0) {
-    PyErr_Format(PyExc_ValueError, "padding must be >= 0, got %d", pad);
-    goto done;
-  }
   const npy_intp *xd = PyArray_DIMS(a.x), *wd = PyArray_DIMS(a.w);
-  if (xd[1] < 1) {
-    PyErr_SetString(PyExc_ValueError, "x must have at least one channel");
-    goto done;
-  }
   if (xd[1] != wd[1]) {
     PyErr_Format(PyExc_ValueError, "x has %ld channels but w expects %ld", (long)xd[1], (long)wd[1]);
     goto done;
   }
-  if (xd[2] + 2 * pad < wd[2] || xd[3] + 2 * pad < wd[3] || wd[0] < 1 || wd[2] < 1 || wd[3] < 1) {
-    PyErr_SetString(PyExc_ValueError, "the kernel is larger than the padded input (or empty)");
+  dp_conv_geom g;
+  if (check_status(dp_conv_geom_make("conv2d", xd[1], xd[2], xd[3], wd[0], wd[2], wd[3], stride, pad, &g)) < 0)
     goto done;
-  }
-  dp_conv_geom g = {(int)xd[1], (int)xd[2], (int)xd[3], (int)wd[0], (int)wd[2], (int)wd[3], stride, pad, 0, 0};
-  g.OH = (g.H + 2 * pad - g.KH) / stride + 1;
-  g.OW = (g.W + 2 * pad - g.KW) / stride + 1;
   npy_intp yd[4] = {xd[0], g.O, g.OH, g.OW};
   if (!backward) {
     if (a.t && PyArray_DIM(a.t, 0) != g.O) {
@@ -201,25 +185,23 @@ done:
 
 /* pool(kind, x, k, stride, pad[, dy]) — forward returns y, backward returns dx. */
 static PyObject *ops_pool(PyObject *args, int is_max, int backward) {
-  PyObject *xo, *dyo = NULL;
-  int k, stride, pad;
-  if (backward ? !PyArg_ParseTuple(args, "OOiii", &xo, &dyo, &k, &stride, &pad)
-               : !PyArg_ParseTuple(args, "Oiii", &xo, &k, &stride, &pad))
+  PyObject *xo, *dyo = NULL, *k_obj, *stride_obj, *pad_obj;
+  if (backward ? !PyArg_ParseTuple(args, "OOOOO", &xo, &dyo, &k_obj, &stride_obj, &pad_obj)
+               : !PyArg_ParseTuple(args, "OOOO", &xo, &k_obj, &stride_obj, &pad_obj))
+    return NULL;
+  const char *op = is_max ? "max_pool2d" : "avg_pool2d";
+  int64_t k, stride, pad;
+  if (int64_arg(k_obj, op, "kernel", &k) < 0 || int64_arg(stride_obj, op, "stride", &stride) < 0 ||
+      int64_arg(pad_obj, op, "padding", &pad) < 0)
     return NULL;
   PyArrayObject *x = NULL, *dy = NULL, *y = NULL, *dx = NULL;
   int32_t *arg = NULL;
   PyObject *ret = NULL;
   const dp_backend *be = ops_device.backend;
   if (!(x = as_float32(xo, 4, "x"))) goto done;
-  if (check_pos(k, "kernel") < 0 || check_pos(stride, "stride") < 0) goto done;
   const npy_intp *xd = PyArray_DIMS(x);
-  if (pad < 0 || 2 * pad > k || xd[2] + 2 * pad < k || xd[3] + 2 * pad < k) {
-    PyErr_Format(PyExc_ValueError, "pooling: need 0 <= padding <= kernel/2 and kernel <= padded input, got kernel %d, "
-                 "padding %d, input %ldx%ld", k, pad, (long)xd[2], (long)xd[3]);
-    goto done;
-  }
-  dp_pool_geom g = {(int)xd[1], (int)xd[2], (int)xd[3], dp_pool_out_dim((int)xd[2], k, stride, pad),
-                    dp_pool_out_dim((int)xd[3], k, stride, pad), k, stride, pad};
+  dp_pool_geom g;
+  if (check_status(dp_pool_geom_make(op, xd[1], xd[2], xd[3], k, stride, pad, &g)) < 0) goto done;
   npy_intp yd[4] = {xd[0], xd[1], g.OH, g.OW};
   if (!(y = new_float32(4, yd))) goto done;
   /* max pooling's backward needs the forward's winners: the forward runs either way */

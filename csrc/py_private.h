@@ -70,6 +70,17 @@ DP_PY_LOCAL PyArrayObject *convert_rows(PyObject *obj);
  * call runs without the GIL, as it could empty a list. */
 DP_PY_LOCAL PyObject *items_of(PyObject *obj, const char *what);
 
+/* ---- arguments (py_module.c) ------------------------------------------------ */
+
+/* An integer argument (an int, or anything with __index__) in 64 bits, for
+ * the core to range-check with a message naming it. 0, or -1 with TypeError
+ * (not an integer) or ValueError (beyond 64 bits), both naming `what` (the
+ * op or layer, "conv2d (layer 0)") and the argument's name ("padding"):
+ * never OverflowError. */
+DP_PY_LOCAL int int64_arg(PyObject *obj, const char *what, const char *name, int64_t *out);
+/* A real-number argument as a double; TypeError naming it when it is not one. */
+DP_PY_LOCAL int float64_arg(PyObject *obj, const char *what, const char *name, double *out);
+
 /* ---- Model (py_model.c) ---------------------------------------------------- */
 
 typedef struct {

@@ -39,7 +39,6 @@ const char *dp_status_name(dp_status s) {
     case DP_ERR_IO: return "I/O error";
     case DP_ERR_RUNTIME: return "runtime error";
     case DP_ERR_CUDA: return "CUDA error";
-    case DP_ERR_INTERRUPTED: return "interrupted";
     case DP_ERR_UNSUPPORTED: return "unsupported";
     case DP_ERR_ABORTED: return "collective aborted";
   }

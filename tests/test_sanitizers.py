@@ -48,7 +48,7 @@ def build_and_run(tmp_path, program, core_sources, link_flags=()):
 def test_core_is_clean_under_asan_lsan_ubsan(tmp_path):
     """Models (LeNet, strides/padding/max-pool) trained, evaluated and misused, a
     resident dataset gathered from, all freed."""
-    build_and_run(tmp_path, "core_smoke", ["backend_cpu.c", "model.c", "resident.c", "shapes.c", "status.c"])
+    build_and_run(tmp_path, "core_smoke", ["backend_cpu.c", "layers.c", "model.c", "resident.c", "shapes.c", "status.c"])
 
 
 def test_dp_hd_bodies_as_the_gpu_runs_them(tmp_path):
@@ -66,7 +66,7 @@ def test_replica_threads_and_collectives_are_clean(tmp_path):
     would grow after its warm-up is a reported error before any collective;
     everything joined and freed."""
     build_and_run(tmp_path, "mirrored_smoke", ["backend_cpu.c", "backend_cuda.c", "collective.c", "comm.c", "mirrored.c",
-                                                "model.c", "replica.c", "resident.c", "shapes.c", "status.c"])
+                                                "layers.c", "model.c", "replica.c", "resident.c", "shapes.c", "status.c"])
 
 
 def test_every_failed_allocation_is_a_memory_error(tmp_path):
@@ -75,5 +75,5 @@ def test_every_failed_allocation_is_a_memory_error(tmp_path):
     allocations failing in turn; every run ends in DP_ERR_MEMORY with nothing
     leaked, and pooling's window tables and the convolution scratch, failed
     through the backend table as the single ops call it, are DP_ERR_MEMORY too."""
-    build_and_run(tmp_path, "alloc_failures", ["backend_cpu.c", "model.c", "resident.c", "shapes.c", "status.c"],
+    build_and_run(tmp_path, "alloc_failures", ["backend_cpu.c", "layers.c", "model.c", "resident.c", "shapes.c", "status.c"],
                   link_flags=["-Wl,--wrap=malloc,--wrap=calloc,--wrap=realloc,--wrap=aligned_alloc"])

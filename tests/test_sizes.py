@@ -4,10 +4,10 @@ a wrong shape from a wrapped int, or a crash.
 
 The core computes every layer shape in 64 bits and rejects any size its
 kernels cannot index with an int (values per sample, weights) where the layer
-is added (csrc/shapes.c, csrc/model.c), so none of these models allocates
-anything. Arguments the binding parses as C ints (the model's input shape,
-the single ops' stride / padding / kernel) need checks there: those tests are
-marked xfail until the binding has them.
+is added (csrc/shapes.c, csrc/layers.c), so none of these models allocates
+anything. The binding parses every size argument (layer arguments, the
+model's input shape, the single ops' stride / padding / kernel) in 64 bits
+and leaves the range to those checks, which name the argument.
 """
 import numpy as np
 import pytest
@@ -15,10 +15,6 @@ import pytest
 import dpcore as dp
 
 INT_MAX = 2**31 - 1
-
-
-def needs_binding(reason):
-    return pytest.mark.xfail(strict=True, reason=f"needs binding check: {reason}")
 
 
 # ---- models: rejected where the layer is added, naming it ---------------------------
@@ -71,22 +67,42 @@ def test_lenet_with_absurd_sizes():
 
 
 def test_largest_accepted_shapes_still_build():
-    """The checks reject sizes, not large arguments: a stride of 2**30 (the
-    binding's cap for layer arguments) builds."""
-    net = dp.models.Sequential([("conv2d", 1, 3, 2**30, 0), ("flatten",), ("dense", 10)], input_shape=(1, 3, 3))
+    """The checks reject sizes, not large arguments: a stride of INT_MAX builds."""
+    net = dp.models.Sequential([("conv2d", 1, 3, INT_MAX, 0), ("flatten",), ("dense", 10)], input_shape=(1, 3, 3))
     assert net.num_classes == 10
 
 
-@needs_binding("a layer argument above 2**30 is 'argument N out of range' without its name (say 'padding')")
 def test_conv_padding_2_31_names_the_argument():
-    with pytest.raises(ValueError, match="padding"):
+    with pytest.raises(ValueError, match=r"conv2d \(layer 0\): padding 2147483648 is larger than"):
         dp.models.Sequential([("conv2d", 1, 3, 1, 2**31), ("flatten",), ("dense", 10)])
 
 
-@needs_binding("input_shape is parsed with '(iii)': 2**31 raises OverflowError")
+@pytest.mark.parametrize("spec, match", [
+    (("conv2d", 1, 3, 1, 2**70), r"conv2d \(layer 0\): padding 1180591620717411303424 is out of range"),
+    (("conv2d", -2**70, 3, 1, 0), r"conv2d \(layer 0\): out_channels -1180591620717411303424 is out of range"),
+    (("maxpool", 2, 2**64, 0), r"max_pool2d \(layer 0\): stride 18446744073709551616 is out of range"),
+    (("dense", 2**62), r"dense \(layer 0\): out_features 4611686018427387904 is larger than"),
+    (("batchnorm", 10**400), r"batchnorm \(layer 0\): eps 1000.* is out of range"),
+    (("add", -1, 2**40), r"add \(layer 0\): layer_b 1099511627776 is not an existing layer"),
+])
+def test_layer_arguments_beyond_any_size_name_the_argument(spec, match):
+    with pytest.raises(ValueError, match=match):
+        dp.models.Sequential([spec, ("flatten",), ("dense", 10)])
+
+
 def test_model_input_dimension_over_int_max_is_a_value_error():
-    with pytest.raises(ValueError, match="input"):
+    with pytest.raises(ValueError, match="model input: height 2147483648 is larger than"):
         dp.models.Sequential([("flatten",), ("dense", 10)], input_shape=(1, 2**31, 1))
+    with pytest.raises(ValueError, match="model input: width 1267650600228229401496703205376 is out of range"):
+        dp.models.Sequential([("flatten",), ("dense", 10)], input_shape=(1, 1, 2**100))
+
+
+def test_a_source_beyond_64_bits_is_a_value_error():
+    with pytest.raises(ValueError, match=r"sources\[1\]: layer 18446744073709551616 is out of range"):
+        dp.models.Sequential([("flatten",), ("dense", 10)], sources=[None, 2**64])
+    # 2**32 wrapped to layer 0 when the binding cut it to an int
+    with pytest.raises(ValueError, match="source 4294967296 is not an existing layer"):
+        dp.models.Sequential([("flatten",), ("dense", 10)], sources=[None, 2**32])
 
 
 # ---- single ops ------------------------------------------------------------------------
@@ -100,22 +116,22 @@ def test_single_ops_accept_the_largest_int_stride():
     assert dp.ops.max_pool2d(X, 2, stride=INT_MAX).shape == (1, 1, 1, 1)
 
 
-PARSED_AS_INT = "is parsed as a C int ('i'), so a value above INT_MAX raises OverflowError"
-
-
 @pytest.mark.parametrize("op, match", [
-    pytest.param(lambda: dp.ops.conv2d(X, W, stride=2**40), "stride", id="conv2d-stride-2**40",
-                 marks=needs_binding(f"stride {PARSED_AS_INT}; dp_conv_geom_make takes int64 and names the argument")),
-    pytest.param(lambda: dp.ops.conv2d(X, W, padding=2**31), "padding", id="conv2d-padding-2**31",
-                 marks=needs_binding(f"padding {PARSED_AS_INT}")),
-    pytest.param(lambda: dp.ops.conv2d(X, W, padding=2**30), "output", id="conv2d-padding-2**30",
-                 marks=needs_binding("the binding computes H + 2 * padding in int (overflow, undefined behaviour) "
-                                     "and reports 'the kernel is larger than the padded input'; dp_conv_geom_make "
-                                     "reports the output size")),
-    pytest.param(lambda: dp.ops.avg_pool2d(X, 2**40), "kernel", id="avg_pool2d-kernel-2**40",
-                 marks=needs_binding(f"kernel_size {PARSED_AS_INT}; dp_pool_geom_make names it")),
-    pytest.param(lambda: dp.ops.max_pool2d(X, 2, stride=2**40), "stride", id="max_pool2d-stride-2**40",
-                 marks=needs_binding(f"stride {PARSED_AS_INT}")),
+    pytest.param(lambda: dp.ops.conv2d(X, W, stride=2**40), "conv2d: stride 1099511627776 is larger than",
+                 id="conv2d-stride-2**40"),
+    pytest.param(lambda: dp.ops.conv2d(X, W, padding=2**31), "conv2d: padding 2147483648 is larger than",
+                 id="conv2d-padding-2**31"),
+    # H + 2 * padding overflowed an int here once; the output is what is too large
+    pytest.param(lambda: dp.ops.conv2d(X, W, padding=2**30), r"conv2d: the output \(2, 2147483654, 2147483654\)",
+                 id="conv2d-padding-2**30"),
+    pytest.param(lambda: dp.ops.avg_pool2d(X, 2**40), "avg_pool2d: kernel 1099511627776 is larger than",
+                 id="avg_pool2d-kernel-2**40"),
+    pytest.param(lambda: dp.ops.max_pool2d(X, 2, stride=2**40), "max_pool2d: stride 1099511627776 is larger than",
+                 id="max_pool2d-stride-2**40"),
+    pytest.param(lambda: dp.ops.max_pool2d_backward(X, X, 2, padding=2**80), "max_pool2d: padding .* is out of range",
+                 id="max_pool2d_backward-padding-2**80"),
+    pytest.param(lambda: dp.ops.conv2d_backward(X, W, np.ones((1, 2, 6, 6), np.float32), stride=-2**70),
+                 "conv2d: stride .* is out of range", id="conv2d_backward-stride--2**70"),
 ])
 def test_single_op_sizes_over_int_max_are_value_errors(op, match):
     with pytest.raises(ValueError, match=match):

@@ -1,8 +1,9 @@
 """dpcore's exceptions.
 
 The C core reports failures as status values; the binding turns them into these
-(or into the built-in ValueError / TypeError / MemoryError / KeyboardInterrupt
-where one fits) in exactly one place.
+(or into the built-in ValueError / TypeError / MemoryError / OSError where one
+fits) in exactly one place. Ctrl-C is Python's own KeyboardInterrupt, seen
+between steps: each step is one C call.
 """
 
 

@@ -18,9 +18,30 @@ from .devices import check_device, device_gpu, device_index, device_kind, device
 from .parallel import Tensor
 from .strategy import DEFAULT_BUCKET_MB, check_all_reduce_options, get_strategy
 
-__all__ = ["Sequential", "LeNet", "ResNet18", "Metrics", "Replica", "load"]
+__all__ = ["Sequential", "LeNet", "ResNet18", "Metrics", "Replica", "load", "layer_kinds"]
 
 _FORMAT = "dpcore-sequential-1"
+
+# The layer kinds' table of the C core (csrc/layers.c): names, arguments,
+# tensors and their init rules. Read here, never restated.
+_LAYER_KINDS = _core.layer_kinds()
+# dp.models' init= modes: those every tensor has a rule for
+_INIT_MODES = tuple(dict.fromkeys(mode for kind in _LAYER_KINDS.values() for t in kind["tensors"] for mode in t[3]))
+
+
+def layer_kinds():
+    """The layer kinds a :class:`Sequential` takes: name -> dict with ``args``
+    (argument names, in order), ``types``, ``defaults`` (of the optional ones),
+    ``sources`` (how many leading arguments are layer indices it reads) and
+    ``tensors``: (name, 'params' or 'state', shape as named extents,
+    {init mode: rule}) in the order they are laid out and saved."""
+    return _core.layer_kinds()
+
+
+def _layer_spec_doc(name, info):
+    """"('conv2d', out_channels, kernel, stride, padding)" for the docstring."""
+    args = [a if a not in info["defaults"] else f"{a}={info['defaults'][a]!r}" for a in info["args"]]
+    return "(" + ", ".join([repr(name)] + args) + (",)" if not args else ")")
 
 Metrics = namedtuple("Metrics", ["loss", "accuracy", "num_examples"])
 
@@ -28,18 +49,16 @@ Metrics = namedtuple("Metrics", ["loss", "accuracy", "num_examples"])
 class Sequential:
     """A feed-forward network built from layer specs, trained by the C core.
 
-    layers: list of tuples, each one of
-        ('conv2d', out_channels, kernel, stride, padding), ('dense', out_features),
-        ('relu',), ('avgpool', kernel, stride, padding), ('maxpool', kernel, stride, padding),
-        ('flatten',), ('batchnorm', eps=1e-5, momentum=0.1), ('add', layer_a, layer_b),
-        ('global_avgpool',).
+    layers: list of tuples, each one of (see :func:`layer_kinds`)
+        {layer_specs}.
     sources: optional, per layer: the index of the layer whose output it reads
         (-1: the model input; None: the previous layer). 'add' names both of its inputs.
     names: optional, per layer: the module name its parameters are saved under
         (default: the layer index, as torch.nn.Sequential names them).
     init: 'normal' draws weights from N(0, init_std) with zero biases (the book's
         LeNet); 'torch' is PyTorch's default (uniform in +-1/sqrt(fan_in) for
-        weights and biases). BatchNorm starts at gamma 1, beta 0.
+        weights and biases). BatchNorm starts at gamma 1, beta 0. Each tensor's
+        rule per mode is in :func:`layer_kinds`.
     devices: where the replicas live; default: the active strategy's devices
         (``with strategy.scope():``), else ``['cpu:0']``. threads: cores per
         replica (default: the device's share).
@@ -57,8 +76,8 @@ class Sequential:
         self._names = [str(i) for i in range(len(self._specs))] if names is None else list(names)
         if len(self._names) != len(self._specs):
             raise ValueError(f"names must have one entry per layer ({len(self._specs)}), got {len(self._names)}")
-        if init not in ("normal", "torch"):
-            raise ValueError(f"init must be 'normal' or 'torch', got {init!r}")
+        if init not in _INIT_MODES:
+            raise ValueError(f"init must be one of {', '.join(map(repr, _INIT_MODES))}, got {init!r}")
         strategy = get_strategy()
         if devices is None:
             devices = strategy.devices if strategy is not None else ["cpu:0"]
@@ -84,24 +103,31 @@ class Sequential:
         self._init_params(init, init_std, seed)
 
     def _init_params(self, init, init_std, seed):
+        """Each parameter tensor by its kind's rule for this init mode, drawn
+        from one generator in layout order (layer by layer, weight then bias)."""
         rng = np.random.default_rng(seed)
         flat = np.zeros(self._model.nparams, dtype=np.float32)
-        kinds = {i: spec[0] for i, spec in enumerate(self._specs)}
         fan_in = {}
-        for layer, kind, offset, shape in self._layout:
+        for layer, name, offset, shape in self._layout:
             size = int(np.prod(shape))
-            if kinds[layer] == "batchnorm":
-                flat[offset:offset + size] = 1.0 if kind == "weight" else 0.0
-                continue
-            if kind == "weight":
-                fan_in[layer] = int(np.prod(shape[1:]))
-            if init == "normal":
-                if kind == "weight":
-                    flat[offset:offset + size] = rng.normal(0.0, init_std, size)
-            else:
+            # PyTorch's fan_in: the layer's first tensor (its weight) without its output extent
+            fan_in.setdefault(layer, int(np.prod(shape[1:])))
+            rule = self._tensor_rule(layer, name, init)
+            if rule == "normal":
+                flat[offset:offset + size] = rng.normal(0.0, init_std, size)
+            elif rule == "fan_in_uniform":
                 bound = 1.0 / np.sqrt(fan_in[layer])
                 flat[offset:offset + size] = rng.uniform(-bound, bound, size)
+            elif rule == "ones":
+                flat[offset:offset + size] = 1.0
+            elif rule != "zeros":
+                raise AssertionError(f"layer {layer} {name}: unknown init rule {rule!r}")
         self._set_flat(flat)
+
+    def _tensor_rule(self, layer, name, init):
+        """The init rule of tensor `name` of layer `layer` under init mode `init`."""
+        kind = _LAYER_KINDS[self._specs[layer][0]]
+        return next(t[3][init] for t in kind["tensors"] if t[0] == name)
 
     def _set_flat(self, flat):
         """The same parameters on every replica (one copy each)."""
@@ -306,6 +332,11 @@ class Sequential:
         """One SGD step on a batch (mean loss). Returns (loss_sum, correct)."""
         X = as_images(X, self.input_shape)
         return (self._mirrored or self._model).train_step(X, as_labels(y, len(X)), lr, momentum, weight_decay)
+
+
+if Sequential.__doc__:  # None under python -OO
+    Sequential.__doc__ = Sequential.__doc__.replace(
+        "{layer_specs}", ",\n        ".join(_layer_spec_doc(name, info) for name, info in _LAYER_KINDS.items()))
 
 
 class LeNet(Sequential):

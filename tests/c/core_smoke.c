@@ -177,7 +177,65 @@ static void check_sizes(dp_device *dev) {
   CHECK(dp_pool_geom_make("avg_pool2d", 3, 28, 28, 3, 2, 1, &pg) == DP_OK && pg.OH == 14 && pg.OW == 14);
 }
 
+/* The layer kinds' table is whole and keeps the rules its readers rely on:
+ * parameter tensors first and at most two (w_off, b_off), optional arguments
+ * last, a state tensor starting alike under every init mode. */
+static void check_layer_table(void) {
+  for (int k = 0; k < DP_LAYER_KIND_COUNT; ++k) {
+    const dp_layer_kind_info *info = dp_layer_kind_info_of((dp_layer_kind)k);
+    CHECK(info->name && info->op && info->infer);
+    if (!info->name) continue;
+    CHECK(dp_layer_kind_find(info->name) == k);
+    CHECK(info->nargs >= 0 && info->nargs <= DP_LAYER_MAX_ARGS && info->sources <= info->nargs && info->sources <= 2);
+    for (int i = 0; i < info->nargs; ++i) {
+      CHECK(info->args[i].name != NULL);
+      if (i > 0) CHECK(info->args[i].optional >= info->args[i - 1].optional);
+      if (i < info->sources) CHECK(info->args[i].type == DP_ARG_INT && !info->args[i].optional);
+    }
+    int params = 0;
+    for (int t = 0; t < info->ntensors; ++t) {
+      const dp_layer_tensor *x = &info->tensors[t];
+      CHECK(x->name && x->rank >= 1 && x->rank <= 4);
+      if (x->buffer == DP_BUFFER_PARAMS) CHECK(params++ == t);
+      else CHECK(x->init[DP_INIT_MODE_NORMAL] == x->init[DP_INIT_MODE_TORCH]);
+      for (int u = 0; u < t; ++u) CHECK(strcmp(info->tensors[u].name, x->name) != 0);
+    }
+    CHECK(params <= DP_LAYER_MAX_PARAM_TENSORS);
+  }
+  CHECK(dp_layer_kind_find("conv3d") == -1);
+}
+
+/* dp_model_add_layer refuses, naming the layer and its arguments, what the
+ * binding passes through unchecked: argument counts, 64-bit values, sources. */
+static void check_layer_arguments(dp_device *dev) {
+  dp_model *m = NULL;
+  CHECK(dp_model_create(dev, 1, 8, 8, &m) == DP_OK);
+  if (!m) return;
+  const dp_layer_arg_value conv[] = {{.i = 4}, {.i = 3}, {.i = 1}, {.i = (int64_t)1 << 31}};
+  CHECK(value_error_naming(dp_model_add_layer(m, DP_LAYER_CONV2D, conv, 3),
+                           "conv2d (layer 0): takes 4 arguments (out_channels, kernel, stride, padding), got 3"));
+  CHECK(value_error_naming(dp_model_add_layer(m, DP_LAYER_CONV2D, conv, 4), "conv2d (layer 0): padding 2147483648"));
+  CHECK(value_error_naming(dp_model_add_layer(m, DP_LAYER_RELU, conv, 1), "relu (layer 0): takes no arguments"));
+  const dp_layer_arg_value bn[] = {{.f = 1e-3}, {.f = 0.5}, {.f = 0.0}};
+  CHECK(value_error_naming(dp_model_add_layer(m, DP_LAYER_BATCHNORM, bn, 3),
+                           "batchnorm (layer 0): takes 0 to 2 arguments (eps, momentum), got 3"));
+  CHECK(value_error_naming(dp_model_add_layer(m, DP_LAYER_BATCHNORM, (dp_layer_arg_value[]){{.f = -1.0}}, 1),
+                           "batchnorm (layer 0): eps must be > 0"));
+  CHECK(value_error_naming(dp_model_add_layer(m, (dp_layer_kind)DP_LAYER_KIND_COUNT, NULL, 0), "unknown layer kind"));
+  const dp_layer_arg_value add[] = {{.i = -1}, {.i = 0}};
+  CHECK(value_error_naming(dp_model_add_layer(m, DP_LAYER_ADD, add, 2),
+                           "add (layer 0): layer_b 0 is not an existing layer"));
+  CHECK(value_error_naming(dp_model_set_source(m, (int64_t)1 << 32), "source 4294967296"));
+  CHECK(m->nlayers == 0);
+  /* defaults filled in: batchnorm with no arguments is eps 1e-5, momentum 0.1 */
+  CHECK(dp_model_add_layer(m, DP_LAYER_BATCHNORM, NULL, 0) == DP_OK);
+  CHECK(m->nlayers == 1 && m->layers[0].eps == 1e-5f && m->layers[0].momentum == 0.1f);
+  CHECK(dp_model_add_add(m, -1, 0) == DP_OK && m->layers[1].src == -1 && m->layers[1].src2 == 0);
+  dp_model_destroy(m);
+}
+
 int main(void) {
+  check_layer_table();
   dp_device dev;
   if (dp_cpu_device_init(&dev, 0, 2) != DP_OK) return 2;
   train_variant(&dev, 0);
@@ -192,6 +250,7 @@ int main(void) {
   CHECK(dp_model_finalize(m) == DP_ERR_VALUE);     /* no layers */
   dp_model_destroy(m);
   check_sizes(&dev);
+  check_layer_arguments(&dev);
   dp_device_destroy(&dev);
   if (failures) fprintf(stderr, "%d checks failed\n", failures);
   printf("core_smoke: %s\n", failures ? "FAILED" : "ok");
