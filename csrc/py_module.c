@@ -45,9 +45,10 @@ PyObject *raise_from_status(dp_status s) {
 
 /* ---- the GIL ---------------------------------------------------------------- */
 
+/* qsort's comparison of two dp_device pointers by address */
 static int device_address_order(const void *a, const void *b) {
-  const uintptr_t x = (uintptr_t) * (dp_device *const *)a, y = (uintptr_t) * (dp_device *const *)b;
-  return x < y ? -1 : x > y;
+  const dp_device *const *x = a, *const *y = b;
+  return (uintptr_t)*x < (uintptr_t)*y ? -1 : (uintptr_t)*x > (uintptr_t)*y;
 }
 
 int devices_run_without_gil(PyObject *const *models, Py_ssize_t n, dp_device *const *devs, Py_ssize_t ndevs,

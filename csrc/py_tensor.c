@@ -81,18 +81,19 @@ static dp_status tensor_device_run(void *p) {
   return dp_device_get(w->name, &w->dev);
 }
 
-/* host bytes to a new allocation on dev; with dev's step lock held */
+/* bytes between the host and data, memory of dev; with dev's step lock held */
 typedef struct {
   dp_device *dev;
-  const void *src;
-  size_t bytes;
   void *data;
-} tensor_upload_work;
+  void *host;
+  size_t bytes;
+} tensor_copy_work;
 
+/* host to a new allocation (data) */
 static dp_status tensor_upload_run(void *p) {
-  tensor_upload_work *w = p;
+  tensor_copy_work *w = p;
   DP_TRY(dp_device_alloc(w->dev, w->bytes, &w->data));
-  dp_status st = w->dev->backend->copy_to_device(w->dev, w->data, w->src, w->bytes);
+  dp_status st = w->dev->backend->copy_to_device(w->dev, w->data, w->host, w->bytes);
   /* the data settled: a tensor is ready for any stream and any thread */
   if (st == DP_OK) st = w->dev->backend->synchronize(w->dev);
   if (st != DP_OK) {
@@ -125,7 +126,7 @@ static PyObject *Tensor_new(PyTypeObject *type, PyObject *args, PyObject *kwds) 
   if (devices_run_without_gil(NULL, 0, NULL, 0, tensor_device_run, &get) < 0) goto fail;
   t->dev = get.dev;
   /* a holds the bytes alive while the copy runs without the GIL */
-  tensor_upload_work up = {t->dev, PyArray_DATA(a), tensor_nbytes(t), NULL};
+  tensor_copy_work up = {t->dev, NULL, PyArray_DATA(a), tensor_nbytes(t)};
   if (devices_run_without_gil(NULL, 0, &t->dev, 1, tensor_upload_run, &up) < 0) goto fail;
   t->data = up.data;
   Py_DECREF(a);
@@ -155,16 +156,9 @@ static PyObject *Tensor_view(TensorObject *self, PyObject *unused) {
   return arr;
 }
 
-typedef struct {
-  dp_device *dev;
-  void *dst;
-  const void *src;
-  size_t bytes;
-} tensor_download_work;
-
 static dp_status tensor_download_run(void *p) {
-  tensor_download_work *w = p;
-  return w->dev->backend->copy_to_host(w->dev, w->dst, w->src, w->bytes);
+  tensor_copy_work *w = p;
+  return w->dev->backend->copy_to_host(w->dev, w->host, w->data, w->bytes);
 }
 
 /* A host copy: after the work queued on the device before it (the copy is
@@ -173,7 +167,7 @@ static PyObject *Tensor_numpy(TensorObject *self, PyObject *unused) {
   if (tensor_check_readable(self) < 0) return NULL;
   PyArrayObject *out = (PyArrayObject *)PyArray_SimpleNew(self->ndim, self->shape, self->dtype);
   if (!out) return NULL;
-  tensor_download_work w = {self->dev, PyArray_DATA(out), self->data, tensor_nbytes(self)};
+  tensor_copy_work w = {self->dev, self->data, PyArray_DATA(out), tensor_nbytes(self)};
   PyObject *owners[1] = {self->owner};
   if (devices_run_without_gil(owners, self->owner ? 1 : 0, &self->dev, 1, tensor_download_run, &w) < 0) {
     Py_DECREF(out);
