@@ -2,7 +2,9 @@
  *
  * A backend is a table of function pointers; a device is a backend plus its
  * context (cpu: a thread count and scratch memory; cuda: a GPU, stream and
- * handles). Layers and models are written once against this table. Every
+ * handles). The binding's devices come from the registry (csrc/device.h),
+ * one per name, shared by the models and tensors on it. Layers and models
+ * are written once against this table. Every
  * pointer argument named x, w, y, dx, ... is device memory of that device.
  * Shapes are in the comments: NCHW, row-major, float32.
  */

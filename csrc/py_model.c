@@ -14,7 +14,7 @@
 
 static void Model_dealloc(ModelObject *self) {
   dp_model_destroy(self->model);
-  if (self->device_ready) dp_device_destroy(&self->device);
+  dp_device_put(self->device); /* after the model, whose buffers are the device's */
   Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
@@ -92,39 +92,51 @@ done:
 }
 
 typedef struct {
-  dp_device *device;
-  int index, gpu;
-} cuda_init_work;
+  dp_device_kind kind;
+  int index, threads;
+  dp_device *out;
+} device_get_work;
 
-static dp_status cuda_init_run(void *p) {
-  cuda_init_work *w = p;
-  return dp_cuda_device_init(w->device, w->index, w->gpu);
+static dp_status device_get_run(void *p) {
+  device_get_work *w = p;
+  return dp_device_get_index(w->kind, w->index, w->threads, &w->out);
 }
 
-/* The model's device: a CPU device of `threads` cores (0: every core), or
- * logical GPU cuda:index on physical GPU gpu. 0, or -1 with the exception set. */
+/* The model's device from the registry (csrc/device.h): cpu:index with its
+ * share of the cores, or `threads` cores when threads > 0; or logical GPU
+ * cuda:index, whose physical GPU is the registry's mapping (gpu >= 0 must
+ * name that one). 0, or -1 with the exception set. */
 static int model_device_init(ModelObject *self, const char *kind, int index, int threads, int gpu) {
-  if (strcmp(kind, "cpu") == 0) {
-    dp_status st = dp_cpu_device_init(&self->device, index, threads ? threads : dp_cpu_core_count());
-    if (st != DP_OK) return raise_from_status(st), -1;
-  } else if (strcmp(kind, "cuda") == 0) {
-    /* creating a CUDA context takes a while */
-    cuda_init_work w = {&self->device, index, gpu};
-    if (model_run_without_gil(self, cuda_init_run, &w) < 0) return -1;
-  } else {
+  device_get_work w = {DP_DEVICE_CPU, index, threads, NULL};
+  if (strcmp(kind, "cuda") == 0) {
+    w.kind = DP_DEVICE_CUDA;
+    w.threads = 0; /* a GPU's replica thread only issues work */
+    const int k = dp_devices_logical(DP_DEVICE_CUDA);
+    if (gpu >= 0 && index >= 0 && gpu != index / k) {
+      PyErr_Format(PyExc_ValueError, "cuda:%d is logical GPU %d of physical GPU %d (%d logical GPUs per GPU), not "
+                   "on GPU %d", index, index % k, index / k, k, gpu);
+      return -1;
+    }
+  } else if (strcmp(kind, "cpu") != 0) {
     PyErr_Format(PyExc_ValueError, "device_kind must be 'cpu' or 'cuda', got '%s'", kind);
     return -1;
   }
-  self->device_ready = 1;
+  /* creating a CUDA context takes a while */
+  if (model_run_without_gil(self, device_get_run, &w) < 0) return -1;
+  self->device = w.out;
   return 0;
 }
 
+static dp_status model_finalize_run(void *p) { return dp_model_finalize(p); }
+
 /* Model(input_shape=(C, H, W), layers=[...], threads=0, device_index=0, sources=None,
- *       device_kind='cpu', gpu=0) — threads 0: every core. device_kind 'cuda'
- * puts the model on logical GPU cuda:device_index of physical GPU `gpu`. */
+ *       device_kind='cpu', gpu=-1) — on the registry's device
+ * device_kind:device_index, shared with every model and tensor there;
+ * threads 0: the device's share of the cores. gpu (-1: the mapping's) must be
+ * the physical GPU of cuda:device_index. */
 static int Model_init(ModelObject *self, PyObject *args, PyObject *kwds) {
   static char *kwlist[] = {"input_shape", "layers", "threads", "device_index", "sources", "device_kind", "gpu", NULL};
-  int threads = 0, index = 0, gpu = 0;
+  int threads = 0, index = 0, gpu = -1;
   int64_t shape[3];
   const char *kind = "cpu";
   PyObject *shape_obj, *layers, *sources = Py_None;
@@ -134,7 +146,7 @@ static int Model_init(ModelObject *self, PyObject *args, PyObject *kwds) {
   if (input_shape_from(shape_obj, shape) < 0) return -1;
   /* busy: another thread's __init__ is creating the device right now */
   if (model_check_idle(self) < 0) return -1;
-  if (self->model || self->device_ready) {
+  if (self->model || self->device) {
     PyErr_SetString(PyExc_RuntimeError, "Model is already initialized");
     return -1;
   }
@@ -143,7 +155,7 @@ static int Model_init(ModelObject *self, PyObject *args, PyObject *kwds) {
     return -1;
   }
   if (model_device_init(self, kind, index, threads, gpu) < 0) return -1;
-  dp_status st = dp_model_create(&self->device, shape[0], shape[1], shape[2], &self->model);
+  dp_status st = dp_model_create(self->device, shape[0], shape[1], shape[2], &self->model);
   if (st != DP_OK) return raise_from_status(st), -1;
   PyObject *seq = NULL, *srcs = NULL;
   int rc = -1;
@@ -173,10 +185,8 @@ static int Model_init(ModelObject *self, PyObject *args, PyObject *kwds) {
       goto done;
     }
   }
-  if ((st = dp_model_finalize(self->model)) != DP_OK) {
-    raise_from_status(st);
-    goto done;
-  }
+  /* its buffers are allocated holding the device's step lock (device.h) */
+  if (model_run_without_gil(self, model_finalize_run, self->model) < 0) goto done;
   rc = 0;
 done:
   Py_XDECREF(srcs);
@@ -314,16 +324,11 @@ static PyObject *Model_reset_velocity(ModelObject *self, PyObject *unused) {
   Py_RETURN_NONE;
 }
 
-/* The flat buffers as Tensors sharing their memory (CPU models): the
- * chapter-12.5 replica's grads and params that dp.all_reduce works on. */
+/* The flat buffers as Tensors sharing their memory (device memory on a
+ * CUDA model): the chapter-12.5 replica's grads and params that
+ * dp.all_reduce works on. */
 static PyObject *model_view(ModelObject *self, int grads) {
   if (!model_ready(self)) return NULL;
-  if (self->device.kind != DP_DEVICE_CPU) {
-    /* a Tensor's memory is read from the host; use get_params / get_grads */
-    PyErr_Format(PyExc_ValueError, "a view of the flat buffers exists for CPU models only; %s is not one",
-                 self->device.name);
-    return NULL;
-  }
   return tensor_view_of_model(self, grads ? self->model->grads : self->model->params, (npy_intp)self->model->nparams);
 }
 
@@ -474,8 +479,13 @@ static PyObject *Model_get_nparams(ModelObject *self, void *c) {
 static PyObject *Model_get_num_classes(ModelObject *self, void *c) {
   return self->model ? PyLong_FromLong(dp_model_num_classes(self->model)) : PyLong_FromLong(0);
 }
-static PyObject *Model_get_threads(ModelObject *self, void *c) { return PyLong_FromLong(self->device.nthreads); }
-static PyObject *Model_get_device(ModelObject *self, void *c) { return PyUnicode_FromString(self->device.name); }
+static PyObject *Model_get_threads(ModelObject *self, void *c) {
+  return PyLong_FromLong(self->device ? self->device->nthreads : 0);
+}
+static PyObject *Model_get_device(ModelObject *self, void *c) {
+  if (!self->device) Py_RETURN_NONE;
+  return PyUnicode_FromString(self->device->name);
+}
 static PyObject *Model_get_input_shape(ModelObject *self, void *c) {
   if (!self->model) Py_RETURN_NONE;
   return Py_BuildValue("(iii)", self->model->in_c, self->model->in_h, self->model->in_w);
@@ -525,7 +535,8 @@ PyTypeObject ModelType = {
     .tp_basicsize = sizeof(ModelObject),
     .tp_dealloc = (destructor)Model_dealloc,
     .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = "A sequential network on one CPU device with flat parameter and gradient buffers.",
+    .tp_doc = "A network on one device (shared through the device registry) with flat parameter and gradient "
+              "buffers.",
     .tp_methods = Model_methods,
     .tp_getset = Model_getset,
     .tp_init = (initproc)Model_init,

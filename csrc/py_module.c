@@ -8,6 +8,8 @@
 
 #include <cblas.h>
 #include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "dp_build_config.h"
@@ -42,19 +44,48 @@ PyObject *raise_from_status(dp_status s) {
 
 /* ---- the GIL ---------------------------------------------------------------- */
 
-int models_run_without_gil(PyObject *const *models, Py_ssize_t n, nogil_work work, void *ctx) {
+/* qsort's comparison of two dp_device pointers by address */
+static int device_address_order(const void *a, const void *b) {
+  const dp_device *const *x = a, *const *y = b;
+  return (uintptr_t)*x < (uintptr_t)*y ? -1 : (uintptr_t)*x > (uintptr_t)*y;
+}
+
+int devices_run_without_gil(PyObject *const *models, Py_ssize_t n, dp_device *const *devs, Py_ssize_t ndevs,
+                            nogil_work work, void *ctx) {
   /* all idle before any is marked, so that a refusal leaves no mark behind */
   for (Py_ssize_t i = 0; i < n; ++i)
     if (model_check_idle((const ModelObject *)models[i]) < 0) return -1;
+  /* the distinct devices in address order: the one order every caller takes
+   * them in, so that two calls over overlapping sets cannot deadlock */
+  dp_device **locks = PyMem_Malloc(sizeof(dp_device *) * (size_t)(n + ndevs + 1));
+  if (!locks) return PyErr_NoMemory(), -1;
+  Py_ssize_t nlocks = 0;
+  for (Py_ssize_t i = 0; i < n + ndevs; ++i) {
+    dp_device *d = i < n ? ((const ModelObject *)models[i])->device : devs[i - n];
+    if (d) locks[nlocks++] = d; /* NULL: a model whose __init__ is getting its device */
+  }
+  qsort(locks, (size_t)nlocks, sizeof *locks, device_address_order);
+  Py_ssize_t distinct = 0;
+  for (Py_ssize_t i = 0; i < nlocks; ++i)
+    if (!distinct || locks[distinct - 1] != locks[i]) locks[distinct++] = locks[i];
   for (Py_ssize_t i = 0; i < n; ++i) ((ModelObject *)models[i])->busy = 1;
   dp_status st;
+  /* the step locks are waited for without the GIL, and dropped before it is
+   * taken back: a thread holding one never waits for the GIL */
   Py_BEGIN_ALLOW_THREADS
+  for (Py_ssize_t i = 0; i < distinct; ++i) dp_device_lock(locks[i]);
   st = work(ctx);
+  for (Py_ssize_t i = distinct; i-- > 0;) dp_device_unlock(locks[i]);
   Py_END_ALLOW_THREADS
+  PyMem_Free(locks);
   for (Py_ssize_t i = 0; i < n; ++i) ((ModelObject *)models[i])->busy = 0;
   /* the message is thread-local and the work ran on this thread */
   if (st != DP_OK) return raise_from_status(st), -1;
   return 0;
+}
+
+int models_run_without_gil(PyObject *const *models, Py_ssize_t n, nogil_work work, void *ctx) {
+  return devices_run_without_gil(models, n, NULL, 0, work, ctx);
 }
 
 /* ---- array converters ----------------------------------------------------- */
@@ -414,6 +445,7 @@ PyMODINIT_FUNC PyInit__core(void) {
   PyObject *m = PyModule_Create(&module_def);
   if (!m) return NULL;
   if (PyModule_AddFunctions(m, tensor_functions) < 0 || PyModule_AddFunctions(m, ops_functions) < 0 ||
+      PyModule_AddFunctions(m, device_functions) < 0 ||
       PyModule_AddObjectRef(m, "Model", (PyObject *)&ModelType) < 0 ||
       PyModule_AddObjectRef(m, "Tensor", (PyObject *)&TensorType) < 0 ||
       PyModule_AddObjectRef(m, "Mirrored", (PyObject *)&MirroredType) < 0 ||

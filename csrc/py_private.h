@@ -4,6 +4,7 @@
  *   py_module.c    the module: PyInit__core, module functions, build and
  *                  runtime info; the shared helpers declared here (errors,
  *                  NumPy converters, the one way to release the GIL)
+ *   py_device.c    the device registry's functions (list, logical devices)
  *   py_tensor.c    Tensor, and all_reduce over tensors (chapter 12.5)
  *   py_model.c     Model (one replica) and Resident (a dataset on its device)
  *   py_mirrored.c  Mirrored (k replicas in lockstep)
@@ -31,6 +32,7 @@
 #include <numpy/arrayobject.h>
 
 #include "backend.h"
+#include "device.h"
 #include "mirrored.h"
 #include "model.h"
 
@@ -85,8 +87,7 @@ DP_PY_LOCAL int float64_arg(PyObject *obj, const char *what, const char *name, d
 
 typedef struct {
   PyObject_HEAD
-  dp_device device;
-  int device_ready;
+  dp_device *device; /* a reference from the registry (csrc/device.h); set first by __init__ */
   dp_model *model;
   /* Set while a call runs on this model without the GIL (models_run_without_gil).
    * Read and written only with the GIL held, so a plain int suffices. */
@@ -113,21 +114,32 @@ DP_PY_LOCAL dp_resident *resident_of(PyObject *obj, const ModelObject *mo);
 typedef dp_status (*nogil_work)(void *ctx);
 
 /* Marks models[0..n-1] (ModelObjects; n may be 0, repeats allowed) busy,
- * releases the GIL, runs work(ctx), takes the GIL back and clears the marks.
- * Another thread that calls into one of those models meanwhile gets
- * RuntimeError from model_ready instead of racing with the work.
+ * releases the GIL, takes the step lock of every model's device (device.h:
+ * one call computes on a device at a time), runs work(ctx), drops the locks,
+ * takes the GIL back and clears the marks. Another thread that calls into one
+ * of those models meanwhile gets RuntimeError from model_ready instead of
+ * racing with the work; one that calls into another model on the same device
+ * waits for the device.
  * Returns 0, or -1 with an exception set: RuntimeError when a model is busy
  * already (work not run), or the work's failure through raise_from_status. */
 DP_PY_LOCAL int models_run_without_gil(PyObject *const *models, Py_ssize_t n, nogil_work work, void *ctx);
+/* The same, with the step locks of devs[0..ndevs-1] (registry devices;
+ * NULLs and repeats allowed) taken too: work on tensors' devices. */
+DP_PY_LOCAL int devices_run_without_gil(PyObject *const *models, Py_ssize_t n, dp_device *const *devs,
+                                        Py_ssize_t ndevs, nogil_work work, void *ctx);
 
 /* ---- Tensor (py_tensor.c) --------------------------------------------------- */
 
 DP_PY_LOCAL extern PyTypeObject TensorType;
-/* A 1-D float32 Tensor of n elements on owner's device, viewing data, which
- * model `owner` holds (kept alive by the tensor; the tensor refuses to be
- * read while the model is busy). */
+/* A 1-D float32 Tensor of n elements on owner's device (any kind), viewing
+ * data, which model `owner` holds (kept alive by the tensor, and with it the
+ * device; the tensor refuses to be read while the model is busy). */
 DP_PY_LOCAL PyObject *tensor_view_of_model(ModelObject *owner, float *data, npy_intp n);
 DP_PY_LOCAL extern PyMethodDef tensor_functions[]; /* all_reduce */
+
+/* ---- the device registry (py_device.c) ------------------------------------- */
+
+DP_PY_LOCAL extern PyMethodDef device_functions[]; /* set_logical_devices, list_devices, live_devices */
 
 /* ---- Mirrored (py_mirrored.c) ----------------------------------------------- */
 

@@ -1,6 +1,12 @@
-/* py_tensor.c — Tensor (a buffer on a device) and the chapter-12.5 primitive
- * that works on tensors in place: all_reduce. scatter, broadcast and gather
- * are Python (python/dpcore/parallel.py) over Tensor.
+/* py_tensor.c — Tensor (an allocation on a device) and the chapter-12.5
+ * primitive that works on tensors in place: all_reduce. scatter, broadcast
+ * and gather are Python (python/dpcore/parallel.py) over Tensor.
+ *
+ * A tensor holds a reference to its registry device (csrc/device.h) and
+ * memory its backend allocated: device memory on a CUDA device, which only
+ * the backend's copies touch. Making one from NumPy copies to the device,
+ * numpy() copies back; both hold the device's step lock, as every call that
+ * allocates or computes on a device does.
  */
 #include "py_private.h"
 
@@ -9,21 +15,25 @@
 
 typedef struct {
   PyObject_HEAD
-  char device[32];
+  /* a reference (put by dealloc), or, for a view, the owner model's device,
+   * which the owner keeps alive */
+  dp_device *dev;
   int dtype; /* NPY_FLOAT32, NPY_INT64 or NPY_UINT8 (images) */
   int ndim;
   npy_intp shape[NPY_MAXDIMS];
-  void *data;
+  void *data; /* memory of dev */
   /* NULL: the tensor owns data; else the ModelObject whose flat buffer it
    * views (model_view): kept alive, and busy while the model computes */
   PyObject *owner;
 } TensorObject;
 
 static void Tensor_dealloc(TensorObject *self) {
-  if (self->owner)
+  if (self->owner) {
     Py_DECREF(self->owner);
-  else
-    free(self->data);
+  } else if (self->dev) {
+    dp_device_free(self->dev, self->data);
+    dp_device_put(self->dev);
+  }
   Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
@@ -47,32 +57,50 @@ static int tensor_check_readable(const TensorObject *t) {
   return t->owner ? model_check_idle((const ModelObject *)t->owner) : 0;
 }
 
-static TensorObject *tensor_alloc(const char *device, int dtype, int ndim, const npy_intp *shape) {
-  TensorObject *t = (TensorObject *)TensorType.tp_alloc(&TensorType, 0);
-  if (!t) return NULL;
-  snprintf(t->device, sizeof t->device, "%s", device);
-  t->dtype = dtype;
-  t->ndim = ndim;
-  for (int i = 0; i < ndim; ++i) t->shape[i] = shape[i];
-  size_t bytes = ((size_t)tensor_size(t) * tensor_itemsize(t) + 63) & ~(size_t)63;
-  t->data = aligned_alloc(64, bytes ? bytes : 64);
-  if (!t->data) {
-    Py_DECREF(t);
-    return (TensorObject *)PyErr_NoMemory();
-  }
-  return t;
-}
+static size_t tensor_nbytes(const TensorObject *t) { return (size_t)tensor_size(t) * tensor_itemsize(t); }
 
 PyObject *tensor_view_of_model(ModelObject *owner, float *data, npy_intp n) {
   TensorObject *t = (TensorObject *)TensorType.tp_alloc(&TensorType, 0);
   if (!t) return NULL;
-  snprintf(t->device, sizeof t->device, "%s", owner->device.name);
+  t->dev = owner->device;
   t->dtype = NPY_FLOAT32;
   t->ndim = 1;
   t->shape[0] = n;
   t->data = data;
   t->owner = Py_NewRef((PyObject *)owner);
   return (PyObject *)t;
+}
+
+typedef struct {
+  const char *name;
+  dp_device *dev;
+} tensor_device_work;
+
+static dp_status tensor_device_run(void *p) {
+  tensor_device_work *w = p;
+  return dp_device_get(w->name, &w->dev);
+}
+
+/* bytes between the host and data, memory of dev; with dev's step lock held */
+typedef struct {
+  dp_device *dev;
+  void *data;
+  void *host;
+  size_t bytes;
+} tensor_copy_work;
+
+/* host to a new allocation (data) */
+static dp_status tensor_upload_run(void *p) {
+  tensor_copy_work *w = p;
+  DP_TRY(dp_device_alloc(w->dev, w->bytes, &w->data));
+  dp_status st = w->dev->backend->copy_to_device(w->dev, w->data, w->host, w->bytes);
+  /* the data settled: a tensor is ready for any stream and any thread */
+  if (st == DP_OK) st = w->dev->backend->synchronize(w->dev);
+  if (st != DP_OK) {
+    dp_device_free(w->dev, w->data);
+    w->data = NULL;
+  }
+  return st;
 }
 
 /* Tensor(array, device): a copy of a float32, int64 or uint8 array on a device. */
@@ -88,15 +116,36 @@ static PyObject *Tensor_new(PyTypeObject *type, PyObject *args, PyObject *kwds) 
   }
   PyArrayObject *a = (PyArrayObject *)PyArray_FROM_OTF(obj, elem, NPY_ARRAY_IN_ARRAY | NPY_ARRAY_NOTSWAPPED);
   if (!a) return NULL;
-  TensorObject *t = tensor_alloc(device, PyArray_TYPE(a), PyArray_NDIM(a), PyArray_DIMS(a));
-  if (t) memcpy(t->data, PyArray_DATA(a), (size_t)PyArray_NBYTES(a));
+  TensorObject *t = (TensorObject *)type->tp_alloc(type, 0);
+  if (!t) goto fail;
+  t->dtype = PyArray_TYPE(a);
+  t->ndim = PyArray_NDIM(a);
+  for (int i = 0; i < t->ndim; ++i) t->shape[i] = PyArray_DIM(a, i);
+  /* making a CUDA device takes a while: without the GIL */
+  tensor_device_work get = {device, NULL};
+  if (devices_run_without_gil(NULL, 0, NULL, 0, tensor_device_run, &get) < 0) goto fail;
+  t->dev = get.dev;
+  /* a holds the bytes alive while the copy runs without the GIL */
+  tensor_copy_work up = {t->dev, NULL, PyArray_DATA(a), tensor_nbytes(t)};
+  if (devices_run_without_gil(NULL, 0, &t->dev, 1, tensor_upload_run, &up) < 0) goto fail;
+  t->data = up.data;
   Py_DECREF(a);
   return (PyObject *)t;
+fail:
+  Py_XDECREF(t);
+  Py_DECREF(a);
+  return NULL;
 }
 
-/* A NumPy array sharing the tensor's memory (CPU devices). */
+/* A NumPy array sharing the tensor's memory (CPU devices only: the host
+ * cannot read a GPU's memory). */
 static PyObject *Tensor_view(TensorObject *self, PyObject *unused) {
   if (tensor_check_readable(self) < 0) return NULL;
+  if (self->dev->kind != DP_DEVICE_CPU) {
+    PyErr_Format(PyExc_ValueError, "a NumPy view of a tensor exists on CPU devices only; this one is on %s (use "
+                 "numpy() for a copy)", self->dev->name);
+    return NULL;
+  }
   PyObject *arr = PyArray_New(&PyArray_Type, self->ndim, self->shape, self->dtype, NULL, self->data, 0,
                               NPY_ARRAY_CARRAY, NULL);
   if (!arr) return NULL;
@@ -107,15 +156,27 @@ static PyObject *Tensor_view(TensorObject *self, PyObject *unused) {
   return arr;
 }
 
-static PyObject *Tensor_numpy(TensorObject *self, PyObject *unused) {
-  PyObject *view = Tensor_view(self, NULL);
-  if (!view) return NULL;
-  PyObject *copy = PyArray_NewCopy((PyArrayObject *)view, NPY_CORDER);
-  Py_DECREF(view);
-  return copy;
+static dp_status tensor_download_run(void *p) {
+  tensor_copy_work *w = p;
+  return w->dev->backend->copy_to_host(w->dev, w->host, w->data, w->bytes);
 }
 
-static PyObject *Tensor_get_device(TensorObject *self, void *c) { return PyUnicode_FromString(self->device); }
+/* A host copy: after the work queued on the device before it (the copy is
+ * ordered on the device's stream). A view's model is marked busy meanwhile. */
+static PyObject *Tensor_numpy(TensorObject *self, PyObject *unused) {
+  if (tensor_check_readable(self) < 0) return NULL;
+  PyArrayObject *out = (PyArrayObject *)PyArray_SimpleNew(self->ndim, self->shape, self->dtype);
+  if (!out) return NULL;
+  tensor_copy_work w = {self->dev, self->data, PyArray_DATA(out), tensor_nbytes(self)};
+  PyObject *owners[1] = {self->owner};
+  if (devices_run_without_gil(owners, self->owner ? 1 : 0, &self->dev, 1, tensor_download_run, &w) < 0) {
+    Py_DECREF(out);
+    return NULL;
+  }
+  return (PyObject *)out;
+}
+
+static PyObject *Tensor_get_device(TensorObject *self, void *c) { return PyUnicode_FromString(self->dev->name); }
 static PyObject *Tensor_get_shape(TensorObject *self, void *c) {
   PyObject *t = PyTuple_New(self->ndim);
   if (!t) return NULL;
@@ -133,19 +194,19 @@ static PyObject *Tensor_get_dtype(TensorObject *self, void *c) { return PyUnicod
 
 /* tensor([[3. 3.]], device='cpu:0') */
 static PyObject *Tensor_repr(TensorObject *self) {
-  PyObject *view = Tensor_view(self, NULL);
+  PyObject *view = Tensor_numpy(self, NULL);
   if (!view) return NULL;
   PyObject *body = PyObject_Str(view);
   Py_DECREF(view);
   if (!body) return NULL;
-  PyObject *out = PyUnicode_FromFormat("tensor(%U, device='%s')", body, self->device);
+  PyObject *out = PyUnicode_FromFormat("tensor(%U, device='%s')", body, self->dev->name);
   Py_DECREF(body);
   return out;
 }
 
 static PyMethodDef Tensor_methods[] = {
     {"numpy", (PyCFunction)Tensor_numpy, METH_NOARGS, "a NumPy copy of the tensor"},
-    {"_view", (PyCFunction)Tensor_view, METH_NOARGS, "a NumPy array sharing the tensor's memory (CPU only)"},
+    {"_view", (PyCFunction)Tensor_view, METH_NOARGS, "a NumPy array sharing the tensor's memory (CPU devices only)"},
     {NULL, NULL, 0, NULL}};
 
 static PyGetSetDef Tensor_getset[] = {{"device", (getter)Tensor_get_device, NULL, "device name", NULL},
@@ -169,13 +230,47 @@ PyTypeObject TensorType = {
 
 typedef struct {
   float **bufs;
+  dp_device **devs; /* the tensors' devices */
   int k;
   int64_t n;
   dp_reduce_op op;
 } allreduce_work;
 
+/* Tensors in device memory (CUDA) are reduced through host copies: each
+ * copied out, the host buffers reduced as CPU tensors are (the same
+ * rank-ordered bits), the result copied back. A stopgap that keeps the
+ * chapter-12.5 loop correct on every device kind until the collectives
+ * interface reduces device memory where it lies. */
+static dp_status allreduce_staged(allreduce_work *w) {
+  float **host = calloc((size_t)w->k, sizeof *host);
+  if (!host) return DP_FAIL(DP_ERR_MEMORY, "all_reduce: cannot allocate");
+  const size_t bytes = sizeof(float) * (size_t)w->n;
+  dp_status st = DP_OK;
+  for (int r = 0; r < w->k && st == DP_OK; ++r) {
+    if (w->devs[r]->kind == DP_DEVICE_CPU) {
+      host[r] = w->bufs[r];
+    } else if (!(host[r] = malloc(bytes ? bytes : 1))) {
+      st = DP_FAIL(DP_ERR_MEMORY, "all_reduce: cannot allocate %zu bytes of host staging", bytes);
+    } else {
+      st = w->devs[r]->backend->copy_to_host(w->devs[r], host[r], w->bufs[r], bytes);
+    }
+  }
+  if (st == DP_OK) st = dp_allreduce_buffers(host, w->k, w->n, w->op);
+  for (int r = 0; r < w->k && st == DP_OK; ++r) {
+    if (w->devs[r]->kind == DP_DEVICE_CPU) continue;
+    st = w->devs[r]->backend->copy_to_device(w->devs[r], w->bufs[r], host[r], bytes);
+    if (st == DP_OK) st = w->devs[r]->backend->synchronize(w->devs[r]);
+  }
+  for (int r = 0; r < w->k; ++r)
+    if (host[r] != w->bufs[r]) free(host[r]);
+  free(host);
+  return st;
+}
+
 static dp_status allreduce_run(void *p) {
   allreduce_work *w = p;
+  for (int r = 0; r < w->k; ++r)
+    if (w->devs[r]->kind != DP_DEVICE_CPU) return allreduce_staged(w);
   return dp_allreduce_buffers(w->bufs, w->k, w->n, w->op);
 }
 
@@ -190,6 +285,7 @@ static PyObject *mod_all_reduce(PyObject *mod, PyObject *args) {
   if (!items) return NULL;
   const Py_ssize_t k = PyTuple_GET_SIZE(items);
   float **bufs = NULL;
+  dp_device **devs = NULL;
   PyObject **owners = NULL; /* the models whose buffers some of the tensors view */
   Py_ssize_t nowners = 0;
   PyObject *ret = NULL;
@@ -198,8 +294,9 @@ static PyObject *mod_all_reduce(PyObject *mod, PyObject *args) {
     goto done;
   }
   bufs = PyMem_RawMalloc(sizeof(float *) * (size_t)k); /* read without the GIL: a raw allocation */
+  devs = PyMem_RawMalloc(sizeof(dp_device *) * (size_t)k);
   owners = PyMem_Malloc(sizeof(PyObject *) * (size_t)k);
-  if (!bufs || !owners) {
+  if (!bufs || !devs || !owners) {
     PyErr_NoMemory();
     goto done;
   }
@@ -222,19 +319,21 @@ static PyObject *mod_all_reduce(PyObject *mod, PyObject *args) {
       goto done;
     }
     for (Py_ssize_t j = 0; j < i; ++j)
-      if (strcmp(((const TensorObject *)PyTuple_GET_ITEM(items, j))->device, t->device) == 0) {
+      if (strcmp(((const TensorObject *)PyTuple_GET_ITEM(items, j))->dev->name, t->dev->name) == 0) {
         PyErr_Format(PyExc_ValueError, "all_reduce: tensors %zd and %zd are both on %s; give one tensor per device",
-                     j, i, t->device);
+                     j, i, t->dev->name);
         goto done;
       }
     bufs[i] = t->data;
+    devs[i] = t->dev;
     if (t->owner) owners[nowners++] = t->owner;
   }
-  allreduce_work w = {bufs, (int)k, (int64_t)tensor_size(first), op == 1 ? DP_REDUCE_MEAN : DP_REDUCE_SUM};
-  if (models_run_without_gil(owners, nowners, allreduce_run, &w) < 0) goto done;
+  allreduce_work w = {bufs, devs, (int)k, (int64_t)tensor_size(first), op == 1 ? DP_REDUCE_MEAN : DP_REDUCE_SUM};
+  if (devices_run_without_gil(owners, nowners, devs, k, allreduce_run, &w) < 0) goto done;
   ret = Py_NewRef(Py_None);
 done:
   PyMem_RawFree(bufs);
+  PyMem_RawFree(devs);
   PyMem_Free(owners);
   Py_DECREF(items);
   return ret;
