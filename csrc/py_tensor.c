@@ -168,15 +168,17 @@ PyTypeObject TensorType = {
 /* ---- all_reduce ------------------------------------------------------------- */
 
 typedef struct {
+  const char **devices;
   float **bufs;
   int k;
   int64_t n;
   dp_reduce_op op;
 } allreduce_work;
 
+/* on the device set's kept group (mirrored.c), not a new one per call */
 static dp_status allreduce_run(void *p) {
   allreduce_work *w = p;
-  return dp_allreduce_buffers(w->bufs, w->k, w->n, w->op);
+  return dp_allreduce_buffers(w->devices, w->bufs, w->k, w->n, w->op);
 }
 
 /* all_reduce(tensors, op): in place; op 0 = sum, 1 = mean. */
@@ -190,6 +192,7 @@ static PyObject *mod_all_reduce(PyObject *mod, PyObject *args) {
   if (!items) return NULL;
   const Py_ssize_t k = PyTuple_GET_SIZE(items);
   float **bufs = NULL;
+  const char **devices = NULL; /* the tensors' names, which the tuple keeps alive */
   PyObject **owners = NULL; /* the models whose buffers some of the tensors view */
   Py_ssize_t nowners = 0;
   PyObject *ret = NULL;
@@ -197,9 +200,11 @@ static PyObject *mod_all_reduce(PyObject *mod, PyObject *args) {
     PyErr_SetString(PyExc_ValueError, "all_reduce needs at least one tensor");
     goto done;
   }
-  bufs = PyMem_RawMalloc(sizeof(float *) * (size_t)k); /* read without the GIL: a raw allocation */
+  /* read without the GIL: raw allocations */
+  bufs = PyMem_RawMalloc(sizeof(float *) * (size_t)k);
+  devices = PyMem_RawMalloc(sizeof(const char *) * (size_t)k);
   owners = PyMem_Malloc(sizeof(PyObject *) * (size_t)k);
-  if (!bufs || !owners) {
+  if (!bufs || !devices || !owners) {
     PyErr_NoMemory();
     goto done;
   }
@@ -228,13 +233,15 @@ static PyObject *mod_all_reduce(PyObject *mod, PyObject *args) {
         goto done;
       }
     bufs[i] = t->data;
+    devices[i] = t->device;
     if (t->owner) owners[nowners++] = t->owner;
   }
-  allreduce_work w = {bufs, (int)k, (int64_t)tensor_size(first), op == 1 ? DP_REDUCE_MEAN : DP_REDUCE_SUM};
+  allreduce_work w = {devices, bufs, (int)k, (int64_t)tensor_size(first), op == 1 ? DP_REDUCE_MEAN : DP_REDUCE_SUM};
   if (models_run_without_gil(owners, nowners, allreduce_run, &w) < 0) goto done;
   ret = Py_NewRef(Py_None);
 done:
   PyMem_RawFree(bufs);
+  PyMem_RawFree(devices);
   PyMem_Free(owners);
   Py_DECREF(items);
   return ret;
