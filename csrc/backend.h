@@ -19,6 +19,14 @@
 typedef enum dp_device_kind { DP_DEVICE_CPU = 0, DP_DEVICE_CUDA = 1 } dp_device_kind;
 
 typedef struct dp_backend dp_backend;
+/* Streams and events (backend table below): a stream is a second queue of
+ * work on a device beside the device's own; an event marks the work queued on
+ * a stream when it was recorded. The collectives (csrc/comm.c) order one
+ * replica's reductions after its compute, and after its peers', with them. On
+ * CUDA a dp_stream * is the cudaStream_t and a dp_event * the cudaEvent_t
+ * (NCCL and our reduction kernel are queued on the stream itself). */
+typedef struct dp_stream dp_stream;
+typedef struct dp_event dp_event;
 
 typedef struct dp_device {
   dp_device_kind kind;
@@ -140,6 +148,21 @@ struct dp_backend {
    * waits only for that softmax_xent, not for work queued after it. */
   DP_MUST_CHECK dp_status (*metrics_read)(dp_device *dev, double *loss_sum, int64_t *correct);
   DP_MUST_CHECK dp_status (*synchronize)(dp_device *dev);
+  /* A second stream on dev; destroy waits for the work queued on it first.
+   * CPU: every call runs to completion on the calling thread, so streams and
+   * events order nothing there; they exist (a token, never NULL) so that the
+   * callers need no second path. */
+  DP_MUST_CHECK dp_status (*stream_create)(dp_device *dev, dp_stream **out);
+  void (*stream_destroy)(dp_device *dev, dp_stream *s);
+  DP_MUST_CHECK dp_status (*event_create)(dp_device *dev, dp_event **out);
+  void (*event_destroy)(dp_device *dev, dp_event *e);
+  /* e captures the work queued so far on s, a stream of dev (NULL: the
+   * device's own stream); a later record replaces what it captured. */
+  DP_MUST_CHECK dp_status (*event_record)(dp_device *dev, dp_event *e, dp_stream *s);
+  /* The work queued on s (NULL: dev's own stream) after this call waits for
+   * the work e captured at its latest record before this call; e may belong
+   * to another device. The host does not wait. */
+  DP_MUST_CHECK dp_status (*event_wait)(dp_device *dev, dp_stream *s, dp_event *e);
   /* Release the device's context (streams, handles, scratch); dev->ctx is
    * cleared by dp_device_destroy afterwards. */
   void (*destroy)(dp_device *dev);

@@ -984,6 +984,28 @@ static dp_status cpu_bn_backward_dx(dp_device *dev, int64_t N, int C, int HW, co
 
 static dp_status cpu_synchronize(dp_device *dev) { return DP_OK; }
 
+/* The CPU's streams and events: tokens. A call on a CPU device has finished
+ * when it returns, so there is nothing to order. */
+static char cpu_token;
+
+static dp_status cpu_stream_create(dp_device *dev, dp_stream **out) {
+  *out = (dp_stream *)&cpu_token;
+  return DP_OK;
+}
+
+static void cpu_stream_destroy(dp_device *dev, dp_stream *s) {}
+
+static dp_status cpu_event_create(dp_device *dev, dp_event **out) {
+  *out = (dp_event *)&cpu_token;
+  return DP_OK;
+}
+
+static void cpu_event_destroy(dp_device *dev, dp_event *e) {}
+
+static dp_status cpu_event_record(dp_device *dev, dp_event *e, dp_stream *s) { return DP_OK; }
+
+static dp_status cpu_event_wait(dp_device *dev, dp_stream *s, dp_event *e) { return DP_OK; }
+
 static void cpu_destroy(dp_device *dev) {
   cpu_ctx *c = dev->ctx;
   free(c->scratch);
@@ -1022,6 +1044,12 @@ static const dp_backend cpu_backend = {
     .bn_backward_sums = cpu_bn_backward_sums,
     .bn_backward_dx = cpu_bn_backward_dx,
     .synchronize = cpu_synchronize,
+    .stream_create = cpu_stream_create,
+    .stream_destroy = cpu_stream_destroy,
+    .event_create = cpu_event_create,
+    .event_destroy = cpu_event_destroy,
+    .event_record = cpu_event_record,
+    .event_wait = cpu_event_wait,
     .destroy = cpu_destroy,
 };
 

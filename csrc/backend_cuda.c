@@ -792,6 +792,59 @@ static dp_status cuda_synchronize(dp_device *dev) {
   return DP_OK;
 }
 
+/* ---- streams and events (the collectives': csrc/comm.c) ------------------------ */
+
+static cudaStream_t cuda_stream_of(const cuda_ctx *c, dp_stream *s) { return s ? (cudaStream_t)s : c->stream; }
+
+static dp_status cuda_stream_create(dp_device *dev, dp_stream **out) {
+  CUDA_ENTER(dev, c);
+  cudaStream_t s;
+  /* non-blocking: never implicitly ordered with the legacy default stream */
+  DP_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  *out = (dp_stream *)s;
+  return DP_OK;
+}
+
+/* Errors are ignored (a destructor reports nothing) and cleared. */
+static void cuda_stream_destroy(dp_device *dev, dp_stream *s) {
+  const cuda_ctx *c = dev->ctx;
+  if (s && cudaSetDevice(c->gpu) == cudaSuccess) {
+    cudaStreamSynchronize((cudaStream_t)s);
+    cudaStreamDestroy((cudaStream_t)s);
+  }
+  cudaGetLastError();
+}
+
+static dp_status cuda_event_create(dp_device *dev, dp_event **out) {
+  CUDA_ENTER(dev, c);
+  cudaEvent_t e;
+  /* no timing: cheaper to record and to wait on (CUDA Runtime API, cudaEventCreateWithFlags) */
+  DP_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+  *out = (dp_event *)e;
+  return DP_OK;
+}
+
+static void cuda_event_destroy(dp_device *dev, dp_event *e) {
+  const cuda_ctx *c = dev->ctx;
+  if (e && cudaSetDevice(c->gpu) == cudaSuccess) cudaEventDestroy((cudaEvent_t)e);
+  cudaGetLastError();
+}
+
+/* The event and the stream must be on the same device (CUDA Runtime API,
+ * cudaEventRecord): both are this device's. */
+static dp_status cuda_event_record(dp_device *dev, dp_event *e, dp_stream *s) {
+  CUDA_ENTER(dev, c);
+  DP_CUDA_CHECK(cudaEventRecord((cudaEvent_t)e, cuda_stream_of(c, s)));
+  return DP_OK;
+}
+
+/* The event may be another device's (CUDA Runtime API, cudaStreamWaitEvent). */
+static dp_status cuda_event_wait(dp_device *dev, dp_stream *s, dp_event *e) {
+  CUDA_ENTER(dev, c);
+  DP_CUDA_CHECK(cudaStreamWaitEvent(cuda_stream_of(c, s), (cudaEvent_t)e, 0));
+  return DP_OK;
+}
+
 /* Safe on a partly initialized context: every member is checked. Errors are
  * ignored (nothing can be reported from a destructor). */
 static void cuda_destroy(dp_device *dev) {
@@ -851,6 +904,12 @@ static const dp_backend cuda_backend = {
     .bn_backward_sums = cuda_bn_backward_sums,
     .bn_backward_dx = cuda_bn_backward_dx,
     .synchronize = cuda_synchronize,
+    .stream_create = cuda_stream_create,
+    .stream_destroy = cuda_stream_destroy,
+    .event_create = cuda_event_create,
+    .event_destroy = cuda_event_destroy,
+    .event_record = cuda_event_record,
+    .event_wait = cuda_event_wait,
     .destroy = cuda_destroy,
 };
 

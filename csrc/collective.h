@@ -50,4 +50,53 @@ void dp_allreduce_chunk(int64_t n, int k, int rank, int64_t *begin, int64_t *end
  * DP_ERR_ABORTED when another replica broke the barrier (it failed). */
 DP_MUST_CHECK dp_status dp_allreduce(float *const *bufs, int k, int rank, int64_t n, dp_reduce_op op, dp_barrier *bar);
 
+/* ---- the collective interface the model calls ----------------------------------
+ *
+ * One replica's view of its group (a mirrored runner's, dp.all_reduce's):
+ * passed into dp_model_forward_backward_loaded, NULL for a lone model. Each
+ * implementation is an ops table plus its context (csrc/comm.c serves every
+ * comm kind with one). Every replica of a group makes the same calls in the
+ * same order, each with its rank. */
+typedef struct dp_collective_ops {
+  /* The sum (or mean) over the group's replicas of n floats at buf, in place.
+   * buf lies in a buffer registered with the group (every replica has its own
+   * copy, at its own address); each rank names the range by its own copy. */
+  DP_MUST_CHECK dp_status (*all_reduce)(void *ctx, int rank, float *buf, int64_t n, dp_reduce_op op);
+  /* The backward pass has finished layer `layer` (every layer, from the last
+   * to the first): the gradient buckets complete there may start reducing. */
+  DP_MUST_CHECK dp_status (*grad_ready)(void *ctx, int rank, int layer);
+  /* The rank's work after this waits for every reduction it started; ends a
+   * backward pass's buckets (an error when some were never started). */
+  DP_MUST_CHECK dp_status (*wait)(void *ctx, int rank);
+} dp_collective_ops;
+
+typedef struct dp_collective {
+  const dp_collective_ops *ops;
+  void *ctx;
+  int rank;
+  /* BatchNorm: 0, each replica normalises with its own shard's statistics;
+   * 1, the statistics are all-reduced and count global_batch samples, the
+   * whole batch over every replica (known on the host: the step never waits
+   * for a count). */
+  int sync_batchnorm;
+  int64_t global_batch;
+} dp_collective;
+
+/* The ops for a collective that exchanges nothing (the identity: a group of
+ * one, or a warm-up pass that must not communicate). */
+extern const dp_collective_ops dp_collective_local_ops;
+
+/* The calls the model makes: nothing to do without a collective (NULL). */
+static inline DP_MUST_CHECK dp_status dp_collective_all_reduce(const dp_collective *c, float *buf, int64_t n,
+                                                               dp_reduce_op op) {
+  return c ? c->ops->all_reduce(c->ctx, c->rank, buf, n, op) : DP_OK;
+}
+static inline DP_MUST_CHECK dp_status dp_collective_grad_ready(const dp_collective *c, int layer) {
+  return c ? c->ops->grad_ready(c->ctx, c->rank, layer) : DP_OK;
+}
+static inline DP_MUST_CHECK dp_status dp_collective_wait(const dp_collective *c) {
+  return c ? c->ops->wait(c->ctx, c->rank) : DP_OK;
+}
+static inline int dp_collective_syncs_batchnorm(const dp_collective *c) { return c && c->sync_batchnorm; }
+
 #endif

@@ -1,8 +1,12 @@
 /* comm.c — the all-reduce kinds of comm.h: host (CPU threads), kernel (our
- * reduction kernel over logical or peer GPUs) and nccl (distinct GPUs).
+ * reduction kernel over logical or peer GPUs) and nccl (distinct GPUs), each
+ * an ops table chosen once when the comm is made; and the collective
+ * interface (collective.h) every kind serves through its table.
  *
  * The CUDA kinds are written against documented contracts only (this
- * repository's CI has no GPU; tests/test_gpu.py runs them where one is):
+ * repository's CI has no GPU; tests/test_gpu.py runs them where one is). They
+ * order work through the backend's streams and events (backend.h), which on
+ * CUDA are cudaStream_t and cudaEvent_t:
  * - cudaEventRecord captures the work queued on the stream at the time of the
  *   call; cudaStreamWaitEvent makes all later work on a stream wait for the
  *   work captured by the event's most recent record at the time of *that*
@@ -25,6 +29,8 @@
  */
 #include "comm.h"
 
+#include <stddef.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -37,26 +43,54 @@
 
 typedef struct comm_rank {
   dp_device *dev;
-  int64_t issued;  /* collectives this rank issued since dp_comm_step_begin */
+  int64_t issued;   /* collectives this rank issued since dp_comm_step_begin */
+  int next_bucket;  /* the next bucket this rank starts in the current backward pass */
+  /* the CUDA kinds' ordering, through the backend (backend.h) */
+  dp_stream *side;                      /* bucket reductions, beside the device's stream */
+  dp_event *ready[DP_COMM_MAX_BUCKETS]; /* the device's stream has produced bucket b */
+  dp_event *side_done;                  /* the side stream's reductions so far */
+  dp_event *sync_in, *sync_out;         /* dp_comm_allreduce */
 #if defined(DP_HAVE_CUDA)
   int gpu;
-  cudaStream_t compute;                    /* the device's stream (borrowed) */
-  cudaStream_t side;                       /* bucket reductions, beside compute */
-  cudaEvent_t ready[DP_COMM_MAX_BUCKETS];  /* compute has produced bucket b */
-  cudaEvent_t side_done;                   /* the side stream's reductions so far */
-  cudaEvent_t sync_in, sync_out;           /* dp_comm_allreduce on the kernel kind */
 #endif
 #if defined(DP_HAVE_NCCL)
   ncclComm_t nccl;
 #endif
 } comm_rank;
 
+/* A buffer every rank has a copy of (dp_comm_register). */
+typedef struct comm_buffer {
+  float *bufs[DP_COMM_MAX_REPLICAS];
+  int64_t n;
+} comm_buffer;
+
+/* One kind of all-reduce. Every entry is filled (dp_comm_ops_null_entries). */
+typedef struct comm_ops {
+  /* after the ranks' devices are set: streams, events, communicators */
+  DP_MUST_CHECK dp_status (*create)(dp_comm *c);
+  /* safe on a comm whose create failed part way */
+  void (*destroy)(dp_comm *c);
+  DP_MUST_CHECK dp_status (*all_reduce)(dp_comm *c, int rank, float *const *bufs, int64_t n, dp_reduce_op op);
+  DP_MUST_CHECK dp_status (*bucket_start)(dp_comm *c, int rank, float *const *bufs, int64_t begin, int64_t end,
+                                          int bucket);
+  DP_MUST_CHECK dp_status (*bucket_wait)(dp_comm *c, int rank);
+  /* after a failed step that issued collectives: 1 when what some ranks
+   * queued can never complete, so the comm was torn down (poisoned) */
+  int (*step_failed)(dp_comm *c);
+} comm_ops;
+
 struct dp_comm {
   dp_comm_kind kind;
+  const comm_ops *ops;
   int k;
   dp_barrier *bar;
   int poisoned;
   comm_rank *ranks;
+  int nregistered;
+  comm_buffer registered[DP_COMM_MAX_REGISTERED];
+  int nbuckets;
+  const comm_buffer *grads;  /* the registered buffer the buckets are ranges of */
+  dp_grad_bucket buckets[DP_COMM_MAX_BUCKETS];
 };
 
 const char *dp_comm_kind_name(dp_comm_kind kind) {
@@ -65,11 +99,14 @@ const char *dp_comm_kind_name(dp_comm_kind kind) {
     case DP_COMM_HOST: return "host";
     case DP_COMM_KERNEL: return "kernel";
     case DP_COMM_NCCL: return "nccl";
+    case DP_COMM_MPI: return "mpi";
+    case DP_COMM_KIND_COUNT: break;
   }
   return "unknown";
 }
 
 dp_status dp_comm_kind_parse(const char *name, dp_comm_kind *out) {
+  /* mpi is not offered until it has an ops table */
   static const dp_comm_kind kinds[] = {DP_COMM_AUTO, DP_COMM_HOST, DP_COMM_KERNEL, DP_COMM_NCCL};
   for (size_t i = 0; i < sizeof kinds / sizeof kinds[0]; ++i)
     if (name && strcmp(name, dp_comm_kind_name(kinds[i])) == 0) {
@@ -92,6 +129,10 @@ static dp_status usable(const dp_comm *c) {
 
 /* ---- host ------------------------------------------------------------------ */
 
+static dp_status host_create(dp_comm *c) { return DP_OK; }
+
+static void host_destroy(dp_comm *c) {}
+
 static dp_status host_range(dp_comm *c, int rank, float *const *bufs, int64_t begin, int64_t end,
                             dp_reduce_op op) {
   float *shifted[DP_COMM_MAX_REPLICAS];
@@ -99,36 +140,73 @@ static dp_status host_range(dp_comm *c, int rank, float *const *bufs, int64_t be
   return dp_allreduce(shifted, c->k, rank, end - begin, op, c->bar);
 }
 
+static dp_status host_all_reduce(dp_comm *c, int rank, float *const *bufs, int64_t n, dp_reduce_op op) {
+  return host_range(c, rank, bufs, 0, n, op);
+}
+
+/* reduced at once, by the replica threads */
+static dp_status host_bucket_start(dp_comm *c, int rank, float *const *bufs, int64_t begin, int64_t end,
+                                   int bucket) {
+  return host_range(c, rank, bufs, begin, end, DP_REDUCE_SUM);
+}
+
+/* each bucket was reduced when it was started */
+static dp_status host_bucket_wait(dp_comm *c, int rank) { return DP_OK; }
+
+/* nothing is ever left pending */
+static int host_step_failed(dp_comm *c) { return 0; }
+
+static const comm_ops host_ops = {host_create, host_destroy, host_all_reduce, host_bucket_start, host_bucket_wait,
+                                  host_step_failed};
+
 /* ---- CUDA kinds ------------------------------------------------------------- */
 
 #if defined(DP_HAVE_CUDA)
 
-static dp_status rank_init(comm_rank *cr) {
-  DP_CUDA_CHECK(cudaSetDevice(cr->gpu));
-  /* non-blocking: never implicitly ordered with the legacy default stream */
-  DP_CUDA_CHECK(cudaStreamCreateWithFlags(&cr->side, cudaStreamNonBlocking));
-  /* no timing: cheaper to record and to wait on (CUDA Runtime API, cudaEventCreateWithFlags) */
+/* Rank's side stream and events, made through its device's backend. */
+static dp_status rank_events_create(comm_rank *cr) {
+  const dp_backend *be = cr->dev->backend;
+  DP_TRY(be->stream_create(cr->dev, &cr->side));
+  for (int b = 0; b < DP_COMM_MAX_BUCKETS; ++b) DP_TRY(be->event_create(cr->dev, &cr->ready[b]));
+  DP_TRY(be->event_create(cr->dev, &cr->side_done));
+  DP_TRY(be->event_create(cr->dev, &cr->sync_in));
+  return be->event_create(cr->dev, &cr->sync_out);
+}
+
+/* Safe on a partly made rank; the side stream's queued work finishes first. */
+static void rank_events_destroy(comm_rank *cr) {
+  const dp_backend *be = cr->dev->backend;
+  if (cr->side) be->stream_destroy(cr->dev, cr->side);
   for (int b = 0; b < DP_COMM_MAX_BUCKETS; ++b)
-    DP_CUDA_CHECK(cudaEventCreateWithFlags(&cr->ready[b], cudaEventDisableTiming));
-  DP_CUDA_CHECK(cudaEventCreateWithFlags(&cr->side_done, cudaEventDisableTiming));
-  DP_CUDA_CHECK(cudaEventCreateWithFlags(&cr->sync_in, cudaEventDisableTiming));
-  DP_CUDA_CHECK(cudaEventCreateWithFlags(&cr->sync_out, cudaEventDisableTiming));
+    if (cr->ready[b]) be->event_destroy(cr->dev, cr->ready[b]);
+  if (cr->side_done) be->event_destroy(cr->dev, cr->side_done);
+  if (cr->sync_in) be->event_destroy(cr->dev, cr->sync_in);
+  if (cr->sync_out) be->event_destroy(cr->dev, cr->sync_out);
+  cr->side = NULL;
+}
+
+static dp_status ranks_create(dp_comm *c) {
+  for (int r = 0; r < c->k; ++r) {
+    c->ranks[r].gpu = dp_cuda_device_gpu(c->ranks[r].dev);
+    DP_TRY(rank_events_create(&c->ranks[r]));
+  }
   return DP_OK;
 }
 
-static void rank_destroy(comm_rank *cr) {
-  if (cudaSetDevice(cr->gpu) != cudaSuccess) {
-    cudaGetLastError();
-    return;
+static void ranks_destroy(dp_comm *c) {
+  for (int r = 0; r < c->k; ++r) rank_events_destroy(&c->ranks[r]);
+}
+
+/* The work queued on rank's stream `s` after this waits for event e of every
+ * rank (e points into comm_rank; the offset picks the same event of each). */
+static dp_status wait_for_every_rank(dp_comm *c, int rank, dp_stream *s, size_t event_offset, int skip_self) {
+  comm_rank *me = &c->ranks[rank];
+  for (int q = 0; q < c->k; ++q) {
+    if (skip_self && q == rank) continue;
+    dp_event *e = *(dp_event **)((char *)&c->ranks[q] + event_offset);
+    DP_TRY(me->dev->backend->event_wait(me->dev, s, e));
   }
-  if (cr->side) cudaStreamSynchronize(cr->side);
-  for (int b = 0; b < DP_COMM_MAX_BUCKETS; ++b)
-    if (cr->ready[b]) cudaEventDestroy(cr->ready[b]);
-  if (cr->side_done) cudaEventDestroy(cr->side_done);
-  if (cr->sync_in) cudaEventDestroy(cr->sync_in);
-  if (cr->sync_out) cudaEventDestroy(cr->sync_out);
-  if (cr->side) cudaStreamDestroy(cr->side);
-  cudaGetLastError();
+  return DP_OK;
 }
 
 /* The kernel kind reads every replica's buffer from every rank's GPU: one GPU,
@@ -157,6 +235,13 @@ static dp_status enable_peers(dp_comm *c) {
   return DP_OK;
 }
 
+static dp_status kernel_create(dp_comm *c) {
+  DP_TRY(ranks_create(c));
+  return enable_peers(c);
+}
+
+static void kernel_destroy(dp_comm *c) { ranks_destroy(c); }
+
 static dp_ptr_set ptr_set(const dp_comm *c, float *const *bufs) {
   dp_ptr_set s;
   memset(&s, 0, sizeof s);
@@ -164,56 +249,62 @@ static dp_ptr_set ptr_set(const dp_comm *c, float *const *bufs) {
   return s;
 }
 
-/* Rank's chunk of [begin, end), reduced on `stream` by our kernel. */
+/* Rank's chunk of [begin, end), reduced by our kernel on stream s (NULL: the
+ * device's own). */
 static dp_status kernel_chunk(dp_comm *c, int rank, float *const *bufs, int64_t begin, int64_t end, float scale,
-                              cudaStream_t stream) {
+                              dp_stream *s) {
+  comm_rank *me = &c->ranks[rank];
   int64_t b, e;
   dp_allreduce_chunk(end - begin, c->k, rank, &b, &e);
+  cudaStream_t stream = s ? (cudaStream_t)s : (cudaStream_t)dp_cuda_device_stream(me->dev);
+  DP_CUDA_CHECK(cudaSetDevice(me->gpu));
   DP_CUDA_CHECK((cudaError_t)dp_cuda_allreduce_range((dp_cuda_stream)stream, ptr_set(c, bufs), c->k, begin + b,
                                                      begin + e, scale));
   return DP_OK;
 }
 
-static dp_status kernel_allreduce(dp_comm *c, int rank, float *const *bufs, int64_t n, dp_reduce_op op) {
+static dp_status kernel_all_reduce(dp_comm *c, int rank, float *const *bufs, int64_t n, dp_reduce_op op) {
   comm_rank *me = &c->ranks[rank];
-  DP_CUDA_CHECK(cudaSetDevice(me->gpu));
+  const dp_backend *be = me->dev->backend;
   /* every replica's buffer is complete before anyone reads it ... */
-  DP_CUDA_CHECK(cudaEventRecord(me->sync_in, me->compute));
+  DP_TRY(be->event_record(me->dev, me->sync_in, NULL));
   DP_TRY(dp_barrier_wait(c->bar));
-  for (int q = 0; q < c->k; ++q)
-    if (q != rank) DP_CUDA_CHECK(cudaStreamWaitEvent(me->compute, c->ranks[q].sync_in, 0));
-  DP_TRY(kernel_chunk(c, rank, bufs, 0, n, op == DP_REDUCE_MEAN ? 1.0f / (float)c->k : 1.0f, me->compute));
+  DP_TRY(wait_for_every_rank(c, rank, NULL, offsetof(comm_rank, sync_in), 1));
+  DP_TRY(kernel_chunk(c, rank, bufs, 0, n, op == DP_REDUCE_MEAN ? 1.0f / (float)c->k : 1.0f, NULL));
   /* ... and every chunk is everywhere before anyone uses its buffer again */
-  DP_CUDA_CHECK(cudaEventRecord(me->sync_out, me->compute));
+  DP_TRY(be->event_record(me->dev, me->sync_out, NULL));
   DP_TRY(dp_barrier_wait(c->bar));
-  for (int q = 0; q < c->k; ++q)
-    if (q != rank) DP_CUDA_CHECK(cudaStreamWaitEvent(me->compute, c->ranks[q].sync_out, 0));
-  return DP_OK;
+  return wait_for_every_rank(c, rank, NULL, offsetof(comm_rank, sync_out), 1);
 }
 
-static dp_status kernel_bucket(dp_comm *c, int rank, float *const *bufs, int64_t begin, int64_t end, int bucket) {
+static dp_status kernel_bucket_start(dp_comm *c, int rank, float *const *bufs, int64_t begin, int64_t end,
+                                     int bucket) {
   comm_rank *me = &c->ranks[rank];
-  DP_CUDA_CHECK(cudaSetDevice(me->gpu));
-  DP_CUDA_CHECK(cudaEventRecord(me->ready[bucket], me->compute));
+  DP_TRY(me->dev->backend->event_record(me->dev, me->ready[bucket], NULL));
   DP_TRY(dp_barrier_wait(c->bar)); /* every rank has recorded bucket's event */
-  for (int q = 0; q < c->k; ++q) DP_CUDA_CHECK(cudaStreamWaitEvent(me->side, c->ranks[q].ready[bucket], 0));
+  DP_TRY(wait_for_every_rank(c, rank, me->side, offsetof(comm_rank, ready) + sizeof(dp_event *) * (size_t)bucket, 0));
   return kernel_chunk(c, rank, bufs, begin, end, 1.0f, me->side);
 }
 
-static dp_status kernel_wait(dp_comm *c, int rank) {
+static dp_status kernel_bucket_wait(dp_comm *c, int rank) {
   comm_rank *me = &c->ranks[rank];
-  DP_CUDA_CHECK(cudaSetDevice(me->gpu));
-  DP_CUDA_CHECK(cudaEventRecord(me->side_done, me->side));
+  DP_TRY(me->dev->backend->event_record(me->dev, me->side_done, me->side));
   DP_TRY(dp_barrier_wait(c->bar));
-  for (int q = 0; q < c->k; ++q) DP_CUDA_CHECK(cudaStreamWaitEvent(me->compute, c->ranks[q].side_done, 0));
-  return DP_OK;
+  return wait_for_every_rank(c, rank, NULL, offsetof(comm_rank, side_done), 0);
 }
+
+/* our kernels never wait for a peer on the GPU: nothing can hang */
+static int kernel_step_failed(dp_comm *c) { return 0; }
+
+static const comm_ops kernel_ops = {kernel_create,      kernel_destroy,     kernel_all_reduce,
+                                    kernel_bucket_start, kernel_bucket_wait, kernel_step_failed};
 
 #endif /* DP_HAVE_CUDA */
 
 #if defined(DP_HAVE_NCCL)
 
-static dp_status nccl_init(dp_comm *c) {
+static dp_status nccl_create(dp_comm *c) {
+  DP_TRY(ranks_create(c));
   int gpus[DP_COMM_MAX_REPLICAS];
   ncclComm_t comms[DP_COMM_MAX_REPLICAS];
   for (int r = 0; r < c->k; ++r) gpus[r] = c->ranks[r].gpu;
@@ -227,9 +318,27 @@ static dp_status nccl_init(dp_comm *c) {
   if (setenv("NCCL_RUNTIME_CONNECT", "0", 0) != 0)
     return DP_FAIL(DP_ERR_RUNTIME, "nccl: cannot set NCCL_RUNTIME_CONNECT=0 before ncclCommInitAll");
   /* one process, one communicator per device, rank r on gpus[r] (NCCL API,
-   * ncclCommInitAll); the devices must be distinct, checked by the caller */
+   * ncclCommInitAll); the devices must be distinct, checked by choose_kind */
   DP_NCCL_CHECK(ncclCommInitAll(comms, c->k, gpus));
   for (int r = 0; r < c->k; ++r) c->ranks[r].nccl = comms[r];
+  return DP_OK;
+}
+
+static void nccl_destroy(dp_comm *c) {
+  /* ncclCommDestroy waits for the communicator's queued operations (NCCL
+   * API, "Communicator destruction"); step_failed aborted them already */
+  for (int r = 0; r < c->k; ++r)
+    if (c->ranks[r].nccl) {
+      ncclCommDestroy(c->ranks[r].nccl);
+      c->ranks[r].nccl = NULL;
+    }
+  ranks_destroy(c);
+}
+
+/* Rank's ncclAllReduce of n floats at p, in place, on its side stream. */
+static dp_status nccl_sum(comm_rank *me, float *p, int64_t n, ncclRedOp_t op) {
+  DP_CUDA_CHECK(cudaSetDevice(me->gpu));
+  DP_NCCL_CHECK(ncclAllReduce(p, p, (size_t)n, ncclFloat, op, me->nccl, (cudaStream_t)me->side));
   return DP_OK;
 }
 
@@ -238,43 +347,90 @@ static dp_status nccl_init(dp_comm *c) {
  * communicator on two streams may run in either order on the GPU, and NCCL
  * does not promise progress for two of them at once (NVIDIA/nccl issues 195,
  * 217), so one stream per communicator it is. This one, unlike the buckets,
- * is ordered both ways with the compute stream: after its queued work, before
- * its later work. */
-static dp_status nccl_allreduce(dp_comm *c, int rank, float *const *bufs, int64_t n, dp_reduce_op op) {
+ * is ordered both ways with the device's stream: after its queued work,
+ * before its later work. */
+static dp_status nccl_all_reduce(dp_comm *c, int rank, float *const *bufs, int64_t n, dp_reduce_op op) {
   comm_rank *me = &c->ranks[rank];
-  DP_CUDA_CHECK(cudaSetDevice(me->gpu));
-  DP_CUDA_CHECK(cudaEventRecord(me->sync_in, me->compute));
-  DP_CUDA_CHECK(cudaStreamWaitEvent(me->side, me->sync_in, 0));
+  const dp_backend *be = me->dev->backend;
+  DP_TRY(be->event_record(me->dev, me->sync_in, NULL));
+  DP_TRY(be->event_wait(me->dev, me->side, me->sync_in));
   /* ncclAvg (NCCL >= 2.10) divides the sum by the rank count */
-  DP_NCCL_CHECK(ncclAllReduce(bufs[rank], bufs[rank], (size_t)n, ncclFloat, op == DP_REDUCE_MEAN ? ncclAvg : ncclSum,
-                              me->nccl, me->side));
-  DP_CUDA_CHECK(cudaEventRecord(me->sync_out, me->side));
-  DP_CUDA_CHECK(cudaStreamWaitEvent(me->compute, me->sync_out, 0));
-  return DP_OK;
+  DP_TRY(nccl_sum(me, bufs[rank], n, op == DP_REDUCE_MEAN ? ncclAvg : ncclSum));
+  DP_TRY(be->event_record(me->dev, me->sync_out, me->side));
+  return be->event_wait(me->dev, NULL, me->sync_out);
 }
 
-static dp_status nccl_bucket(dp_comm *c, int rank, float *const *bufs, int64_t begin, int64_t end, int bucket) {
+static dp_status nccl_bucket_start(dp_comm *c, int rank, float *const *bufs, int64_t begin, int64_t end, int bucket) {
   comm_rank *me = &c->ranks[rank];
-  DP_CUDA_CHECK(cudaSetDevice(me->gpu));
+  const dp_backend *be = me->dev->backend;
   /* only this rank's compute orders its send buffer; NCCL pairs the ranks on the GPU */
-  DP_CUDA_CHECK(cudaEventRecord(me->ready[bucket], me->compute));
-  DP_CUDA_CHECK(cudaStreamWaitEvent(me->side, me->ready[bucket], 0));
-  float *p = bufs[rank] + begin;
-  DP_NCCL_CHECK(ncclAllReduce(p, p, (size_t)(end - begin), ncclFloat, ncclSum, me->nccl, me->side));
-  return DP_OK;
+  DP_TRY(be->event_record(me->dev, me->ready[bucket], NULL));
+  DP_TRY(be->event_wait(me->dev, me->side, me->ready[bucket]));
+  return nccl_sum(me, bufs[rank] + begin, end - begin, ncclSum);
 }
 
-static dp_status nccl_wait(dp_comm *c, int rank) {
+static dp_status nccl_bucket_wait(dp_comm *c, int rank) {
   comm_rank *me = &c->ranks[rank];
-  DP_CUDA_CHECK(cudaSetDevice(me->gpu));
-  DP_CUDA_CHECK(cudaEventRecord(me->side_done, me->side));
-  DP_CUDA_CHECK(cudaStreamWaitEvent(me->compute, me->side_done, 0));
-  return DP_OK;
+  const dp_backend *be = me->dev->backend;
+  DP_TRY(be->event_record(me->dev, me->side_done, me->side));
+  return be->event_wait(me->dev, NULL, me->side_done);
 }
+
+/* Operations some ranks queued may never be matched by the others: abort
+ * the communicators, since peers may wait forever (NCCL User Guide, "Fault
+ * tolerance"). */
+static int nccl_step_failed(dp_comm *c) {
+  for (int r = 0; r < c->k; ++r)
+    if (c->ranks[r].nccl) {
+      ncclCommAbort(c->ranks[r].nccl);
+      c->ranks[r].nccl = NULL;
+    }
+  return 1;
+}
+
+static const comm_ops nccl_ops = {nccl_create,      nccl_destroy,     nccl_all_reduce,
+                                  nccl_bucket_start, nccl_bucket_wait, nccl_step_failed};
 
 #endif /* DP_HAVE_NCCL */
 
-/* ---- creation ------------------------------------------------------------------ */
+/* ---- the kinds ------------------------------------------------------------------ */
+
+/* A kind's table, NULL where this build has none. */
+static const comm_ops *const comm_kinds[DP_COMM_KIND_COUNT] = {
+    [DP_COMM_HOST] = &host_ops,
+#if defined(DP_HAVE_CUDA)
+    [DP_COMM_KERNEL] = &kernel_ops,
+#endif
+#if defined(DP_HAVE_NCCL)
+    [DP_COMM_NCCL] = &nccl_ops,
+#endif
+    /* [DP_COMM_MPI]: processes and hosts (the next issue), a table like
+     * these: hierarchical (threads, then processes, then threads) and rank-ordered. */
+};
+
+#define DP_OPS_ENTRY(name) {#name, offsetof(comm_ops, name)}
+static const struct {
+  const char *name;
+  size_t offset;
+} ops_entries[] = {DP_OPS_ENTRY(create),       DP_OPS_ENTRY(destroy),     DP_OPS_ENTRY(all_reduce),
+                   DP_OPS_ENTRY(bucket_start), DP_OPS_ENTRY(bucket_wait), DP_OPS_ENTRY(step_failed)};
+#undef DP_OPS_ENTRY
+_Static_assert(sizeof(comm_ops) == sizeof ops_entries / sizeof ops_entries[0] * sizeof(void (*)(void)),
+               "ops_entries must list every entry of comm_ops");
+
+int dp_comm_ops_null_entries(dp_comm_kind kind, const char **out, int max) {
+  if (kind < 0 || kind >= DP_COMM_KIND_COUNT || !comm_kinds[kind]) return -1;
+  int n = 0;
+  for (size_t i = 0; i < sizeof ops_entries / sizeof ops_entries[0]; ++i) {
+    void (*fn)(void);
+    memcpy(&fn, (const char *)comm_kinds[kind] + ops_entries[i].offset, sizeof fn);
+    if (!fn) {
+      if (n < max) out[n] = ops_entries[i].name;
+      ++n;
+    }
+  }
+  return n;
+}
 
 static dp_status choose_kind(dp_device *const *devs, int k, dp_comm_kind want, dp_comm_kind *out) {
   int cpus = 0, distinct = 1;
@@ -298,15 +454,10 @@ static dp_status choose_kind(dp_device *const *devs, int k, dp_comm_kind want, d
         q1 = a;
         break;
       }
-  (void)q0; /* named in the NCCL build's message only */
-  (void)q1;
   switch (want) {
     case DP_COMM_HOST:
       return DP_FAIL(DP_ERR_VALUE, "all_reduce='host' is for CPU replicas; %s is a CUDA device", devs[0]->name);
     case DP_COMM_NCCL:
-#if !defined(DP_HAVE_NCCL)
-      return DP_FAIL(DP_ERR_UNSUPPORTED, "all_reduce='nccl': dpcore was built without NCCL");
-#else
       if (!distinct)
         return DP_FAIL(DP_ERR_VALUE,
                        "all_reduce='nccl': %s and %s are on the same physical GPU %d, and NCCL refuses two ranks on "
@@ -314,19 +465,14 @@ static dp_status choose_kind(dp_device *const *devs, int k, dp_comm_kind want, d
                        devs[q0]->name, devs[q1]->name, dp_cuda_device_gpu(devs[q0]));
       *out = DP_COMM_NCCL;
       return DP_OK;
-#endif
-    case DP_COMM_KERNEL:
-      *out = DP_COMM_KERNEL;
-      return DP_OK;
     case DP_COMM_AUTO:
-      break;
+      /* NCCL where it can serve these devices and is built in */
+      *out = distinct && k > 1 && comm_kinds[DP_COMM_NCCL] ? DP_COMM_NCCL : DP_COMM_KERNEL;
+      return DP_OK;
+    default:
+      *out = want;
+      return DP_OK;
   }
-#if defined(DP_HAVE_NCCL)
-  *out = distinct && k > 1 ? DP_COMM_NCCL : DP_COMM_KERNEL;
-#else
-  *out = DP_COMM_KERNEL;
-#endif
-  return DP_OK;
 }
 
 dp_status dp_comm_create(dp_device *const *devs, int k, dp_comm_kind want, dp_barrier *bar, dp_comm **out) {
@@ -335,31 +481,23 @@ dp_status dp_comm_create(dp_device *const *devs, int k, dp_comm_kind want, dp_ba
     return DP_FAIL(DP_ERR_VALUE, "all-reduce: need 1 to %d replicas, got %d", DP_COMM_MAX_REPLICAS, k);
   dp_comm_kind kind = DP_COMM_HOST;
   DP_TRY(choose_kind(devs, k, want, &kind));
+  const comm_ops *ops = comm_kinds[kind];
+  if (!ops) {
+    if (kind == DP_COMM_NCCL) return DP_FAIL(DP_ERR_UNSUPPORTED, "all_reduce='nccl': dpcore was built without NCCL");
+    return DP_FAIL(DP_ERR_UNSUPPORTED, "all-reduce kind '%s' on %s: dpcore was built without it",
+                   dp_comm_kind_name(kind), devs[0]->name);
+  }
   dp_comm *c = calloc(1, sizeof *c);
   if (!c || !(c->ranks = calloc((size_t)k, sizeof *c->ranks))) {
     free(c);
     return DP_FAIL(DP_ERR_MEMORY, "all-reduce: cannot allocate %d ranks", k);
   }
   c->kind = kind;
+  c->ops = ops;
   c->k = k;
   c->bar = bar;
   for (int r = 0; r < k; ++r) c->ranks[r].dev = devs[r];
-  dp_status st = DP_OK;
-#if defined(DP_HAVE_CUDA)
-  if (kind != DP_COMM_HOST) {
-    for (int r = 0; r < k && st == DP_OK; ++r) {
-      c->ranks[r].gpu = dp_cuda_device_gpu(devs[r]);
-      c->ranks[r].compute = (cudaStream_t)dp_cuda_device_stream(devs[r]);
-      st = rank_init(&c->ranks[r]);
-    }
-    if (st == DP_OK && kind == DP_COMM_KERNEL) st = enable_peers(c);
-#if defined(DP_HAVE_NCCL)
-    if (st == DP_OK && kind == DP_COMM_NCCL) st = nccl_init(c);
-#endif
-  }
-#else
-  if (kind != DP_COMM_HOST) st = DP_FAIL(DP_ERR_UNSUPPORTED, "all-reduce on CUDA devices: built without CUDA");
-#endif
+  const dp_status st = ops->create(c);
   if (st != DP_OK) {
     dp_comm_destroy(c); /* keeps this thread's error message */
     return st;
@@ -370,23 +508,16 @@ dp_status dp_comm_create(dp_device *const *devs, int k, dp_comm_kind want, dp_ba
 
 void dp_comm_destroy(dp_comm *c) {
   if (!c) return;
-#if defined(DP_HAVE_CUDA)
-  if (c->kind != DP_COMM_HOST)
-    for (int r = 0; r < c->k; ++r) {
-#if defined(DP_HAVE_NCCL)
-      /* ncclCommDestroy waits for the communicator's queued operations
-       * (NCCL API, "Communicator destruction"); poison aborted them already */
-      if (c->ranks[r].nccl) ncclCommDestroy(c->ranks[r].nccl);
-#endif
-      rank_destroy(&c->ranks[r]);
-    }
-#endif
+  c->ops->destroy(c);
   free(c->ranks);
   free(c);
 }
 
 void dp_comm_step_begin(dp_comm *c) {
-  for (int r = 0; r < c->k; ++r) c->ranks[r].issued = 0;
+  for (int r = 0; r < c->k; ++r) {
+    c->ranks[r].issued = 0;
+    c->ranks[r].next_bucket = 0;
+  }
 }
 
 int64_t dp_comm_collectives_issued(const dp_comm *c) {
@@ -398,16 +529,9 @@ int64_t dp_comm_collectives_issued(const dp_comm *c) {
 int dp_comm_is_poisoned(const dp_comm *c) { return c->poisoned; }
 
 int dp_comm_step_failed(dp_comm *c) {
-  if (!c || dp_comm_collectives_issued(c) == 0 || c->kind != DP_COMM_NCCL) return 0;
-  c->poisoned = 1;
-#if defined(DP_HAVE_NCCL)
-  for (int r = 0; r < c->k; ++r)
-    if (c->ranks[r].nccl) {
-      ncclCommAbort(c->ranks[r].nccl);
-      c->ranks[r].nccl = NULL;
-    }
-#endif
-  return 1;
+  if (!c || dp_comm_collectives_issued(c) == 0 || c->poisoned) return c && c->poisoned;
+  c->poisoned = c->ops->step_failed(c);
+  return c->poisoned;
 }
 
 /* ---- operations ------------------------------------------------------------------ */
@@ -416,17 +540,7 @@ dp_status dp_comm_allreduce(dp_comm *c, int rank, float *const *bufs, int64_t n,
   DP_TRY(usable(c));
   if (c->k == 1 || n <= 0) return DP_OK;
   c->ranks[rank].issued++; /* counted before the call: a failing one may have queued work */
-  switch (c->kind) {
-    case DP_COMM_HOST: return host_range(c, rank, bufs, 0, n, op);
-#if defined(DP_HAVE_CUDA)
-    case DP_COMM_KERNEL: return kernel_allreduce(c, rank, bufs, n, op);
-#endif
-#if defined(DP_HAVE_NCCL)
-    case DP_COMM_NCCL: return nccl_allreduce(c, rank, bufs, n, op);
-#endif
-    default: break;
-  }
-  return DP_FAIL(DP_ERR_UNSUPPORTED, "all-reduce kind '%s' is not built in", dp_comm_kind_name(c->kind));
+  return c->ops->all_reduce(c, rank, bufs, n, op);
 }
 
 dp_status dp_comm_bucket_allreduce(dp_comm *c, int rank, float *const *bufs, int64_t begin, int64_t end,
@@ -436,31 +550,103 @@ dp_status dp_comm_bucket_allreduce(dp_comm *c, int rank, float *const *bufs, int
     return DP_FAIL(DP_ERR_VALUE, "all-reduce: bucket %d outside [0, %d)", bucket, DP_COMM_MAX_BUCKETS);
   if (c->k == 1 || end <= begin) return DP_OK;
   c->ranks[rank].issued++;
-  switch (c->kind) {
-    case DP_COMM_HOST: return host_range(c, rank, bufs, begin, end, DP_REDUCE_SUM);
-#if defined(DP_HAVE_CUDA)
-    case DP_COMM_KERNEL: return kernel_bucket(c, rank, bufs, begin, end, bucket);
-#endif
-#if defined(DP_HAVE_NCCL)
-    case DP_COMM_NCCL: return nccl_bucket(c, rank, bufs, begin, end, bucket);
-#endif
-    default: break;
-  }
-  return DP_FAIL(DP_ERR_UNSUPPORTED, "all-reduce kind '%s' is not built in", dp_comm_kind_name(c->kind));
+  return c->ops->bucket_start(c, rank, bufs, begin, end, bucket);
 }
 
 dp_status dp_comm_wait_buckets(dp_comm *c, int rank) {
   DP_TRY(usable(c));
   if (c->k == 1) return DP_OK;
-  switch (c->kind) {
-    case DP_COMM_HOST: return DP_OK; /* each bucket was reduced when it was started */
-#if defined(DP_HAVE_CUDA)
-    case DP_COMM_KERNEL: return kernel_wait(c, rank);
-#endif
-#if defined(DP_HAVE_NCCL)
-    case DP_COMM_NCCL: return nccl_wait(c, rank);
-#endif
-    default: break;
+  return c->ops->bucket_wait(c, rank);
+}
+
+/* ---- registered buffers and the collective interface ----------------------------- */
+
+dp_status dp_comm_register(dp_comm *c, float *const *bufs, int64_t n) {
+  if (c->nregistered == DP_COMM_MAX_REGISTERED)
+    return DP_FAIL(DP_ERR_VALUE, "all-reduce: %d buffers are registered already", DP_COMM_MAX_REGISTERED);
+  if (n < 0) return DP_FAIL(DP_ERR_VALUE, "all-reduce: a registered buffer of %lld floats", (long long)n);
+  comm_buffer *b = &c->registered[c->nregistered++];
+  memset(b, 0, sizeof *b);
+  for (int r = 0; r < c->k; ++r) b->bufs[r] = bufs[r];
+  b->n = n;
+  return DP_OK;
+}
+
+void dp_comm_unregister_all(dp_comm *c) {
+  c->nregistered = 0;
+  c->nbuckets = 0;
+  c->grads = NULL;
+}
+
+/* The registered buffer whose copy on `rank` holds [p, p + n); NULL if none.
+ * Compared as addresses: the buffers are distinct allocations. */
+static const comm_buffer *registered_at(const dp_comm *c, int rank, const float *p, int64_t n, int64_t *offset) {
+  const uintptr_t a = (uintptr_t)p;
+  for (int i = 0; i < c->nregistered; ++i) {
+    const comm_buffer *b = &c->registered[i];
+    const uintptr_t base = (uintptr_t)b->bufs[rank];
+    if (a >= base && (a - base) % sizeof(float) == 0 &&
+        (int64_t)((a - base) / sizeof(float)) + n <= b->n) {
+      *offset = (int64_t)((a - base) / sizeof(float));
+      return b;
+    }
   }
-  return DP_FAIL(DP_ERR_UNSUPPORTED, "all-reduce kind '%s' is not built in", dp_comm_kind_name(c->kind));
+  return NULL;
+}
+
+dp_status dp_comm_set_buckets(dp_comm *c, float *const *grads, const dp_grad_bucket *buckets, int n) {
+  if (n < 0 || n > DP_COMM_MAX_BUCKETS)
+    return DP_FAIL(DP_ERR_VALUE, "all-reduce: %d gradient buckets, at most %d", n, DP_COMM_MAX_BUCKETS);
+  int64_t offset = 0;
+  const comm_buffer *b = registered_at(c, 0, grads[0], 0, &offset);
+  if (!b || offset != 0) return DP_FAIL(DP_ERR_VALUE, "all-reduce: the gradient buffer is not registered");
+  for (int i = 0; i < n; ++i)
+    if (buckets[i].begin < 0 || buckets[i].end < buckets[i].begin || buckets[i].end > b->n)
+      return DP_FAIL(DP_ERR_VALUE, "all-reduce: bucket %d [%lld, %lld) outside the %lld gradients", i,
+                     (long long)buckets[i].begin, (long long)buckets[i].end, (long long)b->n);
+  memcpy(c->buckets, buckets, sizeof *buckets * (size_t)n);
+  c->nbuckets = n;
+  c->grads = b;
+  return DP_OK;
+}
+
+static dp_status collective_all_reduce(void *ctx, int rank, float *buf, int64_t n, dp_reduce_op op) {
+  dp_comm *c = ctx;
+  int64_t offset = 0;
+  const comm_buffer *b = registered_at(c, rank, buf, n, &offset);
+  if (!b)
+    return DP_FAIL(DP_ERR_VALUE, "all-reduce: replica %d's %lld floats are in no buffer registered with its group",
+                   rank, (long long)n);
+  float *shifted[DP_COMM_MAX_REPLICAS];
+  for (int r = 0; r < c->k; ++r) shifted[r] = b->bufs[r] + offset;
+  return dp_comm_allreduce(c, rank, shifted, n, op);
+}
+
+/* Starts every bucket that is complete once layer `layer` is done. */
+static dp_status collective_grad_ready(void *ctx, int rank, int layer) {
+  dp_comm *c = ctx;
+  comm_rank *me = &c->ranks[rank];
+  while (me->next_bucket < c->nbuckets && c->buckets[me->next_bucket].ready_layer >= layer) {
+    const dp_grad_bucket *b = &c->buckets[me->next_bucket];
+    DP_TRY(dp_comm_bucket_allreduce(c, rank, c->grads->bufs, b->begin, b->end, me->next_bucket));
+    me->next_bucket++;
+  }
+  return DP_OK;
+}
+
+static dp_status collective_wait(void *ctx, int rank) {
+  dp_comm *c = ctx;
+  comm_rank *me = &c->ranks[rank];
+  if (me->next_bucket != c->nbuckets)
+    return DP_FAIL(DP_ERR_RUNTIME, "all-reduce: replica %d started %d of %d gradient buckets", rank, me->next_bucket,
+                   c->nbuckets);
+  me->next_bucket = 0;
+  return dp_comm_wait_buckets(c, rank);
+}
+
+static const dp_collective_ops comm_collective_ops = {collective_all_reduce, collective_grad_ready, collective_wait};
+
+dp_collective dp_comm_collective(dp_comm *c, int rank) {
+  dp_collective coll = {&comm_collective_ops, c, rank, 0, 0};
+  return coll;
 }

@@ -1,6 +1,7 @@
-/* comm.h — the all-reduce of a mirrored group, behind one interface.
+/* comm.h — the all-reduce of a group of replicas, behind one interface.
  *
- * One implementation per kind of replica set, chosen when the group is made:
+ * One ops table per kind of replica set (comm.c), chosen once when the comm
+ * is made; every operation below is a lookup in it:
  *
  *   host    CPU replicas: csrc/collective.c's in-process all-reduce (threads,
  *           shared memory, every replica reduces 1/k of the buffer).
@@ -13,6 +14,16 @@
  *   nccl    CUDA replicas on distinct GPUs: ncclAllReduce, communicators made
  *           up front (ncclCommInitAll) so that a failure shows when the
  *           strategy is made, not in the middle of training.
+ *   mpi     (the next issue) processes and hosts: the slot is in comm.c's
+ *           table of kinds; no ops table fills it yet.
+ *
+ * The kernel and nccl kinds order work between a rank's streams, and between
+ * ranks, with the backend's streams and events (backend.h).
+ *
+ * The model sees none of this: dp_comm_collective gives each rank the
+ * collective interface of collective.h (all-reduce of a registered buffer,
+ * gradient ready for a layer, wait), over the buffers registered with
+ * dp_comm_register and the buckets of dp_comm_set_buckets.
  *
  * Every replica thread of the group makes the same sequence of calls, each
  * with its rank. No call waits for the GPU: on CUDA devices each operation is
@@ -41,12 +52,23 @@ typedef enum dp_comm_kind {
   DP_COMM_AUTO = -1, /* for dp_comm_create: the best kind for the devices */
   DP_COMM_HOST = 0,
   DP_COMM_KERNEL = 1,
-  DP_COMM_NCCL = 2
+  DP_COMM_NCCL = 2,
+  DP_COMM_MPI = 3,   /* reserved for the next issue: no ops table yet */
+  DP_COMM_KIND_COUNT
 } dp_comm_kind;
 
-enum { DP_COMM_MAX_BUCKETS = 256, DP_COMM_MAX_REPLICAS = 64 };
+enum { DP_COMM_MAX_BUCKETS = 256, DP_COMM_MAX_REPLICAS = 64, DP_COMM_MAX_REGISTERED = 8 };
 
 typedef struct dp_comm dp_comm;
+
+/* A range of the flat gradient buffer whose all-reduce starts once the
+ * backward pass has finished layer ready_layer (every layer with parameters
+ * in the range has an index >= ready_layer, and backward runs from the last
+ * layer to the first). Buckets are numbered in the order they become ready. */
+typedef struct dp_grad_bucket {
+  int64_t begin, end;
+  int ready_layer;
+} dp_grad_bucket;
 
 /* devs[r]: replica r's device (borrowed; outlives the comm). bar: the barrier
  * of the group's k replica threads (borrowed). want: DP_COMM_AUTO, or a kind
@@ -56,9 +78,29 @@ DP_MUST_CHECK dp_status dp_comm_create(dp_device *const *devs, int k, dp_comm_ki
                                        dp_comm **out);
 void dp_comm_destroy(dp_comm *c);
 dp_comm_kind dp_comm_get_kind(const dp_comm *c);
-const char *dp_comm_kind_name(dp_comm_kind kind); /* "host", "kernel", "nccl", "auto" */
+const char *dp_comm_kind_name(dp_comm_kind kind); /* "host", "kernel", "nccl", "mpi", "auto" */
 /* "host" -> DP_COMM_HOST ...; DP_ERR_VALUE for an unknown name. */
 DP_MUST_CHECK dp_status dp_comm_kind_parse(const char *name, dp_comm_kind *out);
+
+/* The names of the NULL entries of kind's ops table (at most max written to
+ * out); returns how many there are, or -1 when this build has no table for
+ * the kind. Needs no device: tests check the CUDA kinds' tables anywhere. */
+int dp_comm_ops_null_entries(dp_comm_kind kind, const char **out, int max);
+
+/* Registers a buffer every replica has a copy of: bufs[r] is rank r's n
+ * floats (on its device). The collective interface's all_reduce accepts any
+ * range of it. DP_ERR_VALUE when DP_COMM_MAX_REGISTERED are registered
+ * already. dp_comm_unregister_all forgets them all. Called by one thread
+ * while no replica thread uses the comm. */
+DP_MUST_CHECK dp_status dp_comm_register(dp_comm *c, float *const *bufs, int64_t n);
+void dp_comm_unregister_all(dp_comm *c);
+/* The gradient buckets (order: as the backward pass produces them) of the
+ * registered buffer grads; the collective interface's grad_ready starts
+ * them. Called by one thread while no replica thread uses the comm. */
+DP_MUST_CHECK dp_status dp_comm_set_buckets(dp_comm *c, float *const *grads, const dp_grad_bucket *buckets, int n);
+/* Rank's collective interface (collective.h) over this comm, BatchNorm
+ * unsynchronized: the caller sets sync_batchnorm and global_batch. */
+dp_collective dp_comm_collective(dp_comm *c, int rank);
 
 /* bufs[0..k-1]: the k replicas' buffers of n floats, each on its replica's
  * device; every buffer receives the sum (or mean). In stream order on CUDA. */
@@ -78,8 +120,8 @@ DP_MUST_CHECK dp_status dp_comm_wait_buckets(dp_comm *c, int rank);
  * logic the NCCL kind depends on): dp_comm_step_begin zeroes each rank's
  * count of collectives issued; dp_comm_allreduce and dp_comm_bucket_allreduce
  * count the ones they issue (to the other ranks: k > 1, a non-empty range);
- * dp_comm_collectives_issued reads the total. Called by one thread while no
- * replica thread uses the comm. */
+ * dp_comm_collectives_issued reads the total; every rank's next bucket is
+ * the first again. Called by one thread while no replica thread uses the comm. */
 void dp_comm_step_begin(dp_comm *c);
 int64_t dp_comm_collectives_issued(const dp_comm *c);
 /* After a failed step. When a collective was issued since dp_comm_step_begin,

@@ -1,6 +1,8 @@
 #include "mirrored.h"
 
+#include <pthread.h>
 #include <stddef.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
@@ -35,6 +37,25 @@ int dp_plan_buckets(const dp_model *m, int64_t bucket_floats, dp_grad_bucket *ou
   }
 }
 
+static void buffers_of(const dp_mirrored *m, size_t member, float **bufs) {
+  for (int r = 0; r < m->k; ++r) bufs[r] = *(float **)((char *)m->models[r] + member);
+}
+
+/* What the replicas all-reduce through their collective interface: the
+ * gradients (in buckets), BatchNorm's channel sums and running statistics.
+ * The buffers are made by dp_model_finalize and never move. */
+static dp_status register_buffers(dp_mirrored *m) {
+  const dp_model *m0 = m->models[0];
+  float *bufs[DP_COMM_MAX_REPLICAS];
+  buffers_of(m, offsetof(dp_model, grads), bufs);
+  DP_TRY(dp_comm_register(m->comm, bufs, m0->nparams));
+  DP_TRY(dp_comm_set_buckets(m->comm, bufs, m->buckets, m->nbuckets));
+  buffers_of(m, offsetof(dp_model, bn_tmp), bufs);
+  DP_TRY(dp_comm_register(m->comm, bufs, m0->nbn_tmp));
+  buffers_of(m, offsetof(dp_model, state), bufs);
+  return dp_comm_register(m->comm, bufs, m0->nstate);
+}
+
 dp_status dp_mirrored_create(dp_model **models, int k, int sync_batchnorm, dp_comm_kind comm, int64_t bucket_bytes,
                              dp_mirrored **out) {
   *out = NULL;
@@ -66,8 +87,6 @@ dp_status dp_mirrored_create(dp_model **models, int k, int sync_batchnorm, dp_co
   for (int r = 0; r < k; ++r) {
     m->models[r] = models[r];
     threads[r] = models[r]->dev->nthreads;
-    m->sync_ctx[r].mirrored = m;
-    m->sync_ctx[r].rank = r;
   }
   m->nbuckets = dp_plan_buckets(models[0], bucket_bytes / (int64_t)sizeof(float), m->buckets, DP_COMM_MAX_BUCKETS);
   dp_status st = dp_group_create(k, threads, &m->group);
@@ -75,6 +94,7 @@ dp_status dp_mirrored_create(dp_model **models, int k, int sync_batchnorm, dp_co
   /* the communicators are made now, so that a failure shows here and not in
    * the middle of training */
   if (st == DP_OK) st = dp_comm_create(devs, k, comm, dp_group_barrier(m->group), &m->comm);
+  if (st == DP_OK) st = register_buffers(m);
   if (st != DP_OK) {
     dp_mirrored_destroy(m);
     return st;
@@ -109,59 +129,33 @@ dp_status dp_mirrored_broadcast(dp_mirrored *m, int root) {
   return DP_OK;
 }
 
+/* A step, as the replica threads see it: written by the calling thread
+ * before any replica thread starts (the shards included), read-only to them
+ * but for each rank's own loss and correct. */
 typedef struct step_task {
   dp_mirrored *m;
   const dp_batch *batch;
   size_t sample_bytes;
   float grad_scale, lr, momentum, weight_decay;
   int evaluate_only, step;
+  int64_t shard_begin[DP_COMM_MAX_REPLICAS], shard_n[DP_COMM_MAX_REPLICAS];
+  int with_samples;  /* replicas whose shard is not empty */
   double loss[DP_COMM_MAX_REPLICAS];
   int64_t correct[DP_COMM_MAX_REPLICAS];
 } step_task;
 
 static dp_batch shard_of(const step_task *t, int rank) {
-  int64_t begin, end;
-  dp_shard_range(t->batch->n, t->m->k, rank, &begin, &end);
+  const int64_t begin = t->shard_begin[rank];
   const dp_batch *b = t->batch;
   dp_batch s = {b->x ? (const char *)b->x + begin * (int64_t)t->sample_bytes : NULL, b->x_is_u8,
-                b->y ? b->y + begin : NULL, end - begin, b->rows ? b->rows + begin : NULL, b->resident};
+                b->y ? b->y + begin : NULL, t->shard_n[rank], b->rows ? b->rows + begin : NULL, b->resident};
   return s;
-}
-
-static void buffers_of(const dp_mirrored *m, size_t member, float **bufs) {
-  for (int r = 0; r < m->k; ++r) bufs[r] = *(float **)((char *)m->models[r] + member);
-}
-
-/* The BatchNorm hook of replica ctx->rank: a sum over the replicas' bn_tmp. */
-static dp_status sync_batchnorm_sums(void *arg, float *buf, int64_t n) {
-  dp_replica_sync *ctx = arg;
-  dp_mirrored *m = ctx->mirrored;
-  float *bufs[DP_COMM_MAX_REPLICAS];
-  buffers_of(m, offsetof(dp_model, bn_tmp), bufs);
-  (void)buf; /* == bufs[ctx->rank] */
-  return dp_comm_allreduce(m->comm, ctx->rank, bufs, n, DP_REDUCE_SUM);
-}
-
-/* The backward hook of replica ctx->rank: start every bucket that is complete
- * once layer `layer` is done. */
-static dp_status start_ready_buckets(void *arg, int layer) {
-  dp_replica_sync *ctx = arg;
-  dp_mirrored *m = ctx->mirrored;
-  while (ctx->next_bucket < m->nbuckets && m->buckets[ctx->next_bucket].ready_layer >= layer) {
-    const dp_grad_bucket *b = &m->buckets[ctx->next_bucket];
-    float *bufs[DP_COMM_MAX_REPLICAS];
-    buffers_of(m, offsetof(dp_model, grads), bufs);
-    DP_TRY(dp_comm_bucket_allreduce(m->comm, ctx->rank, bufs, b->begin, b->end, ctx->next_bucket));
-    ctx->next_bucket++;
-  }
-  return DP_OK;
 }
 
 /* Stage a shard (checked by dp_mirrored_check_batch already). */
 static dp_status load_shard(void *arg, int rank) {
   step_task *t = arg;
   dp_batch s = shard_of(t, rank);
-  t->m->shard_n[rank] = s.n;
   if (s.rows) return dp_model_load_rows(t->m->models[rank], s.resident[rank], s.rows, s.n);
   return dp_model_load(t->m->models[rank], &s, 1);
 }
@@ -198,19 +192,15 @@ static int stage_separately(const dp_mirrored *m) { return m->models[0]->nstate 
 /* After the backward pass: the running statistics of per-replica BatchNorm,
  * averaged over the replicas that had samples, then the gradient buckets'
  * end, then the step. */
-static dp_status reduce_and_step(step_task *t, int rank) {
+static dp_status reduce_and_step(step_task *t, int rank, const dp_collective *coll) {
   dp_mirrored *m = t->m;
   dp_model *model = m->models[rank];
-  int with_samples = 0;
-  for (int r = 0; r < m->k; ++r) with_samples += m->shard_n[r] > 0;
-  if (model->nstate > 0 && !m->sync_batchnorm && m->k > 1 && with_samples > 0) {
-    if (m->shard_n[rank] == 0) DP_TRY(model->dev->backend->fill(model->dev, model->state, model->nstate, 0.0f));
-    float *bufs[DP_COMM_MAX_REPLICAS];
-    buffers_of(m, offsetof(dp_model, state), bufs);
-    DP_TRY(dp_comm_allreduce(m->comm, rank, bufs, model->nstate, DP_REDUCE_SUM));
-    DP_TRY(model->dev->backend->scale(model->dev, model->nstate, model->state, 1.0f / (float)with_samples));
+  if (model->nstate > 0 && !m->sync_batchnorm && m->k > 1 && t->with_samples > 0) {
+    if (t->shard_n[rank] == 0) DP_TRY(model->dev->backend->fill(model->dev, model->state, model->nstate, 0.0f));
+    DP_TRY(dp_collective_all_reduce(coll, model->state, model->nstate, DP_REDUCE_SUM));
+    DP_TRY(model->dev->backend->scale(model->dev, model->nstate, model->state, 1.0f / (float)t->with_samples));
   }
-  DP_TRY(dp_comm_wait_buckets(m->comm, rank));
+  DP_TRY(dp_collective_wait(coll));
   if (!t->step) return DP_OK;
   return dp_model_sgd_step(model, t->lr, t->momentum, t->weight_decay);
 }
@@ -226,37 +216,13 @@ static dp_status run_shard(void *arg, int rank) {
     return dp_model_evaluate(model, &s, &t->loss[rank], &t->correct[rank]);
   }
   if (!stage_separately(m)) DP_TRY(load_shard(arg, rank));
-  const int64_t n = m->shard_n[rank];
-  dp_replica_sync *ctx = &m->sync_ctx[rank];
-  if (m->sync_batchnorm) {
-    model->sync = sync_batchnorm_sums;
-    model->sync_ctx = ctx;
-    model->sync_batch = t->batch->n;
-  }
-  ctx->next_bucket = 0;
-  model->grad_ready = start_ready_buckets;
-  model->grad_ctx = ctx;
+  dp_collective coll = dp_comm_collective(m->comm, rank);
+  coll.sync_batchnorm = m->sync_batchnorm;
+  coll.global_batch = t->batch->n;
   /* the loss is read at the end: the host queues the whole step first */
-  dp_status st = dp_model_forward_backward_loaded(model, n, t->grad_scale, NULL, NULL);
-  model->sync = NULL;
-  model->sync_ctx = NULL;
-  model->grad_ready = NULL;
-  model->grad_ctx = NULL;
-  DP_TRY(st);
-  if (ctx->next_bucket != m->nbuckets)
-    return DP_FAIL(DP_ERR_RUNTIME, "mirrored: replica %d started %d of %d gradient buckets", rank, ctx->next_bucket,
-                   m->nbuckets);
-  DP_TRY(reduce_and_step(t, rank));
+  DP_TRY(dp_model_forward_backward_loaded(model, t->shard_n[rank], t->grad_scale, &coll, NULL, NULL));
+  DP_TRY(reduce_and_step(t, rank, &coll));
   return dp_model_read_metrics(model, &t->loss[rank], &t->correct[rank]);
-}
-
-/* The collective hook of the warm-up: BatchNorm sees the whole batch's
- * count (sync_batch) but nothing is exchanged. */
-static dp_status no_collective(void *ctx, float *buf, int64_t n) {
-  (void)ctx;
-  (void)buf;
-  (void)n;
-  return DP_OK;
 }
 
 /* Replica rank's warm-up for the step in t: its shard staged, forward and
@@ -284,12 +250,10 @@ static dp_status warm_shard(void *arg, int rank) {
       return st;
     }
   }
-  if (m->sync_batchnorm) {
-    model->sync = no_collective;
-    model->sync_batch = t->batch->n;
-  }
-  dp_status st = dp_model_forward_backward_loaded(model, m->shard_n[rank], t->grad_scale, NULL, NULL);
-  model->sync = NULL;
+  /* BatchNorm counts as in the step (the whole batch's samples when
+   * synchronized), but nothing is exchanged */
+  const dp_collective none = {&dp_collective_local_ops, NULL, rank, m->sync_batchnorm, t->batch->n};
+  dp_status st = dp_model_forward_backward_loaded(model, t->shard_n[rank], t->grad_scale, &none, NULL, NULL);
   double loss;
   int64_t hits;
   if (st == DP_OK) st = dp_model_read_metrics(model, &loss, &hits);
@@ -342,8 +306,17 @@ static dp_status run_step(dp_mirrored *m, const dp_batch *b, int evaluate_only, 
   DP_TRY(dp_mirrored_check_batch(m, b, evaluate_only));
   const dp_model *m0 = m->models[0];
   step_task t = {m, b, (size_t)m0->in_c * m0->in_h * m0->in_w * (b->x_is_u8 ? 1 : sizeof(float)),
-                 b->n ? 1.0f / (float)b->n : 0.0f, lr, momentum, weight_decay, evaluate_only, step, {0}, {0}};
+                 b->n ? 1.0f / (float)b->n : 0.0f, lr, momentum, weight_decay, evaluate_only, step,
+                 {0}, {0}, 0, {0}, {0}};
   if (b->n == 0) t.step = 0; /* an empty batch: zero gradients, nothing to learn */
+  /* the shards, here on the calling thread: the replica threads only read them */
+  for (int r = 0; r < m->k; ++r) {
+    int64_t begin, end;
+    dp_shard_range(b->n, m->k, r, &begin, &end);
+    t.shard_begin[r] = begin;
+    t.shard_n[r] = end - begin;
+    t.with_samples += end > begin;
+  }
   dp_status st;
   if (evaluate_only) {
     st = dp_group_run(m->group, run_shard, &t); /* no collectives */
@@ -388,32 +361,159 @@ dp_status dp_mirrored_evaluate(dp_mirrored *m, const dp_batch *b, double *loss_s
   return run_step(m, b, 1, 0, 0.0f, 0.0f, 0.0f, loss_sum, correct);
 }
 
-typedef struct reduce_task {
-  float *const *bufs;
-  int k;
-  int64_t n;
-  dp_reduce_op op;
-  dp_barrier *bar;
-} reduce_task;
+/* ---- dp.all_reduce: kept groups, one per device set ----------------------------- */
 
-static dp_status run_reduce(void *arg, int rank) {
-  reduce_task *t = arg;
-  return dp_allreduce(t->bufs, t->k, rank, t->n, t->op, t->bar);
+enum { REDUCE_GROUPS = 8, REDUCE_KEY = DP_COMM_MAX_REPLICAS * 32 };
+
+/* k replica threads and their comm, for the buffers of one device set. The
+ * devices are descriptors of the host kind: a Tensor's memory is host memory
+ * (py_tensor.c), whatever device it is labelled with. */
+typedef struct reduce_group {
+  char key[REDUCE_KEY];  /* the device names, each ended by '\n' */
+  int k;
+  dp_device devs[DP_COMM_MAX_REPLICAS];
+  dp_group *group;
+  dp_comm *comm;
+  pthread_mutex_t turn;  /* one call at a time runs the group */
+  int users;             /* calls holding it (guarded by groups_mutex) */
+  unsigned long last_used;
+} reduce_group;
+
+static pthread_mutex_t groups_mutex = PTHREAD_MUTEX_INITIALIZER;
+static reduce_group *groups[REDUCE_GROUPS];
+static unsigned long groups_clock;
+
+static void reduce_group_destroy(reduce_group *g) {
+  if (!g) return;
+  dp_comm_destroy(g->comm);
+  dp_group_destroy(g->group);
+  pthread_mutex_destroy(&g->turn);
+  free(g);
 }
 
-dp_status dp_allreduce_buffers(float *const *bufs, int k, int64_t n, dp_reduce_op op) {
-  if (k == 1) return DP_OK;
-  int *threads = malloc(sizeof(int) * (size_t)k);
-  if (!threads) return DP_FAIL(DP_ERR_MEMORY, "all_reduce: cannot allocate");
-  for (int r = 0; r < k; ++r) threads[r] = 1;
-  dp_group *g;
-  dp_status st = dp_group_create(k, threads, &g);
-  free(threads);
-  if (st != DP_OK) return st;
-  reduce_task t = {bufs, k, n, op, dp_group_barrier(g)};
-  st = dp_group_run(g, run_reduce, &t);
-  dp_group_destroy(g);
+static dp_status reduce_group_create(const char *key, const char *const *devices, int k, reduce_group **out) {
+  *out = NULL;
+  reduce_group *g = calloc(1, sizeof *g);
+  if (!g) return DP_FAIL(DP_ERR_MEMORY, "all_reduce: cannot allocate a group of %d replicas", k);
+  snprintf(g->key, sizeof g->key, "%s", key);
+  g->k = k;
+  int threads[DP_COMM_MAX_REPLICAS];
+  dp_device *devs[DP_COMM_MAX_REPLICAS];
+  for (int r = 0; r < k; ++r) {
+    g->devs[r].kind = DP_DEVICE_CPU;
+    g->devs[r].nthreads = 1;
+    snprintf(g->devs[r].name, sizeof g->devs[r].name, "%s", devices[r]);
+    devs[r] = &g->devs[r];
+    threads[r] = 1;
+  }
+  if (pthread_mutex_init(&g->turn, NULL) != 0) {
+    free(g);
+    return DP_FAIL(DP_ERR_RUNTIME, "all_reduce: pthread_mutex_init failed");
+  }
+  dp_status st = dp_group_create(k, threads, &g->group);
+  if (st == DP_OK) st = dp_comm_create(devs, k, DP_COMM_HOST, dp_group_barrier(g->group), &g->comm);
+  if (st != DP_OK) {
+    reduce_group_destroy(g);
+    return st;
+  }
+  *out = g;
+  return DP_OK;
+}
+
+/* The kept group for key, made (replacing the least recently used idle one)
+ * when there is none; *kept = 0 when every slot was busy and the group is the
+ * caller's alone, to destroy after use. */
+static dp_status reduce_group_take(const char *key, const char *const *devices, int k, reduce_group **out,
+                                   int *kept) {
+  pthread_mutex_lock(&groups_mutex);
+  reduce_group *g = NULL;
+  int slot = -1;
+  for (int i = 0; i < REDUCE_GROUPS && !g; ++i)
+    if (groups[i] && strcmp(groups[i]->key, key) == 0) g = groups[i];
+  dp_status st = DP_OK;
+  *kept = 1;
+  if (!g) {
+    /* a free slot, else the least recently used idle group's */
+    for (int i = 0; i < REDUCE_GROUPS; ++i) {
+      if (!groups[i]) {
+        slot = i;
+        break;
+      }
+      if (groups[i]->users == 0 && (slot < 0 || groups[i]->last_used < groups[slot]->last_used)) slot = i;
+    }
+    st = reduce_group_create(key, devices, k, &g);
+    if (st == DP_OK && slot >= 0) {
+      reduce_group_destroy(groups[slot]); /* idle: no call holds it */
+      groups[slot] = g;
+    } else if (st == DP_OK) {
+      *kept = 0;
+    }
+  }
+  if (st == DP_OK) {
+    g->users++;
+    g->last_used = ++groups_clock;
+  }
+  pthread_mutex_unlock(&groups_mutex);
+  *out = g;
   return st;
+}
+
+static void reduce_group_give_back(reduce_group *g, int kept) {
+  pthread_mutex_lock(&groups_mutex);
+  g->users--;
+  pthread_mutex_unlock(&groups_mutex);
+  if (!kept) reduce_group_destroy(g);
+}
+
+typedef struct reduce_task {
+  dp_comm *comm;
+  float *const *bufs;
+  int64_t n;
+  dp_reduce_op op;
+} reduce_task;
+
+/* Each rank all-reduces its own buffer through the group's collective interface. */
+static dp_status run_reduce(void *arg, int rank) {
+  reduce_task *t = arg;
+  const dp_collective coll = dp_comm_collective(t->comm, rank);
+  DP_TRY(dp_collective_all_reduce(&coll, t->bufs[rank], t->n, t->op));
+  return dp_collective_wait(&coll);
+}
+
+dp_status dp_allreduce_buffers(const char *const *devices, float *const *bufs, int k, int64_t n, dp_reduce_op op) {
+  if (k < 1 || k > DP_COMM_MAX_REPLICAS)
+    return DP_FAIL(DP_ERR_VALUE, "all_reduce: need 1 to %d tensors, got %d", DP_COMM_MAX_REPLICAS, k);
+  if (k == 1) return DP_OK; /* the sum over one replica is itself, and so is its mean */
+  char key[REDUCE_KEY];
+  size_t used = 0;
+  for (int r = 0; r < k; ++r) {
+    const int w = snprintf(key + used, sizeof key - used, "%s\n", devices[r]);
+    if (w < 0 || (size_t)w >= sizeof key - used)
+      return DP_FAIL(DP_ERR_VALUE, "all_reduce: the device names are too long");
+    used += (size_t)w;
+  }
+  reduce_group *g;
+  int kept;
+  DP_TRY(reduce_group_take(key, devices, k, &g, &kept));
+  pthread_mutex_lock(&g->turn);
+  /* registered here, on the calling thread, before the replica threads start */
+  dp_status st = dp_comm_register(g->comm, bufs, n);
+  reduce_task t = {g->comm, bufs, n, op};
+  if (st == DP_OK) st = dp_group_run(g->group, run_reduce, &t);
+  dp_comm_unregister_all(g->comm);
+  pthread_mutex_unlock(&g->turn);
+  reduce_group_give_back(g, kept);
+  return st;
+}
+
+void dp_allreduce_groups_clear(void) {
+  pthread_mutex_lock(&groups_mutex);
+  for (int i = 0; i < REDUCE_GROUPS; ++i)
+    if (groups[i] && groups[i]->users == 0) {
+      reduce_group_destroy(groups[i]);
+      groups[i] = NULL;
+    }
+  pthread_mutex_unlock(&groups_mutex);
 }
 
 typedef struct bench_task {

@@ -17,22 +17,6 @@
 
 typedef struct dp_mirrored dp_mirrored;
 
-/* The context a replica's hooks (BatchNorm sync, gradient buckets) receive. */
-typedef struct dp_replica_sync {
-  dp_mirrored *mirrored;
-  int rank;
-  int next_bucket;  /* the next bucket this replica starts in the current backward pass */
-} dp_replica_sync;
-
-/* A range of the flat gradient buffer whose all-reduce starts once the
- * backward pass has finished layer ready_layer (every layer with parameters
- * in the range has an index >= ready_layer, and backward runs from the last
- * layer to the first). Buckets are numbered in the order they become ready. */
-typedef struct dp_grad_bucket {
-  int64_t begin, end;
-  int ready_layer;
-} dp_grad_bucket;
-
 /* A batch shape every replica has been warmed for (mirrored.c, warm_up):
  * the global batch size, where its samples come from (0 float32 images,
  * 1 uint8 images, 2 resident rows: the staging differs) and the CUDA settings
@@ -49,11 +33,9 @@ struct dp_mirrored {
   int k;
   dp_model **models; /* borrowed: the caller keeps them alive */
   dp_group *group;
-  dp_comm *comm;
+  dp_comm *comm;               /* the replicas' grads, bn_tmp and state registered with it */
   int sync_batchnorm;          /* all-reduce BatchNorm statistics (SyncBatchNorm) */
-  dp_replica_sync sync_ctx[DP_COMM_MAX_REPLICAS];
-  int64_t shard_n[DP_COMM_MAX_REPLICAS]; /* samples of each replica in the current step */
-  int nbuckets;
+  int nbuckets;                /* the gradient buckets (given to the comm too) */
   dp_grad_bucket buckets[DP_COMM_MAX_BUCKETS];
   /* the shapes warmed so far (the oldest replaced first); a failed step
    * forgets its own, so that the next one warms up again */
@@ -90,8 +72,9 @@ DP_MUST_CHECK dp_status dp_mirrored_broadcast(dp_mirrored *m, int root);
  *    starts (dp_mirrored_check_batch), so that a bad label or row index is a
  *    DP_ERR_VALUE that leaves every replica and the comm as they were;
  * 2. a batch shape not seen before is warmed up first: every replica stages
- *    its shard and runs forward and backward with the collectives off (no-op
- *    hooks), BatchNorm's running statistics restored afterwards, so that
+ *    its shard and runs forward and backward with the collectives off (a
+ *    collective that exchanges nothing), BatchNorm's running statistics
+ *    restored afterwards, so that
  *    every buffer, workspace and staging region the step needs is allocated,
  *    and every kernel it launches loaded, before its first collective;
  * 3. the step runs with dev->in_step set on every replica's device: memory
@@ -107,8 +90,15 @@ DP_MUST_CHECK dp_status dp_mirrored_forward_backward(dp_mirrored *m, const dp_ba
 /* Evaluation with the batch split over the replicas; each sample counted once. */
 DP_MUST_CHECK dp_status dp_mirrored_evaluate(dp_mirrored *m, const dp_batch *b, double *loss_sum, int64_t *correct);
 
-/* All-reduce of k buffers of n floats on a temporary group of k threads. */
-DP_MUST_CHECK dp_status dp_allreduce_buffers(float *const *bufs, int k, int64_t n, dp_reduce_op op);
+/* All-reduce of k host buffers of n floats, bufs[r] the copy on the device
+ * named devices[r] (dp.all_reduce). It runs on a group of k replica threads
+ * made once per device set and kept (a few sets at a time, the least recently
+ * used one replaced), through that group's collective interface; calls on
+ * one set from several threads take turns. */
+DP_MUST_CHECK dp_status dp_allreduce_buffers(const char *const *devices, float *const *bufs, int k, int64_t n,
+                                             dp_reduce_op op);
+/* Destroys the kept groups not in use (tests: every thread and allocation back). */
+void dp_allreduce_groups_clear(void);
 /* Time iters all-reduces of n floats over k replica threads (one group run). */
 DP_MUST_CHECK dp_status dp_allreduce_benchmark(int k, int64_t n, int iters, double *seconds);
 

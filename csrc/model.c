@@ -208,7 +208,8 @@ static dp_status alloc_flat_buffers(dp_model *m, int64_t max_state) {
   DP_TRY(dp_device_alloc(m->dev, sizeof(float) * (size_t)(state ? state : 1), (void **)&m->state));
   /* per BatchNorm layer the batch mean and invstd, laid out as its running statistics */
   DP_TRY(dp_device_alloc(m->dev, sizeof(float) * (size_t)(state ? state : 1), (void **)&m->bn_saved));
-  DP_TRY(dp_device_alloc(m->dev, sizeof(float) * (size_t)(2 * max_state + 1), (void **)&m->bn_tmp));
+  m->nbn_tmp = 2 * (int64_t)max_state + 1;
+  DP_TRY(dp_device_alloc(m->dev, sizeof(float) * (size_t)m->nbn_tmp, (void **)&m->bn_tmp));
   m->bn_count = calloc((size_t)m->nlayers, sizeof *m->bn_count);
   if (!m->bn_count) return DP_FAIL(DP_ERR_MEMORY, "cannot allocate the BatchNorm counts");
   /* state tensors start as their kind's table says (the running variance at
@@ -401,15 +402,13 @@ static dp_pool_geom pool_geom(const dp_layer *l) {
   return g;
 }
 
-static dp_status sync_sum(dp_model *m, float *buf, int64_t n) {
-  return m->sync ? m->sync(m->sync_ctx, buf, n) : DP_OK;
-}
-
 /* BatchNorm forward. Training: batch statistics, two passes (mean, then
- * squared deviations) for accuracy; with a sync hook each pass's channel sums
- * and the sample count are all-reduced, so k replicas normalise exactly as one
- * replica would over the whole batch. Evaluation: running statistics. */
-static dp_status batchnorm_forward(dp_model *m, const dp_layer *l, int64_t N, const float *x, float *y) {
+ * squared deviations) for accuracy; with a collective that synchronizes
+ * BatchNorm each pass's channel sums are all-reduced and the count is the
+ * global batch's, so k replicas normalise exactly as one replica would over
+ * the whole batch. Evaluation: running statistics. */
+static dp_status batchnorm_forward(dp_model *m, const dp_layer *l, int64_t N, const dp_collective *coll,
+                                   const float *x, float *y) {
   const dp_backend *be = m->dev->backend;
   dp_device *dev = m->dev;
   const int C = l->in_c, HW = l->in_h * l->in_w;
@@ -423,24 +422,26 @@ static dp_status batchnorm_forward(dp_model *m, const dp_layer *l, int64_t N, co
     DP_TRY(be->bn_finalize(dev, C, running_var, 1.0f, mean, l->eps, 0.0f, 0, invstd, NULL, NULL));
     return be->bn_apply(dev, N, C, HW, x, mean, invstd, gamma, beta, y);
   }
-  if (N == 0 && !m->sync) return DP_OK; /* an empty shard has no statistics of its own */
+  const int sync = dp_collective_syncs_batchnorm(coll);
+  if (N == 0 && !sync) return DP_OK; /* an empty shard has no statistics of its own */
   DP_TRY(be->bn_sums(dev, N, C, HW, x, NULL, tmp));
   /* synchronized: the values of the whole batch, known on the host (no
    * device round trip, so the host never waits inside the step) */
-  const float count = (float)((m->sync ? m->sync_batch : N) * HW);
-  DP_TRY(sync_sum(m, tmp, C));
+  const float count = (float)((sync ? coll->global_batch : N) * HW);
+  if (sync) DP_TRY(dp_collective_all_reduce(coll, tmp, C, DP_REDUCE_SUM));
   if (count <= 1.0f)
     return DP_FAIL(DP_ERR_VALUE, "batchnorm: training needs more than one value per channel, got %g", (double)count);
   DP_TRY(be->scale(dev, C, tmp, 1.0f / count));
   DP_TRY(be->copy_to_device(dev, mean, tmp, sizeof(float) * (size_t)C));
   DP_TRY(be->bn_sums(dev, N, C, HW, x, mean, tmp));
-  DP_TRY(sync_sum(m, tmp, C));
+  if (sync) DP_TRY(dp_collective_all_reduce(coll, tmp, C, DP_REDUCE_SUM));
   DP_TRY(be->bn_finalize(dev, C, tmp, count, mean, l->eps, l->momentum, 1, invstd, running_mean, running_var));
   m->bn_count[l - m->layers] = count; /* for this layer's backward pass */
   return be->bn_apply(dev, N, C, HW, x, mean, invstd, gamma, beta, y);
 }
 
-static dp_status forward(dp_model *m, int64_t N) {
+/* coll: BatchNorm's collective in training (NULL: none, and in evaluation) */
+static dp_status forward(dp_model *m, int64_t N, const dp_collective *coll) {
   const dp_backend *be = m->dev->backend;
   dp_device *dev = m->dev;
   for (int i = 0; i < m->nlayers; ++i) {
@@ -472,7 +473,7 @@ static dp_status forward(dp_model *m, int64_t N) {
         m->acts[i] = (float *)x; /* the same memory, seen as (N, C*H*W) */
         break;
       case DP_LAYER_BATCHNORM:
-        DP_TRY(batchnorm_forward(m, l, N, x, y));
+        DP_TRY(batchnorm_forward(m, l, N, coll, x, y));
         break;
       case DP_LAYER_ADD:
         DP_TRY(be->add(dev, N * layer_out_size(l), x, output_of(m, l->src2), y));
@@ -503,15 +504,16 @@ static dp_status gradient_delivered(dp_model *m, int src, int64_t N) {
   return DP_OK;
 }
 
-static dp_status batchnorm_backward(dp_model *m, const dp_layer *l, int64_t N, const float *x, const float *dy,
-                                    float *dx) {
+static dp_status batchnorm_backward(dp_model *m, const dp_layer *l, int64_t N, const dp_collective *coll,
+                                    const float *x, const float *dy, float *dx) {
   const dp_backend *be = m->dev->backend;
   dp_device *dev = m->dev;
   const int C = l->in_c, HW = l->in_h * l->in_w;
   const float *mean = m->bn_saved + l->state_off, *invstd = mean + C;
   float *dgamma = m->grads + l->w_off, *dbeta = m->grads + l->b_off;
   float *tmp = m->bn_tmp;
-  if (N == 0 && !m->sync) {
+  const int sync = dp_collective_syncs_batchnorm(coll);
+  if (N == 0 && !sync) {
     DP_TRY(be->fill(dev, dgamma, C, 0.0f));
     return be->fill(dev, dbeta, C, 0.0f);
   }
@@ -522,7 +524,7 @@ static dp_status batchnorm_backward(dp_model *m, const dp_layer *l, int64_t N, c
   if (!dx) return DP_OK;
   DP_TRY(be->copy_to_device(dev, tmp, dbeta, sizeof(float) * (size_t)C));
   DP_TRY(be->copy_to_device(dev, tmp + C, dgamma, sizeof(float) * (size_t)C));
-  DP_TRY(sync_sum(m, tmp, 2 * (int64_t)C));
+  if (sync) DP_TRY(dp_collective_all_reduce(coll, tmp, 2 * (int64_t)C, DP_REDUCE_SUM));
   DP_TRY(be->bn_backward_dx(dev, N, C, HW, x, dy, mean, invstd, m->params + l->w_off, tmp, tmp + C, 1.0f / count,
                             dx));
   return DP_OK;
@@ -530,8 +532,9 @@ static dp_status batchnorm_backward(dp_model *m, const dp_layer *l, int64_t N, c
 
 /* Backward from dlogits in dacts[last]; writes m->grads. Layers are visited in
  * reverse order, which is reverse topological: every consumer of a layer's
- * output comes after it, so its gradient is complete when it is reached. */
-static dp_status backward(dp_model *m, int64_t N) {
+ * output comes after it, so its gradient is complete when it is reached;
+ * coll hears of each layer once its parameter gradients are final. */
+static dp_status backward(dp_model *m, int64_t N, const dp_collective *coll) {
   const dp_backend *be = m->dev->backend;
   dp_device *dev = m->dev;
   memset(m->dready, 0, (size_t)m->nlayers);
@@ -541,7 +544,7 @@ static dp_status backward(dp_model *m, int64_t N) {
     const float *x = output_of(m, l->src);
     const float *dy = m->dacts[i];
     if (!m->dready[i]) { /* nothing downstream needs this layer */
-      if (m->grad_ready) DP_TRY(m->grad_ready(m->grad_ctx, i));
+      DP_TRY(dp_collective_grad_ready(coll, i));
       continue;
     }
     float *dx = gradient_target(m, l->src);
@@ -573,7 +576,7 @@ static dp_status backward(dp_model *m, int64_t N) {
         if (dx) DP_TRY(be->copy_to_device(dev, dx, dy, sizeof(float) * (size_t)(N * layer_out_size(l))));
         break;
       case DP_LAYER_BATCHNORM:
-        DP_TRY(batchnorm_backward(m, l, N, x, dy, dx));
+        DP_TRY(batchnorm_backward(m, l, N, coll, x, dy, dx));
         break;
       case DP_LAYER_ADD:
         if (dx) DP_TRY(be->copy_to_device(dev, dx, dy, sizeof(float) * (size_t)(N * layer_out_size(l))));
@@ -581,14 +584,14 @@ static dp_status backward(dp_model *m, int64_t N) {
         dx = gradient_target(m, l->src2);
         if (dx) DP_TRY(be->copy_to_device(dev, dx, dy, sizeof(float) * (size_t)(N * layer_out_size(l))));
         DP_TRY(gradient_delivered(m, l->src2, N));
-        if (m->grad_ready) DP_TRY(m->grad_ready(m->grad_ctx, i));
+        DP_TRY(dp_collective_grad_ready(coll, i));
         continue;
       case DP_LAYER_GLOBAL_AVGPOOL:
         if (dx) DP_TRY(be->global_avgpool_backward(dev, N, l->in_c, l->in_h * l->in_w, dy, dx));
         break;
     }
     DP_TRY(gradient_delivered(m, l->src, N));
-    if (m->grad_ready) DP_TRY(m->grad_ready(m->grad_ctx, i));
+    DP_TRY(dp_collective_grad_ready(coll, i));
   }
   return DP_OK;
 }
@@ -608,25 +611,25 @@ dp_status dp_model_check_batchnorm_batch(const dp_model *m, int64_t n) {
   return DP_OK;
 }
 
-dp_status dp_model_forward_backward_loaded(dp_model *m, int64_t n, float grad_scale, double *loss_sum,
-                                           int64_t *correct) {
+dp_status dp_model_forward_backward_loaded(dp_model *m, int64_t n, float grad_scale, const dp_collective *coll,
+                                           double *loss_sum, int64_t *correct) {
   DP_TRY(require_finalized(m));
   if (n > m->act_batch) return DP_FAIL(DP_ERR_VALUE, "forward_backward: %lld samples were not loaded", (long long)n);
   /* a synchronized BatchNorm counts the global batch; its runner checks that */
-  if (!m->sync) DP_TRY(dp_model_check_batchnorm_batch(m, n));
+  if (!dp_collective_syncs_batchnorm(coll)) DP_TRY(dp_model_check_batchnorm_batch(m, n));
   m->training = 1;
-  DP_TRY(forward(m, n));
+  DP_TRY(forward(m, n, coll));
   const int K = dp_model_num_classes(m);
   DP_TRY(m->dev->backend->softmax_xent(m->dev, n, K, logits_of(m), m->labels, grad_scale, m->dacts[m->nlayers - 1],
                                        loss_sum, correct));
-  return backward(m, n);
+  return backward(m, n, coll);
 }
 
 dp_status dp_model_forward_backward(dp_model *m, const dp_batch *b, float grad_scale, double *loss_sum,
                                     int64_t *correct) {
   DP_TRY(require_finalized(m));
   DP_TRY(dp_model_load(m, b, 1));
-  return dp_model_forward_backward_loaded(m, b->n, grad_scale, loss_sum, correct);
+  return dp_model_forward_backward_loaded(m, b->n, grad_scale, NULL, loss_sum, correct);
 }
 
 dp_status dp_model_read_metrics(dp_model *m, double *loss_sum, int64_t *correct) {
@@ -639,7 +642,7 @@ dp_status dp_model_train_step_loaded(dp_model *m, int64_t n, float lr, float mom
   *correct = 0;
   if (n == 0) return DP_OK; /* no samples, no step (not even weight decay) */
   /* the loss is read last, after the whole step is queued */
-  DP_TRY(dp_model_forward_backward_loaded(m, n, 1.0f / (float)n, NULL, NULL));
+  DP_TRY(dp_model_forward_backward_loaded(m, n, 1.0f / (float)n, NULL, NULL, NULL));
   DP_TRY(dp_model_sgd_step(m, lr, momentum, weight_decay));
   return dp_model_read_metrics(m, loss_sum, correct);
 }
@@ -656,7 +659,7 @@ dp_status dp_model_evaluate(dp_model *m, const dp_batch *b, double *loss_sum, in
   DP_TRY(require_finalized(m));
   DP_TRY(dp_model_load(m, b, 1));
   m->training = 0;
-  DP_TRY(forward(m, b->n));
+  DP_TRY(forward(m, b->n, NULL));
   return m->dev->backend->softmax_xent(m->dev, b->n, dp_model_num_classes(m), logits_of(m), m->labels, 0.0f, NULL,
                                        loss_sum, correct);
 }
@@ -665,7 +668,7 @@ dp_status dp_model_predict(dp_model *m, const dp_batch *b, float *logits_host) {
   DP_TRY(require_finalized(m));
   DP_TRY(dp_model_load(m, b, 0));
   m->training = 0;
-  DP_TRY(forward(m, b->n));
+  DP_TRY(forward(m, b->n, NULL));
   size_t bytes = sizeof(float) * (size_t)(b->n * dp_model_num_classes(m));
   return m->dev->backend->copy_to_host(m->dev, logits_host, logits_of(m), bytes);
 }

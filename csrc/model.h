@@ -15,17 +15,9 @@
 #include <stdint.h>
 
 #include "backend.h"
+#include "collective.h"
 #include "layers.h"
 #include "resident.h"
-
-/* All-reduce (sum) of n floats across the replicas of a mirrored model; set
- * by the mirrored runner for synchronized BatchNorm, NULL otherwise. Every
- * replica calls it the same number of times in the same order. */
-typedef DP_MUST_CHECK dp_status (*dp_sync_fn)(void *ctx, float *buf, int64_t n);
-/* Called by the backward pass after each layer (every layer, from the last to
- * the first), when that layer's parameter gradients are final; the mirrored
- * runner starts each gradient bucket's all-reduce from it. NULL otherwise. */
-typedef DP_MUST_CHECK dp_status (*dp_grad_ready_fn)(void *ctx, int layer);
 
 #define DP_SRC_PREVIOUS (-2)
 
@@ -49,13 +41,9 @@ typedef struct dp_model {
   float *dscratch;          /* the largest activation: a second gradient to add in */
   unsigned char *dready;    /* per layer: dacts[i] holds a gradient already */
   float *bn_saved;          /* per BatchNorm layer: batch mean (C), invstd (C) */
-  float *bn_tmp;            /* (2 * max C): channel sums being reduced (shared by the layers) */
+  float *bn_tmp;            /* (nbn_tmp): channel sums being reduced (shared by the layers) */
+  int64_t nbn_tmp;          /* 2 * the most channels of a BatchNorm layer, + 1 */
   float *bn_count;          /* host, per layer: the values per channel its last training forward normalised */
-  dp_sync_fn sync;
-  void *sync_ctx;
-  dp_grad_ready_fn grad_ready;
-  void *grad_ctx;
-  int64_t sync_batch;       /* with sync: the samples of the whole batch across the replicas */
   float *input;             /* the batch on the device, (act_batch, in_c, in_h, in_w) */
   uint8_t *input_u8;        /* uint8 images staged before u8_to_unit, (act_batch * in size) */
   int32_t *labels;          /* (act_batch) */
@@ -122,8 +110,13 @@ DP_MUST_CHECK dp_status dp_model_load_rows(dp_model *m, const dp_resident *d, co
 /* DP_ERR_VALUE when a BatchNorm layer would see at most one value per
  * channel in training on n samples (n > 0); checked before anything changes. */
 DP_MUST_CHECK dp_status dp_model_check_batchnorm_batch(const dp_model *m, int64_t n);
-/* dp_model_forward_backward on the batch staged last by dp_model_load. */
-DP_MUST_CHECK dp_status dp_model_forward_backward_loaded(dp_model *m, int64_t n, float grad_scale, double *loss_sum,
+/* dp_model_forward_backward on the batch staged last by dp_model_load, as
+ * one replica of a group: coll (collective.h; NULL for a lone model)
+ * all-reduces BatchNorm's statistics when it synchronizes them, and hears
+ * of each layer whose gradients are final (gradient buckets). Waiting for
+ * what it started is the caller's (dp_collective_wait). */
+DP_MUST_CHECK dp_status dp_model_forward_backward_loaded(dp_model *m, int64_t n, float grad_scale,
+                                                         const dp_collective *coll, double *loss_sum,
                                                          int64_t *correct);
 /* Forward and backward on one batch. The gradient written to m->grads is
  * grad_scale * (sum over the batch's samples of d loss_i / d params): pass

@@ -393,6 +393,35 @@ static PyObject *mod_backend_null_entries(PyObject *m, PyObject *args) {
   return out;
 }
 
+/* comm_null_entries(kind) -> [names of the entries the comm kind's ops table
+ * leaves NULL]; None when this build has no table for the kind. Needs no device. */
+static PyObject *mod_comm_null_entries(PyObject *m, PyObject *args) {
+  const char *name;
+  if (!PyArg_ParseTuple(args, "s", &name)) return NULL;
+  dp_comm_kind kind = DP_COMM_KIND_COUNT;
+  for (int i = 0; i < DP_COMM_KIND_COUNT; ++i)
+    if (strcmp(name, dp_comm_kind_name((dp_comm_kind)i)) == 0) kind = (dp_comm_kind)i;
+  if (kind == DP_COMM_KIND_COUNT) {
+    PyErr_Format(PyExc_ValueError, "unknown all-reduce kind '%s' (host, kernel, nccl, mpi)", name);
+    return NULL;
+  }
+  const char *names[16];
+  const int n = dp_comm_ops_null_entries(kind, names, 16);
+  if (n < 0) Py_RETURN_NONE;
+  PyObject *out = PyList_New(0);
+  for (int i = 0; out && i < n && i < 16; ++i) {
+    PyObject *u = PyUnicode_FromString(names[i]);
+    if (!u || PyList_Append(out, u) < 0) Py_CLEAR(out);
+    Py_XDECREF(u);
+  }
+  return out;
+}
+
+/* debug_counters() -> {'groups_created': replica thread groups made by this process} */
+static PyObject *mod_debug_counters(PyObject *m, PyObject *unused) {
+  return Py_BuildValue("{s:l}", "groups_created", dp_group_created_count());
+}
+
 /* set_cuda_options(deterministic, allow_tf32): the process-wide CUDA settings
  * (dpcore.config validates them); every CUDA device takes them before its next
  * convolution or dense layer, new devices start with them. */
@@ -421,6 +450,9 @@ static PyMethodDef module_methods[] = {
     {"cudnn_conv_output_dim", mod_cudnn_conv_output_dim, METH_VARARGS,
      "cudnn_conv_output_dim(N, C, H, W, O, KH, KW, stride, pad) -> (n, c, h, w) from cuDNN's shape inference"},
     {"shard_ranges", mod_shard_ranges, METH_VARARGS, "shard_ranges(n, k) -> [(begin, end)] per replica"},
+    {"comm_null_entries", mod_comm_null_entries, METH_VARARGS,
+     "comm_null_entries(kind) -> names of the NULL entries of the all-reduce kind's ops table (None: not built)"},
+    {"debug_counters", mod_debug_counters, METH_NOARGS, "debug_counters() -> {'groups_created': n}"},
     {"set_cuda_options", mod_set_cuda_options, METH_VARARGS,
      "set_cuda_options(deterministic, allow_tf32): process-wide settings of every CUDA device"},
     {"get_cuda_options", mod_get_cuda_options, METH_NOARGS, "get_cuda_options() -> (deterministic, allow_tf32)"},

@@ -229,6 +229,7 @@ PyTypeObject TensorType = {
 /* ---- all_reduce ------------------------------------------------------------- */
 
 typedef struct {
+  const char **devices;
   float **bufs;
   dp_device **devs; /* the tensors' devices */
   int k;
@@ -255,7 +256,7 @@ static dp_status allreduce_staged(allreduce_work *w) {
       st = w->devs[r]->backend->copy_to_host(w->devs[r], host[r], w->bufs[r], bytes);
     }
   }
-  if (st == DP_OK) st = dp_allreduce_buffers(host, w->k, w->n, w->op);
+  if (st == DP_OK) st = dp_allreduce_buffers(w->devices, host, w->k, w->n, w->op);
   for (int r = 0; r < w->k && st == DP_OK; ++r) {
     if (w->devs[r]->kind == DP_DEVICE_CPU) continue;
     st = w->devs[r]->backend->copy_to_device(w->devs[r], w->bufs[r], host[r], bytes);
@@ -271,7 +272,8 @@ static dp_status allreduce_run(void *p) {
   allreduce_work *w = p;
   for (int r = 0; r < w->k; ++r)
     if (w->devs[r]->kind != DP_DEVICE_CPU) return allreduce_staged(w);
-  return dp_allreduce_buffers(w->bufs, w->k, w->n, w->op);
+  /* on the device set's kept group (mirrored.c), not a new one per call */
+  return dp_allreduce_buffers(w->devices, w->bufs, w->k, w->n, w->op);
 }
 
 /* all_reduce(tensors, op): in place; op 0 = sum, 1 = mean. */
@@ -286,6 +288,7 @@ static PyObject *mod_all_reduce(PyObject *mod, PyObject *args) {
   const Py_ssize_t k = PyTuple_GET_SIZE(items);
   float **bufs = NULL;
   dp_device **devs = NULL;
+  const char **devices = NULL; /* the tensors' device names, for the kept group */
   PyObject **owners = NULL; /* the models whose buffers some of the tensors view */
   Py_ssize_t nowners = 0;
   PyObject *ret = NULL;
@@ -295,8 +298,9 @@ static PyObject *mod_all_reduce(PyObject *mod, PyObject *args) {
   }
   bufs = PyMem_RawMalloc(sizeof(float *) * (size_t)k); /* read without the GIL: a raw allocation */
   devs = PyMem_RawMalloc(sizeof(dp_device *) * (size_t)k);
+  devices = PyMem_RawMalloc(sizeof(const char *) * (size_t)k);
   owners = PyMem_Malloc(sizeof(PyObject *) * (size_t)k);
-  if (!bufs || !devs || !owners) {
+  if (!bufs || !devs || !devices || !owners) {
     PyErr_NoMemory();
     goto done;
   }
@@ -326,14 +330,16 @@ static PyObject *mod_all_reduce(PyObject *mod, PyObject *args) {
       }
     bufs[i] = t->data;
     devs[i] = t->dev;
+    devices[i] = t->dev->name;
     if (t->owner) owners[nowners++] = t->owner;
   }
-  allreduce_work w = {bufs, devs, (int)k, (int64_t)tensor_size(first), op == 1 ? DP_REDUCE_MEAN : DP_REDUCE_SUM};
+  allreduce_work w = {devices, bufs, devs, (int)k, (int64_t)tensor_size(first), op == 1 ? DP_REDUCE_MEAN : DP_REDUCE_SUM};
   if (devices_run_without_gil(owners, nowners, devs, k, allreduce_run, &w) < 0) goto done;
   ret = Py_NewRef(Py_None);
 done:
   PyMem_RawFree(bufs);
   PyMem_RawFree(devs);
+  PyMem_RawFree(devices);
   PyMem_Free(owners);
   Py_DECREF(items);
   return ret;

@@ -2,6 +2,7 @@
 
 #include <omp.h>
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdlib.h>
 #include <stdio.h>
 #include <string.h>
@@ -59,8 +60,13 @@ static void *worker_main(void *p) {
   }
 }
 
+static atomic_long groups_created;
+
+long dp_group_created_count(void) { return atomic_load(&groups_created); }
+
 dp_status dp_group_create(int k, const int *threads, dp_group **out) {
   *out = NULL;
+  atomic_fetch_add(&groups_created, 1);
   if (k < 1) return DP_FAIL(DP_ERR_VALUE, "a replica group needs at least one replica, got %d", k);
   dp_group *g = calloc(1, sizeof *g);
   if (!g) return DP_FAIL(DP_ERR_MEMORY, "cannot allocate a replica group");

@@ -19,6 +19,9 @@ typedef DP_MUST_CHECK dp_status (*dp_group_fn)(void *arg, int rank);
 /* threads[r]: OpenMP threads of worker r. */
 DP_MUST_CHECK dp_status dp_group_create(int k, const int *threads, dp_group **out);
 void dp_group_destroy(dp_group *g);
+/* How many groups this process has made (a debug counter: tests check that
+ * repeated collectives reuse their threads). */
+long dp_group_created_count(void);
 int dp_group_size(const dp_group *g);
 /* The barrier of the k workers, for collectives inside fn. */
 dp_barrier *dp_group_barrier(dp_group *g);

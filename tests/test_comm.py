@@ -200,6 +200,75 @@ def test_a_failing_replica_never_hangs_its_peers():
     assert "recovered" in proc.stdout
 
 
+# ---- dp.all_reduce: one kept group per device set -------------------------------------
+
+
+def test_repeated_all_reduce_reuses_one_thread_group():
+    """dp.all_reduce goes through a group kept for its device set (mirrored.c):
+    1000 calls make at most one group of replica threads, not 1000, and every
+    call still gives the rank-ordered sum / mean."""
+    devices = ["cpu:0", "cpu:1", "cpu:2"]
+    rng = np.random.default_rng(3)
+    base = [rng.standard_normal(1000).astype(np.float32) for _ in devices]
+    ts = [dp.tensor(b, device=d) for b, d in zip(base, devices)]
+    dp.all_reduce(ts, op="mean")  # the group for these devices exists from here on
+    before = dp._core.debug_counters()["groups_created"]
+    for _ in range(1000):
+        dp.all_reduce(ts, op="mean")  # the mean of equal tensors: bounded, every replica the same bits
+    assert dp._core.debug_counters()["groups_created"] == before
+    assert all(np.array_equal(t.numpy().view(np.uint32), ts[0].numpy().view(np.uint32)) for t in ts)
+    fresh = [dp.tensor(b, device=d) for b, d in zip(base, devices)]
+    dp.all_reduce(fresh)
+    total = (base[0] + base[1]) + base[2]
+    for t in fresh:
+        np.testing.assert_array_equal(t.numpy().view(np.uint32), total.view(np.uint32))
+    assert dp._core.debug_counters()["groups_created"] == before
+
+
+def test_all_reduce_from_several_threads_on_one_device_set():
+    """Calls on the same device set from several Python threads take turns on
+    its kept group: each reduces its own tensors, exactly."""
+    import threading
+
+    devices = ["cpu:0", "cpu:1"]
+    errors = []
+
+    def worker(seed):
+        try:
+            for i in range(100):
+                a = np.full(257, float(seed + i), np.float32)
+                b = np.full(257, float(2 * seed + i), np.float32)
+                ts = [dp.tensor(a, device=devices[0]), dp.tensor(b, device=devices[1])]
+                dp.all_reduce(ts)
+                for t in ts:
+                    np.testing.assert_array_equal(t.numpy(), a + b)
+        except Exception as e:  # reported by the main thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(s,)) for s in (1, 1000, 5000)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+
+
+def test_all_reduce_over_more_device_sets_than_are_kept():
+    """More device sets than groups are kept (8): the least recently used is
+    replaced, and every call is still exact."""
+    for rep in range(2):
+        for pair in range(4):
+            for other in range(4):
+                if other == pair:
+                    continue
+                devices = [f"cpu:{pair}", f"cpu:{other}"]
+                ts = [dp.tensor(np.full(5, 1.0 + pair, np.float32), device=devices[0]),
+                      dp.tensor(np.full(5, 10.0 * other, np.float32), device=devices[1])]
+                dp.all_reduce(ts)
+                for t in ts:
+                    np.testing.assert_array_equal(t.numpy(), np.full(5, 1.0 + pair + 10.0 * other, np.float32))
+
+
 # ---- on GPUs (skipped with the reason where none is usable) ---------------------------
 
 RUNTIME = dp._core.runtime_info()

@@ -99,6 +99,18 @@ def test_cuda_backend_fills_every_table_entry():
     assert dp._core.backend_null_entries("cuda") == []
 
 
+def test_comm_kinds_fill_every_table_entry():
+    """Each all-reduce kind is an ops table (csrc/comm.c; a _Static_assert
+    checks that the list of its entries is complete): every built kind fills
+    every entry; MPI's slot is empty until its issue; kinds not built are None."""
+    assert dp._core.comm_null_entries("host") == []
+    assert dp._core.comm_null_entries("kernel") == ([] if INFO.get("cuda") else None)
+    assert dp._core.comm_null_entries("nccl") == ([] if INFO.get("nccl_found") else None)
+    assert dp._core.comm_null_entries("mpi") is None
+    with pytest.raises(ValueError, match="unknown all-reduce kind"):
+        dp._core.comm_null_entries("tcp")
+
+
 def test_backend_null_entries_rejects_unknown_names():
     with pytest.raises(ValueError, match="unknown backend"):
         dp._core.backend_null_entries("tpu")

@@ -71,7 +71,7 @@ static dp_status scenario(dp_device *dev, dp_model **m, dp_resident **res) {
   DP_TRY(dp_resident_create(dev, images_u8, 1, labels, BATCH, SIDE * SIDE, 10, res));
   const int64_t rows[3] = {4, 0, 2};
   DP_TRY(dp_model_load_rows(*m, *res, rows, 3));
-  return dp_model_forward_backward_loaded(*m, 3, 1.0f / 3, &loss, &correct);
+  return dp_model_forward_backward_loaded(*m, 3, 1.0f / 3, NULL, &loss, &correct);
 }
 
 /* The scenario on a fresh device (its scratch starts empty, so every run

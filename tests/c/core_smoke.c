@@ -100,7 +100,7 @@ static void train_variant(dp_device *dev, int variant) {
     dp_batch bh = {xh, 1, yh, 5, NULL, NULL};
     CHECK(dp_model_forward_backward(m, &bh, 0.2f, &hloss, &hc) == DP_OK);
     CHECK(dp_model_load_rows(m, res, rows, 5) == DP_OK);
-    CHECK(dp_model_forward_backward_loaded(m, 5, 0.2f, &rloss, &rc) == DP_OK);
+    CHECK(dp_model_forward_backward_loaded(m, 5, 0.2f, NULL, &rloss, &rc) == DP_OK);
     CHECK(rloss == hloss && rc == hc);
     const int64_t bad_rows[2] = {1, 16};
     CHECK(dp_model_load_rows(m, res, bad_rows, 2) == DP_ERR_VALUE);

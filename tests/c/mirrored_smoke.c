@@ -2,7 +2,8 @@
  * threads (replica.c), the breakable barrier and host all-reduce
  * (collective.c), the comm interface and its gradient buckets (comm.c), the
  * mirrored runner with per-replica and synchronized BatchNorm (mirrored.c)
- * and resident datasets (resident.c). Three CPU replicas train a residual
+ * and resident datasets (resident.c), dp.all_reduce's kept groups and the
+ * collective interface's registered buffers. Three CPU replicas train a residual
  * block with BatchNorm; a step that fails in one replica leaves the others
  * unchanged and the group usable; every thread is joined and every byte
  * freed (LeakSanitizer), with no data race the sanitizers can see and no UB.
@@ -139,6 +140,68 @@ done:
   for (int r = 0; r < K; ++r) dp_model_destroy(models[r]);
 }
 
+/* dp_allreduce_buffers (dp.all_reduce): the rank-ordered sum every time, on
+ * one group per device set made once; more sets than are kept replace the
+ * least recently used idle group. */
+static void kept_groups(void) {
+  enum { LEN = 37, SETS = 11 };
+  float *bufs[K];
+  for (int r = 0; r < K; ++r) bufs[r] = malloc(sizeof(float) * LEN);
+  const char *names[K] = {"cpu:0", "cpu:1", "cpu:2"};
+  const long before = dp_group_created_count();
+  for (int call = 0; call < 50; ++call) {
+    for (int r = 0; r < K; ++r)
+      for (int i = 0; i < LEN; ++i) bufs[r][i] = 0.1f * (float)(r + 1) + (float)i;
+    CHECK(dp_allreduce_buffers(names, bufs, K, LEN, call % 2 ? DP_REDUCE_MEAN : DP_REDUCE_SUM) == DP_OK);
+    for (int i = 0; i < LEN; ++i) {
+      const float sum = ((0.1f + (float)i) + (0.2f + (float)i)) + (0.3f + (float)i);
+      const float want = call % 2 ? sum * (1.0f / (float)K) : sum;
+      for (int r = 0; r < K; ++r) CHECK(bufs[r][i] == want);
+    }
+  }
+  CHECK(dp_group_created_count() - before == 1);
+  /* SETS device sets, each reduced twice: the kept ones are reused, the rest made again */
+  char set_names[SETS][K][16];
+  for (int round = 0; round < 2; ++round)
+    for (int set = 0; set < SETS; ++set) {
+      const char *ptrs[K];
+      for (int r = 0; r < K; ++r) {
+        snprintf(set_names[set][r], sizeof set_names[set][r], "cpu:%d", set * K + r);
+        ptrs[r] = set_names[set][r];
+        for (int i = 0; i < LEN; ++i) bufs[r][i] = (float)(r + set);
+      }
+      CHECK(dp_allreduce_buffers(ptrs, bufs, K, LEN, DP_REDUCE_SUM) == DP_OK);
+      for (int r = 0; r < K; ++r) CHECK(bufs[r][LEN - 1] == (float)(3 * set + 3));
+    }
+  CHECK(dp_group_created_count() - before > SETS && dp_group_created_count() - before <= 2 * SETS + 1);
+  for (int r = 0; r < K; ++r) free(bufs[r]);
+  dp_allreduce_groups_clear();
+}
+
+/* The collective interface all-reduces registered buffers only; every kind's
+ * table is full, and MPI's slot is empty. */
+static void registered_buffers(dp_device *devs) {
+  dp_device *ptrs[K] = {&devs[0], &devs[1], &devs[2]};
+  dp_barrier bar;
+  CHECK(dp_barrier_init(&bar, K) == DP_OK);
+  dp_comm *c = NULL;
+  CHECK(dp_comm_create(ptrs, K, DP_COMM_HOST, &bar, &c) == DP_OK);
+  float a[K][8], elsewhere[8];
+  float *bufs[K] = {a[0], a[1], a[2]};
+  CHECK(dp_comm_register(c, bufs, 8) == DP_OK);
+  const dp_collective coll = dp_comm_collective(c, 1);
+  CHECK(dp_collective_all_reduce(&coll, elsewhere, 8, DP_REDUCE_SUM) == DP_ERR_VALUE);
+  CHECK(strstr(dp_error_message(), "no buffer registered") != NULL);
+  CHECK(dp_collective_all_reduce(&coll, a[1] + 4, 5, DP_REDUCE_SUM) == DP_ERR_VALUE); /* runs past its end */
+  dp_grad_bucket whole = {0, 9, 0};
+  CHECK(dp_comm_set_buckets(c, bufs, &whole, 1) == DP_ERR_VALUE);
+  dp_comm_destroy(c);
+  dp_barrier_destroy(&bar);
+  const char *names[8];
+  CHECK(dp_comm_ops_null_entries(DP_COMM_HOST, names, 8) == 0);
+  CHECK(dp_comm_ops_null_entries(DP_COMM_MPI, names, 8) == -1);
+}
+
 int main(void) {
   dp_device devs[K];
   for (int r = 0; r < K; ++r)
@@ -155,6 +218,8 @@ int main(void) {
   CHECK(strstr(dp_error_message(), "nccl") != NULL);
   CHECK(dp_comm_create(ptrs, K, DP_COMM_KERNEL, &bar, &c) == DP_ERR_VALUE && c == NULL);
   dp_barrier_destroy(&bar);
+  kept_groups();
+  registered_buffers(devs);
   for (int r = 0; r < K; ++r) dp_device_destroy(&devs[r]);
   if (failures) fprintf(stderr, "%d checks failed\n", failures);
   printf("mirrored_smoke: %s\n", failures ? "FAILED" : "ok");
