@@ -75,7 +75,7 @@ def test_device_registry_is_clean(tmp_path):
     devices' core shares; a device made before a reconfiguration keeps
     working; gets, puts and step locks from four threads at once; nothing
     left alive or leaked."""
-    build_and_run(tmp_path, "device_registry", ["backend_cpu.c", "backend_cuda.c", "device.c", "model.c", "resident.c",
+    build_and_run(tmp_path, "device_registry", ["backend_cpu.c", "backend_cuda.c", "device.c", "layers.c", "model.c", "resident.c",
                                                  "shapes.c", "status.c"], link_flags=["-lpthread"])
 
 
