@@ -72,7 +72,17 @@ def test_divergence_warns():
         dp.train(net, it, num_epochs=1, lr=0.1, verbose=False)
 
 
-def test_ctrl_c_between_steps_raises_keyboard_interrupt():
+@pytest.fixture
+def python_sigint():
+    """Python's own SIGINT handler, as in a terminal or a notebook. A test runner started in
+    the background by a non-interactive shell inherits SIGINT ignored, and Python then keeps it
+    ignored: Ctrl-C could not reach dp.train however dpcore behaved."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+def test_ctrl_c_between_steps_raises_keyboard_interrupt(python_sigint):
     """SIGINT during training stops it with KeyboardInterrupt; the model keeps the
     weights of the last whole step and can train on."""
     X, y = synthetic(4096)
@@ -93,7 +103,8 @@ def test_ctrl_c_between_steps_raises_keyboard_interrupt():
 def test_ctrl_c_in_a_subprocess_exits_cleanly(tmp_path):
     script = tmp_path / "train.py"
     script.write_text(textwrap.dedent("""
-        import sys, numpy as np, dpcore as dp
+        import signal, sys, numpy as np, dpcore as dp
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # see the python_sigint fixture
         X = np.random.default_rng(0).integers(0, 255, (8192, 1, 28, 28)).astype(np.uint8)
         y = np.arange(8192) % 10
         net = dp.models.LeNet()
