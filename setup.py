@@ -3,6 +3,7 @@ the .cu launchers in kernels/ (nvcc).
 
 Environment:
   DPCORE_CUDA=0        build CPU-only even when nvcc is found
+  DPCORE_MPI=0         build without MPI even when mpicc is found (every process is then a world of one)
   CUDA_HOME=/path      where the CUDA toolkit lives (default: /usr/local/cuda, or nvcc on PATH)
   DPCORE_BLAS_INC / DPCORE_BLAS_LIB   CBLAS header dir / library file (default: Debian's OpenBLAS)
   DPCORE_CUDA_ARCHS="90"  cubins for these compute capabilities only (default: 7.5 8.0 8.6 8.9 9.0 + PTX)
@@ -91,8 +92,31 @@ def find_cuda():
 
 
 def find_mpi():
+    """(info, why): Open MPI's (or MPICH's) compile and link flags from its
+    compiler wrapper, which knows where its headers and libraries are."""
+    if os.environ.get("DPCORE_MPI", "1") == "0":
+        return None, "disabled by DPCORE_MPI=0"
     mpicc = shutil.which("mpicc")
-    return {"mpicc": mpicc} if mpicc else None
+    if not mpicc:
+        return None, "mpicc not found (Debian: apt-get install libopenmpi-dev openmpi-bin)"
+    flags = {}
+    for what, args in (("compile", ["-showme:compile"]), ("link", ["-showme:link"])):
+        try:
+            out = subprocess.run([mpicc] + args, capture_output=True, text=True, check=True).stdout.split()
+        except (OSError, subprocess.CalledProcessError):
+            # MPICH's wrapper: -compile_info / -link_info print the whole command line
+            try:
+                out = subprocess.run([mpicc, "-" + what + "_info"], capture_output=True, text=True,
+                                     check=True).stdout.split()[1:]
+            except (OSError, subprocess.CalledProcessError) as e:
+                return None, "mpicc %s failed: %s" % (args[0], e)
+        flags[what] = out
+    incs = [f[2:] for f in flags["compile"] if f.startswith("-I")]
+    libdirs = [f[2:] for f in flags["link"] if f.startswith("-L")]
+    libs = [f[2:] for f in flags["link"] if f.startswith("-l")]
+    if not any(os.path.exists(os.path.join(d, "mpi.h")) for d in incs + ["/usr/include"]):
+        return None, "mpi.h not found in %s" % incs
+    return {"mpicc": mpicc, "include": incs, "libdirs": libdirs, "libs": libs}, "found %s" % mpicc
 
 
 class Build(build):
@@ -152,7 +176,9 @@ def make_config():
     cuda, cuda_why = find_cuda()
     log("BLAS: %s" % blas["name"])
     log("CUDA: %s" % cuda_why + ("" if cuda else ", building CPU-only"))
-    return {"blas": blas, "cuda": cuda, "cuda_why": cuda_why, "mpi": find_mpi()}
+    mpi, mpi_why = find_mpi()
+    log("MPI: %s" % mpi_why + ("" if mpi else ", building without multi-process training"))
+    return {"blas": blas, "cuda": cuda, "cuda_why": cuda_why, "mpi": mpi, "mpi_why": mpi_why}
 
 
 CONFIG = make_config()
@@ -195,6 +221,14 @@ def extension():
             # the all-reduce across distinct GPUs (csrc/comm.c)
             macros.append(("DP_HAVE_NCCL", "1"))
             libs.append("nccl")
+    mpi = CONFIG["mpi"]
+    if mpi:
+        # the processes of a job (csrc/dist.c, the mpi all-reduce of csrc/comm.c)
+        macros.append(("DP_HAVE_MPI", "1"))
+        incs += mpi["include"]
+        libdirs += mpi["libdirs"]
+        rpath += mpi["libdirs"]
+        libs += mpi["libs"]
     build_info = {
         "version": "0.1.0",
         "cuda": bool(cuda), "cuda_toolkit": cuda["version"] if cuda else None, "cuda_why": CONFIG["cuda_why"],
@@ -204,7 +238,7 @@ def extension():
         # the CUDA backend (csrc/backend_cuda.c) needs the toolkit, cuDNN and cuBLAS
         "cuda_backend": bool(cuda and cuda["cudnn"] and cuda["cublas"]),
         "nccl_found": bool(cuda and cuda["nccl"]), "nccl_linked": bool(cuda and cuda["nccl"]),
-        "mpi_found": bool(CONFIG["mpi"]),
+        "mpi_found": bool(mpi), "mpi_linked": bool(mpi), "mpi_why": CONFIG["mpi_why"],
         "blas": blas["name"], "blas_library": blas["library"],
         "cflags": " ".join(cflags), "ldflags": " ".join(ldflags),
         "compiler": sysconfig.get_config_var("CC"),

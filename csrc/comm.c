@@ -29,6 +29,8 @@
  */
 #include "comm.h"
 
+#include <pthread.h>
+#include <stdatomic.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -36,6 +38,7 @@
 #include <string.h>
 
 #include "cuda_check.h"
+#include "dist.h"
 
 #if defined(DP_HAVE_CUDA)
 #include "dp_cuda.h"
@@ -79,10 +82,18 @@ typedef struct comm_ops {
   int (*step_failed)(dp_comm *c);
 } comm_ops;
 
+typedef struct mpi_ctx mpi_ctx;
+
 struct dp_comm {
   dp_comm_kind kind;
   const comm_ops *ops;
   int k;
+  /* the job's replicas: this process's k are first .. first + k - 1 of total
+   * (first 0, total k within one process) */
+  int first, total;
+  double timeout;   /* seconds to wait for another process */
+  int64_t step;     /* steps begun (dp_comm_step_begin), for messages */
+  mpi_ctx *mpi;     /* the mpi kind's worker */
   dp_barrier *bar;
   int poisoned;
   comm_rank *ranks;
@@ -106,20 +117,22 @@ const char *dp_comm_kind_name(dp_comm_kind kind) {
 }
 
 dp_status dp_comm_kind_parse(const char *name, dp_comm_kind *out) {
-  /* mpi is not offered until it has an ops table */
-  static const dp_comm_kind kinds[] = {DP_COMM_AUTO, DP_COMM_HOST, DP_COMM_KERNEL, DP_COMM_NCCL};
+  static const dp_comm_kind kinds[] = {DP_COMM_AUTO, DP_COMM_HOST, DP_COMM_KERNEL, DP_COMM_NCCL, DP_COMM_MPI};
   for (size_t i = 0; i < sizeof kinds / sizeof kinds[0]; ++i)
     if (name && strcmp(name, dp_comm_kind_name(kinds[i])) == 0) {
       *out = kinds[i];
       return DP_OK;
     }
-  return DP_FAIL(DP_ERR_VALUE, "all_reduce must be 'auto', 'host', 'kernel' or 'nccl', got '%s'",
+  return DP_FAIL(DP_ERR_VALUE, "all_reduce must be 'auto', 'host', 'kernel', 'nccl' or 'mpi', got '%s'",
                  name ? name : "(null)");
 }
 
 dp_comm_kind dp_comm_get_kind(const dp_comm *c) { return c->kind; }
 
 static dp_status usable(const dp_comm *c) {
+  if (c->poisoned && c->kind == DP_COMM_MPI)
+    return DP_FAIL(DP_ERR_DIST, "the all-reduce across processes failed part way in an earlier step, and the "
+                   "processes are out of step: restart the job");
   if (c->poisoned)
     return DP_FAIL(DP_ERR_RUNTIME, "the %s all-reduce was aborted after a failed step (NCCL cannot resume a "
                    "collective a replica never joined); make the strategy and the model again",
@@ -158,6 +171,198 @@ static int host_step_failed(dp_comm *c) { return 0; }
 
 static const comm_ops host_ops = {host_create, host_destroy, host_all_reduce, host_bucket_start, host_bucket_wait,
                                   host_step_failed};
+
+/* ---- mpi: processes, each with CPU replica threads ------------------------------
+ *
+ * Hierarchical and rank-ordered: a worker thread of each process runs the
+ * chain of dist.h over the process's k replica buffers (its local sum
+ * continues the running sum of the processes before it, in global replica
+ * order), so the bits are those of one process with `total` replica threads.
+ * A bucket is handed to the worker as soon as every local replica has
+ * produced it, and the replica threads go on with the backward pass of the
+ * earlier layers while the worker exchanges it: the overlap of DDP's buckets.
+ * The worker takes jobs in the order they are posted, and every process posts
+ * the same jobs in the same order (buckets in bucket order, whichever replica
+ * thread completes one; a synchronous all-reduce after every bucket before it),
+ * so the chains match across processes. One thread makes this comm's MPI
+ * calls, as Horovod's background thread does. */
+
+enum { MPI_QUEUE = 2 * DP_COMM_MAX_BUCKETS + 16 };
+
+typedef struct mpi_job {
+  float *bufs[DP_COMM_MAX_REPLICAS]; /* the range's start in each local buffer */
+  int64_t n;
+  float scale;
+  int tag;
+  char what[96];
+} mpi_job;
+
+struct mpi_ctx {
+  pthread_t thread;
+  int started;
+  pthread_mutex_t mu;
+  pthread_cond_t work, done;
+  mpi_job jobs[MPI_QUEUE];
+  int64_t posted, taken, finished; /* jobs, counted since the comm was made */
+  int stop;
+  _Atomic int abandon;             /* the comm is going: the chain in flight gives up */
+  dp_status failed;                /* the first failure; later jobs are skipped */
+  char message[1024];
+  int arrived[DP_COMM_MAX_BUCKETS]; /* local replicas that have produced bucket b this step */
+  int complete[DP_COMM_MAX_BUCKETS];
+  int next_post;                    /* the next bucket to hand to the worker, in order */
+  int64_t sync_target;              /* the job a synchronous all-reduce waits for */
+  int64_t tags;                     /* jobs ever posted: each its own tag (mod DP_DIST_MAX_TAG) */
+  float *stage;                     /* 2 * DP_DIST_SEGMENT floats */
+};
+
+#if defined(DP_HAVE_MPI)
+
+static void *mpi_worker(void *arg) {
+  dp_comm *c = arg;
+  mpi_ctx *x = c->mpi;
+  pthread_mutex_lock(&x->mu);
+  for (;;) {
+    while (!x->stop && x->taken == x->posted) pthread_cond_wait(&x->work, &x->mu);
+    if (x->stop) break;
+    const mpi_job *job = &x->jobs[x->taken % MPI_QUEUE];
+    x->taken++;
+    const int skip = x->failed != DP_OK;
+    pthread_mutex_unlock(&x->mu);
+    dp_status st = DP_OK;
+    if (!skip)
+      st = dp_dist_chain_allreduce_abandonable(job->bufs, c->k, job->n, job->scale, job->tag, x->stage, c->timeout,
+                                               job->what, &x->abandon);
+    pthread_mutex_lock(&x->mu);
+    if (st != DP_OK && x->failed == DP_OK) {
+      x->failed = st;
+      snprintf(x->message, sizeof x->message, "%s", dp_error_message());
+    }
+    x->finished++;
+    pthread_cond_broadcast(&x->done);
+  }
+  pthread_mutex_unlock(&x->mu);
+  return NULL;
+}
+
+/* Queues a job (x->mu held). */
+static void mpi_post_locked(dp_comm *c, float *const *bufs, int64_t begin, int64_t end, float scale,
+                            const char *what) {
+  mpi_ctx *x = c->mpi;
+  while (x->posted - x->taken >= MPI_QUEUE) pthread_cond_wait(&x->done, &x->mu);
+  mpi_job *job = &x->jobs[x->posted % MPI_QUEUE];
+  for (int r = 0; r < c->k; ++r) job->bufs[r] = bufs[r] + begin;
+  job->n = end - begin;
+  job->scale = scale;
+  job->tag = (int)(x->tags++ % DP_DIST_MAX_TAG);
+  snprintf(job->what, sizeof job->what, "%s of step %lld", what, (long long)c->step);
+  x->posted++;
+  pthread_cond_signal(&x->work);
+}
+
+/* Waits (x->mu held) until job `target` (1-based count) is done; the
+ * worker's failure as this thread's error. */
+static dp_status mpi_wait_locked(mpi_ctx *x, int64_t target) {
+  while (x->finished < target && x->failed == DP_OK) pthread_cond_wait(&x->done, &x->mu);
+  if (x->failed == DP_OK) return DP_OK;
+  dp_error_set_message(x->message);
+  return x->failed;
+}
+
+static dp_status mpi_create(dp_comm *c) {
+  for (int r = 0; r < c->k; ++r)
+    if (c->ranks[r].dev->kind != DP_DEVICE_CPU)
+      return DP_FAIL(DP_ERR_VALUE, "all_reduce='mpi' is for CPU replicas (%s is not); GPUs across processes use NCCL",
+                     c->ranks[r].dev->name);
+  mpi_ctx *x = calloc(1, sizeof *x);
+  if (!x) return DP_FAIL(DP_ERR_MEMORY, "mpi all-reduce: cannot allocate its worker");
+  c->mpi = x;
+  x->stage = malloc(sizeof(float) * 2 * DP_DIST_SEGMENT);
+  if (!x->stage) return DP_FAIL(DP_ERR_MEMORY, "mpi all-reduce: cannot allocate its staging");
+  if (pthread_mutex_init(&x->mu, NULL) != 0) return DP_FAIL(DP_ERR_RUNTIME, "pthread_mutex_init failed");
+  if (pthread_cond_init(&x->work, NULL) != 0 || pthread_cond_init(&x->done, NULL) != 0)
+    return DP_FAIL(DP_ERR_RUNTIME, "pthread_cond_init failed");
+  if (pthread_create(&x->thread, NULL, mpi_worker, c) != 0)
+    return DP_FAIL(DP_ERR_RUNTIME, "mpi all-reduce: cannot start its worker thread");
+  x->started = 1;
+  return DP_OK;
+}
+
+static void mpi_destroy(dp_comm *c) {
+  mpi_ctx *x = c->mpi;
+  if (!x) return;
+  if (x->started) {
+    atomic_store(&x->abandon, 1);
+    pthread_mutex_lock(&x->mu);
+    x->stop = 1;
+    pthread_cond_broadcast(&x->work);
+    pthread_mutex_unlock(&x->mu);
+    pthread_join(x->thread, NULL);
+    pthread_cond_destroy(&x->work);
+    pthread_cond_destroy(&x->done);
+    pthread_mutex_destroy(&x->mu);
+  }
+  free(x->stage);
+  free(x);
+  c->mpi = NULL;
+}
+
+static dp_status mpi_all_reduce(dp_comm *c, int rank, float *const *bufs, int64_t n, dp_reduce_op op) {
+  mpi_ctx *x = c->mpi;
+  DP_TRY(dp_barrier_wait(c->bar)); /* every local buffer is complete, every earlier bucket posted */
+  if (rank == 0) {
+    pthread_mutex_lock(&x->mu);
+    mpi_post_locked(c, bufs, 0, n, op == DP_REDUCE_MEAN ? 1.0f / (float)c->total : 1.0f, "an all-reduce");
+    x->sync_target = x->posted;
+    pthread_mutex_unlock(&x->mu);
+  }
+  DP_TRY(dp_barrier_wait(c->bar)); /* sync_target is set */
+  pthread_mutex_lock(&x->mu);
+  const dp_status st = mpi_wait_locked(x, x->sync_target);
+  pthread_mutex_unlock(&x->mu);
+  return st;
+}
+
+/* Bucket b is handed to the worker once every local replica has produced it,
+ * and only after every bucket before it. */
+static dp_status mpi_bucket_start(dp_comm *c, int rank, float *const *bufs, int64_t begin, int64_t end, int bucket) {
+  mpi_ctx *x = c->mpi;
+  pthread_mutex_lock(&x->mu);
+  if (++x->arrived[bucket] == c->k) {
+    x->arrived[bucket] = 0;
+    x->complete[bucket] = 1;
+    while (x->next_post < DP_COMM_MAX_BUCKETS && x->complete[x->next_post]) {
+      const int b = x->next_post++;
+      x->complete[b] = 0;
+      char what[64];
+      snprintf(what, sizeof what, "the gradient all-reduce (bucket %d)", b);
+      const dp_grad_bucket *gb = &c->buckets[b];
+      mpi_post_locked(c, c->grads->bufs, gb->begin, gb->end, 1.0f, what);
+    }
+  }
+  pthread_mutex_unlock(&x->mu);
+  return DP_OK;
+}
+
+static dp_status mpi_bucket_wait(dp_comm *c, int rank) {
+  mpi_ctx *x = c->mpi;
+  DP_TRY(dp_barrier_wait(c->bar)); /* every local replica has started every bucket: all are posted */
+  pthread_mutex_lock(&x->mu);
+  const dp_status st = mpi_wait_locked(x, x->posted);
+  pthread_mutex_unlock(&x->mu);
+  return st;
+}
+
+/* A chain some processes joined and others never will: the job is out of step. */
+static int mpi_step_failed(dp_comm *c) {
+  atomic_store(&c->mpi->abandon, 1);
+  return 1;
+}
+
+static const comm_ops mpi_ops = {mpi_create, mpi_destroy, mpi_all_reduce, mpi_bucket_start, mpi_bucket_wait,
+                                 mpi_step_failed};
+
+#endif /* DP_HAVE_MPI */
 
 /* ---- CUDA kinds ------------------------------------------------------------- */
 
@@ -317,6 +522,30 @@ static dp_status nccl_create(dp_comm *c) {
    * communicators are made. */
   if (setenv("NCCL_RUNTIME_CONNECT", "0", 0) != 0)
     return DP_FAIL(DP_ERR_RUNTIME, "nccl: cannot set NCCL_RUNTIME_CONNECT=0 before ncclCommInitAll");
+  if (c->total > c->k) {
+    /* Across processes: one communicator of every replica of the job, rank
+     * first + r here, from a unique id made by the process holding replica 0
+     * (MPI rank 0) and broadcast over MPI. One thread initialising several
+     * ranks must group the calls (NCCL API, ncclCommInitRank: "... must be
+     * called within ncclGroupStart/ncclGroupEnd" when one thread has several
+     * devices). NCCL builds its own hierarchy (NVLink within a host, the
+     * network between hosts) inside the communicator. */
+    ncclUniqueId id;
+    memset(&id, 0, sizeof id);
+    if (c->first == 0) DP_NCCL_CHECK(ncclGetUniqueId(&id));
+    DP_TRY(dp_dist_bcast(&id, (int64_t)sizeof id, 0, c->timeout, "the NCCL unique id"));
+    DP_NCCL_CHECK(ncclGroupStart());
+    ncclResult_t rc = ncclSuccess;
+    for (int r = 0; r < c->k && rc == ncclSuccess; ++r) {
+      DP_CUDA_CHECK(cudaSetDevice(gpus[r]));
+      rc = ncclCommInitRank(&comms[r], c->total, id, c->first + r);
+      if (rc == ncclSuccess) c->ranks[r].nccl = comms[r];
+    }
+    const ncclResult_t end = ncclGroupEnd();
+    DP_NCCL_CHECK(rc);
+    DP_NCCL_CHECK(end);
+    return DP_OK;
+  }
   /* one process, one communicator per device, rank r on gpus[r] (NCCL API,
    * ncclCommInitAll); the devices must be distinct, checked by choose_kind */
   DP_NCCL_CHECK(ncclCommInitAll(comms, c->k, gpus));
@@ -404,8 +633,9 @@ static const comm_ops *const comm_kinds[DP_COMM_KIND_COUNT] = {
 #if defined(DP_HAVE_NCCL)
     [DP_COMM_NCCL] = &nccl_ops,
 #endif
-    /* [DP_COMM_MPI]: processes and hosts (the next issue), a table like
-     * these: hierarchical (threads, then processes, then threads) and rank-ordered. */
+#if defined(DP_HAVE_MPI)
+    [DP_COMM_MPI] = &mpi_ops,
+#endif
 };
 
 #define DP_OPS_ENTRY(name) {#name, offsetof(comm_ops, name)}
@@ -432,19 +662,35 @@ int dp_comm_ops_null_entries(dp_comm_kind kind, const char **out, int max) {
   return n;
 }
 
-static dp_status choose_kind(dp_device *const *devs, int k, dp_comm_kind want, dp_comm_kind *out) {
+/* across: the replicas span several processes. */
+static dp_status choose_kind(dp_device *const *devs, int k, dp_comm_kind want, int across, dp_comm_kind *out) {
   int cpus = 0, distinct = 1;
   for (int r = 0; r < k; ++r) cpus += devs[r]->kind == DP_DEVICE_CPU;
   if (cpus && cpus < k)
     return DP_FAIL(DP_ERR_VALUE, "mirrored replicas must be all on CPU devices or all on CUDA devices (%s and %s)",
                    devs[0]->name, devs[devs[0]->kind == DP_DEVICE_CPU ? k - 1 : 0]->name);
+  if (cpus && across) {
+    if (want != DP_COMM_AUTO && want != DP_COMM_MPI)
+      return DP_FAIL(DP_ERR_VALUE, "all_reduce='%s': CPU replicas in several processes use 'mpi'",
+                     dp_comm_kind_name(want));
+    *out = DP_COMM_MPI;
+    return DP_OK;
+  }
   if (cpus) {
+    if (want == DP_COMM_MPI)
+      return DP_FAIL(DP_ERR_VALUE, "all_reduce='mpi' is for replicas in several processes "
+                     "(dp.MultiWorkerMirroredStrategy under mpirun); CPU replicas of one process use 'host'");
     if (want != DP_COMM_AUTO && want != DP_COMM_HOST)
       return DP_FAIL(DP_ERR_VALUE, "all_reduce='%s' needs CUDA devices; CPU replicas use 'host'",
                      dp_comm_kind_name(want));
     *out = DP_COMM_HOST;
     return DP_OK;
   }
+  if (across && want != DP_COMM_AUTO && want != DP_COMM_NCCL)
+    return DP_FAIL(DP_ERR_VALUE, "all_reduce='%s': CUDA replicas in several processes use NCCL ('nccl' or 'auto')",
+                   dp_comm_kind_name(want));
+  if (want == DP_COMM_MPI)
+    return DP_FAIL(DP_ERR_VALUE, "all_reduce='mpi' is for CPU replicas; CUDA replicas use 'nccl' or 'kernel'");
   int q0 = -1, q1 = -1;
   for (int a = 0; a < k && distinct; ++a)
     for (int b = 0; b < a; ++b)
@@ -466,6 +712,15 @@ static dp_status choose_kind(dp_device *const *devs, int k, dp_comm_kind want, d
       *out = DP_COMM_NCCL;
       return DP_OK;
     case DP_COMM_AUTO:
+      if (across) {
+        if (!distinct)
+          return DP_FAIL(DP_ERR_VALUE,
+                         "%s and %s are on the same physical GPU %d: across processes dpcore reduces GPU replicas "
+                         "with NCCL, which refuses two ranks on one GPU; give each replica a GPU of its own",
+                         devs[q0]->name, devs[q1]->name, dp_cuda_device_gpu(devs[q0]));
+        *out = DP_COMM_NCCL;
+        return DP_OK;
+      }
       /* NCCL where it can serve these devices and is built in */
       *out = distinct && k > 1 && comm_kinds[DP_COMM_NCCL] ? DP_COMM_NCCL : DP_COMM_KERNEL;
       return DP_OK;
@@ -476,14 +731,27 @@ static dp_status choose_kind(dp_device *const *devs, int k, dp_comm_kind want, d
 }
 
 dp_status dp_comm_create(dp_device *const *devs, int k, dp_comm_kind want, dp_barrier *bar, dp_comm **out) {
+  return dp_comm_create_across(devs, k, want, bar, 0, k, 0.0, out);
+}
+
+dp_status dp_comm_create_across(dp_device *const *devs, int k, dp_comm_kind want, dp_barrier *bar, int first,
+                                int total, double timeout, dp_comm **out) {
   *out = NULL;
   if (k < 1 || k > DP_COMM_MAX_REPLICAS)
     return DP_FAIL(DP_ERR_VALUE, "all-reduce: need 1 to %d replicas, got %d", DP_COMM_MAX_REPLICAS, k);
+  if (first < 0 || total < first + k)
+    return DP_FAIL(DP_ERR_VALUE, "all-reduce: replicas %d..%d of %d", first, first + k - 1, total);
+  const int across = total > k;
+  if (across && !(timeout > 0.0))
+    return DP_FAIL(DP_ERR_VALUE, "all-reduce across processes: the timeout must be > 0 seconds, got %g", timeout);
   dp_comm_kind kind = DP_COMM_HOST;
-  DP_TRY(choose_kind(devs, k, want, &kind));
+  DP_TRY(choose_kind(devs, k, want, across, &kind));
   const comm_ops *ops = comm_kinds[kind];
   if (!ops) {
     if (kind == DP_COMM_NCCL) return DP_FAIL(DP_ERR_UNSUPPORTED, "all_reduce='nccl': dpcore was built without NCCL");
+    if (kind == DP_COMM_MPI)
+      return DP_FAIL(DP_ERR_UNSUPPORTED, "replicas in several processes need MPI: dpcore was built without it "
+                     "(install Open MPI, libopenmpi-dev, and reinstall; DPCORE_MPI=0 disables it)");
     return DP_FAIL(DP_ERR_UNSUPPORTED, "all-reduce kind '%s' on %s: dpcore was built without it",
                    dp_comm_kind_name(kind), devs[0]->name);
   }
@@ -495,6 +763,9 @@ dp_status dp_comm_create(dp_device *const *devs, int k, dp_comm_kind want, dp_ba
   c->kind = kind;
   c->ops = ops;
   c->k = k;
+  c->first = first;
+  c->total = total;
+  c->timeout = timeout;
   c->bar = bar;
   for (int r = 0; r < k; ++r) c->ranks[r].dev = devs[r];
   const dp_status st = ops->create(c);
@@ -514,11 +785,22 @@ void dp_comm_destroy(dp_comm *c) {
 }
 
 void dp_comm_step_begin(dp_comm *c) {
+  c->step++;
   for (int r = 0; r < c->k; ++r) {
     c->ranks[r].issued = 0;
     c->ranks[r].next_bucket = 0;
   }
+  if (c->mpi) {
+    pthread_mutex_lock(&c->mpi->mu);
+    memset(c->mpi->arrived, 0, sizeof c->mpi->arrived);
+    memset(c->mpi->complete, 0, sizeof c->mpi->complete);
+    c->mpi->next_post = 0;
+    pthread_mutex_unlock(&c->mpi->mu);
+  }
 }
+
+int dp_comm_total(const dp_comm *c) { return c->total; }
+int dp_comm_first(const dp_comm *c) { return c->first; }
 
 int64_t dp_comm_collectives_issued(const dp_comm *c) {
   int64_t n = 0;
@@ -538,7 +820,7 @@ int dp_comm_step_failed(dp_comm *c) {
 
 dp_status dp_comm_allreduce(dp_comm *c, int rank, float *const *bufs, int64_t n, dp_reduce_op op) {
   DP_TRY(usable(c));
-  if (c->k == 1 || n <= 0) return DP_OK;
+  if (c->total == 1 || n <= 0) return DP_OK;
   c->ranks[rank].issued++; /* counted before the call: a failing one may have queued work */
   return c->ops->all_reduce(c, rank, bufs, n, op);
 }
@@ -548,14 +830,14 @@ dp_status dp_comm_bucket_allreduce(dp_comm *c, int rank, float *const *bufs, int
   DP_TRY(usable(c));
   if (bucket < 0 || bucket >= DP_COMM_MAX_BUCKETS)
     return DP_FAIL(DP_ERR_VALUE, "all-reduce: bucket %d outside [0, %d)", bucket, DP_COMM_MAX_BUCKETS);
-  if (c->k == 1 || end <= begin) return DP_OK;
+  if (c->total == 1 || end <= begin) return DP_OK;
   c->ranks[rank].issued++;
   return c->ops->bucket_start(c, rank, bufs, begin, end, bucket);
 }
 
 dp_status dp_comm_wait_buckets(dp_comm *c, int rank) {
   DP_TRY(usable(c));
-  if (c->k == 1) return DP_OK;
+  if (c->total == 1) return DP_OK;
   return c->ops->bucket_wait(c, rank);
 }
 

@@ -14,8 +14,12 @@
  *   nccl    CUDA replicas on distinct GPUs: ncclAllReduce, communicators made
  *           up front (ncclCommInitAll) so that a failure shows when the
  *           strategy is made, not in the middle of training.
- *   mpi     (the next issue) processes and hosts: the slot is in comm.c's
- *           table of kinds; no ops table fills it yet.
+ *   mpi     CPU replicas in several processes (and hosts): a worker thread
+ *           per process runs dist.h's rank-ordered chain over MPI, bucket
+ *           by bucket as the backward pass produces them. Bitwise the host
+ *           kind's sum over the job's replicas. (CUDA replicas across
+ *           processes use the nccl kind, one communicator of every replica of
+ *           the job, its id broadcast over MPI.)
  *
  * The kernel and nccl kinds order work between a rank's streams, and between
  * ranks, with the backend's streams and events (backend.h).
@@ -53,7 +57,7 @@ typedef enum dp_comm_kind {
   DP_COMM_HOST = 0,
   DP_COMM_KERNEL = 1,
   DP_COMM_NCCL = 2,
-  DP_COMM_MPI = 3,   /* reserved for the next issue: no ops table yet */
+  DP_COMM_MPI = 3,
   DP_COMM_KIND_COUNT
 } dp_comm_kind;
 
@@ -76,7 +80,15 @@ typedef struct dp_grad_bucket {
  * devices, naming why). */
 DP_MUST_CHECK dp_status dp_comm_create(dp_device *const *devs, int k, dp_comm_kind want, dp_barrier *bar,
                                        dp_comm **out);
+/* The same for replicas that span processes: this process's k replicas are
+ * the job's replicas first .. first + k - 1 of total (dist.h's global order:
+ * process by process), and a peer process that does not arrive within timeout
+ * seconds is a DP_ERR_DIST. Collective over every process of the job. */
+DP_MUST_CHECK dp_status dp_comm_create_across(dp_device *const *devs, int k, dp_comm_kind want, dp_barrier *bar,
+                                              int first, int total, double timeout, dp_comm **out);
 void dp_comm_destroy(dp_comm *c);
+int dp_comm_total(const dp_comm *c); /* the job's replicas */
+int dp_comm_first(const dp_comm *c); /* this process's first replica among them */
 dp_comm_kind dp_comm_get_kind(const dp_comm *c);
 const char *dp_comm_kind_name(dp_comm_kind kind); /* "host", "kernel", "nccl", "mpi", "auto" */
 /* "host" -> DP_COMM_HOST ...; DP_ERR_VALUE for an unknown name. */

@@ -1,11 +1,14 @@
 #include "mirrored.h"
 
+#include <math.h>
 #include <pthread.h>
 #include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+
+#include "dist.h"
 
 void dp_shard_range(int64_t n, int k, int r, int64_t *begin, int64_t *end) {
   const int64_t base = n / k, extra = n % k;
@@ -56,8 +59,103 @@ static dp_status register_buffers(dp_mirrored *m) {
   return dp_comm_register(m->comm, bufs, m0->nstate);
 }
 
-dp_status dp_mirrored_create(dp_model **models, int k, int sync_batchnorm, dp_comm_kind comm, int64_t bucket_bytes,
-                             dp_mirrored **out) {
+/* What every process of a job must agree on before its replicas can train
+ * together (dp_mirrored_create_across), gathered from every process. */
+typedef struct model_signature {
+  int64_t nparams, nstate, bucket_bytes;
+  uint64_t layers; /* FNV-1a of the layer table */
+  int32_t k, nlayers, in_c, in_h, in_w, sync_batchnorm, nbuckets, device_kind, comm;
+  int32_t pad;
+  double timeout;
+} model_signature;
+
+static uint64_t fnv1a(uint64_t h, const void *p, size_t n) {
+  const unsigned char *b = p;
+  for (size_t i = 0; i < n; ++i) h = (h ^ b[i]) * 1099511628211ull;
+  return h;
+}
+static const uint64_t fnv_offset = 14695981039346656037ull;
+
+/* The first field in which process q's signature differs from process 0's,
+ * as a DP_ERR_DIST on every process (they all hold the same signatures). */
+static dp_status compare_signatures(const model_signature *all, int nproc) {
+  const model_signature *a = &all[0];
+  for (int q = 1; q < nproc; ++q) {
+    const model_signature *b = &all[q];
+#define DIFF(field, what)                                                                                        \
+  if (a->field != b->field)                                                                                      \
+    return DP_FAIL(DP_ERR_DIST, "the processes disagree about the model: rank %d has %s %lld, rank 0 has %lld", q, \
+                   what, (long long)b->field, (long long)a->field);
+    DIFF(nparams, "a parameter count of")
+    DIFF(nlayers, "a layer count of")
+    DIFF(in_c, "input channels")
+    DIFF(in_h, "input height")
+    DIFF(in_w, "input width")
+    DIFF(nstate, "a running-statistics count of")
+    DIFF(sync_batchnorm, "sync_batchnorm =")
+    DIFF(bucket_bytes, "a gradient bucket size (bytes) of")
+    DIFF(nbuckets, "a gradient bucket count of")
+    DIFF(device_kind, "device kind (0 cpu, 1 cuda)")
+    DIFF(comm, "all_reduce kind number")
+#undef DIFF
+    if (a->layers != b->layers)
+      return DP_FAIL(DP_ERR_DIST, "the processes disagree about the model: rank %d's layers differ from rank 0's "
+                     "(same counts, other kinds or sizes)", q);
+    if (a->timeout != b->timeout)
+      return DP_FAIL(DP_ERR_DIST, "the processes disagree about the strategy: rank %d has timeout=%g s, rank 0 %g s",
+                     q, b->timeout, a->timeout);
+  }
+  return DP_OK;
+}
+
+/* This process's place among the job's replicas, after every process has
+ * agreed about the model (collective). */
+static dp_status join_processes(dp_mirrored *m, dp_comm_kind comm, int64_t bucket_bytes) {
+  dp_dist_info info;
+  DP_TRY(dp_dist_init(&info));
+  const dp_model *m0 = m->models[0];
+  model_signature mine;
+  memset(&mine, 0, sizeof mine);
+  mine.nparams = m0->nparams;
+  mine.nstate = m0->nstate;
+  mine.bucket_bytes = bucket_bytes;
+  mine.layers = fnv1a(fnv_offset, m0->layers, sizeof *m0->layers * (size_t)m0->nlayers);
+  mine.k = m->k;
+  mine.nlayers = m0->nlayers;
+  mine.in_c = (int32_t)m0->in_c;
+  mine.in_h = (int32_t)m0->in_h;
+  mine.in_w = (int32_t)m0->in_w;
+  mine.sync_batchnorm = m->sync_batchnorm;
+  mine.nbuckets = m->nbuckets;
+  mine.device_kind = m0->dev->kind == DP_DEVICE_CPU ? 0 : 1;
+  mine.comm = comm;
+  mine.timeout = m->timeout;
+  model_signature *all = calloc((size_t)info.size, sizeof *all);
+  m->proc_k = calloc((size_t)info.size, sizeof *m->proc_k);
+  m->gathered = calloc((size_t)info.size, sizeof *m->gathered);
+  if (!all || !m->proc_k || !m->gathered) {
+    free(all);
+    return DP_FAIL(DP_ERR_MEMORY, "mirrored: cannot allocate the signatures of %d processes", info.size);
+  }
+  dp_status st = dp_dist_allgather(&mine, (int64_t)sizeof mine, all, m->timeout,
+                                   "the comparison of the models (making MultiWorkerMirroredStrategy's model)");
+  if (st == DP_OK) st = compare_signatures(all, info.size);
+  if (st == DP_OK) {
+    m->nproc = info.size;
+    m->proc = info.rank;
+    m->first = m->total = 0;
+    for (int q = 0; q < info.size; ++q) {
+      m->proc_k[q] = all[q].k;
+      if (q < info.rank) m->first += all[q].k;
+      m->total += all[q].k;
+    }
+  }
+  free(all);
+  return st;
+}
+
+static dp_status create_impl(dp_model **models, int k, int sync_batchnorm, dp_comm_kind comm, int64_t bucket_bytes,
+                             int across, double timeout, dp_mirrored **out) {
   *out = NULL;
   if (k < 1 || k > DP_COMM_MAX_REPLICAS)
     return DP_FAIL(DP_ERR_VALUE, "mirrored: need 1 to %d replicas, got %d", DP_COMM_MAX_REPLICAS, k);
@@ -83,6 +181,9 @@ dp_status dp_mirrored_create(dp_model **models, int k, int sync_batchnorm, dp_co
     return DP_FAIL(DP_ERR_MEMORY, "mirrored: cannot allocate %d replicas", k);
   }
   m->k = k;
+  m->nproc = 1;
+  m->total = k;
+  m->timeout = timeout;
   m->sync_batchnorm = sync_batchnorm;
   for (int r = 0; r < k; ++r) {
     m->models[r] = models[r];
@@ -91,9 +192,11 @@ dp_status dp_mirrored_create(dp_model **models, int k, int sync_batchnorm, dp_co
   m->nbuckets = dp_plan_buckets(models[0], bucket_bytes / (int64_t)sizeof(float), m->buckets, DP_COMM_MAX_BUCKETS);
   dp_status st = dp_group_create(k, threads, &m->group);
   free(threads);
+  if (st == DP_OK && across) st = join_processes(m, comm, bucket_bytes);
   /* the communicators are made now, so that a failure shows here and not in
    * the middle of training */
-  if (st == DP_OK) st = dp_comm_create(devs, k, comm, dp_group_barrier(m->group), &m->comm);
+  if (st == DP_OK)
+    st = dp_comm_create_across(devs, k, comm, dp_group_barrier(m->group), m->first, m->total, timeout, &m->comm);
   if (st == DP_OK) st = register_buffers(m);
   if (st != DP_OK) {
     dp_mirrored_destroy(m);
@@ -103,10 +206,25 @@ dp_status dp_mirrored_create(dp_model **models, int k, int sync_batchnorm, dp_co
   return DP_OK;
 }
 
+dp_status dp_mirrored_create(dp_model **models, int k, int sync_batchnorm, dp_comm_kind comm, int64_t bucket_bytes,
+                             dp_mirrored **out) {
+  return create_impl(models, k, sync_batchnorm, comm, bucket_bytes, 0, 0.0, out);
+}
+
+dp_status dp_mirrored_create_across(dp_model **models, int k, int sync_batchnorm, dp_comm_kind comm,
+                                    int64_t bucket_bytes, double timeout, dp_mirrored **out) {
+  *out = NULL;
+  if (!(timeout > 0.0) || !isfinite(timeout))
+    return DP_FAIL(DP_ERR_VALUE, "timeout must be a finite number of seconds > 0, got %g", timeout);
+  return create_impl(models, k, sync_batchnorm, comm, bucket_bytes, 1, timeout, out);
+}
+
 void dp_mirrored_destroy(dp_mirrored *m) {
   if (!m) return;
   dp_comm_destroy(m->comm);
   dp_group_destroy(m->group);
+  free(m->proc_k);
+  free(m->gathered);
   free(m->models);
   free(m);
 }
@@ -127,6 +245,73 @@ dp_status dp_mirrored_broadcast(dp_mirrored *m, int root) {
   }
   for (int r = 0; r < m->k; ++r) DP_TRY(m->models[r]->dev->backend->synchronize(m->models[r]->dev));
   return DP_OK;
+}
+
+/* FNV-1a 64 over 8-byte words (the digest's speed matters for 45 MB of
+ * ResNet-18 parameters; its strength does not: it compares bits that should
+ * be equal). */
+static uint64_t digest_words(uint64_t h, const float *p, int64_t n) {
+  int64_t i = 0;
+  for (; i + 2 <= n; i += 2) {
+    uint64_t w;
+    memcpy(&w, p + i, sizeof w);
+    h = (h ^ w) * 1099511628211ull;
+  }
+  if (i < n) {
+    uint32_t w;
+    memcpy(&w, p + i, sizeof w);
+    h = (h ^ w) * 1099511628211ull;
+  }
+  return h;
+}
+
+/* Replica 0's parameters, then running statistics, in host memory. */
+static dp_status replica0_to_host(dp_mirrored *m, float **out) {
+  const dp_model *m0 = m->models[0];
+  float *host = malloc(sizeof(float) * (size_t)(m0->nparams + m0->nstate + 1));
+  if (!host) return DP_FAIL(DP_ERR_MEMORY, "cannot copy %lld parameters to the host", (long long)m0->nparams);
+  dp_status st = dp_model_get_params(m->models[0], host);
+  if (st == DP_OK && m0->nstate > 0) st = dp_model_get_state(m->models[0], host + m0->nparams);
+  if (st != DP_OK) {
+    free(host);
+    return st;
+  }
+  *out = host;
+  return DP_OK;
+}
+
+dp_status dp_mirrored_digest(dp_mirrored *m, uint64_t *out) {
+  float *host;
+  DP_TRY(replica0_to_host(m, &host));
+  *out = digest_words(fnv_offset, host, m->models[0]->nparams + m->models[0]->nstate);
+  free(host);
+  return DP_OK;
+}
+
+dp_status dp_mirrored_broadcast_across(dp_mirrored *m) {
+  if (m->nproc == 1) return dp_mirrored_broadcast(m, 0);
+  const dp_model *m0 = m->models[0];
+  float *host;
+  DP_TRY(replica0_to_host(m, &host));
+  dp_status st = dp_dist_bcast(host, (int64_t)sizeof(float) * (m0->nparams + m0->nstate), 0, m->timeout,
+                               "the broadcast of rank 0's parameters");
+  for (int r = 0; r < m->k && st == DP_OK; ++r) {
+    st = dp_model_set_params(m->models[r], host);
+    if (st == DP_OK && m0->nstate > 0) st = dp_model_set_state(m->models[r], host + m0->nparams);
+    if (st == DP_OK) st = dp_model_reset_velocity(m->models[r]);
+  }
+  free(host);
+  /* checked: every process holds process 0's bits */
+  uint64_t mine = 0;
+  if (st == DP_OK) st = dp_mirrored_digest(m, &mine);
+  uint64_t *all = st == DP_OK ? calloc((size_t)m->nproc, sizeof *all) : NULL;
+  if (st == DP_OK && !all) st = DP_FAIL(DP_ERR_MEMORY, "digests of %d processes", m->nproc);
+  if (st == DP_OK) st = dp_dist_allgather(&mine, sizeof mine, all, m->timeout, "the check of the broadcast parameters");
+  for (int q = 1; q < m->nproc && st == DP_OK; ++q)
+    if (all[q] != all[0])
+      st = DP_FAIL(DP_ERR_DIST, "after the broadcast, rank %d's parameters differ from rank 0's", q);
+  free(all);
+  return st;
 }
 
 /* A step, as the replica threads see it: written by the calling thread
@@ -165,9 +350,13 @@ dp_status dp_mirrored_check_batch(const dp_mirrored *m, const dp_batch *b, int e
   if (b->rows && (evaluate_only || !b->resident))
     return DP_FAIL(DP_ERR_VALUE, "mirrored: resident rows are for training steps, with one dataset per replica");
   if (!b->rows && b->n > 0 && !b->x) return DP_FAIL(DP_ERR_VALUE, "images are required");
-  for (int r = 0; r < m->k; ++r) {
+  /* every shard of the job, so that every process of a job reaches the same
+   * verdict on the same batch (another process's shard is checked against
+   * this process's first replica: the models and datasets are the same) */
+  for (int g = 0; g < m->total; ++g) {
     int64_t begin, end;
-    dp_shard_range(b->n, m->k, r, &begin, &end);
+    dp_shard_range(b->n, m->total, g, &begin, &end);
+    const int local = g - m->first, r = local >= 0 && local < m->k ? local : 0;
     const dp_model *model = m->models[r];
     if (b->rows)
       DP_TRY(dp_model_check_rows(model, b->resident[r], b->rows + begin, end - begin, begin));
@@ -195,7 +384,7 @@ static int stage_separately(const dp_mirrored *m) { return m->models[0]->nstate 
 static dp_status reduce_and_step(step_task *t, int rank, const dp_collective *coll) {
   dp_mirrored *m = t->m;
   dp_model *model = m->models[rank];
-  if (model->nstate > 0 && !m->sync_batchnorm && m->k > 1 && t->with_samples > 0) {
+  if (model->nstate > 0 && !m->sync_batchnorm && m->total > 1 && t->with_samples > 0) {
     if (t->shard_n[rank] == 0) DP_TRY(model->dev->backend->fill(model->dev, model->state, model->nstate, 0.0f));
     DP_TRY(dp_collective_all_reduce(coll, model->state, model->nstate, DP_REDUCE_SUM));
     DP_TRY(model->dev->backend->scale(model->dev, model->nstate, model->state, 1.0f / (float)t->with_samples));
@@ -301,21 +490,114 @@ static void set_in_step(dp_mirrored *m, int on) {
   for (int r = 0; r < m->k; ++r) m->models[r]->dev->in_step = on;
 }
 
+/* What every process of a job must agree on before a step exchanges
+ * anything: that it is the same call on the same batch. */
+typedef struct step_header {
+  int64_t calls, n;
+  uint64_t batch; /* FNV-1a of the labels (or rows) */
+  int32_t evaluate_only, step, source;
+  uint32_t lr, momentum, weight_decay; /* the bits */
+} step_header;
+
+static const char *call_name(const step_header *h) {
+  return h->evaluate_only ? "an evaluation" : h->step ? "a training step" : "a forward-backward";
+}
+
+/* Across processes: every process's header, compared with process 0's; a
+ * difference is the same DP_ERR_DIST on every process. */
+static dp_status agree_on_step(dp_mirrored *m, const dp_batch *b, int evaluate_only, int step, float lr,
+                               float momentum, float weight_decay) {
+  step_header h;
+  memset(&h, 0, sizeof h);
+  h.calls = m->calls;
+  h.n = b->n;
+  const int64_t *ids = b->rows ? b->rows : b->y;
+  h.batch = ids ? fnv1a(fnv_offset, ids, sizeof *ids * (size_t)(b->n > 0 ? b->n : 0)) : 0;
+  h.evaluate_only = evaluate_only;
+  h.step = step;
+  h.source = b->rows ? 2 : b->x_is_u8;
+  memcpy(&h.lr, &lr, sizeof lr);
+  memcpy(&h.momentum, &momentum, sizeof momentum);
+  memcpy(&h.weight_decay, &weight_decay, sizeof weight_decay);
+  step_header *all = (step_header *)m->gathered; /* big enough: see dp_step_metrics */
+  char what[96];
+  snprintf(what, sizeof what, "the start of call %lld (%s of %lld samples)", (long long)m->calls, call_name(&h),
+           (long long)h.n);
+  DP_TRY(dp_dist_allgather(&h, (int64_t)sizeof h, all, m->timeout, what));
+  /* read back with the stride of the gather */
+  for (int q = 1; q < m->nproc; ++q) {
+    const step_header *a = &all[0], *o = &all[q];
+    if (o->calls != a->calls || o->evaluate_only != a->evaluate_only || o->step != a->step)
+      return DP_FAIL(DP_ERR_DIST, "the processes are out of step: rank %d is at call %lld (%s), rank 0 at call %lld "
+                     "(%s); every process must make the same training steps and evaluations", q,
+                     (long long)o->calls, call_name(o), (long long)a->calls, call_name(a));
+    if (o->n != a->n)
+      return DP_FAIL(DP_ERR_DIST, "the processes disagree about the batch of call %lld (%s): rank %d has %lld samples, "
+                     "rank 0 %lld; every process must pass the same global batch", (long long)a->calls, call_name(a),
+                     q, (long long)o->n, (long long)a->n);
+    if (o->batch != a->batch || o->source != a->source)
+      return DP_FAIL(DP_ERR_DIST, "the processes disagree about the batch of call %lld (%s): rank %d's labels (or "
+                     "rows) differ from rank 0's; every process must pass the same global batch, in the same order "
+                     "(the same data and the same shuffling seed)", (long long)a->calls, call_name(a), q);
+    if (o->lr != a->lr || o->momentum != a->momentum || o->weight_decay != a->weight_decay)
+      return DP_FAIL(DP_ERR_DIST, "the processes disagree about the hyperparameters of call %lld: rank %d's lr, "
+                     "momentum or weight_decay differ from rank 0's", (long long)a->calls, q);
+  }
+  return DP_OK;
+}
+
+/* The step's metrics summed over the job's replicas in global order (the
+ * same bits on every process, and those of one process with all replicas). */
+static dp_status gather_metrics(dp_mirrored *m, const step_task *t, double *loss_sum, int64_t *correct) {
+  double loss = 0.0;
+  int64_t hits = 0;
+  if (m->nproc == 1) {
+    for (int r = 0; r < m->k; ++r) {
+      loss += t->loss[r];
+      hits += t->correct[r];
+    }
+  } else {
+    dp_step_metrics mine;
+    memset(&mine, 0, sizeof mine);
+    for (int r = 0; r < m->k; ++r) {
+      mine.loss[r] = t->loss[r];
+      mine.correct[r] = t->correct[r];
+    }
+    char what[80];
+    snprintf(what, sizeof what, "the metrics of call %lld", (long long)m->calls);
+    DP_TRY(dp_dist_allgather(&mine, (int64_t)sizeof mine, m->gathered, m->timeout, what));
+    for (int q = 0; q < m->nproc; ++q)
+      for (int r = 0; r < m->proc_k[q]; ++r) {
+        loss += m->gathered[q].loss[r];
+        hits += m->gathered[q].correct[r];
+      }
+  }
+  *loss_sum = loss;
+  *correct = hits;
+  return DP_OK;
+}
+
 static dp_status run_step(dp_mirrored *m, const dp_batch *b, int evaluate_only, int step, float lr, float momentum,
                           float weight_decay, double *loss_sum, int64_t *correct) {
+  if (m->nproc > 1) DP_TRY(agree_on_step(m, b, evaluate_only, step, lr, momentum, weight_decay));
+  m->calls++;
   DP_TRY(dp_mirrored_check_batch(m, b, evaluate_only));
   const dp_model *m0 = m->models[0];
   step_task t = {m, b, (size_t)m0->in_c * m0->in_h * m0->in_w * (b->x_is_u8 ? 1 : sizeof(float)),
                  b->n ? 1.0f / (float)b->n : 0.0f, lr, momentum, weight_decay, evaluate_only, step,
                  {0}, {0}, 0, {0}, {0}};
   if (b->n == 0) t.step = 0; /* an empty batch: zero gradients, nothing to learn */
-  /* the shards, here on the calling thread: the replica threads only read them */
-  for (int r = 0; r < m->k; ++r) {
+  /* the shards of the job's replicas, here on the calling thread: the replica
+   * threads only read them */
+  for (int g = 0; g < m->total; ++g) {
     int64_t begin, end;
-    dp_shard_range(b->n, m->k, r, &begin, &end);
-    t.shard_begin[r] = begin;
-    t.shard_n[r] = end - begin;
+    dp_shard_range(b->n, m->total, g, &begin, &end);
     t.with_samples += end > begin;
+    const int r = g - m->first;
+    if (r >= 0 && r < m->k) {
+      t.shard_begin[r] = begin;
+      t.shard_n[r] = end - begin;
+    }
   }
   dp_status st;
   if (evaluate_only) {
@@ -336,15 +618,7 @@ static dp_status run_step(dp_mirrored *m, const dp_batch *b, int evaluate_only, 
     }
   }
   if (st != DP_OK) return st;
-  double loss = 0.0;
-  int64_t hits = 0;
-  for (int r = 0; r < m->k; ++r) {
-    loss += t.loss[r];
-    hits += t.correct[r];
-  }
-  *loss_sum = loss;
-  *correct = hits;
-  return DP_OK;
+  return gather_metrics(m, &t, loss_sum, correct);
 }
 
 dp_status dp_mirrored_train_step(dp_mirrored *m, const dp_batch *b, float lr, float momentum, float weight_decay,

@@ -29,8 +29,23 @@ typedef struct dp_warm_key {
 
 enum { DP_MIRRORED_WARM_KEYS = 8 };
 
+/* One process's share of a step's metrics: its replicas' loss sums and hits. */
+typedef struct dp_step_metrics {
+  double loss[DP_COMM_MAX_REPLICAS];
+  int64_t correct[DP_COMM_MAX_REPLICAS];
+} dp_step_metrics;
+
 struct dp_mirrored {
   int k;
+  /* Across processes (dp_mirrored_create_across): this process is proc of
+   * nproc, and its k replicas are the job's replicas first .. first + k - 1
+   * of total; a batch is the job's global batch, split over all total
+   * replicas. Within one process: nproc 1, first 0, total k. */
+  int nproc, proc, first, total;
+  double timeout;  /* seconds to wait for another process */
+  int64_t calls;   /* steps and evaluations so far: every process must agree */
+  int *proc_k;     /* across processes: each process's replica count */
+  struct dp_step_metrics *gathered; /* across processes: every process's metrics of a step */
   dp_model **models; /* borrowed: the caller keeps them alive */
   dp_group *group;
   dp_comm *comm;               /* the replicas' grads, bn_tmp and state registered with it */
@@ -43,7 +58,8 @@ struct dp_mirrored {
   dp_warm_key warm[DP_MIRRORED_WARM_KEYS];
 };
 
-/* Shard r of n samples over k replicas: [begin, end). */
+/* Shard r of n samples over k replicas: [begin, end). Across processes, r
+ * and k count the job's replicas. */
 void dp_shard_range(int64_t n, int k, int r, int64_t *begin, int64_t *end);
 
 /* The gradient buckets of model m for buckets of about bucket_floats floats
@@ -64,7 +80,24 @@ int dp_plan_buckets(const dp_model *m, int64_t bucket_floats, dp_grad_bucket *ou
  * as soon as the backward pass has produced it (0: one bucket). */
 DP_MUST_CHECK dp_status dp_mirrored_create(dp_model **models, int k, int sync_batchnorm, dp_comm_kind comm,
                                            int64_t bucket_bytes, dp_mirrored **out);
+/* The same over every process of an MPI job (dist.h), each with its own k
+ * local replicas; collective: every process calls it. The processes compare
+ * their models (architecture, parameter count, BatchNorm mode, buckets) and
+ * any difference is a DP_ERR_DIST on every process, naming it. A training
+ * step then takes the job's global batch on every process (the same batch
+ * everywhere: each process checks that they agree before anything is
+ * exchanged) and the replicas of all processes stay bitwise identical. */
+DP_MUST_CHECK dp_status dp_mirrored_create_across(dp_model **models, int k, int sync_batchnorm, dp_comm_kind comm,
+                                                  int64_t bucket_bytes, double timeout, dp_mirrored **out);
 void dp_mirrored_destroy(dp_mirrored *m);
+/* Process 0's replica 0 parameters and running statistics to every replica of
+ * every process, momentum zeroed, then checked: every process compares a
+ * digest of its bits with process 0's (DP_ERR_DIST on a difference).
+ * Within one process: dp_mirrored_broadcast(m, 0). */
+DP_MUST_CHECK dp_status dp_mirrored_broadcast_across(dp_mirrored *m);
+/* The digest (FNV-1a 64 over the bits) of replica 0's parameters and running
+ * statistics: equal on every replica of every process after every step. */
+DP_MUST_CHECK dp_status dp_mirrored_digest(dp_mirrored *m, uint64_t *out);
 /* Copy replica root's parameters to every replica and zero every momentum buffer. */
 DP_MUST_CHECK dp_status dp_mirrored_broadcast(dp_mirrored *m, int root);
 /* A training step (dp_mirrored_train_step, dp_mirrored_forward_backward):

@@ -33,27 +33,32 @@ static int mirrored_run_without_gil(MirroredObject *self, nogil_work work, void 
 
 typedef struct {
   dp_model *ptrs[DP_COMM_MAX_REPLICAS];
-  int k, sync_batchnorm;
+  int k, sync_batchnorm, across;
   dp_comm_kind kind;
   int64_t bucket_bytes;
+  double timeout;
   dp_mirrored *out;
 } mirrored_create_work;
 
 static dp_status mirrored_create_run(void *p) {
   mirrored_create_work *w = p;
+  if (w->across)
+    return dp_mirrored_create_across(w->ptrs, w->k, w->sync_batchnorm, w->kind, w->bucket_bytes, w->timeout, &w->out);
   return dp_mirrored_create(w->ptrs, w->k, w->sync_batchnorm, w->kind, w->bucket_bytes, &w->out);
 }
 
 static int Mirrored_init(MirroredObject *self, PyObject *args, PyObject *kwds) {
-  static char *kwlist[] = {"models", "sync_batchnorm", "all_reduce", "bucket_bytes", NULL};
+  static char *kwlist[] = {"models", "sync_batchnorm", "all_reduce", "bucket_bytes", "timeout", NULL};
   PyObject *seq_obj;
   int sync_batchnorm = 0;
   const char *all_reduce = "auto";
   long long bucket_bytes = 25ll << 20; /* PyTorch DDP's default bucket, 25 MiB */
-  if (!PyArg_ParseTupleAndKeywords(args, kwds, "O|psL", kwlist, &seq_obj, &sync_batchnorm, &all_reduce,
-                                   &bucket_bytes))
+  double timeout = 0.0;                /* > 0: across the processes of the job (MPI) */
+  if (!PyArg_ParseTupleAndKeywords(args, kwds, "O|psLd", kwlist, &seq_obj, &sync_batchnorm, &all_reduce,
+                                   &bucket_bytes, &timeout))
     return -1;
-  mirrored_create_work w = {.sync_batchnorm = sync_batchnorm, .bucket_bytes = bucket_bytes};
+  mirrored_create_work w = {.sync_batchnorm = sync_batchnorm, .bucket_bytes = bucket_bytes, .timeout = timeout,
+                            .across = timeout != 0.0};
   dp_status st = dp_comm_kind_parse(all_reduce, &w.kind);
   if (st != DP_OK) return raise_from_status(st), -1;
   if (bucket_bytes < 0) {
@@ -94,7 +99,14 @@ static int Mirrored_init(MirroredObject *self, PyObject *args, PyObject *kwds) {
   return 0;
 }
 
-enum mirrored_call { MIRRORED_TRAIN, MIRRORED_FORWARD_BACKWARD, MIRRORED_EVALUATE, MIRRORED_BROADCAST };
+enum mirrored_call {
+  MIRRORED_TRAIN,
+  MIRRORED_FORWARD_BACKWARD,
+  MIRRORED_EVALUATE,
+  MIRRORED_BROADCAST,
+  MIRRORED_BROADCAST_ACROSS,
+  MIRRORED_DIGEST
+};
 
 typedef struct {
   dp_mirrored *mirrored;
@@ -102,6 +114,7 @@ typedef struct {
   dp_batch batch; /* host images and labels, or rows of the datasets batch.resident[r] */
   float lr, momentum, weight_decay;
   int root;       /* broadcast */
+  uint64_t digest;
   double loss;
   int64_t correct;
 } mirrored_work;
@@ -112,6 +125,8 @@ static dp_status mirrored_work_run(void *p) {
     case MIRRORED_FORWARD_BACKWARD: return dp_mirrored_forward_backward(w->mirrored, &w->batch, &w->loss, &w->correct);
     case MIRRORED_EVALUATE: return dp_mirrored_evaluate(w->mirrored, &w->batch, &w->loss, &w->correct);
     case MIRRORED_BROADCAST: return dp_mirrored_broadcast(w->mirrored, w->root);
+    case MIRRORED_BROADCAST_ACROSS: return dp_mirrored_broadcast_across(w->mirrored);
+    case MIRRORED_DIGEST: return dp_mirrored_digest(w->mirrored, &w->digest);
     case MIRRORED_TRAIN: break;
   }
   if (w->batch.n == 0) return DP_OK; /* an empty batch changes nothing */
@@ -207,6 +222,38 @@ static PyObject *Mirrored_broadcast(MirroredObject *self, PyObject *args) {
   Py_RETURN_NONE;
 }
 
+/* broadcast_across(): process 0's replica 0 to every replica of every process, checked. */
+static PyObject *Mirrored_broadcast_across(MirroredObject *self, PyObject *unused) {
+  mirrored_work w = {.call = MIRRORED_BROADCAST_ACROSS};
+  if (!mirrored_ready(self)) return NULL;
+  w.mirrored = self->mirrored;
+  if (mirrored_run_without_gil(self, mirrored_work_run, &w) < 0) return NULL;
+  Py_RETURN_NONE;
+}
+
+static PyObject *Mirrored_digest(MirroredObject *self, PyObject *unused) {
+  mirrored_work w = {.call = MIRRORED_DIGEST};
+  if (!mirrored_ready(self)) return NULL;
+  w.mirrored = self->mirrored;
+  if (mirrored_run_without_gil(self, mirrored_work_run, &w) < 0) return NULL;
+  return PyLong_FromUnsignedLongLong(w.digest);
+}
+
+/* (processes, this process, its first replica, the job's replicas) */
+static PyObject *Mirrored_get_placement(MirroredObject *self, void *c) {
+  if (!mirrored_ready(self)) return NULL;
+  const dp_mirrored *m = self->mirrored;
+  PyObject *ks = PyTuple_New(m->nproc);
+  for (int q = 0; ks && q < m->nproc; ++q) {
+    PyObject *v = PyLong_FromLong(m->proc_k ? m->proc_k[q] : m->k);
+    if (!v) Py_CLEAR(ks);
+    else PyTuple_SET_ITEM(ks, q, v);
+  }
+  if (!ks) return NULL;
+  return Py_BuildValue("{s:i,s:i,s:i,s:i,s:N}", "processes", m->nproc, "process", m->proc, "first", m->first, "total",
+                       m->total, "replicas_per_process", ks);
+}
+
 static PyObject *Mirrored_get_all_reduce(MirroredObject *self, void *c) {
   if (!mirrored_ready(self)) return NULL;
   return PyUnicode_FromString(dp_comm_kind_name(dp_comm_get_kind(self->mirrored->comm)));
@@ -232,6 +279,8 @@ static PyObject *Mirrored_get_buckets(MirroredObject *self, void *c) {
 
 static PyGetSetDef Mirrored_getset[] = {
     {"all_reduce", (getter)Mirrored_get_all_reduce, NULL, "the all-reduce in use: 'host', 'kernel' or 'nccl'", NULL},
+    {"placement", (getter)Mirrored_get_placement, NULL,
+     "{'processes', 'process', 'first', 'total', 'replicas_per_process'}: where this process's replicas stand", NULL},
     {"buckets", (getter)Mirrored_get_buckets, NULL,
      "the gradient buckets: (begin, end, ready_layer) ranges of the flat buffer, in backward order", NULL},
     {NULL, NULL, NULL, NULL, NULL}};
@@ -248,6 +297,10 @@ static PyMethodDef Mirrored_methods[] = {
      "the dataset resident on every replica's device"},
     {"broadcast", (PyCFunction)Mirrored_broadcast, METH_VARARGS,
      "broadcast(root=0): copy a replica's parameters to all and zero the momentum"},
+    {"broadcast_across", (PyCFunction)Mirrored_broadcast_across, METH_NOARGS,
+     "broadcast_across(): process 0's parameters and statistics to every replica of every process, checked"},
+    {"digest", (PyCFunction)Mirrored_digest, METH_NOARGS,
+     "digest() -> int: FNV-1a of replica 0's parameter and statistics bits"},
     {NULL, NULL, 0, NULL}};
 
 PyTypeObject MirroredType = {
@@ -255,8 +308,9 @@ PyTypeObject MirroredType = {
     .tp_basicsize = sizeof(MirroredObject),
     .tp_dealloc = (destructor)Mirrored_dealloc,
     .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = "Mirrored(models, sync_batchnorm=False, all_reduce='auto', bucket_bytes=25 MiB): one replica per "
-              "device, one thread per replica",
+    .tp_doc = "Mirrored(models, sync_batchnorm=False, all_reduce='auto', bucket_bytes=25 MiB, timeout=0): one "
+              "replica per device, one thread per replica; timeout > 0: the replicas of every process of an MPI job, "
+              "another process waited for at most timeout seconds",
     .tp_methods = Mirrored_methods,
     .tp_getset = Mirrored_getset,
     .tp_init = (initproc)Mirrored_init,

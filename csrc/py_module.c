@@ -12,6 +12,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "dist.h"
 #include "dp_build_config.h"
 #ifdef DP_HAVE_CUDA
 #include "dp_cuda.h"
@@ -22,6 +23,7 @@ extern char *openblas_get_config(void);
 
 PyObject *DpcoreError;
 PyObject *DeviceError;
+PyObject *DistributedError;
 
 /* ---- errors: the one place ------------------------------------------------ */
 
@@ -35,6 +37,7 @@ PyObject *raise_from_status(dp_status s) {
     case DP_ERR_MEMORY: type = PyExc_MemoryError; break;
     case DP_ERR_IO: type = PyExc_OSError; break;
     case DP_ERR_CUDA: type = DeviceError; break;
+    case DP_ERR_DIST: type = DistributedError; break;
     default: type = DpcoreError; break;
   }
   PyErr_SetString(type, msg);
@@ -364,10 +367,11 @@ static PyObject *mod_runtime_info(PyObject *m, PyObject *unused) {
 #endif
   PyObject *gpus = runtime_gpus(count);
   if (!gpus) return NULL;
-  return Py_BuildValue("{s:i,s:s,s:N,s:i,s:i,s:i,s:i,s:s,s:n}", "cuda_device_count", count, "cuda_why", why,
+  return Py_BuildValue("{s:i,s:s,s:N,s:i,s:i,s:i,s:i,s:s,s:n,s:s,s:i}", "cuda_device_count", count, "cuda_why", why,
                        "cuda_devices", gpus, "cuda_runtime_version", rt, "cuda_driver_version", drv, "cpu_cores",
                        dp_cpu_core_count(), "openmp", (int)_OPENMP, "blas_config", openblas_get_config(),
-                       "cudnn_version", (Py_ssize_t)dp_cudnn_version());
+                       "cudnn_version", (Py_ssize_t)dp_cudnn_version(), "mpi_library", dp_dist_library_version(),
+                       "mpi_cuda_aware", dp_dist_cuda_aware());
 }
 
 /* backend_null_entries(name) -> [names of the entries the backend table leaves NULL];
@@ -468,8 +472,9 @@ PyMODINIT_FUNC PyInit__core(void) {
   if (!errors) return NULL;
   DpcoreError = PyObject_GetAttrString(errors, "DpcoreError");
   DeviceError = DpcoreError ? PyObject_GetAttrString(errors, "DeviceError") : NULL;
+  DistributedError = DeviceError ? PyObject_GetAttrString(errors, "DistributedError") : NULL;
   Py_DECREF(errors);
-  if (!DpcoreError || !DeviceError) return NULL;
+  if (!DpcoreError || !DeviceError || !DistributedError) return NULL;
   if (PyType_Ready(&ModelType) < 0 || PyType_Ready(&TensorType) < 0 || PyType_Ready(&MirroredType) < 0 ||
       PyType_Ready(&ResidentType) < 0)
     return NULL;
@@ -477,7 +482,7 @@ PyMODINIT_FUNC PyInit__core(void) {
   PyObject *m = PyModule_Create(&module_def);
   if (!m) return NULL;
   if (PyModule_AddFunctions(m, tensor_functions) < 0 || PyModule_AddFunctions(m, ops_functions) < 0 ||
-      PyModule_AddFunctions(m, device_functions) < 0 ||
+      PyModule_AddFunctions(m, device_functions) < 0 || PyModule_AddFunctions(m, dist_functions) < 0 ||
       PyModule_AddObjectRef(m, "Model", (PyObject *)&ModelType) < 0 ||
       PyModule_AddObjectRef(m, "Tensor", (PyObject *)&TensorType) < 0 ||
       PyModule_AddObjectRef(m, "Mirrored", (PyObject *)&MirroredType) < 0 ||

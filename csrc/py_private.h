@@ -7,7 +7,8 @@
  *   py_device.c    the device registry's functions (list, logical devices)
  *   py_tensor.c    Tensor, and all_reduce over tensors (chapter 12.5)
  *   py_model.c     Model (one replica) and Resident (a dataset on its device)
- *   py_mirrored.c  Mirrored (k replicas in lockstep)
+ *   py_mirrored.c  Mirrored (k replicas in lockstep, in one process or many)
+ *   py_dist.c      the processes of a job (MPI): ranks, broadcast, allgather
  *   py_ops.c       single ops on NumPy arrays (tests, notebooks)
  *
  * Rules every file keeps: dp_status values become Python exceptions only
@@ -44,6 +45,7 @@
 
 DP_PY_LOCAL extern PyObject *DpcoreError; /* dpcore.errors.DpcoreError */
 DP_PY_LOCAL extern PyObject *DeviceError; /* dpcore.errors.DeviceError */
+DP_PY_LOCAL extern PyObject *DistributedError; /* dpcore.errors.DistributedError */
 
 /* The one place a dp_status becomes an exception (with the core's message).
  * Always returns NULL, so that a wrapper can `return raise_from_status(st);`. */
@@ -140,6 +142,10 @@ DP_PY_LOCAL extern PyMethodDef tensor_functions[]; /* all_reduce */
 /* ---- the device registry (py_device.c) ------------------------------------- */
 
 DP_PY_LOCAL extern PyMethodDef device_functions[]; /* set_logical_devices, list_devices, live_devices */
+
+/* ---- the processes of a job (py_dist.c) -------------------------------------- */
+
+DP_PY_LOCAL extern PyMethodDef dist_functions[]; /* dist_init, dist_allgather, dist_bcast, ... */
 
 /* ---- Mirrored (py_mirrored.c) ----------------------------------------------- */
 

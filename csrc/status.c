@@ -41,6 +41,7 @@ const char *dp_status_name(dp_status s) {
     case DP_ERR_CUDA: return "CUDA error";
     case DP_ERR_UNSUPPORTED: return "unsupported";
     case DP_ERR_ABORTED: return "collective aborted";
+    case DP_ERR_DIST: return "distributed error";
   }
   return "unknown error";
 }

@@ -102,11 +102,11 @@ def test_cuda_backend_fills_every_table_entry():
 def test_comm_kinds_fill_every_table_entry():
     """Each all-reduce kind is an ops table (csrc/comm.c; a _Static_assert
     checks that the list of its entries is complete): every built kind fills
-    every entry; MPI's slot is empty until its issue; kinds not built are None."""
+    every entry; kinds not built are None."""
     assert dp._core.comm_null_entries("host") == []
     assert dp._core.comm_null_entries("kernel") == ([] if INFO.get("cuda") else None)
     assert dp._core.comm_null_entries("nccl") == ([] if INFO.get("nccl_found") else None)
-    assert dp._core.comm_null_entries("mpi") is None
+    assert dp._core.comm_null_entries("mpi") == ([] if INFO.get("mpi_linked") else None)
     with pytest.raises(ValueError, match="unknown all-reduce kind"):
         dp._core.comm_null_entries("tcp")
 
@@ -153,13 +153,13 @@ def c_sources():
     return sorted(str(p) for p in (ROOT / "csrc").glob("*.c"))
 
 
-@pytest.mark.parametrize("variant", ["cpu", "cuda"])
+@pytest.mark.parametrize("variant", ["cpu", "cpu-mpi", "cuda-mpi"])
 def test_core_compiles_warning_free(variant, tmp_path):
     """Every csrc/*.c under -O2 -Wall -Wextra -Werror (-O2: some warnings, such as
-    maybe-uninitialized, need the optimizer), as the CPU-only build and as
-    the CUDA build (with cuDNN, cuBLAS and NCCL) compile it: the CUDA build's C
-    side is checked here even where it cannot run (nvcc already compiles the
-    kernels with --Werror all-warnings)."""
+    maybe-uninitialized, need the optimizer), as the CPU-only build without MPI,
+    with MPI, and as the full build (CUDA, cuDNN, cuBLAS, NCCL, MPI) compile it:
+    the CUDA build's C side is checked here even where it cannot run (nvcc
+    already compiles the kernels with --Werror all-warnings)."""
     import shutil
     import sysconfig
 
@@ -167,7 +167,7 @@ def test_core_compiles_warning_free(variant, tmp_path):
 
     cc = shutil.which("gcc") or shutil.which("cc")
     cuda_inc = "/usr/local/cuda/include"
-    if variant == "cuda" and not all(os.path.exists(os.path.join(cuda_inc, h))
+    if variant.startswith("cuda") and not all(os.path.exists(os.path.join(cuda_inc, h))
                                      for h in ("cuda_runtime.h", "cudnn.h", "cublas_v2.h", "nccl.h")):
         pytest.skip("the CUDA toolkit with cuDNN, cuBLAS and NCCL is not installed at /usr/local/cuda")
     blas = next((d for d in ("/usr/include/x86_64-linux-gnu/openblas-openmp", "/usr/include/x86_64-linux-gnu/openblas-pthread")
@@ -180,8 +180,14 @@ def test_core_compiles_warning_free(variant, tmp_path):
            "-D_GNU_SOURCE", "-DNPY_NO_DEPRECATED_API=NPY_1_7_API_VERSION", "-I", str(ROOT / "csrc"),
            "-I", str(ROOT / "kernels"), "-I", str(tmp_path), "-I", sysconfig.get_paths()["include"],
            "-I", np.get_include(), "-I", blas]
-    if variant == "cuda":
+    if variant.startswith("cuda"):
         cmd += ["-DDP_HAVE_CUDA", "-DDP_HAVE_CUDNN", "-DDP_HAVE_CUBLAS", "-DDP_HAVE_NCCL", "-I", cuda_inc]
+    if variant.endswith("mpi"):
+        mpicc = shutil.which("mpicc")
+        if mpicc is None:
+            pytest.fail("needs Open MPI's mpicc (scripts/bootstrap.sh installs libopenmpi-dev)")
+        cmd += ["-DDP_HAVE_MPI"] + subprocess.run([mpicc, "-showme:compile"], capture_output=True, text=True,
+                                                   check=True).stdout.split()
     for src in c_sources():
         proc = subprocess.run(cmd + [src], capture_output=True, text=True)
         assert proc.returncode == 0, f"{src} ({variant}):\n{proc.stderr}"

@@ -17,3 +17,10 @@ class DeviceError(DpcoreError):
 
 class DataError(DpcoreError, ValueError):
     """A dataset file or array is malformed; the message names the file and the problem."""
+
+
+class DistributedError(DpcoreError):
+    """Another process of a multi-process job failed to take part: it did not
+    arrive within the strategy's timeout (stopped, hung, or running a
+    different sequence of steps), disagreed about the model or the data, or
+    MPI reported an error. The message names the ranks and the step."""

@@ -46,6 +46,18 @@ def _layer_spec_doc(name, info):
 Metrics = namedtuple("Metrics", ["loss", "accuracy", "num_examples"])
 
 
+def _fnv1a64(a):
+    """FNV-1a 64 over 8-byte words of an array's bits (the C core's digest)."""
+    raw = np.ascontiguousarray(a).view(np.uint8).ravel()
+    words = raw[: len(raw) // 8 * 8].view(np.uint64)
+    h = 14695981039346656037
+    for w in words.tolist():
+        h = ((h ^ w) * 1099511628211) & 0xFFFFFFFFFFFFFFFF
+    if len(raw) % 8:
+        h = ((h ^ int.from_bytes(raw[len(raw) // 8 * 8:].tobytes(), "little")) * 1099511628211) & 0xFFFFFFFFFFFFFFFF
+    return h
+
+
 class Sequential:
     """A feed-forward network built from layer specs, trained by the C core.
 
@@ -89,18 +101,26 @@ class Sequential:
         devices = [check_device(d) for d in devices]
         if len(set(devices)) != len(devices):
             raise ValueError(f"a device appears twice in {devices}")
+        # across the processes of an MPI job (MultiWorkerMirroredStrategy): the
+        # seconds to wait for another process; 0 within one process
+        self._timeout = strategy.timeout if strategy is not None and strategy._across else 0.0
+        shares = strategy._threads if strategy is not None and strategy._threads else {}
         self._replicas = [
-            _core.Model(tuple(input_shape), self._specs, threads or device_threads(d), device_index(d),
-                        self._sources, device_kind(d), device_gpu(d) if device_kind(d) == "cuda" else 0)
+            _core.Model(tuple(input_shape), self._specs, threads or shares.get(d) or device_threads(d),
+                        device_index(d), self._sources, device_kind(d),
+                        device_gpu(d) if device_kind(d) == "cuda" else 0)
             for d in devices
         ]
         self._model = self._replicas[0]
         self.sync_batchnorm = bool(sync_batchnorm)
-        self._mirrored = (_core.Mirrored(self._replicas, self.sync_batchnorm, all_reduce, int(bucket_mb * 2**20))
-                          if len(self._replicas) > 1 else None)
+        self._mirrored = (_core.Mirrored(self._replicas, self.sync_batchnorm, all_reduce, int(bucket_mb * 2**20),
+                                         self._timeout)
+                          if len(self._replicas) > 1 or self._timeout else None)
         self._layout = self._model.param_layout()
         self._state_layout = self._model.state_layout()
         self._init_params(init, init_std, seed)
+        if self._timeout:
+            self._mirrored.broadcast_across()  # rank 0's parameters everywhere, checked
 
     def _init_params(self, init, init_std, seed):
         """Each parameter tensor by its kind's rule for this init mode, drawn
@@ -185,6 +205,28 @@ class Sequential:
         return self._mirrored.buckets if self._mirrored is not None else []
 
     @property
+    def placement(self):
+        """Where this process's replicas stand among the job's:
+        {'processes', 'process', 'first', 'total', 'replicas_per_process'}
+        (one process, first 0, total = its replicas, without a strategy across
+        processes)."""
+        if self._mirrored is not None:
+            return self._mirrored.placement
+        return {"processes": 1, "process": 0, "first": 0, "total": 1, "replicas_per_process": (1,)}
+
+    @property
+    def multi_process(self):
+        """True for a model of MultiWorkerMirroredStrategy (replicas in several processes)."""
+        return bool(self._timeout)
+
+    def digest(self):
+        """A 64-bit digest of the parameter and running-statistics bits (FNV-1a):
+        equal on every replica of every process after every step."""
+        if self._mirrored is not None:
+            return self._mirrored.digest()
+        return _fnv1a64(np.concatenate([self._model.get_params(), self._model.get_state()]))
+
+    @property
     def replicas(self):
         """One :class:`Replica` per device: the pieces of chapter 12.5's training loop."""
         return [Replica(self, replica) for replica in self._replicas]
@@ -254,6 +296,9 @@ class Sequential:
         self._set_flat(buffers["params"])
         for replica in self._replicas:
             replica.set_state(buffers["state"])
+        if self._timeout:
+            # collective: rank 0's weights win, so the replicas never diverge
+            self._mirrored.broadcast_across()
 
     # ---- files ---------------------------------------------------------------
     def _architecture(self):
@@ -262,7 +307,23 @@ class Sequential:
 
     def save(self, path):
         """Write the weights (PyTorch state_dict names) and the architecture to a
-        safetensors file. Atomic: a crash leaves either the old file or the new one."""
+        safetensors file. Atomic: a crash leaves either the old file or the new one.
+
+        Across the processes of a job (MultiWorkerMirroredStrategy) it is
+        collective: rank 0 writes (every replica holds the same bits) and the
+        others wait until the file is complete."""
+        if self._timeout:
+            from . import distributed
+
+            if distributed.rank() == 0:
+                # a failure here ends the job (MPI_Abort) if nothing catches it,
+                # else the others give up waiting after the timeout
+                self._save_file(path)
+            distributed.barrier(self._timeout, f"net.save({os.fspath(path)!r}) by rank 0")
+            return
+        self._save_file(path)
+
+    def _save_file(self, path):
         from safetensors.numpy import save_file
 
         path = os.fspath(path)

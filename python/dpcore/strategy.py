@@ -36,10 +36,10 @@ from .devices import list_devices
 from .info import build_flags
 from .parallel import _devices
 
-__all__ = ["MirroredStrategy", "get_strategy"]
+__all__ = ["MirroredStrategy", "MultiWorkerMirroredStrategy", "get_strategy"]
 
 DEFAULT_BUCKET_MB = 25
-ALL_REDUCE_KINDS = ("auto", "host", "kernel", "nccl")
+ALL_REDUCE_KINDS = ("auto", "host", "kernel", "nccl", "mpi")
 
 
 def check_all_reduce_options(all_reduce, bucket_mb):
@@ -92,8 +92,82 @@ class MirroredStrategy:
         finally:
             _current.reset(token)
 
+    # the strategy's replicas span processes (MultiWorkerMirroredStrategy)
+    _across = False
+    # threads per CPU replica; None: the device's share of the cores
+    _threads = None
+
     def __repr__(self):
         return f"MirroredStrategy(devices={self._devices}, all_reduce={self.all_reduce!r}, bucket_mb={self.bucket_mb})"
+
+
+class MultiWorkerMirroredStrategy(MirroredStrategy):
+    """The replicas of every process of an MPI job, trained in lockstep: run the
+    same script under ``mpirun -np P``; each process mirrors over its own local
+    devices and the job's replicas are processes x local devices.
+
+    devices: this process's devices; default one GPU per process on a host
+    (``cuda:{local_rank}``) when there are GPUs, else this process's logical
+    CPU devices. all_reduce: ``'auto'`` ('mpi' for CPU replicas, 'nccl' for GPU
+    replicas), ``'mpi'`` or ``'nccl'``. timeout: seconds any process waits for
+    another before raising :class:`dpcore.DistributedError` naming it (default
+    60).
+
+    What the job computes is what one process with all the replicas computes:
+    each global batch is split over every replica of every process (contiguous
+    shards, sizes differing by at most one, in rank order), the gradient is
+    the exact mean over the global batch, and on CPU replicas the reduction is
+    rank-ordered, so 2 processes x 1 replica give bitwise the weights of 1
+    process x 2 replicas. Every process must pass the same global batches (the
+    same data and the same shuffling seed): each step checks that they do.
+    Models built in the scope start from rank 0's parameters.
+    """
+
+    _across = True
+
+    def __init__(self, devices=None, all_reduce="auto", bucket_mb=DEFAULT_BUCKET_MB, timeout=None):
+        from . import distributed
+
+        self.timeout = distributed._check_timeout(distributed.DEFAULT_TIMEOUT if timeout is None else timeout)
+        info = distributed._join()
+        if devices is None:
+            gpus = [d for d in list_devices() if d.startswith("cuda:")]
+            if gpus:
+                if info["local_size"] > len(gpus):
+                    raise ValueError(f"MultiWorkerMirroredStrategy: {info['local_size']} processes on this host "
+                                     f"share {len(gpus)} GPU(s); across processes GPU replicas need a GPU each "
+                                     "(NCCL refuses two ranks on one GPU): start one process per GPU, or pass "
+                                     "devices=")
+                devices = [gpus[info["local_rank"]]]
+            else:
+                devices = [d for d in list_devices() if d.startswith("cpu:")]
+        super().__init__(devices, all_reduce, bucket_mb)
+        shared = distributed._cpu_shared_by(info["local_size"])
+        if shared > 1:
+            # mpirun did not bind the processes: they share the cores, so each
+            # replica gets its share of its device's cores
+            from .devices import device_threads
+            self._threads = {d: max(1, device_threads(d) // shared) for d in self._devices}
+        self._rank, self._world = info["rank"], info["world_size"]
+        self._replicas_per_process = distributed.allgather_object(
+            len(self._devices), self.timeout, "the start of MultiWorkerMirroredStrategy()")
+
+    @property
+    def num_replicas_in_sync(self):
+        """Replicas of the whole job (every process's devices)."""
+        return sum(self._replicas_per_process)
+
+    @property
+    def rank(self):
+        return self._rank
+
+    @property
+    def world_size(self):
+        return self._world
+
+    def __repr__(self):
+        return (f"MultiWorkerMirroredStrategy(rank {self._rank} of {self._world}, devices={self._devices}, "
+                f"all_reduce={self.all_reduce!r}, bucket_mb={self.bucket_mb}, timeout={self.timeout})")
 
 
 def get_strategy():

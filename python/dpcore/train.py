@@ -57,6 +57,14 @@ class History:
         return ax
 
 
+def _batches_or_none(it):
+    """len(it) when the iterator knows it, else None."""
+    try:
+        return len(it)
+    except TypeError:
+        return None
+
+
 def _check_hyper(name, value, allow_zero=True):
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{name} must be a number, got {type(value).__name__}")
@@ -115,7 +123,22 @@ def train(net, train_iter, test_iter=None, num_epochs=10, lr=0.1, momentum=0.0, 
     elif resident and not isinstance(train_iter, ArrayIterator):
         raise TypeError("resident=True needs a dp.data iterator (dp.data.from_arrays or dp.data.load_fashion_mnist), "
                         f"whose arrays are copied to the devices; got {type(train_iter).__name__}")
-    history = History(devices=list(net.devices))
+    multi = net.multi_process
+    if multi:
+        from . import distributed
+
+        # every process must make the same call: a difference found now is a
+        # clear error on every process, not a wait at some later step
+        distributed.agree("dp.train's arguments (num_epochs, lr, momentum, weight_decay, resident, "
+                          "the number of training batches, test_iter given)",
+                          (num_epochs, float(lr), float(momentum), float(weight_decay), bool(resident),
+                           _batches_or_none(train_iter), test_iter is None), net._timeout)
+        per_process = distributed.allgather_object(list(net.devices), net._timeout, "dp.train's device lists")
+        devices = [f"rank{q}/{d}" for q, names in enumerate(per_process) for d in names]
+        verbose = verbose and distributed.rank() == 0  # one process prints
+    else:
+        devices = list(net.devices)
+    history = History(devices=devices)
     residents = net.make_resident(train_iter.X, train_iter.y) if resident and num_epochs else None
     warned = False
     for epoch in range(num_epochs):
@@ -128,6 +151,11 @@ def train(net, train_iter, test_iter=None, num_epochs=10, lr=0.1, momentum=0.0, 
         seconds = time.perf_counter() - start
         if seen == 0:
             raise ValueError("train_iter yielded no samples")
+        if multi:
+            # the job's epoch lasts as long as its slowest process; every
+            # process records the same History
+            seconds = max(distributed.allgather_object(seconds, net._timeout, f"the end of epoch {epoch + 1}"))
+            distributed.agree(f"the parameters after epoch {epoch + 1} (their digest)", net.digest(), net._timeout)
         history.epoch_seconds.append(seconds)
         history.train_loss.append(loss_sum / seen)
         history.train_acc.append(correct / seen)

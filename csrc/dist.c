@@ -1,0 +1,563 @@
+/* dist.c — the processes of a job over MPI (dist.h).
+ *
+ * MPI semantics relied on (MPI 3.1 standard): non-blocking point-to-point
+ * messages between one pair of processes on one communicator and tag are
+ * received in the order they were sent (3.5, "Order"); MPI_Testsome sets
+ * each completed request to MPI_REQUEST_NULL and returns MPI_UNDEFINED once
+ * none is active (3.7.5); MPI_Ibcast is a non-blocking collective, matched in
+ * the order processes issue collectives on a communicator (5.12); with
+ * MPI_THREAD_SERIALIZED any thread may call MPI as long as no two do at once
+ * (12.4.3), which the lock below ensures; MPI_ERRORS_RETURN on our own
+ * communicators turns an error into a return code instead of the default
+ * abort (8.3).
+ */
+#include "dist.h"
+
+#include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#if defined(DP_HAVE_MPI)
+#include <dlfcn.h>
+#include <mpi.h>
+#if defined(OPEN_MPI) && OPEN_MPI
+#include <mpi-ext.h>
+#endif
+#endif
+
+static pthread_mutex_t init_lock = PTHREAD_MUTEX_INITIALIZER;
+static dp_dist_info world = {0, 1, 0, 1, 0, 0, -1, 0};
+
+
+dp_dist_info dp_dist_get_info(void) {
+  pthread_mutex_lock(&init_lock);
+  dp_dist_info i = world;
+  pthread_mutex_unlock(&init_lock);
+  return i;
+}
+
+/* Open MPI's, PMIx's and PMI's (MPICH, Slurm) variables: a launcher started us. */
+static int launched_by_mpirun(void) {
+  static const char *const vars[] = {"OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "PMI_RANK", "PMI_SIZE"};
+  for (size_t i = 0; i < sizeof vars / sizeof vars[0]; ++i)
+    if (getenv(vars[i])) return 1;
+  return 0;
+}
+
+#if defined(DP_HAVE_MPI)
+
+static double now_seconds(void) {
+  struct timespec t;
+  clock_gettime(CLOCK_MONOTONIC, &t);
+  return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+}
+
+/* Every MPI call holds it (MPI_THREAD_SERIALIZED is all we need). */
+static pthread_mutex_t mpi_lock = PTHREAD_MUTEX_INITIALIZER;
+static int init_done;             /* dp_dist_init ran (and succeeded or failed for good) */
+static dp_status init_status;     /* its outcome, repeated to every later caller */
+static char init_message[512];
+static MPI_Comm comm_ctl = MPI_COMM_NULL;  /* bcast, allgather, barrier */
+static MPI_Comm comm_data = MPI_COMM_NULL; /* the gradient chains */
+/* Set once an operation failed part way: the processes are out of step, and
+ * any later operation (and MPI_Finalize) could wait forever. */
+static char broken[768];
+static pthread_mutex_t broken_lock = PTHREAD_MUTEX_INITIALIZER;
+
+enum { TAG_GATHER = 1, TAG_CHAIN_BASE = 16 };
+
+int dp_dist_built(void) { return 1; }
+
+const char *dp_dist_library_version(void) {
+  static char version[MPI_MAX_LIBRARY_VERSION_STRING];
+  if (!version[0]) {
+    int len = 0;
+    /* callable before MPI_Init (MPI 3.1, 8.1.1) */
+    if (MPI_Get_library_version(version, &len) != MPI_SUCCESS) snprintf(version, sizeof version, "MPI");
+    char *nl = strchr(version, '\n');
+    if (nl) *nl = '\0';
+    for (char *c = version + strlen(version); c > version && (c[-1] == ' ' || c[-1] == ','); --c) c[-1] = '\0';
+  }
+  return version;
+}
+
+int dp_dist_cuda_aware(void) {
+#if defined(MPIX_CUDA_AWARE_SUPPORT) && MPIX_CUDA_AWARE_SUPPORT
+  /* built with CUDA support; the run-time answer needs MPI initialised */
+  int up = 0;
+  MPI_Initialized(&up);
+  return up ? MPIX_Query_cuda_support() : 1;
+#elif defined(MPIX_CUDA_AWARE_SUPPORT)
+  return 0; /* Open MPI says: built without CUDA support */
+#else
+  return -1;
+#endif
+}
+
+static const char *mpi_error_text(int rc, char *buf, int size) {
+  int len = 0;
+  if (MPI_Error_string(rc, buf, &len) != MPI_SUCCESS) snprintf(buf, (size_t)size, "MPI error %d", rc);
+  return buf;
+}
+
+static dp_status fail_broken(void) {
+  pthread_mutex_lock(&broken_lock);
+  char why[sizeof broken];
+  snprintf(why, sizeof why, "%s", broken);
+  pthread_mutex_unlock(&broken_lock);
+  return DP_FAIL(DP_ERR_DIST, "rank %d: the processes of this job are out of step since an earlier failure (%s); "
+                 "restart the job", world.rank, why);
+}
+
+int dp_dist_is_broken(void) {
+  pthread_mutex_lock(&broken_lock);
+  const int out_of_step = broken[0] != '\0' && world.initialized_here;
+  pthread_mutex_unlock(&broken_lock);
+  return out_of_step;
+}
+
+static dp_status usable(void) {
+  if (!init_done || world.size == 1) return DP_OK;
+  pthread_mutex_lock(&broken_lock);
+  const int out_of_step = broken[0] != '\0';
+  pthread_mutex_unlock(&broken_lock);
+  return out_of_step ? fail_broken() : DP_OK;
+}
+
+/* Marks the job out of step with the message just recorded on this thread. */
+static dp_status mark_broken(dp_status st) {
+  pthread_mutex_lock(&broken_lock);
+  if (!broken[0]) snprintf(broken, sizeof broken, "%s", dp_error_message());
+  pthread_mutex_unlock(&broken_lock);
+  return st;
+}
+
+/* "1, 3" from the peers of the requests still active. */
+static void pending_peers(const MPI_Request *reqs, const int *peers, int n, char *out, size_t size) {
+  out[0] = '\0';
+  size_t used = 0;
+  for (int i = 0; i < n; ++i) {
+    if (reqs[i] == MPI_REQUEST_NULL) continue;
+    int seen = 0;
+    for (int j = 0; j < i; ++j) seen |= reqs[j] != MPI_REQUEST_NULL && peers[j] == peers[i];
+    if (seen) continue;
+    const int w = snprintf(out + used, size - used, "%s%d", used ? ", " : "", peers[i]);
+    if (w < 0 || (size_t)w >= size - used) break;
+    used += (size_t)w;
+  }
+}
+
+/* Polls reqs until all are done, the deadline passes, MPI fails or the
+ * caller abandons the wait (the abandon flag). A waiting thread yields its core: the
+ * replica threads that compute are on the same cores. */
+static dp_status wait_requests_abandonable(MPI_Request *reqs, const int *peers, int n, double timeout,
+                                           const char *what, const _Atomic int *abandon) {
+  const double start = now_seconds();
+  long polls = 0;
+  for (;;) {
+    int outcount = 0;
+    int idx[64];
+    int done = 1;
+    pthread_mutex_lock(&mpi_lock);
+    int rc = MPI_SUCCESS;
+    for (int at = 0; at < n && rc == MPI_SUCCESS; at += 64) {
+      const int m = n - at < 64 ? n - at : 64;
+      rc = MPI_Testsome(m, reqs + at, &outcount, idx, MPI_STATUSES_IGNORE);
+      if (rc == MPI_SUCCESS && outcount != MPI_UNDEFINED)
+        for (int i = 0; i < m; ++i) done &= reqs[at + i] == MPI_REQUEST_NULL;
+    }
+    pthread_mutex_unlock(&mpi_lock);
+    char who[128];
+    if (rc != MPI_SUCCESS) {
+      char text[MPI_MAX_ERROR_STRING];
+      pending_peers(reqs, peers, n, who, sizeof who);
+      return mark_broken(DP_FAIL(DP_ERR_DIST, "rank %d: MPI failed in %s, waiting for rank %s: %s", world.rank, what,
+                                 who[0] ? who : "?", mpi_error_text(rc, text, sizeof text)));
+    }
+    if (done) return DP_OK;
+    if (abandon && atomic_load(abandon)) return DP_FAIL(DP_ERR_ABORTED, "rank %d: %s was abandoned", world.rank, what);
+    const double waited = now_seconds() - start;
+    if (waited > timeout) {
+      pending_peers(reqs, peers, n, who, sizeof who);
+      return mark_broken(DP_FAIL(DP_ERR_DIST,
+                                 "rank %d gave up after %.0f s waiting for rank %s in %s: that process stopped, hung, "
+                                 "or runs a different sequence of steps (the limit is the strategy's timeout=%g s)",
+                                 world.rank, waited, who, what, timeout));
+    }
+    ++polls;
+    if (polls < 64) {
+      sched_yield();
+    } else {
+      /* 20 us, doubling to 1 ms: latency early, little CPU later */
+      long ns = 20000L << (polls - 64 < 6 ? polls - 64 : 6);
+      struct timespec ts = {0, ns > 1000000L ? 1000000L : ns};
+      nanosleep(&ts, NULL);
+    }
+  }
+}
+
+static dp_status wait_requests(MPI_Request *reqs, const int *peers, int n, double timeout, const char *what) {
+  return wait_requests_abandonable(reqs, peers, n, timeout, what, NULL);
+}
+
+static dp_status mpi_call(int rc, const char *call, const char *what) {
+  if (rc == MPI_SUCCESS) return DP_OK;
+  char text[MPI_MAX_ERROR_STRING];
+  return mark_broken(
+      DP_FAIL(DP_ERR_DIST, "rank %d: %s failed in %s: %s", world.rank, call, what, mpi_error_text(rc, text, sizeof text)));
+}
+
+/* ---- joining the job ------------------------------------------------------------- */
+
+static dp_status init_fail(int rc, const char *call) {
+  char text[MPI_MAX_ERROR_STRING];
+  return DP_FAIL(DP_ERR_DIST, "MPI: %s failed: %s", call, mpi_error_text(rc, text, sizeof text));
+}
+
+/* Every process's host name, gathered with a deadline: the local rank is the
+ * number of lower ranks on the same host. */
+static dp_status find_local_rank(void) {
+  char mine[MPI_MAX_PROCESSOR_NAME + 1];
+  memset(mine, 0, sizeof mine);
+  int len = 0;
+  if (MPI_Get_processor_name(mine, &len) != MPI_SUCCESS) snprintf(mine, sizeof mine, "?");
+  const size_t stride = sizeof mine;
+  char *all = calloc((size_t)world.size, stride);
+  if (!all) return DP_FAIL(DP_ERR_MEMORY, "MPI: cannot gather %d host names", world.size);
+  dp_status st = dp_dist_allgather(mine, (int64_t)stride, all, 120.0, "joining the job (gathering host names)");
+  if (st == DP_OK) {
+    world.local_rank = 0;
+    world.local_size = 0;
+    for (int q = 0; q < world.size; ++q)
+      if (strcmp(all + (size_t)q * stride, mine) == 0) {
+        world.local_size++;
+        if (q < world.rank) world.local_rank++;
+      }
+  }
+  free(all);
+  return st;
+}
+
+static dp_status init_locked(void) {
+  world.launched = launched_by_mpirun();
+  int up = 0, down = 0;
+  MPI_Initialized(&up);
+  MPI_Finalized(&down);
+  if (down) return DP_FAIL(DP_ERR_DIST, "MPI was finalised already in this process; it cannot be started again");
+  int provided = 0;
+  if (!up) {
+    if (!world.launched) return DP_OK; /* a world of one: no MPI */
+    /* Open MPI's plug-ins resolve symbols of libmpi, which a Python extension
+     * loads with RTLD_LOCAL: make them global first (mpi4py does the same). */
+    static const char *const libs[] = {"libmpi.so.40", "libmpi.so.12", "libmpi.so"};
+    for (size_t i = 0; i < sizeof libs / sizeof libs[0]; ++i)
+      if (dlopen(libs[i], RTLD_NOW | RTLD_GLOBAL | RTLD_NOLOAD)) break;
+    const int rc = MPI_Init_thread(NULL, NULL, MPI_THREAD_MULTIPLE, &provided);
+    if (rc != MPI_SUCCESS) return init_fail(rc, "MPI_Init_thread");
+    world.initialized_here = 1;
+  } else {
+    MPI_Query_thread(&provided);
+  }
+  world.mpi_initialized = 1;
+  world.thread_level = provided;
+  if (provided < MPI_THREAD_SERIALIZED)
+    return DP_FAIL(DP_ERR_DIST,
+                   "MPI was initialised with thread level %d; dpcore's replica threads need MPI_THREAD_SERIALIZED "
+                   "(%d) or more (with mpi4py: leave mpi4py.rc.thread_level at its default, 'multiple')",
+                   provided, MPI_THREAD_SERIALIZED);
+  int rc = MPI_Comm_rank(MPI_COMM_WORLD, &world.rank);
+  if (rc == MPI_SUCCESS) rc = MPI_Comm_size(MPI_COMM_WORLD, &world.size);
+  if (rc != MPI_SUCCESS) return init_fail(rc, "MPI_Comm_rank");
+  world.local_rank = 0;
+  world.local_size = 1;
+  if (world.size == 1) return DP_OK;
+  /* Our own communicators, so that no message of ours meets the user's
+   * (mpi4py's), each returning errors instead of aborting. MPI_Comm_dup is
+   * blocking, the non-blocking duplicate is polled with a deadline. */
+  MPI_Request reqs[2];
+  int peers[2] = {-1, -1};
+  rc = MPI_Comm_idup(MPI_COMM_WORLD, &comm_ctl, &reqs[0]);
+  if (rc == MPI_SUCCESS) rc = MPI_Comm_idup(MPI_COMM_WORLD, &comm_data, &reqs[1]);
+  if (rc != MPI_SUCCESS) return init_fail(rc, "MPI_Comm_idup");
+  init_done = 1; /* the operations below run on the new communicators */
+  DP_TRY(wait_requests(reqs, peers, 2, 120.0, "joining the job (MPI_Comm_idup)"));
+  MPI_Comm_set_errhandler(comm_ctl, MPI_ERRORS_RETURN);
+  MPI_Comm_set_errhandler(comm_data, MPI_ERRORS_RETURN);
+  return find_local_rank();
+}
+
+dp_status dp_dist_init(dp_dist_info *out) {
+  pthread_mutex_lock(&init_lock);
+  if (!init_done) {
+    init_status = init_locked();
+    init_done = 1;
+    snprintf(init_message, sizeof init_message, "%s", init_status == DP_OK ? "" : dp_error_message());
+  }
+  const dp_status st = init_status;
+  if (out) *out = world;
+  pthread_mutex_unlock(&init_lock);
+  if (st != DP_OK) dp_error_set_message(init_message);
+  return st;
+}
+
+dp_status dp_dist_finalize(void) {
+  pthread_mutex_lock(&init_lock);
+  dp_status st = DP_OK;
+  pthread_mutex_lock(&broken_lock);
+  const int out_of_step = broken[0] != '\0';
+  pthread_mutex_unlock(&broken_lock);
+  if (world.initialized_here && !out_of_step) {
+    int down = 0;
+    MPI_Finalized(&down);
+    if (!down) {
+      if (comm_ctl != MPI_COMM_NULL) MPI_Comm_free(&comm_ctl);
+      if (comm_data != MPI_COMM_NULL) MPI_Comm_free(&comm_data);
+      const int rc = MPI_Finalize();
+      if (rc != MPI_SUCCESS) st = init_fail(rc, "MPI_Finalize");
+    }
+    world.initialized_here = 0;
+    world.mpi_initialized = 0;
+    pthread_mutex_lock(&broken_lock);
+    snprintf(broken, sizeof broken, "MPI was finalised");
+    pthread_mutex_unlock(&broken_lock);
+  }
+  pthread_mutex_unlock(&init_lock);
+  return st;
+}
+
+void dp_dist_abort(int code) {
+  int up = 0, down = 0;
+  MPI_Initialized(&up);
+  MPI_Finalized(&down);
+  if (up && !down) MPI_Abort(MPI_COMM_WORLD, code);
+}
+
+/* ---- operations ------------------------------------------------------------------ */
+
+enum { MAX_MESSAGE = 1 << 30 }; /* bytes per message: MPI counts are int */
+
+dp_status dp_dist_bcast(void *buf, int64_t bytes, int root, double timeout, const char *what) {
+  DP_TRY(usable());
+  if (world.size == 1 || bytes <= 0) return DP_OK;
+  if (root < 0 || root >= world.size)
+    return DP_FAIL(DP_ERR_VALUE, "broadcast: root %d is not a rank of %d", root, world.size);
+  for (int64_t at = 0; at < bytes; at += MAX_MESSAGE) {
+    const int len = (int)(bytes - at < MAX_MESSAGE ? bytes - at : MAX_MESSAGE);
+    MPI_Request req;
+    pthread_mutex_lock(&mpi_lock);
+    const int rc = MPI_Ibcast((char *)buf + at, len, MPI_BYTE, root, comm_ctl, &req);
+    pthread_mutex_unlock(&mpi_lock);
+    DP_TRY(mpi_call(rc, "MPI_Ibcast", what));
+    /* a broadcast has no single peer to name: the root, as seen by the others */
+    const int peer = root;
+    DP_TRY(wait_requests(&req, &peer, 1, timeout, what));
+  }
+  return DP_OK;
+}
+
+dp_status dp_dist_allgather(const void *mine, int64_t bytes, void *all, double timeout, const char *what) {
+  DP_TRY(usable());
+  if (bytes < 0 || bytes > MAX_MESSAGE) return DP_FAIL(DP_ERR_VALUE, "allgather: %lld bytes", (long long)bytes);
+  memcpy((char *)all + (size_t)world.rank * (size_t)bytes, mine, (size_t)bytes);
+  if (world.size == 1) return DP_OK;
+  const int n = 2 * (world.size - 1);
+  MPI_Request *reqs = malloc(sizeof *reqs * (size_t)n);
+  int *peers = malloc(sizeof *peers * (size_t)n);
+  if (!reqs || !peers) {
+    free(reqs);
+    free(peers);
+    return DP_FAIL(DP_ERR_MEMORY, "allgather: %d requests", n);
+  }
+  int m = 0, rc = MPI_SUCCESS;
+  pthread_mutex_lock(&mpi_lock);
+  for (int q = 0; q < world.size && rc == MPI_SUCCESS; ++q) {
+    if (q == world.rank) continue;
+    rc = MPI_Irecv((char *)all + (size_t)q * (size_t)bytes, (int)bytes, MPI_BYTE, q, TAG_GATHER, comm_ctl, &reqs[m]);
+    peers[m++] = q;
+    if (rc == MPI_SUCCESS) rc = MPI_Isend(mine, (int)bytes, MPI_BYTE, q, TAG_GATHER, comm_ctl, &reqs[m]);
+    peers[m++] = q;
+  }
+  pthread_mutex_unlock(&mpi_lock);
+  dp_status st = mpi_call(rc, "MPI_Isend/MPI_Irecv", what);
+  if (st == DP_OK) st = wait_requests(reqs, peers, m, timeout, what);
+  free(reqs);
+  free(peers);
+  return st;
+}
+
+dp_status dp_dist_barrier(double timeout, const char *what) {
+  if (world.size == 1) return DP_OK;
+  char mine = 1;
+  char *all = malloc((size_t)world.size);
+  if (!all) return DP_FAIL(DP_ERR_MEMORY, "barrier: %d bytes", world.size);
+  const dp_status st = dp_dist_allgather(&mine, 1, all, timeout, what);
+  free(all);
+  return st;
+}
+
+/* ---- the rank-ordered chain ------------------------------------------------------ */
+
+enum { SEND_WINDOW = 4 };
+
+typedef struct chain {
+  MPI_Request send[SEND_WINDOW];
+  int send_peer[SEND_WINDOW];
+  int nsent;
+  double timeout;
+  const char *what;
+  const _Atomic int *abandon;
+} chain;
+
+static dp_status chain_wait(chain *c, MPI_Request *reqs, const int *peers, int n) {
+  return wait_requests_abandonable(reqs, peers, n, c->timeout, c->what, c->abandon);
+}
+
+/* Sends len floats at p to peer, after the send SEND_WINDOW back is done. */
+static dp_status chain_send(chain *c, const float *p, int64_t len, int peer, int tag) {
+  const int slot = c->nsent % SEND_WINDOW;
+  if (c->nsent >= SEND_WINDOW) DP_TRY(chain_wait(c, &c->send[slot], &c->send_peer[slot], 1));
+  pthread_mutex_lock(&mpi_lock);
+  const int rc = MPI_Isend(p, (int)len, MPI_FLOAT, peer, tag, comm_data, &c->send[slot]);
+  pthread_mutex_unlock(&mpi_lock);
+  c->send_peer[slot] = peer;
+  c->nsent++;
+  return mpi_call(rc, "MPI_Isend", c->what);
+}
+
+static dp_status chain_sends_done(chain *c) {
+  const int n = c->nsent < SEND_WINDOW ? c->nsent : SEND_WINDOW;
+  const dp_status st = n ? chain_wait(c, c->send, c->send_peer, n) : DP_OK;
+  c->nsent = 0;
+  return st;
+}
+
+static dp_status chain_recv(chain *c, float *p, int64_t len, int peer, int tag, MPI_Request *req) {
+  pthread_mutex_lock(&mpi_lock);
+  const int rc = MPI_Irecv(p, (int)len, MPI_FLOAT, peer, tag, comm_data, req);
+  pthread_mutex_unlock(&mpi_lock);
+  return mpi_call(rc, "MPI_Irecv", c->what);
+}
+
+/* Segment [lo, lo + len) of this process's part of the sum: the running sum
+ * `in` of the earlier processes (NULL on the first) plus replicas 0..k-1 in
+ * order, left in bufs[0]; the last process scales it and copies it to every
+ * replica. Each pass is one vector loop; each element sees the same
+ * additions in the same order as collective.c's. */
+static void chain_add(float *const *bufs, int k, int64_t lo, int64_t len, const float *in, int last, float scale) {
+  float *b0 = bufs[0] + lo;
+  if (in) {
+#pragma omp simd
+    for (int64_t i = 0; i < len; ++i) b0[i] = in[i] + b0[i];
+  }
+  for (int r = 1; r < k; ++r) {
+    const float *src = bufs[r] + lo;
+#pragma omp simd
+    for (int64_t i = 0; i < len; ++i) b0[i] += src[i];
+  }
+  if (!last) return;
+#pragma omp simd
+  for (int64_t i = 0; i < len; ++i) b0[i] *= scale;
+  for (int r = 1; r < k; ++r) memcpy(bufs[r] + lo, b0, sizeof(float) * (size_t)len);
+}
+
+dp_status dp_dist_chain_allreduce(float *const *bufs, int k, int64_t n, float scale, int tag, float *stage,
+                                  double timeout, const char *what) {
+  return dp_dist_chain_allreduce_abandonable(bufs, k, n, scale, tag, stage, timeout, what, NULL);
+}
+
+dp_status dp_dist_chain_allreduce_abandonable(float *const *bufs, int k, int64_t n, float scale, int tag,
+                                              float *stage, double timeout, const char *what,
+                                              const _Atomic int *abandon) {
+  DP_TRY(usable());
+  if (n <= 0 || k < 1) return DP_OK;
+  if (tag < 0 || tag >= DP_DIST_MAX_TAG) return DP_FAIL(DP_ERR_VALUE, "chain all-reduce: tag %d", tag);
+  const int P = world.size, p = world.rank;
+  const int64_t S = DP_DIST_SEGMENT, nseg = (n + S - 1) / S;
+  if (P == 1) {
+    for (int64_t s = 0; s < nseg; ++s) chain_add(bufs, k, s * S, n - s * S < S ? n - s * S : S, NULL, 1, scale);
+    return DP_OK;
+  }
+  const int fwd = TAG_CHAIN_BASE + 2 * tag, back = fwd + 1, last = p == P - 1;
+  chain c = {.timeout = timeout, .what = what, .abandon = abandon};
+  MPI_Request recv[2] = {MPI_REQUEST_NULL, MPI_REQUEST_NULL};
+  /* forward: the running sum from p - 1, plus ours, to p + 1 (the last
+   * process: scaled, and sent back to p - 1) */
+  if (p > 0)
+    for (int64_t s = 0; s < nseg && s < 2; ++s)
+      DP_TRY(chain_recv(&c, stage + (s % 2) * S, n - s * S < S ? n - s * S : S, p - 1, fwd, &recv[s % 2]));
+  for (int64_t s = 0; s < nseg; ++s) {
+    const int64_t lo = s * S, len = n - lo < S ? n - lo : S;
+    float *in = NULL;
+    if (p > 0) {
+      const int from = p - 1;
+      DP_TRY(chain_wait(&c, &recv[s % 2], &from, 1));
+      in = stage + (s % 2) * S;
+    }
+    chain_add(bufs, k, lo, len, in, last, scale);
+    if (p > 0 && s + 2 < nseg) {
+      const int64_t lo2 = (s + 2) * S;
+      DP_TRY(chain_recv(&c, stage + (s % 2) * S, n - lo2 < S ? n - lo2 : S, p - 1, fwd, &recv[s % 2]));
+    }
+    DP_TRY(chain_send(&c, bufs[0] + lo, len, last ? p - 1 : p + 1, last ? back : fwd));
+  }
+  DP_TRY(chain_sends_done(&c)); /* bufs[0] is ours again */
+  if (last) return DP_OK;
+  /* back: the result from p + 1, to p - 1 and every local replica */
+  for (int64_t s = 0; s < nseg; ++s) {
+    const int64_t lo = s * S, len = n - lo < S ? n - lo : S;
+    const int from = p + 1;
+    DP_TRY(chain_recv(&c, bufs[0] + lo, len, from, back, &recv[0]));
+    DP_TRY(chain_wait(&c, &recv[0], &from, 1));
+    if (p > 0) DP_TRY(chain_send(&c, bufs[0] + lo, len, p - 1, back));
+    for (int r = 1; r < k; ++r) memcpy(bufs[r] + lo, bufs[0] + lo, sizeof(float) * (size_t)len);
+  }
+  return chain_sends_done(&c);
+}
+
+#else /* !DP_HAVE_MPI: every process is a world of one */
+
+int dp_dist_built(void) { return 0; }
+const char *dp_dist_library_version(void) { return ""; }
+int dp_dist_cuda_aware(void) { return -1; }
+
+dp_status dp_dist_init(dp_dist_info *out) {
+  pthread_mutex_lock(&init_lock);
+  world.launched = launched_by_mpirun();
+  if (out) *out = world;
+  pthread_mutex_unlock(&init_lock);
+  return DP_OK;
+}
+
+dp_status dp_dist_finalize(void) { return DP_OK; }
+void dp_dist_abort(int code) { (void)code; }
+int dp_dist_is_broken(void) { return 0; }
+
+dp_status dp_dist_bcast(void *buf, int64_t bytes, int root, double timeout, const char *what) {
+  if (root != 0) return DP_FAIL(DP_ERR_VALUE, "broadcast: root %d is not a rank of 1", root);
+  return DP_OK;
+}
+
+dp_status dp_dist_allgather(const void *mine, int64_t bytes, void *all, double timeout, const char *what) {
+  if (bytes < 0) return DP_FAIL(DP_ERR_VALUE, "allgather: %lld bytes", (long long)bytes);
+  memcpy(all, mine, (size_t)bytes);
+  return DP_OK;
+}
+
+dp_status dp_dist_barrier(double timeout, const char *what) { return DP_OK; }
+
+dp_status dp_dist_chain_allreduce(float *const *bufs, int k, int64_t n, float scale, int tag, float *stage,
+                                  double timeout, const char *what) {
+  return dp_dist_chain_allreduce_abandonable(bufs, k, n, scale, tag, stage, timeout, what, NULL);
+}
+
+dp_status dp_dist_chain_allreduce_abandonable(float *const *bufs, int k, int64_t n, float scale, int tag,
+                                              float *stage, double timeout, const char *what,
+                                              const _Atomic int *abandon) {
+  return DP_FAIL(DP_ERR_UNSUPPORTED, "the all-reduce across processes needs MPI: dpcore was built without it");
+}
+
+#endif

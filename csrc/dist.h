@@ -1,0 +1,100 @@
+/* dist.h — the processes of a job, over MPI (Open MPI): never a transport of
+ * our own.
+ *
+ * A process started by mpirun (or any launcher that sets Open MPI's, PMIx's
+ * or PMI's rank variables) joins the job on first use (dp_dist_init); any
+ * other process is a world of one and never initialises MPI. dpcore finalises
+ * only an MPI it initialised itself (mpi4py may have done it first), and asks
+ * for MPI_THREAD_MULTIPLE; it needs no more than MPI_THREAD_SERIALIZED, since
+ * every MPI call it makes holds one process-wide lock.
+ *
+ * Every operation that waits for another process is non-blocking underneath
+ * and polled against a deadline: a peer that never arrives (stopped, hung, or
+ * skipping the operation) is a DP_ERR_DIST naming the peers that are missing
+ * and what was being waited for, never a hang. What to do next is the
+ * caller's: python/dpcore ends an unhandled exception with MPI_Abort
+ * (dp_dist_abort), so that mpirun takes the whole job down.
+ *
+ * Built without MPI (DPCORE_MPI=0, or no mpicc), every process is a world of
+ * one and the operations that need a peer return DP_ERR_UNSUPPORTED.
+ */
+#ifndef DP_DIST_H
+#define DP_DIST_H
+
+#include <stdint.h>
+
+#include "collective.h"
+#include "dp_status.h"
+
+typedef struct dp_dist_info {
+  int rank, size;             /* MPI_COMM_WORLD */
+  int local_rank, local_size; /* the processes of this host (MPI_COMM_TYPE_SHARED) */
+  int mpi_initialized;        /* MPI is initialised (by us or by someone before us) */
+  int initialized_here;       /* dpcore called MPI_Init_thread, and will finalise */
+  int thread_level;           /* what MPI granted (0..3: single .. multiple), -1 without MPI */
+  int launched;               /* a launcher's variables were found */
+} dp_dist_info;
+
+/* 1 when dpcore was built with MPI. */
+int dp_dist_built(void);
+/* The library's own words (MPI_Get_library_version), and whether it says it
+ * can take CUDA device memory (Open MPI's MPIX_Query_cuda_support: -1 when it
+ * cannot tell, or before MPI is initialised for Open MPI's run-time answer). */
+const char *dp_dist_library_version(void);
+int dp_dist_cuda_aware(void);
+
+/* Joins the job (idempotent; thread-safe). A process no launcher started is a
+ * world of one: rank 0 of 1, MPI not initialised. DP_ERR_DIST when MPI fails
+ * to start or grants less than MPI_THREAD_SERIALIZED. */
+DP_MUST_CHECK dp_status dp_dist_init(dp_dist_info *out);
+/* What dp_dist_init found, without initialising anything (size 1 before it). */
+dp_dist_info dp_dist_get_info(void);
+/* MPI_Finalize when dpcore initialised MPI and nothing failed since; a no-op
+ * otherwise. After it every operation fails. */
+DP_MUST_CHECK dp_status dp_dist_finalize(void);
+/* MPI_Abort(MPI_COMM_WORLD, code) when MPI is initialised: mpirun ends every
+ * process of the job. Returns only when MPI is not running. */
+void dp_dist_abort(int code);
+
+/* 1 once an operation failed part way (a peer missed its deadline, MPI
+ * failed): the processes are out of step, every later operation fails at
+ * once, and finalising could wait forever (python/dpcore aborts instead). */
+int dp_dist_is_broken(void);
+
+/* The operations below are collective over every process of the job: each
+ * must call them in the same order with the same sizes. timeout: seconds to
+ * wait for the slowest peer (> 0). what: what is being waited for, for the
+ * message ("the gradient all-reduce of step 12"). */
+
+/* Root's bytes to every process (MPI_Ibcast). */
+DP_MUST_CHECK dp_status dp_dist_bcast(void *buf, int64_t bytes, int root, double timeout, const char *what);
+/* Every process's `bytes` bytes, in rank order, into all[size * bytes].
+ * Point to point, so that a timeout names the ranks that did not arrive. */
+DP_MUST_CHECK dp_status dp_dist_allgather(const void *mine, int64_t bytes, void *all, double timeout,
+                                          const char *what);
+DP_MUST_CHECK dp_status dp_dist_barrier(double timeout, const char *what);
+
+/* The rank-ordered all-reduce across processes of this process's k local
+ * replica buffers bufs[0..k-1] (host memory, n floats each; every process
+ * passes its own k, and the global replica order is process by process,
+ * local rank by local rank). Every element of every buffer of every process
+ * becomes (((g0 + g1) + g2) + ... + g_{R-1}) * scale, the global replicas
+ * g summed left to right: bitwise what one process computes over R replica
+ * threads (collective.c), whatever the split into processes.
+ *
+ * A chain: process p receives the running sum of processes 0..p-1, adds its
+ * own replicas in order and passes it on; the last process scales and the
+ * result travels back down the chain. In segments of DP_DIST_SEGMENT floats,
+ * so that the processes work on different segments at once. stage: 2 *
+ * DP_DIST_SEGMENT floats of scratch. tag: in [0, DP_DIST_MAX_TAG), apart for
+ * operations that may be in flight at once. */
+enum { DP_DIST_SEGMENT = 1 << 18, DP_DIST_MAX_TAG = 1 << 12 };
+DP_MUST_CHECK dp_status dp_dist_chain_allreduce(float *const *bufs, int k, int64_t n, float scale, int tag,
+                                                float *stage, double timeout, const char *what);
+/* The same with a flag that, once set by another thread, makes the chain give
+ * up (DP_ERR_ABORTED) instead of waiting on: a comm being destroyed. */
+DP_MUST_CHECK dp_status dp_dist_chain_allreduce_abandonable(float *const *bufs, int k, int64_t n, float scale,
+                                                            int tag, float *stage, double timeout, const char *what,
+                                                            const _Atomic int *abandon);
+
+#endif

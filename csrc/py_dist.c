@@ -1,0 +1,171 @@
+/* py_dist.c — the processes of a job (csrc/dist.h) as module functions:
+ * joining the job, its ranks, and the few collectives python/dpcore needs
+ * beside the mirrored steps (broadcast, allgather, barrier), each waiting
+ * without the GIL and against a deadline. python/dpcore/distributed.py is the
+ * public API over them.
+ */
+#include "py_private.h"
+
+#include <math.h>
+#include <string.h>
+
+#include "dist.h"
+
+static PyObject *info_dict(const dp_dist_info *i) {
+  return Py_BuildValue("{s:i,s:i,s:i,s:i,s:O,s:O,s:i,s:O}", "rank", i->rank, "world_size", i->size, "local_rank",
+                       i->local_rank, "local_size", i->local_size, "mpi_initialized",
+                       i->mpi_initialized ? Py_True : Py_False, "initialized_here",
+                       i->initialized_here ? Py_True : Py_False, "thread_level", i->thread_level, "launched",
+                       i->launched ? Py_True : Py_False);
+}
+
+typedef struct {
+  dp_dist_info info;
+} init_work;
+
+static dp_status init_run(void *p) { return dp_dist_init(&((init_work *)p)->info); }
+
+/* dist_init() -> info dict: joins the job (MPI_Init_thread under mpirun). */
+static PyObject *mod_dist_init(PyObject *m, PyObject *unused) {
+  init_work w;
+  memset(&w, 0, sizeof w);
+  /* MPI_Init waits for the other processes: without the GIL */
+  if (models_run_without_gil(NULL, 0, init_run, &w) < 0) return NULL;
+  return info_dict(&w.info);
+}
+
+static PyObject *mod_dist_info(PyObject *m, PyObject *unused) {
+  const dp_dist_info i = dp_dist_get_info();
+  return info_dict(&i);
+}
+
+static dp_status finalize_run(void *p) { return dp_dist_finalize(); }
+
+static PyObject *mod_dist_finalize(PyObject *m, PyObject *unused) {
+  if (models_run_without_gil(NULL, 0, finalize_run, NULL) < 0) return NULL;
+  Py_RETURN_NONE;
+}
+
+/* dist_abort(code): MPI_Abort; returns only when MPI is not running. */
+static PyObject *mod_dist_abort(PyObject *m, PyObject *args) {
+  int code = 1;
+  if (!PyArg_ParseTuple(args, "|i", &code)) return NULL;
+  Py_BEGIN_ALLOW_THREADS /* mpirun may take a moment to end us */
+  dp_dist_abort(code);
+  Py_END_ALLOW_THREADS
+  Py_RETURN_NONE;
+}
+
+static PyObject *mod_dist_is_broken(PyObject *m, PyObject *unused) { return PyBool_FromLong(dp_dist_is_broken()); }
+
+static PyObject *mod_dist_library(PyObject *m, PyObject *unused) {
+  return Py_BuildValue("{s:O,s:s,s:i}", "built", dp_dist_built() ? Py_True : Py_False, "version",
+                       dp_dist_library_version(), "cuda_aware", dp_dist_cuda_aware());
+}
+
+/* The timeout and what-string arguments every collective takes. */
+static int wait_args(double timeout, const char *what) {
+  if (!(timeout > 0.0) || !isfinite(timeout)) {
+    PyErr_Format(PyExc_ValueError, "timeout must be a finite number of seconds > 0, got %g", timeout);
+    return -1;
+  }
+  return what ? 0 : -1;
+}
+
+typedef struct {
+  const void *mine;
+  int64_t bytes;
+  void *all;
+  void *buf;
+  int root;
+  double timeout;
+  const char *what;
+} coll_work;
+
+static dp_status allgather_run(void *p) {
+  coll_work *w = p;
+  return dp_dist_allgather(w->mine, w->bytes, w->all, w->timeout, w->what);
+}
+
+/* dist_allgather(data: bytes, timeout, what) -> [bytes of rank 0, rank 1, ...];
+ * every process passes the same length. */
+static PyObject *mod_dist_allgather(PyObject *m, PyObject *args) {
+  Py_buffer mine;
+  coll_work w;
+  memset(&w, 0, sizeof w);
+  if (!PyArg_ParseTuple(args, "y*ds", &mine, &w.timeout, &w.what)) return NULL;
+  PyObject *ret = NULL, *all = NULL;
+  if (wait_args(w.timeout, w.what) < 0) goto done;
+  const dp_dist_info info = dp_dist_get_info();
+  if (mine.len > (1 << 30) / (info.size > 0 ? info.size : 1)) {
+    PyErr_Format(PyExc_ValueError, "allgather: %zd bytes from each of %d processes is too much", mine.len, info.size);
+    goto done;
+  }
+  all = PyBytes_FromStringAndSize(NULL, mine.len * info.size);
+  if (!all) goto done;
+  w.mine = mine.buf;
+  w.bytes = mine.len;
+  w.all = PyBytes_AS_STRING(all);
+  if (models_run_without_gil(NULL, 0, allgather_run, &w) < 0) goto done;
+  ret = PyList_New(info.size);
+  for (int q = 0; ret && q < info.size; ++q) {
+    PyObject *b = PyBytes_FromStringAndSize(PyBytes_AS_STRING(all) + (Py_ssize_t)q * mine.len, mine.len);
+    if (!b) Py_CLEAR(ret);
+    else PyList_SET_ITEM(ret, q, b);
+  }
+done:
+  Py_XDECREF(all);
+  PyBuffer_Release(&mine);
+  return ret;
+}
+
+static dp_status bcast_run(void *p) {
+  coll_work *w = p;
+  return dp_dist_bcast(w->buf, w->bytes, w->root, w->timeout, w->what);
+}
+
+/* dist_bcast(buffer, root, timeout, what): root's bytes into every process's
+ * writable, contiguous buffer (a bytearray, a NumPy array), in place. */
+static PyObject *mod_dist_bcast(PyObject *m, PyObject *args) {
+  PyObject *obj;
+  coll_work w;
+  memset(&w, 0, sizeof w);
+  if (!PyArg_ParseTuple(args, "Oids", &obj, &w.root, &w.timeout, &w.what)) return NULL;
+  if (wait_args(w.timeout, w.what) < 0) return NULL;
+  Py_buffer buf;
+  if (PyObject_GetBuffer(obj, &buf, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) return NULL;
+  w.buf = buf.buf;
+  w.bytes = buf.len;
+  /* the buffer stays exported (and so unresizable) while the GIL is released */
+  const int rc = models_run_without_gil(NULL, 0, bcast_run, &w);
+  PyBuffer_Release(&buf);
+  if (rc < 0) return NULL;
+  Py_RETURN_NONE;
+}
+
+static dp_status barrier_run(void *p) {
+  coll_work *w = p;
+  return dp_dist_barrier(w->timeout, w->what);
+}
+
+static PyObject *mod_dist_barrier(PyObject *m, PyObject *args) {
+  coll_work w;
+  memset(&w, 0, sizeof w);
+  if (!PyArg_ParseTuple(args, "ds", &w.timeout, &w.what)) return NULL;
+  if (wait_args(w.timeout, w.what) < 0) return NULL;
+  if (models_run_without_gil(NULL, 0, barrier_run, &w) < 0) return NULL;
+  Py_RETURN_NONE;
+}
+
+PyMethodDef dist_functions[] = {
+    {"dist_init", mod_dist_init, METH_NOARGS, "dist_init() -> info: join the job (MPI under mpirun), idempotent"},
+    {"dist_info", mod_dist_info, METH_NOARGS, "dist_info() -> info, without joining"},
+    {"dist_finalize", mod_dist_finalize, METH_NOARGS, "MPI_Finalize, when dpcore initialised MPI"},
+    {"dist_abort", mod_dist_abort, METH_VARARGS, "dist_abort(code=1): MPI_Abort over the whole job"},
+    {"dist_is_broken", mod_dist_is_broken, METH_NOARGS, "True once the processes are out of step"},
+    {"dist_library", mod_dist_library, METH_NOARGS, "{'built', 'version', 'cuda_aware'} of the MPI library"},
+    {"dist_allgather", mod_dist_allgather, METH_VARARGS,
+     "dist_allgather(data, timeout, what) -> [bytes per rank]"},
+    {"dist_bcast", mod_dist_bcast, METH_VARARGS, "dist_bcast(buffer, root, timeout, what): in place"},
+    {"dist_barrier", mod_dist_barrier, METH_VARARGS, "dist_barrier(timeout, what)"},
+    {NULL, NULL, 0, NULL}};

@@ -1,0 +1,188 @@
+"""The processes of a job: dpcore beyond one process, on MPI (Open MPI).
+
+    mpirun -np 2 python train.py               # two processes on this machine
+    mpirun -np 8 --hostfile hosts python train.py
+
+    import dpcore as dp
+    dp.distributed.rank(), dp.distributed.world_size(), dp.distributed.local_rank()
+    strategy = dp.MultiWorkerMirroredStrategy()   # every process's local devices
+
+A process started by mpirun joins the job the first time it asks (any function
+here, or ``MultiWorkerMirroredStrategy()``); any other process is a world of
+one (rank 0 of 1) and never starts MPI. dpcore asks MPI for
+``MPI_THREAD_MULTIPLE`` (it needs ``MPI_THREAD_SERIALIZED``) and coexists with
+mpi4py: whoever initialised MPI finalises it.
+
+Failure never hangs. Every wait for another process has a deadline (the
+strategy's ``timeout``, else the ``timeout=`` given here): a process that never
+arrives is a :class:`dpcore.DistributedError` naming the rank and what was
+waited for. Once a process of a job has joined it, an exception that nothing
+catches ends the whole job through ``MPI_Abort`` (after printing the
+traceback), instead of leaving the others to wait for it: mpirun then stops
+every process. A job whose processes fell out of step is aborted at exit
+rather than finalised (``MPI_Finalize`` would wait for the lost process).
+
+Open MPI refuses to run as root unless ``OMPI_ALLOW_RUN_AS_ROOT=1`` and
+``OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1`` are set; the Makefile and the tests set
+them, dpcore itself never does.
+"""
+import atexit
+import os
+import pickle
+import struct
+import sys
+import threading
+import traceback
+
+from . import _core
+from .errors import DistributedError
+
+__all__ = ["rank", "world_size", "local_rank", "local_size", "is_initialized", "barrier", "broadcast_object",
+           "allgather_object", "DEFAULT_TIMEOUT", "DistributedError"]
+
+DEFAULT_TIMEOUT = 60.0  # seconds to wait for another process before giving up
+
+_lock = threading.Lock()
+_info = None
+_hooks_installed = False
+
+
+def _check_timeout(timeout):
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) and not hasattr(timeout, "__float__"):
+        raise TypeError(f"timeout must be a number of seconds, got {type(timeout).__name__}")
+    timeout = float(timeout)
+    if not timeout > 0 or timeout == float("inf"):
+        raise ValueError(f"timeout must be a finite number of seconds > 0, got {timeout}")
+    return timeout
+
+
+def _join():
+    """The job's description, joining it on first use."""
+    global _info
+    with _lock:
+        if _info is None:
+            _info = _core.dist_init()
+            if _info["world_size"] > 1:
+                _install_hooks()
+        return _info
+
+
+def _abort_job(code=1):
+    sys.stdout.flush()
+    sys.stderr.flush()
+    _core.dist_abort(code)
+
+
+def _excepthook(kind, value, tb):
+    """An exception nothing caught: print it, then end the whole job (the other
+    processes would otherwise wait for this one until their deadline)."""
+    info = _info or {}
+    text = "".join(traceback.format_exception(kind, value, tb))
+    sys.stderr.write(f"dpcore: rank {info.get('rank', '?')} of {info.get('world_size', '?')} failed; aborting the "
+                     f"job (MPI_Abort)\n{text}")
+    _abort_job(1)
+    _previous_excepthook(kind, value, tb)  # MPI was not running after all
+
+
+_previous_excepthook = sys.excepthook
+
+
+def _at_exit():
+    if _core.dist_is_broken():
+        # the processes are out of step: MPI_Finalize would wait for a lost peer
+        _abort_job(1)
+    else:
+        _core.dist_finalize()
+
+
+def _install_hooks():
+    global _hooks_installed, _previous_excepthook
+    if _hooks_installed:
+        return
+    _previous_excepthook = sys.excepthook
+    sys.excepthook = _excepthook
+    atexit.register(_at_exit)
+    _hooks_installed = True
+
+
+def is_initialized():
+    """True once MPI runs in this process (dpcore joined a job launched by
+    mpirun, or mpi4py started MPI first). Starts nothing."""
+    return bool(_info is not None and _info["mpi_initialized"])
+
+
+def rank():
+    """This process's rank in the job (0 .. world_size() - 1); 0 outside mpirun."""
+    return _join()["rank"]
+
+
+def world_size():
+    """The number of processes of the job; 1 outside mpirun."""
+    return _join()["world_size"]
+
+
+def local_rank():
+    """This process's rank among the processes of its host (for choosing a GPU)."""
+    return _join()["local_rank"]
+
+
+def local_size():
+    """The number of processes of the job on this host."""
+    return _join()["local_size"]
+
+
+def barrier(timeout=DEFAULT_TIMEOUT, what="dp.distributed.barrier()"):
+    """Waits until every process has called it (DistributedError after timeout s)."""
+    _join()
+    _core.dist_barrier(_check_timeout(timeout), what)
+
+
+def allgather_object(obj, timeout=DEFAULT_TIMEOUT, what="dp.distributed.allgather_object()"):
+    """Every process's ``obj`` (pickled), as a list in rank order."""
+    timeout = _check_timeout(timeout)
+    info = _join()
+    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    if info["world_size"] == 1:
+        return [pickle.loads(data)]
+    sizes = [struct.unpack("<q", b)[0] for b in _core.dist_allgather(struct.pack("<q", len(data)), timeout, what)]
+    width = max(sizes)
+    parts = _core.dist_allgather(data + bytes(width - len(data)), timeout, what)
+    return [pickle.loads(part[:size]) for part, size in zip(parts, sizes)]
+
+
+def broadcast_object(obj, root=0, timeout=DEFAULT_TIMEOUT, what="dp.distributed.broadcast_object()"):
+    """Rank ``root``'s ``obj`` (pickled) on every process; the others' argument is ignored."""
+    timeout = _check_timeout(timeout)
+    info = _join()
+    if isinstance(root, bool) or not isinstance(root, int) or not 0 <= root < info["world_size"]:
+        raise ValueError(f"root must be a rank in [0, {info['world_size']}), got {root!r}")
+    if info["world_size"] == 1:
+        return pickle.loads(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
+    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL) if info["rank"] == root else b""
+    size = bytearray(struct.pack("<q", len(data)))
+    _core.dist_bcast(size, root, timeout, what)
+    buf = bytearray(data) if info["rank"] == root else bytearray(struct.unpack("<q", bytes(size))[0])
+    _core.dist_bcast(buf, root, timeout, what)
+    return pickle.loads(bytes(buf))
+
+
+def agree(name, value, timeout=DEFAULT_TIMEOUT):
+    """Raises DistributedError on every process unless every process passed
+    the same ``value`` (compared by equality) for ``name``."""
+    values = allgather_object(value, timeout, f"the comparison of {name}")
+    for q, v in enumerate(values):
+        if v != values[0]:
+            raise DistributedError(f"the processes disagree about {name}: rank {q} has {v!r}, rank 0 has "
+                                   f"{values[0]!r}; every process must make the same call")
+    return values[0]
+
+
+def _cpu_shared_by(local):
+    """How many processes of this host share its cores: all of them when
+    mpirun did not bind each process to its own cores (--bind-to none),
+    else 1 (the affinity mask already is this process's share)."""
+    try:
+        mine = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return 1
+    return local if mine >= (os.cpu_count() or mine) and local > 1 else 1
