@@ -1,17 +1,28 @@
 # The two commands of the README, and the developer's helpers.
 #   make train   set up (apt packages when root, .venv, pip install .) and train LeNet
 #   make test    set up the same way and run the test suite
+#   make train-mpi NP=2   the main job in NP MPI processes
 VENV ?= .venv
 PY := $(VENV)/bin/python
+NP ?= 2
 export VENV
+# Open MPI refuses to run as root without both (CI and these machines run as
+# root); dpcore itself never sets them
+export OMPI_ALLOW_RUN_AS_ROOT := 1
+export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
 
-.PHONY: setup train test test-cpu-only test-gpu bench bench-gpu clean
+.PHONY: setup train train-mpi test test-cpu-only test-gpu bench bench-gpu clean
 
 setup:
 	scripts/bootstrap.sh
 
 train: setup
 	$(PY) examples/train_lenet.py
+
+# The same job in NP processes on this machine (make train-mpi NP=2): each process
+# mirrors over its own devices; --bind-to none lets dpcore spread its threads over the cores
+train-mpi: setup
+	mpirun -np $(NP) --oversubscribe --bind-to none $(PY) examples/train_lenet.py
 
 test: setup
 	$(PY) -m pytest -q -ra tests

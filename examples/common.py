@@ -18,7 +18,22 @@ def parser(doc, lr):
 
 def set_devices(args):
     """Print what dpcore was built with and make the logical devices the options ask for."""
-    print("dpcore", dp.__version__, dp.build_info()["summary"])
+    if dp.distributed.rank() == 0:
+        print("dpcore", dp.__version__, dp.build_info()["summary"])
     dp.set_logical_devices("cpu", args.cpu_devices)
     if args.gpu_devices != 1:
         dp.set_logical_devices("cuda", args.gpu_devices)
+
+
+def strategy(**options):
+    """MirroredStrategy over this process's devices; under mpirun (more than one
+    process) MultiWorkerMirroredStrategy over every process's devices."""
+    if dp.distributed.world_size() > 1:
+        return dp.MultiWorkerMirroredStrategy(**options)
+    return dp.MirroredStrategy(**options)
+
+
+def say(*what):
+    """print, on one process of a job only."""
+    if dp.distributed.rank() == 0:
+        print(*what, flush=True)

@@ -3,6 +3,7 @@ Fashion-MNIST, mirrored over every local device.
 
     python examples/train_resnet.py [--epochs 10] [--batch-size 256] [--lr 0.1] [--sync-batchnorm]
                                     [--cpu-devices K] [--gpu-devices K] [--bucket-mb 25]
+    mpirun -np 8 --hostfile hosts python examples/train_resnet.py   # e.g. 2 hosts x 4 GPUs
 
 On GPUs each step's gradients are all-reduced in buckets that overlap the
 backward pass (NCCL across GPUs, dpcore's own kernel across logical GPUs), and
@@ -10,7 +11,8 @@ the training set is resident on every GPU. On a CPU it trains too, slowly
 (about 45 images/s on 2 cores: an epoch takes over 20 minutes).
 """
 import dpcore as dp
-from common import parser, set_devices
+from common import parser, say, set_devices
+from common import strategy as make_strategy
 
 
 def main():
@@ -19,10 +21,11 @@ def main():
     p.add_argument("--bucket-mb", type=float, default=25, help="gradient all-reduce bucket size")
     args = p.parse_args()
     set_devices(args)
-    strategy = dp.MirroredStrategy(bucket_mb=args.bucket_mb)
+    strategy = make_strategy(bucket_mb=args.bucket_mb)
     with strategy.scope():
         net = dp.models.ResNet18(num_classes=10, in_channels=1, sync_batchnorm=args.sync_batchnorm)
-    print(f"{strategy.num_replicas_in_sync} replica(s): {strategy.devices}, all-reduce: {net.all_reduce}")
+    say(f"{strategy.num_replicas_in_sync} replica(s) in {dp.distributed.world_size()} process(es), rank 0's: "
+        f"{strategy.devices}, all-reduce: {net.all_reduce}")
     train_iter, test_iter = dp.data.load_fashion_mnist(batch_size=args.batch_size, root=args.data)
     dp.train(net, train_iter, test_iter, num_epochs=args.epochs, lr=args.lr)
 

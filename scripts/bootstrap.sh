@@ -6,8 +6,9 @@
 #   VENV=/path/to/venv scripts/bootstrap.sh
 #
 # System packages: OpenBLAS (CBLAS, OpenMP build: the same libgomp our kernels
-# use, so BLAS and dpcore never run two competing thread pools) and Debian's
-# Fashion-MNIST. The CUDA toolkit is optional: found at /usr/local/cuda or via
+# use, so BLAS and dpcore never run two competing thread pools), Debian's
+# Fashion-MNIST, and Open MPI (headers and mpirun: multi-process training;
+# DPCORE_MPI=0 builds without it and skips it here). The CUDA toolkit is optional: found at /usr/local/cuda or via
 # nvcc on PATH, it is used; otherwise dpcore builds CPU-only.
 set -euo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
@@ -15,6 +16,7 @@ venv=${VENV:-$here/.venv}
 python=${PYTHON:-python3}
 
 apt_packages=(libopenblas-openmp-dev dataset-fashion-mnist)
+if [ "${DPCORE_MPI:-1}" != 0 ]; then apt_packages+=(libopenmpi-dev openmpi-bin); fi
 missing=()
 for p in "${apt_packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

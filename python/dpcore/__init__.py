@@ -16,12 +16,13 @@ from . import data, distributed, models, ops  # noqa: F401
 from .config import get_allow_tf32, get_deterministic, set_allow_tf32, set_deterministic  # noqa: F401
 from .devices import list_devices, set_logical_devices  # noqa: F401
 from .info import build_info  # noqa: F401
+from .launch import launch  # noqa: F401
 from .parallel import Tensor, all_reduce, broadcast, gather, scatter, split_batch, tensor  # noqa: F401
 from .strategy import MirroredStrategy, MultiWorkerMirroredStrategy, get_strategy  # noqa: F401
 from .train import History, train  # noqa: F401
 
 __all__ = [
     "DataError", "DeviceError", "DistributedError", "DpcoreError", "History", "MirroredStrategy",
-    "MultiWorkerMirroredStrategy", "Tensor", "all_reduce", "broadcast", "build_info", "data", "distributed", "gather", "get_allow_tf32", "get_deterministic", "get_strategy", "list_devices", "models",
+    "MultiWorkerMirroredStrategy", "Tensor", "all_reduce", "broadcast", "build_info", "data", "distributed", "gather", "get_allow_tf32", "get_deterministic", "get_strategy", "launch", "list_devices", "models",
     "ops", "scatter", "set_allow_tf32", "set_deterministic", "set_logical_devices", "split_batch", "tensor", "train",
 ]
