@@ -401,12 +401,15 @@ dp_status dp_dist_barrier(double timeout, const char *what) {
 
 /* ---- the rank-ordered chain ------------------------------------------------------ */
 
-enum { SEND_WINDOW = 4 };
-
+/* A chain's sends: every one stays in flight until chain_sends_done, never
+ * waited for one at a time. A process that waited for its oldest send before
+ * posting the next receive could deadlock the chain: with rendezvous
+ * messages, the last process's first send back completes only when the first
+ * process, still sending forward, posts its receives for the way back. */
 typedef struct chain {
-  MPI_Request send[SEND_WINDOW];
-  int send_peer[SEND_WINDOW];
-  int nsent;
+  MPI_Request *send;
+  int *send_peer;
+  int nsent, capacity;
   double timeout;
   const char *what;
   const _Atomic int *abandon;
@@ -416,21 +419,18 @@ static dp_status chain_wait(chain *c, MPI_Request *reqs, const int *peers, int n
   return wait_requests_abandonable(reqs, peers, n, c->timeout, c->what, c->abandon);
 }
 
-/* Sends len floats at p to peer, after the send SEND_WINDOW back is done. */
+/* Sends len floats at p to peer. */
 static dp_status chain_send(chain *c, const float *p, int64_t len, int peer, int tag) {
-  const int slot = c->nsent % SEND_WINDOW;
-  if (c->nsent >= SEND_WINDOW) DP_TRY(chain_wait(c, &c->send[slot], &c->send_peer[slot], 1));
+  if (c->nsent == c->capacity) return DP_FAIL(DP_ERR_RUNTIME, "chain all-reduce: more sends than segments");
   pthread_mutex_lock(&mpi_lock);
-  const int rc = MPI_Isend(p, (int)len, MPI_FLOAT, peer, tag, comm_data, &c->send[slot]);
+  const int rc = MPI_Isend(p, (int)len, MPI_FLOAT, peer, tag, comm_data, &c->send[c->nsent]);
   pthread_mutex_unlock(&mpi_lock);
-  c->send_peer[slot] = peer;
-  c->nsent++;
+  c->send_peer[c->nsent++] = peer;
   return mpi_call(rc, "MPI_Isend", c->what);
 }
 
 static dp_status chain_sends_done(chain *c) {
-  const int n = c->nsent < SEND_WINDOW ? c->nsent : SEND_WINDOW;
-  const dp_status st = n ? chain_wait(c, c->send, c->send_peer, n) : DP_OK;
+  const dp_status st = c->nsent ? chain_wait(c, c->send, c->send_peer, c->nsent) : DP_OK;
   c->nsent = 0;
   return st;
 }
@@ -464,6 +464,45 @@ static void chain_add(float *const *bufs, int k, int64_t lo, int64_t len, const 
   for (int r = 1; r < k; ++r) memcpy(bufs[r] + lo, b0, sizeof(float) * (size_t)len);
 }
 
+static dp_status chain_run(chain *c, float *const *bufs, int k, int64_t n, float scale, float *stage, int fwd,
+                           int back) {
+  const int P = world.size, p = world.rank, last = p == P - 1;
+  const int64_t S = DP_DIST_SEGMENT, nseg = (n + S - 1) / S;
+  MPI_Request recv[2] = {MPI_REQUEST_NULL, MPI_REQUEST_NULL};
+  /* forward: the running sum from p - 1, plus ours, to p + 1 (the last
+   * process: scaled, and sent back to p - 1) */
+  if (p > 0)
+    for (int64_t s = 0; s < nseg && s < 2; ++s)
+      DP_TRY(chain_recv(c, stage + (s % 2) * S, n - s * S < S ? n - s * S : S, p - 1, fwd, &recv[s % 2]));
+  for (int64_t s = 0; s < nseg; ++s) {
+    const int64_t lo = s * S, len = n - lo < S ? n - lo : S;
+    float *in = NULL;
+    if (p > 0) {
+      const int from = p - 1;
+      DP_TRY(chain_wait(c, &recv[s % 2], &from, 1));
+      in = stage + (s % 2) * S;
+    }
+    chain_add(bufs, k, lo, len, in, last, scale);
+    if (p > 0 && s + 2 < nseg) {
+      const int64_t lo2 = (s + 2) * S;
+      DP_TRY(chain_recv(c, stage + (s % 2) * S, n - lo2 < S ? n - lo2 : S, p - 1, fwd, &recv[s % 2]));
+    }
+    DP_TRY(chain_send(c, bufs[0] + lo, len, last ? p - 1 : p + 1, last ? back : fwd));
+  }
+  DP_TRY(chain_sends_done(c)); /* bufs[0] is ours again */
+  if (last) return DP_OK;
+  /* back: the result from p + 1, to p - 1 and every local replica */
+  for (int64_t s = 0; s < nseg; ++s) {
+    const int64_t lo = s * S, len = n - lo < S ? n - lo : S;
+    const int from = p + 1;
+    DP_TRY(chain_recv(c, bufs[0] + lo, len, from, back, &recv[0]));
+    DP_TRY(chain_wait(c, &recv[0], &from, 1));
+    if (p > 0) DP_TRY(chain_send(c, bufs[0] + lo, len, p - 1, back));
+    for (int r = 1; r < k; ++r) memcpy(bufs[r] + lo, bufs[0] + lo, sizeof(float) * (size_t)len);
+  }
+  return chain_sends_done(c);
+}
+
 dp_status dp_dist_chain_allreduce(float *const *bufs, int k, int64_t n, float scale, int tag, float *stage,
                                   double timeout, const char *what) {
   return dp_dist_chain_allreduce_abandonable(bufs, k, n, scale, tag, stage, timeout, what, NULL);
@@ -475,47 +514,20 @@ dp_status dp_dist_chain_allreduce_abandonable(float *const *bufs, int k, int64_t
   DP_TRY(usable());
   if (n <= 0 || k < 1) return DP_OK;
   if (tag < 0 || tag >= DP_DIST_MAX_TAG) return DP_FAIL(DP_ERR_VALUE, "chain all-reduce: tag %d", tag);
-  const int P = world.size, p = world.rank;
   const int64_t S = DP_DIST_SEGMENT, nseg = (n + S - 1) / S;
-  if (P == 1) {
+  if (world.size == 1) {
     for (int64_t s = 0; s < nseg; ++s) chain_add(bufs, k, s * S, n - s * S < S ? n - s * S : S, NULL, 1, scale);
     return DP_OK;
   }
-  const int fwd = TAG_CHAIN_BASE + 2 * tag, back = fwd + 1, last = p == P - 1;
-  chain c = {.timeout = timeout, .what = what, .abandon = abandon};
-  MPI_Request recv[2] = {MPI_REQUEST_NULL, MPI_REQUEST_NULL};
-  /* forward: the running sum from p - 1, plus ours, to p + 1 (the last
-   * process: scaled, and sent back to p - 1) */
-  if (p > 0)
-    for (int64_t s = 0; s < nseg && s < 2; ++s)
-      DP_TRY(chain_recv(&c, stage + (s % 2) * S, n - s * S < S ? n - s * S : S, p - 1, fwd, &recv[s % 2]));
-  for (int64_t s = 0; s < nseg; ++s) {
-    const int64_t lo = s * S, len = n - lo < S ? n - lo : S;
-    float *in = NULL;
-    if (p > 0) {
-      const int from = p - 1;
-      DP_TRY(chain_wait(&c, &recv[s % 2], &from, 1));
-      in = stage + (s % 2) * S;
-    }
-    chain_add(bufs, k, lo, len, in, last, scale);
-    if (p > 0 && s + 2 < nseg) {
-      const int64_t lo2 = (s + 2) * S;
-      DP_TRY(chain_recv(&c, stage + (s % 2) * S, n - lo2 < S ? n - lo2 : S, p - 1, fwd, &recv[s % 2]));
-    }
-    DP_TRY(chain_send(&c, bufs[0] + lo, len, last ? p - 1 : p + 1, last ? back : fwd));
-  }
-  DP_TRY(chain_sends_done(&c)); /* bufs[0] is ours again */
-  if (last) return DP_OK;
-  /* back: the result from p + 1, to p - 1 and every local replica */
-  for (int64_t s = 0; s < nseg; ++s) {
-    const int64_t lo = s * S, len = n - lo < S ? n - lo : S;
-    const int from = p + 1;
-    DP_TRY(chain_recv(&c, bufs[0] + lo, len, from, back, &recv[0]));
-    DP_TRY(chain_wait(&c, &recv[0], &from, 1));
-    if (p > 0) DP_TRY(chain_send(&c, bufs[0] + lo, len, p - 1, back));
-    for (int r = 1; r < k; ++r) memcpy(bufs[r] + lo, bufs[0] + lo, sizeof(float) * (size_t)len);
-  }
-  return chain_sends_done(&c);
+  const int fwd = TAG_CHAIN_BASE + 2 * tag, back = fwd + 1;
+  chain c = {.timeout = timeout, .what = what, .abandon = abandon, .capacity = (int)nseg};
+  c.send = malloc(sizeof *c.send * (size_t)nseg);
+  c.send_peer = malloc(sizeof *c.send_peer * (size_t)nseg);
+  dp_status st = c.send && c.send_peer ? chain_run(&c, bufs, k, n, scale, stage, fwd, back)
+                                       : DP_FAIL(DP_ERR_MEMORY, "chain all-reduce: %lld requests", (long long)nseg);
+  free(c.send);
+  free(c.send_peer);
+  return st;
 }
 
 #else /* !DP_HAVE_MPI: every process is a world of one */

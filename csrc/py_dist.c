@@ -46,13 +46,17 @@ static PyObject *mod_dist_finalize(PyObject *m, PyObject *unused) {
   Py_RETURN_NONE;
 }
 
+static dp_status abort_run(void *p) {
+  dp_dist_abort(*(const int *)p);
+  return DP_OK;
+}
+
 /* dist_abort(code): MPI_Abort; returns only when MPI is not running. */
 static PyObject *mod_dist_abort(PyObject *m, PyObject *args) {
   int code = 1;
   if (!PyArg_ParseTuple(args, "|i", &code)) return NULL;
-  Py_BEGIN_ALLOW_THREADS /* mpirun may take a moment to end us */
-  dp_dist_abort(code);
-  Py_END_ALLOW_THREADS
+  /* without the GIL: mpirun may take a moment to end us */
+  if (models_run_without_gil(NULL, 0, abort_run, &code) < 0) return NULL;
   Py_RETURN_NONE;
 }
 

@@ -74,7 +74,8 @@ def batch(n, seed=0):
 
 def test_the_binding_is_split_by_type_over_one_private_header():
     files = sorted(p.name for p in CSRC.glob("py_*.c"))
-    assert files == ["py_device.c", "py_mirrored.c", "py_model.c", "py_module.c", "py_ops.c", "py_tensor.c"]
+    assert files == ["py_device.c", "py_dist.c", "py_mirrored.c", "py_model.c", "py_module.c", "py_ops.c",
+                     "py_tensor.c"]
     assert not (CSRC / "pybind.c").exists()
     assert (CSRC / "py_private.h").exists()
     for name in files:
@@ -85,7 +86,8 @@ def test_the_gil_is_released_in_one_place():
     """Only devices_run_without_gil (py_module.c) releases the GIL; everything else calls it."""
     releases = {p.name: len(re.findall(r"Py_BEGIN_ALLOW_THREADS|PyEval_SaveThread|Py_UNBLOCK_THREADS", p.read_text()))
                 for p in CSRC.glob("py_*.c")}
-    assert releases == {"py_device.c": 0, "py_mirrored.c": 0, "py_model.c": 0, "py_module.c": 1, "py_ops.c": 0, "py_tensor.c": 0}
+    assert releases == {"py_device.c": 0, "py_dist.c": 0, "py_mirrored.c": 0, "py_model.c": 0, "py_module.c": 1,
+                        "py_ops.c": 0, "py_tensor.c": 0}
 
 
 def test_every_backend_call_of_the_single_ops_is_checked():

@@ -65,7 +65,7 @@ def test_replica_threads_and_collectives_are_clean(tmp_path):
     label or row is refused before any replica starts; a step whose memory
     would grow after its warm-up is a reported error before any collective;
     everything joined and freed."""
-    build_and_run(tmp_path, "mirrored_smoke", ["backend_cpu.c", "backend_cuda.c", "collective.c", "comm.c", "mirrored.c",
+    build_and_run(tmp_path, "mirrored_smoke", ["backend_cpu.c", "backend_cuda.c", "collective.c", "comm.c", "dist.c", "mirrored.c",
                                                 "layers.c", "model.c", "replica.c", "resident.c", "shapes.c", "status.c"])
 
 

@@ -1,0 +1,135 @@
+"""What tests/test_distributed.py runs under mpirun (and, for the references,
+as one plain process): ``python tests/mpi_scenarios.py SCENARIO OUT [options]``.
+
+train: LeNet or ResNet-18 trained for a few steps on synthetic data, then
+evaluated on 10,000 samples; with several processes under
+MultiWorkerMirroredStrategy, in one process under MirroredStrategy over
+--local logical CPU devices. Each rank writes OUT/rank{r}.npz: the digest of
+its parameters after every step, the step losses, the final parameters and
+running statistics, and the evaluation.
+
+fail: a job in which rank 1 goes wrong at step 3 in the way --case says; the
+test reads what the survivors print and how long they take.
+"""
+import argparse
+import json
+import os
+import signal
+import sys
+
+import numpy as np
+
+import dpcore as dp
+
+
+def data(n, seed):
+    rng = np.random.default_rng(seed)
+    return rng.integers(0, 256, (n, 1, 28, 28), dtype=np.uint8), rng.integers(0, 10, n)
+
+
+def make_model(args, strategy):
+    with strategy.scope():
+        if args.model == "resnet":
+            return dp.models.ResNet18(num_classes=10, in_channels=1, sync_batchnorm=args.sync_bn,
+                                      bucket_mb=args.bucket_mb)
+        return dp.models.LeNet(bucket_mb=args.bucket_mb)
+
+
+def strategy_for(args):
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # more logical devices than cores
+        dp.set_logical_devices("cpu", args.local)
+    if dp.distributed.world_size() > 1 or args.multi:
+        return dp.MultiWorkerMirroredStrategy(timeout=args.timeout)
+    return dp.MirroredStrategy()
+
+
+def train(args):
+    strategy = strategy_for(args)
+    net = make_model(args, strategy)
+    rank = dp.distributed.rank()
+    X, y = data(args.samples, 1)
+    it = dp.data.from_arrays(X, y, batch_size=args.batch, shuffle=True, seed=0)
+    digests, losses, correct = [net.digest()], [], []
+    for epoch in range(args.epochs):
+        for Xb, yb in it:
+            loss, hits = net.train_step(Xb, yb, lr=0.05, momentum=0.9)
+            digests.append(net.digest())
+            losses.append(loss)
+            correct.append(hits)
+    out = {"digests": np.array(digests, dtype=np.uint64), "losses": np.array(losses), "correct": np.array(correct)}
+    if args.eval:
+        Xt, yt = data(args.eval, 2)
+        m = net.evaluate(dp.data.from_arrays(Xt, yt, batch_size=1000))
+        out["eval"] = np.array([m.loss, m.accuracy, m.num_examples])
+    if args.fit:
+        history = dp.train(net, it, dp.data.from_arrays(*data(300, 3), batch_size=100), num_epochs=1, lr=0.05)
+        kept = {k: v for k, v in vars(history).items() if k not in ("epoch_seconds", "devices")}
+        out["history"] = np.array(json.dumps(kept))
+        out["history_devices"] = np.array(json.dumps(history.devices))
+        out["epoch_seconds"] = np.array(history.epoch_seconds)
+        out["digest_after_fit"] = np.array(net.digest(), dtype=np.uint64)
+    if args.save:
+        net.save(args.save)
+    w = net.get_weights()
+    out["weights"] = np.concatenate([v.ravel() for v in w.values()])
+    out["placement"] = np.array(json.dumps(net.placement))
+    np.savez(os.path.join(args.out, f"rank{rank}.npz"), **out)
+
+
+def fail(args):
+    """Rank 1 goes wrong at step 3 of a LeNet run (timeout args.timeout)."""
+    strategy = dp.MultiWorkerMirroredStrategy(timeout=args.timeout)
+    rank = dp.distributed.rank()
+    if args.case == "model" and rank == 1:
+        with strategy.scope():
+            net = dp.models.Sequential([("conv2d", 4, 3, 1, 1), ("relu",), ("flatten",), ("dense", 10)])
+    else:
+        net = make_model(args, strategy)
+    X, y = data(256 * 6, 1)
+    it = dp.data.from_arrays(X, y, batch_size=256, shuffle=True, seed=rank if args.case == "seed" else 0)
+    if args.case == "epochs":
+        dp.train(net, it, num_epochs=1 + rank, lr=0.05)
+    for step, (Xb, yb) in enumerate(it):
+        if rank == 1 and step == 3:
+            if args.case == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            if args.case == "stop":
+                os.kill(os.getpid(), signal.SIGSTOP)
+            if args.case == "raise":
+                raise RuntimeError("rank 1 raises on purpose")
+            if args.case == "skip":
+                continue
+            if args.case == "exit":
+                sys.exit(0)
+        if args.case == "batch" and rank == 1:
+            Xb, yb = Xb[:-1], yb[:-1]
+        net.train_step(Xb, yb, lr=0.05)
+    print(f"rank {rank} finished", flush=True)
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("scenario", choices=["train", "fail"])
+    p.add_argument("out")
+    p.add_argument("--model", default="lenet", choices=["lenet", "resnet"])
+    p.add_argument("--local", type=int, default=1)
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--samples", type=int, default=200)
+    p.add_argument("--epochs", type=int, default=1)
+    p.add_argument("--eval", type=int, default=0)
+    p.add_argument("--fit", action="store_true")
+    p.add_argument("--save", default=None)
+    p.add_argument("--sync-bn", action="store_true")
+    p.add_argument("--bucket-mb", type=float, default=25)
+    p.add_argument("--multi", action="store_true", help="MultiWorkerMirroredStrategy even in one process")
+    p.add_argument("--timeout", type=float, default=60)
+    p.add_argument("--case", default="")
+    args = p.parse_args()
+    {"train": train, "fail": fail}[args.scenario](args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,317 @@
+"""Multi-process data parallelism on MPI (csrc/dist.c, the mpi all-reduce of
+csrc/comm.c, MultiWorkerMirroredStrategy, dp.distributed, dp.launch).
+
+pytest runs mpirun itself (tests/mpi_scenarios.py is what each process runs),
+with --oversubscribe (3 processes x 2 replicas on this 2-core machine) and
+--bind-to none. No tolerance is involved anywhere: across processes the
+reduction is rank-ordered, so P processes x L replicas must give bitwise the
+digests, weights, losses and evaluation of one process with P x L replicas,
+after every step; a digest (FNV-1a of the parameter and statistics bits) that
+differs in one bit fails.
+
+The failure tests each run under a hard timeout of their own and assert that
+the survivors end within 60 s with a message naming the lost rank.
+"""
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+import dpcore as dp
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SCENARIOS = os.path.join(HERE, "mpi_scenarios.py")
+BUILT = dp.build_info().get("mpi_linked", False)
+
+if os.environ.get("DPCORE_MPI") == "0":
+    pytestmark = pytest.mark.skip(reason="built with DPCORE_MPI=0: no multi-process training in this build")
+elif not BUILT or shutil.which("mpirun") is None:
+    # a build that should have MPI and does not: the set-up is broken, say so
+    pytestmark = pytest.mark.usefixtures("mpi_required")
+
+
+@pytest.fixture
+def mpi_required():
+    pytest.fail("dpcore was built without MPI or mpirun is missing (scripts/bootstrap.sh installs Open MPI): "
+                + str(dp.build_info().get("mpi_why")))
+
+
+def mpi_env():
+    # Open MPI refuses root without both; the tests run as root in CI
+    return dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", PYTHONUNBUFFERED="1")
+
+
+def mpirun(np_, args, timeout=180):
+    cmd = ["mpirun", "-np", str(np_), "--oversubscribe", "--bind-to", "none", sys.executable, SCENARIOS] + args
+    start = time.monotonic()
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=mpi_env(), timeout=timeout)
+    return proc, time.monotonic() - start
+
+
+def single(args, timeout=180):
+    proc = subprocess.run([sys.executable, SCENARIOS] + args, capture_output=True, text=True, env=mpi_env(),
+                          timeout=timeout)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc
+
+
+def results(out, ranks):
+    return [dict(np.load(os.path.join(out, f"rank{r}.npz"))) for r in range(ranks)]
+
+
+def run_pair(tmp_path, processes, local, extra):
+    """The job (processes x local replicas) and its one-process reference
+    (processes * local replicas); returns (job results per rank, reference)."""
+    job, ref = tmp_path / "job", tmp_path / "ref"
+    job.mkdir()
+    ref.mkdir()
+    proc, _ = mpirun(processes, ["train", str(job), "--local", str(local)] + extra)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    single(["train", str(ref), "--local", str(processes * local)] + extra)
+    return results(job, processes), results(ref, 1)[0]
+
+
+def assert_same_bits(job, ref):
+    for r, res in enumerate(job):
+        assert res["digests"].tolist() == ref["digests"].tolist(), f"rank {r}: digests differ from one process's"
+        assert np.array_equal(res["weights"].view(np.uint32), ref["weights"].view(np.uint32)), f"rank {r}"
+        assert np.array_equal(res["losses"], ref["losses"]), f"rank {r}: step losses"
+        assert np.array_equal(res["correct"], ref["correct"]), f"rank {r}"
+        for key in ("eval", "history", "digest_after_fit"):
+            if key in ref:
+                assert np.array_equal(res[key], ref[key]), f"rank {r}: {key}"
+    if "history" in ref:
+        # every rank's History is the same, the time and the devices included
+        for key in ("history_devices", "epoch_seconds"):
+            assert all(np.array_equal(res[key], job[0][key]) for res in job), key
+
+
+@pytest.mark.parametrize("processes,local,batch", [(2, 1, 64), (2, 2, 64), (3, 2, 257)])
+def test_lenet_bitwise_equal_to_one_process(tmp_path, processes, local, batch):
+    """Digests after every step, final weights, step losses and hits, the
+    evaluation of 10,000 samples (each counted once) and a dp.train epoch's
+    History equal one process with processes x local replicas, bit for bit, on
+    every rank. 3 x 2 with batch 257: shards of 43 and 42 over six replicas,
+    and a last batch of 100 samples."""
+    samples = 2 * batch + 100
+    job, ref = run_pair(tmp_path, processes, local, ["--batch", str(batch), "--samples", str(samples),
+                                                      "--eval", "10000", "--fit", "--bucket-mb", "0.5"])
+    steps = -(-samples // batch)  # the last batch holds the remainder
+    assert len(ref["digests"]) == steps + 1  # the initial parameters and every step's
+    assert len(set(ref["digests"].tolist())) == steps + 1  # every step changed the weights
+    assert_same_bits(job, ref)
+    assert job[0]["eval"][2] == 10000
+    placement = [json.loads(str(r["placement"])) for r in job]
+    assert [p["first"] for p in placement] == [local * q for q in range(processes)]
+    assert all(p["total"] == processes * local for p in placement)
+
+
+def test_resnet18_sync_batchnorm_bitwise_equal_to_one_process(tmp_path):
+    """ResNet-18 with synchronized BatchNorm (statistics all-reduced across the
+    processes), 2 processes x 2 replicas against 1 x 4: the same bits after
+    each of two steps, running statistics included (in the digests)."""
+    job, ref = run_pair(tmp_path, 2, 2, ["--model", "resnet", "--sync-bn", "--batch", "12", "--samples", "24",
+                                          "--bucket-mb", "8"])
+    assert_same_bits(job, ref)
+
+
+def test_resnet18_per_replica_batchnorm_bitwise_equal_to_one_process(tmp_path):
+    """Per-replica BatchNorm: the running statistics averaged over the job's
+    replicas that had samples (an uneven batch of 10 over 4 replicas)."""
+    job, ref = run_pair(tmp_path, 2, 1, ["--model", "resnet", "--batch", "10", "--samples", "10"])
+    assert_same_bits(job, ref)
+
+
+def test_only_rank_0_prints_and_writes_a_checkpoint_one_process_loads(tmp_path):
+    """dp.train's lines come from rank 0 alone; net.save by 2 processes writes
+    one file (rank 0's), which a single process loads with every process's
+    weights and trains on."""
+    out, ckpt = tmp_path / "job", tmp_path / "net.safetensors"
+    out.mkdir()
+    proc, _ = mpirun(2, ["train", str(out), "--fit", "--save", str(ckpt)])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.count("epoch 1/1") == 1, proc.stdout
+    assert "on ['rank0/cpu:0', 'rank1/cpu:0']" in proc.stdout
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["job", "net.safetensors"]  # no temp file left
+    loaded = dp.models.load(ckpt)
+    flat = np.concatenate([v.ravel() for v in loaded.get_weights().values()])
+    for res in results(out, 2):
+        assert np.array_equal(flat.view(np.uint32), res["weights"].view(np.uint32))
+    X = np.zeros((8, 1, 28, 28), np.float32)
+    loss, _ = loaded.train_step(X, np.arange(8) % 10, lr=0.1)
+    assert np.isfinite(loss)
+
+
+# ---- failure never hangs -----------------------------------------------------------
+
+
+def run_failure(case, timeout=5, processes=2):
+    proc, seconds = mpirun(processes, ["fail", "/tmp", "--case", case, "--timeout", str(timeout)], timeout=120)
+    return proc, seconds, proc.stdout + proc.stderr
+
+
+def test_a_killed_rank_ends_the_job():
+    proc, seconds, text = run_failure("kill")
+    assert proc.returncode != 0
+    assert seconds < 60
+    assert "rank 1" in text and "signal 9" in text, text
+
+
+def test_a_rank_that_raises_aborts_the_job_with_its_traceback():
+    proc, seconds, text = run_failure("raise", timeout=60)
+    assert proc.returncode != 0
+    assert seconds < 30  # MPI_Abort, not the 60 s deadline
+    assert "rank 1 raises on purpose" in text and "rank 1 of 2 failed; aborting the job" in text, text
+    assert "rank 0 finished" not in text
+
+
+def test_a_stopped_rank_is_named_after_the_timeout():
+    """SIGSTOP: alive but silent. The survivor gives up after timeout=5 s,
+    naming rank 1 and the step, and its exception aborts the job."""
+    proc, seconds, text = run_failure("stop", timeout=5)
+    assert proc.returncode != 0
+    assert seconds < 60
+    assert "rank 0 gave up after 5 s waiting for rank 1" in text and "call 3" in text, text
+
+
+@pytest.mark.parametrize("case,message", [
+    ("skip", "rank 1's labels (or rows) differ from rank 0's"),
+    ("batch", "rank 1 has 255 samples, rank 0 256"),
+    ("seed", "the same shuffling seed"),
+    ("model", "the processes disagree about the model: rank 1 has a parameter count of"),
+    ("epochs", "the processes disagree about dp.train's arguments"),
+])
+def test_bad_use_is_a_clear_error_on_every_rank(case, message):
+    """A rank that skips a batch, passes a smaller batch or another shuffle, builds
+    another model or trains for another number of epochs: every rank raises
+    DistributedError with the same message, no hang."""
+    proc, seconds, text = run_failure(case, timeout=30)
+    assert proc.returncode != 0
+    assert seconds < 30
+    assert message in text, text
+    assert "DistributedError" in text
+
+
+def test_a_rank_that_ends_early_is_named_by_the_others():
+    """Rank 1 exits (cleanly) in the middle of training: rank 0's next step
+    waits for it until the timeout, then names it."""
+    proc, seconds, text = run_failure("exit", timeout=5)
+    assert proc.returncode != 0
+    assert seconds < 60
+    assert "waiting for rank 1" in text, text
+
+
+# ---- one process ------------------------------------------------------------------------
+
+
+def test_a_process_not_started_by_mpirun_is_a_world_of_one():
+    """Here (pytest, no mpirun): rank 0 of 1, MPI never started, and
+    MultiWorkerMirroredStrategy trains as MirroredStrategy would, bitwise."""
+    script = ("import dpcore as dp, numpy as np\n"
+              "d = dp.distributed\n"
+              "print(d.rank(), d.world_size(), d.local_rank(), d.local_size(), d.is_initialized())\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMIX_", "PMI_"))}
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, check=True).stdout
+    assert out.split() == ["0", "1", "0", "1", "False"]
+
+
+def test_multi_worker_strategy_in_one_process_matches_mirrored(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir()
+    b.mkdir()
+    single(["train", str(a), "--local", "2", "--multi"])
+    single(["train", str(b), "--local", "2"])
+    assert_same_bits(results(a, 1), results(b, 1)[0])
+
+
+def test_bad_arguments_are_clear():
+    with pytest.raises(ValueError, match="timeout must be a finite number of seconds > 0"):
+        dp.MultiWorkerMirroredStrategy(timeout=0)
+    with pytest.raises(TypeError, match="timeout must be a number"):
+        dp.MultiWorkerMirroredStrategy(timeout="60")
+    with pytest.raises(ValueError, match="all_reduce must be one of"):
+        dp.MultiWorkerMirroredStrategy(all_reduce="tcp")
+    with pytest.raises(ValueError, match="'mpi' is for replicas in several processes"):
+        dp.models.LeNet(devices=["cpu:0", "cpu:1"] if len(dp.list_devices()) > 1 else None, all_reduce="mpi") \
+            if False else dp._core.Mirrored([dp.models.LeNet()._model, _second_model()], all_reduce="mpi")
+    with pytest.raises(ValueError, match="root must be a rank"):
+        dp.distributed.broadcast_object(1, root=1)
+
+
+def _second_model():
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        dp.set_logical_devices("cpu", 2)
+    try:
+        return dp.models.LeNet(devices=["cpu:1"])._model
+    finally:
+        dp.set_logical_devices("cpu", 1)
+
+
+def test_build_info_names_the_mpi_library():
+    info = dp.build_info()
+    assert info["mpi_linked"] is True
+    assert "Open MPI" in info["mpi_library"]
+    assert info["mpi_cuda_aware"] in (-1, 0, 1)
+
+
+# ---- dp.launch ------------------------------------------------------------------------------
+
+
+def test_launch_runs_a_notebook_function_and_returns_rank_0s_result():
+    """A function made here (a closure, as a notebook cell makes them), pickled
+    by value: 2 processes train together and rank 0's History comes back."""
+    os.environ.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    scale = 3
+
+    def work(n):
+        import numpy as np
+
+        import dpcore as dp
+
+        strategy = dp.MultiWorkerMirroredStrategy(timeout=30)
+        with strategy.scope():
+            net = dp.models.LeNet()
+        rng = np.random.default_rng(0)
+        X, y = rng.random((n, 1, 28, 28), dtype=np.float32), rng.integers(0, 10, n)
+        h = dp.train(net, dp.data.from_arrays(X, y, batch_size=32, seed=0), num_epochs=1, lr=0.1, verbose=False)
+        return {"rank": dp.distributed.rank(), "world": dp.distributed.world_size(), "scaled": scale * n,
+                "history": h}
+
+    out = dp.launch(work, num_processes=2, args=(64,), timeout=120)
+    assert out["rank"] == 0 and out["world"] == 2 and out["scaled"] == 192
+    assert out["history"].devices == ["rank0/cpu:0", "rank1/cpu:0"]
+
+
+def test_launch_raises_the_failing_ranks_traceback():
+    os.environ.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+
+    def work():
+        import dpcore as dp
+
+        if dp.distributed.rank() == 1:
+            raise ValueError("only rank 1 fails")
+        dp.distributed.barrier(timeout=60)
+
+    start = time.monotonic()
+    with pytest.raises(dp.DistributedError, match="rank 1 raised an exception(.|\n)*only rank 1 fails"):
+        dp.launch(work, num_processes=2, timeout=120)
+    assert time.monotonic() - start < 60
+
+
+def test_launch_checks_its_arguments():
+    with pytest.raises(TypeError, match="fn must be callable"):
+        dp.launch(3)
+    with pytest.raises(ValueError, match="num_processes must be an int >= 1"):
+        dp.launch(print, num_processes=0)
+    with pytest.raises(TypeError, match="args must be a tuple"):
+        dp.launch(print, args=5)
+    with pytest.raises(dp.DistributedError, match="needs 'no-such-mpirun' on PATH"):
+        dp.launch(print, mpirun="no-such-mpirun")
