@@ -27,9 +27,10 @@ train-mpi: setup
 test: setup
 	$(PY) -m pytest -q -ra tests
 
-# The same suite on a CPU-only build (DPCORE_CUDA=0), as on a machine without the CUDA toolkit.
+# The same suite on a CPU-only build without MPI (DPCORE_CUDA=0 DPCORE_MPI=0), as on a machine
+# without the CUDA toolkit and Open MPI: every process is a world of one.
 test-cpu-only:
-	DPCORE_CUDA=0 VENV=.venv-cpu scripts/bootstrap.sh
+	DPCORE_CUDA=0 DPCORE_MPI=0 VENV=.venv-cpu scripts/bootstrap.sh
 	.venv-cpu/bin/python -m pytest -q -ra -m "not slow" tests
 
 # The GPU tests of every file (skipped, with the reason, where no CUDA device is usable).

@@ -120,7 +120,7 @@ def find_mpi():
 
 
 class Build(build):
-    """One build tree per variant (build/cuda, build/cpu): otherwise the CPU-only
+    """One build tree per variant (build/cuda, build/cpu, build/cpu-nompi): otherwise the CPU-only
     build finds the CUDA build's newer _core.so in the shared build/lib and
     installs it without relinking (or the reverse)."""
 
@@ -182,7 +182,7 @@ def make_config():
 
 
 CONFIG = make_config()
-VARIANT = "cuda" if CONFIG["cuda"] else "cpu"
+VARIANT = ("cuda" if CONFIG["cuda"] else "cpu") + ("" if CONFIG["mpi"] else "-nompi")
 
 
 def extension():

@@ -157,7 +157,7 @@ static void pending_peers(const MPI_Request *reqs, const int *peers, int n, char
 static dp_status wait_requests_abandonable(MPI_Request *reqs, const int *peers, int n, double timeout,
                                            const char *what, const _Atomic int *abandon) {
   const double start = now_seconds();
-  long polls = 0;
+  long sleeps = 0;
   for (;;) {
     int outcount = 0;
     int idx[64];
@@ -188,13 +188,18 @@ static dp_status wait_requests_abandonable(MPI_Request *reqs, const int *peers, 
                                  "or runs a different sequence of steps (the limit is the strategy's timeout=%g s)",
                                  world.rank, waited, who, what, timeout));
     }
-    ++polls;
-    if (polls < 64) {
+    /* Spin for the first 50 us (a shared-memory message takes about 1 us),
+     * yield the core until 5 ms (a peer still computing gets it), then sleep
+     * 50 us doubling to 800 us: latency early, little CPU for a long wait. */
+    if (waited < 50e-6) {
+#if defined(__x86_64__) || defined(__i386__)
+      __builtin_ia32_pause();
+#endif
+    } else if (waited < 5e-3) {
       sched_yield();
     } else {
-      /* 20 us, doubling to 1 ms: latency early, little CPU later */
-      long ns = 20000L << (polls - 64 < 6 ? polls - 64 : 6);
-      struct timespec ts = {0, ns > 1000000L ? 1000000L : ns};
+      struct timespec ts = {0, 50000L << (sleeps < 4 ? sleeps : 4)};
+      ++sleeps;
       nanosleep(&ts, NULL);
     }
   }

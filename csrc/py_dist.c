@@ -7,7 +7,9 @@
 #include "py_private.h"
 
 #include <math.h>
+#include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "dist.h"
 
@@ -161,7 +163,59 @@ static PyObject *mod_dist_barrier(PyObject *m, PyObject *args) {
   Py_RETURN_NONE;
 }
 
+typedef struct {
+  int64_t n;
+  int k, iters;
+  double timeout, seconds;
+} chain_bench_work;
+
+static double monotonic_seconds(void) {
+  struct timespec t;
+  clock_gettime(CLOCK_MONOTONIC, &t);
+  return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+}
+
+/* k buffers of n zeros (finite however many sums), two warm-up calls, then
+ * iters timed calls of the gradient all-reduce's chain. */
+static dp_status chain_bench_run(void *p) {
+  chain_bench_work *w = p;
+  float *bufs[DP_COMM_MAX_REPLICAS] = {0};
+  float *stage = malloc(sizeof(float) * 2 * DP_DIST_SEGMENT);
+  dp_status st = stage ? DP_OK : DP_FAIL(DP_ERR_MEMORY, "chain benchmark: staging");
+  for (int r = 0; r < w->k && st == DP_OK; ++r)
+    if (!(bufs[r] = calloc((size_t)w->n, sizeof(float))))
+      st = DP_FAIL(DP_ERR_MEMORY, "chain benchmark: %lld floats", (long long)w->n);
+  for (int i = 0; i < 2 && st == DP_OK; ++i)
+    st = dp_dist_chain_allreduce(bufs, w->k, w->n, 1.0f, 0, stage, w->timeout, "the chain benchmark (warm-up)");
+  const double start = monotonic_seconds();
+  for (int i = 0; i < w->iters && st == DP_OK; ++i)
+    st = dp_dist_chain_allreduce(bufs, w->k, w->n, 1.0f, 0, stage, w->timeout, "the chain benchmark");
+  w->seconds = monotonic_seconds() - start;
+  for (int r = 0; r < w->k; ++r) free(bufs[r]);
+  free(stage);
+  return st;
+}
+
+/* dist_chain_benchmark(n, k, iters, timeout) -> seconds for iters all-reduces
+ * of n floats over k local buffers per process (every process calls it). */
+static PyObject *mod_dist_chain_benchmark(PyObject *m, PyObject *args) {
+  chain_bench_work w;
+  memset(&w, 0, sizeof w);
+  long long n;
+  if (!PyArg_ParseTuple(args, "Liid", &n, &w.k, &w.iters, &w.timeout)) return NULL;
+  if (n < 1 || w.k < 1 || w.k > DP_COMM_MAX_REPLICAS || w.iters < 1) {
+    PyErr_Format(PyExc_ValueError, "chain benchmark: need n >= 1, 1 <= k <= %d, iters >= 1", DP_COMM_MAX_REPLICAS);
+    return NULL;
+  }
+  if (wait_args(w.timeout, "") < 0) return NULL;
+  w.n = n;
+  if (models_run_without_gil(NULL, 0, chain_bench_run, &w) < 0) return NULL;
+  return PyFloat_FromDouble(w.seconds);
+}
+
 PyMethodDef dist_functions[] = {
+    {"dist_chain_benchmark", mod_dist_chain_benchmark, METH_VARARGS,
+     "dist_chain_benchmark(n, k, iters, timeout) -> seconds: the rank-ordered all-reduce across the job's processes"},
     {"dist_init", mod_dist_init, METH_NOARGS, "dist_init() -> info: join the job (MPI under mpirun), idempotent"},
     {"dist_info", mod_dist_info, METH_NOARGS, "dist_info() -> info, without joining"},
     {"dist_finalize", mod_dist_finalize, METH_NOARGS, "MPI_Finalize, when dpcore initialised MPI"},

@@ -28,17 +28,25 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 SCENARIOS = os.path.join(HERE, "mpi_scenarios.py")
 BUILT = dp.build_info().get("mpi_linked", False)
 
-if os.environ.get("DPCORE_MPI") == "0":
-    pytestmark = pytest.mark.skip(reason="built with DPCORE_MPI=0: no multi-process training in this build")
-elif not BUILT or shutil.which("mpirun") is None:
-    # a build that should have MPI and does not: the set-up is broken, say so
-    pytestmark = pytest.mark.usefixtures("mpi_required")
+DISABLED = "DPCORE_MPI=0" in str(dp.build_info().get("mpi_why"))
 
 
-@pytest.fixture
-def mpi_required():
-    pytest.fail("dpcore was built without MPI or mpirun is missing (scripts/bootstrap.sh installs Open MPI): "
-                + str(dp.build_info().get("mpi_why")))
+@pytest.fixture(autouse=True)
+def mpi_required(request):
+    """Every test here needs MPI and mpirun, except those marked no_mpi_build:
+    skipped (with the reason) in a build made with DPCORE_MPI=0 on purpose, a
+    failure in a build that should have found MPI (the set-up is broken)."""
+    if "any_build" in request.keywords:
+        return
+    if "no_mpi_build" in request.keywords:
+        if not DISABLED:
+            pytest.skip("for a build made with DPCORE_MPI=0 (make test-cpu-only); this one has MPI")
+        return
+    if DISABLED:
+        pytest.skip("built with DPCORE_MPI=0: no multi-process training in this build")
+    if not BUILT or shutil.which("mpirun") is None:
+        pytest.fail("dpcore was built without MPI or mpirun is missing (scripts/bootstrap.sh installs Open MPI): "
+                    + str(dp.build_info().get("mpi_why")))
 
 
 def mpi_env():
@@ -209,6 +217,21 @@ def test_a_rank_that_ends_early_is_named_by_the_others():
 # ---- one process ------------------------------------------------------------------------
 
 
+@pytest.mark.no_mpi_build
+def test_a_build_without_mpi_refuses_to_run_under_mpirun():
+    """Under mpirun, every process of a build without MPI would be a world of
+    one and train alone: each raises DistributedError saying why instead."""
+    if shutil.which("mpirun") is None:
+        pytest.skip("mpirun is not installed here (the main build's bootstrap installs it)")
+    script = "import dpcore as dp\ndp.MultiWorkerMirroredStrategy()\n"
+    proc = subprocess.run(["mpirun", "-np", "2", "--oversubscribe", sys.executable, "-c", script],
+                          capture_output=True, text=True, env=mpi_env(), timeout=120)
+    assert proc.returncode != 0
+    assert proc.stderr.count("dpcore was built without MPI") == 2, proc.stderr
+    assert dp.distributed.world_size() == 1  # not under mpirun: a world of one, as always
+
+
+@pytest.mark.any_build
 def test_a_process_not_started_by_mpirun_is_a_world_of_one():
     """Here (pytest, no mpirun): rank 0 of 1, MPI never started, and
     MultiWorkerMirroredStrategy trains as MirroredStrategy would, bitwise."""
@@ -220,6 +243,7 @@ def test_a_process_not_started_by_mpirun_is_a_world_of_one():
     assert out.split() == ["0", "1", "0", "1", "False"]
 
 
+@pytest.mark.any_build
 def test_multi_worker_strategy_in_one_process_matches_mirrored(tmp_path):
     a, b = tmp_path / "a", tmp_path / "b"
     a.mkdir()
@@ -229,6 +253,7 @@ def test_multi_worker_strategy_in_one_process_matches_mirrored(tmp_path):
     assert_same_bits(results(a, 1), results(b, 1)[0])
 
 
+@pytest.mark.any_build
 def test_bad_arguments_are_clear():
     with pytest.raises(ValueError, match="timeout must be a finite number of seconds > 0"):
         dp.MultiWorkerMirroredStrategy(timeout=0)
@@ -306,6 +331,7 @@ def test_launch_raises_the_failing_ranks_traceback():
     assert time.monotonic() - start < 60
 
 
+@pytest.mark.any_build
 def test_launch_checks_its_arguments():
     with pytest.raises(TypeError, match="fn must be callable"):
         dp.launch(3)

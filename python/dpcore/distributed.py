@@ -56,12 +56,28 @@ def _check_timeout(timeout):
     return timeout
 
 
+def _launched_size():
+    """The job size a launcher's variables announce (1 when none does)."""
+    for var in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE"):
+        try:
+            return int(os.environ[var])
+        except (KeyError, ValueError):
+            continue
+    return 1
+
+
 def _join():
     """The job's description, joining it on first use."""
     global _info
     with _lock:
         if _info is None:
-            _info = _core.dist_init()
+            info = _core.dist_init()
+            if info["world_size"] == 1 and not _core.dist_library()["built"] and _launched_size() > 1:
+                # one of several processes that would each train alone
+                raise DistributedError(f"this process was started by mpirun as one of {_launched_size()}, but "
+                                       "dpcore was built without MPI (DPCORE_MPI=0 or no mpicc at build time): "
+                                       "install Open MPI (libopenmpi-dev) and reinstall dpcore")
+            _info = info
             if _info["world_size"] > 1:
                 _install_hooks()
         return _info
