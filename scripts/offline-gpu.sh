@@ -67,6 +67,14 @@ else
 fi
 echo "offline-gpu: CUDA_HOME=$CUDA_HOME LD_LIBRARY_PATH=${LD_LIBRARY_PATH:-}"
 
+# Open MPI (multi-process training) when the machine has it; otherwise dpcore
+# builds without it (DPCORE_MPI=0: bootstrap.sh then asks for no MPI package,
+# and the multi-process tests say why they are skipped).
+if ! command -v mpicc >/dev/null 2>&1; then
+  export DPCORE_MPI=0
+  echo "offline-gpu: no mpicc here: building without MPI"
+fi
+
 # A virtualenv that sees the machine's Python packages (nothing to download).
 export VENV=${VENV:-/tmp/dpcore-venv}
 [ -x "$VENV/bin/python" ] || "$py" -m venv --system-site-packages "$VENV"

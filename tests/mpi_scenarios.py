@@ -38,6 +38,11 @@ def make_model(args, strategy):
 def strategy_for(args):
     import warnings
 
+    if args.gpu:
+        # one GPU per process under mpirun (the default), every GPU in one process
+        if dp.distributed.world_size() > 1:
+            return dp.MultiWorkerMirroredStrategy(timeout=args.timeout)
+        return dp.MirroredStrategy()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # more logical devices than cores
         dp.set_logical_devices("cpu", args.local)
@@ -127,6 +132,7 @@ def main():
     p.add_argument("--multi", action="store_true", help="MultiWorkerMirroredStrategy even in one process")
     p.add_argument("--timeout", type=float, default=60)
     p.add_argument("--case", default="")
+    p.add_argument("--gpu", action="store_true", help="GPU replicas (NCCL across processes)")
     args = p.parse_args()
     {"train": train, "fail": fail}[args.scenario](args)
 

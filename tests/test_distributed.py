@@ -155,6 +155,19 @@ def test_only_rank_0_prints_and_writes_a_checkpoint_one_process_loads(tmp_path):
     assert np.isfinite(loss)
 
 
+def test_the_main_job_runs_under_mpirun():
+    """`make train-mpi`'s command for one epoch: examples/train_lenet.py on the
+    real Fashion-MNIST in 2 processes, one line per epoch and the book's
+    closing line, printed once."""
+    script = os.path.join(os.path.dirname(HERE), "examples", "train_lenet.py")
+    cmd = ["mpirun", "-np", "2", "--oversubscribe", "--bind-to", "none", sys.executable, script, "--epochs", "1"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=mpi_env(), timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.count("epoch 1/1: loss") == 1, proc.stdout
+    assert "2 replica(s) in 2 process(es)" in proc.stdout
+    assert proc.stdout.count("test acc:") == 1 and "on ['rank0/cpu:0', 'rank1/cpu:0']" in proc.stdout
+
+
 # ---- failure never hangs -----------------------------------------------------------
 
 
@@ -212,6 +225,42 @@ def test_a_rank_that_ends_early_is_named_by_the_others():
     assert proc.returncode != 0
     assert seconds < 60
     assert "waiting for rank 1" in text, text
+
+
+# ---- GPUs (make test-gpu) ---------------------------------------------------------------------
+
+GPUS = dp._core.runtime_info()["cuda_device_count"] if dp.build_info().get("cuda_backend") else 0
+NO_GPU = "no usable CUDA device: " + dp._core.runtime_info()["cuda_why"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(GPUS < 2, reason=f"needs 2 GPUs ({GPUS} here): NCCL refuses two ranks on one GPU, and across "
+                                     "processes GPU replicas are reduced by NCCL")
+def test_two_processes_on_two_gpus_match_one_process_with_both(tmp_path):
+    """One GPU per process (cuda:local_rank), one NCCL communicator over both
+    processes from an id broadcast over MPI, against one process driving both
+    GPUs: the same bits (two addends sum the same in either order; cuDNN in
+    its deterministic mode)."""
+    job, ref = tmp_path / "job", tmp_path / "ref"
+    job.mkdir()
+    ref.mkdir()
+    extra = ["--gpu", "--batch", "64", "--samples", "228", "--eval", "1000"]
+    proc, _ = mpirun(2, ["train", str(job)] + extra)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    single(["train", str(ref)] + extra)
+    assert_same_bits(results(job, 2), results(ref, 1)[0])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(GPUS == 0, reason=NO_GPU)
+def test_more_processes_than_gpus_is_a_clear_error():
+    """GPUs + 1 processes on this host: every rank says that the processes
+    share the GPUs and what to do, instead of NCCL failing on a duplicate GPU."""
+    script = "import dpcore as dp\ndp.MultiWorkerMirroredStrategy(timeout=60)\n"
+    proc = subprocess.run(["mpirun", "-np", str(GPUS + 1), "--oversubscribe", sys.executable, "-c", script],
+                          capture_output=True, text=True, env=mpi_env(), timeout=180)
+    assert proc.returncode != 0
+    assert f"share {GPUS} GPU(s)" in proc.stderr, proc.stderr
 
 
 # ---- one process ------------------------------------------------------------------------
