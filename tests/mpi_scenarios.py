@@ -81,6 +81,7 @@ def train(args):
     w = net.get_weights()
     out["weights"] = np.concatenate([v.ravel() for v in w.values()])
     out["placement"] = np.array(json.dumps(net.placement))
+    out["where"] = np.array(json.dumps([dp.distributed.local_rank(), dp.distributed.local_size()]))
     np.savez(os.path.join(args.out, f"rank{rank}.npz"), **out)
 
 

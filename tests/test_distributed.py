@@ -135,6 +135,36 @@ def test_resnet18_per_replica_batchnorm_bitwise_equal_to_one_process(tmp_path):
     assert_same_bits(job, ref)
 
 
+def test_two_hosts_simulated_on_this_machine(tmp_path):
+    """Two Open MPI nodes on one machine: a hostfile names this host and
+    'nodeb'; mpirun's remote launcher (plm_rsh_agent, ssh on a real cluster)
+    is a script that starts the command here in a UTS namespace whose host
+    name is the node's, and the processes talk over TCP only (btl tcp,self),
+    as across hosts. Each process is then alone on its "host" (local_rank 0 of
+    1), and 2 hosts x 2 replicas train bitwise as one process with 4."""
+    if subprocess.run(["unshare", "--uts", "true"], capture_output=True).returncode != 0:
+        pytest.skip("needs `unshare --uts` (root or CAP_SYS_ADMIN) to give the second node its own host name")
+    agent = tmp_path / "fake_ssh"
+    agent.write_text('#!/bin/sh\n# "ssh HOST CMD...": CMD here, in a UTS namespace named HOST\n'
+                     'host=$1; shift\nexec unshare --uts sh -c "hostname $host; exec $*"\n')
+    agent.chmod(0o755)
+    hosts = tmp_path / "hosts"
+    hosts.write_text("localhost slots=1\nnodeb slots=1\n")
+    job, ref = tmp_path / "job", tmp_path / "ref"
+    job.mkdir()
+    ref.mkdir()
+    extra = ["--local", "2", "--batch", "64", "--samples", "228", "--eval", "1000"]
+    cmd = ["mpirun", "-np", "2", "--hostfile", str(hosts), "--mca", "plm_rsh_agent", str(agent), "--mca", "btl",
+           "tcp,self", "--bind-to", "none", sys.executable, SCENARIOS, "train", str(job)] + extra
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=mpi_env(), timeout=180)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    single(["train", str(ref), "--local", "4"] + extra[2:])
+    out = results(job, 2)
+    assert_same_bits(out, results(ref, 1)[0])
+    assert [json.loads(str(r["placement"]))["first"] for r in out] == [0, 2]
+    assert [json.loads(str(r["where"])) for r in out] == [[0, 1], [0, 1]]  # each alone on its host
+
+
 def test_only_rank_0_prints_and_writes_a_checkpoint_one_process_loads(tmp_path):
     """dp.train's lines come from rank 0 alone; net.save by 2 processes writes
     one file (rank 0's), which a single process loads with every process's
