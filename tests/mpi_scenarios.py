@@ -70,7 +70,8 @@ def train(args):
         m = net.evaluate(dp.data.from_arrays(Xt, yt, batch_size=1000))
         out["eval"] = np.array([m.loss, m.accuracy, m.num_examples])
     if args.fit:
-        history = dp.train(net, it, dp.data.from_arrays(*data(300, 3), batch_size=100), num_epochs=1, lr=0.05)
+        history = dp.train(net, it, dp.data.from_arrays(*data(300, 3), batch_size=100), num_epochs=1, lr=0.05,
+                           resident=args.resident)
         kept = {k: v for k, v in vars(history).items() if k not in ("epoch_seconds", "devices")}
         out["history"] = np.array(json.dumps(kept))
         out["history_devices"] = np.array(json.dumps(history.devices))
@@ -96,6 +97,12 @@ def fail(args):
         net = make_model(args, strategy)
     X, y = data(256 * 6, 1)
     it = dp.data.from_arrays(X, y, batch_size=256, shuffle=True, seed=rank if args.case == "seed" else 0)
+    if args.case == "drawn":
+        # each process draws its own seed; dp.train gives them rank 0's
+        it = dp.data.from_arrays(X, y, batch_size=256, shuffle=True)
+        dp.train(net, it, num_epochs=1, lr=0.05, verbose=False)
+        print(f"rank {rank} trained with seed {it.seed} digest {net.digest()}", flush=True)
+        return
     if args.case == "epochs":
         dp.train(net, it, num_epochs=1 + rank, lr=0.05)
     for step, (Xb, yb) in enumerate(it):
@@ -127,6 +134,7 @@ def main():
     p.add_argument("--epochs", type=int, default=1)
     p.add_argument("--eval", type=int, default=0)
     p.add_argument("--fit", action="store_true")
+    p.add_argument("--resident", action="store_true", help="dp.train(resident=True): rows of datasets on the devices")
     p.add_argument("--save", default=None)
     p.add_argument("--sync-bn", action="store_true")
     p.add_argument("--bucket-mb", type=float, default=25)

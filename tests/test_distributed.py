@@ -119,6 +119,13 @@ def test_lenet_bitwise_equal_to_one_process(tmp_path, processes, local, batch):
     assert all(p["total"] == processes * local for p in placement)
 
 
+def test_resident_datasets_bitwise_equal_to_one_process(tmp_path):
+    """dp.train(resident=True): every process holds the dataset on its devices
+    and a step moves rows; the same bits as one process's resident run."""
+    job, ref = run_pair(tmp_path, 2, 1, ["--batch", "50", "--samples", "120", "--fit", "--resident"])
+    assert_same_bits(job, ref)
+
+
 def test_resnet18_sync_batchnorm_bitwise_equal_to_one_process(tmp_path):
     """ResNet-18 with synchronized BatchNorm (statistics all-reduced across the
     processes), 2 processes x 2 replicas against 1 x 4: the same bits after
@@ -246,6 +253,16 @@ def test_bad_use_is_a_clear_error_on_every_rank(case, message):
     assert seconds < 30
     assert message in text, text
     assert "DistributedError" in text
+
+
+def test_a_drawn_shuffling_seed_is_rank_0s_on_every_rank():
+    """from_arrays(shuffle=True) without a seed draws one per process; dp.train
+    gives every process rank 0's, so they walk the same batches."""
+    proc, _, text = run_failure("drawn", timeout=30)
+    assert proc.returncode == 0, text
+    lines = sorted(line for line in proc.stdout.splitlines() if "trained with seed" in line)
+    assert len(lines) == 2
+    assert lines[0].split("seed")[1] == lines[1].split("seed")[1]  # the same seed and the same digest
 
 
 def test_a_rank_that_ends_early_is_named_by_the_others():

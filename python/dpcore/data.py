@@ -223,6 +223,9 @@ class ArrayIterator:
         self.batch_size = _check_batch_size(batch_size)
         self.shuffle = bool(shuffle)
         self.drop_last = bool(drop_last)
+        # a drawn seed differs between the processes of a job: dp.train gives
+        # them rank 0's (a seed the user chose is theirs to keep equal)
+        self.seed_drawn = seed is None and self.shuffle
         if seed is not None:
             seed = _check_seed(seed)
         elif self.shuffle:

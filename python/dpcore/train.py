@@ -127,6 +127,13 @@ def train(net, train_iter, test_iter=None, num_epochs=10, lr=0.1, momentum=0.0, 
     if multi:
         from . import distributed
 
+        if isinstance(train_iter, ArrayIterator) and train_iter.seed_drawn:
+            # shuffled with a seed each process drew itself: rank 0's for all,
+            # so that every process walks the same global batches
+            train_iter.seed = distributed.broadcast_object(train_iter.seed, 0, net._timeout,
+                                                           "the shuffling seed (rank 0's)")
+            train_iter.seed_drawn = False
+
         # every process must make the same call: a difference found now is a
         # clear error on every process, not a wait at some later step
         distributed.agree("dp.train's arguments (num_epochs, lr, momentum, weight_decay, resident, "
