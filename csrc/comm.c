@@ -214,6 +214,7 @@ struct mpi_ctx {
   int64_t sync_target;              /* the job a synchronous all-reduce waits for */
   int64_t tags;                     /* jobs ever posted: each its own tag (mod DP_DIST_MAX_TAG) */
   float *stage;                     /* 2 * DP_DIST_SEGMENT floats */
+  dp_dist_channel *channel;         /* this comm's own MPI communicator */
 };
 
 #if defined(DP_HAVE_MPI)
@@ -231,8 +232,8 @@ static void *mpi_worker(void *arg) {
     pthread_mutex_unlock(&x->mu);
     dp_status st = DP_OK;
     if (!skip)
-      st = dp_dist_chain_allreduce_abandonable(job->bufs, c->k, job->n, job->scale, job->tag, x->stage, c->timeout,
-                                               job->what, &x->abandon);
+      st = dp_dist_chain_allreduce_on(x->channel, job->bufs, c->k, job->n, job->scale, job->tag, x->stage, c->timeout,
+                                      job->what, &x->abandon);
     pthread_mutex_lock(&x->mu);
     if (st != DP_OK && x->failed == DP_OK) {
       x->failed = st;
@@ -279,6 +280,8 @@ static dp_status mpi_create(dp_comm *c) {
   c->mpi = x;
   x->stage = malloc(sizeof(float) * 2 * DP_DIST_SEGMENT);
   if (!x->stage) return DP_FAIL(DP_ERR_MEMORY, "mpi all-reduce: cannot allocate its staging");
+  /* collective: every process makes its comms in the same order */
+  DP_TRY(dp_dist_channel_open(c->timeout, &x->channel));
   if (pthread_mutex_init(&x->mu, NULL) != 0) return DP_FAIL(DP_ERR_RUNTIME, "pthread_mutex_init failed");
   if (pthread_cond_init(&x->work, NULL) != 0 || pthread_cond_init(&x->done, NULL) != 0)
     return DP_FAIL(DP_ERR_RUNTIME, "pthread_cond_init failed");
@@ -302,6 +305,7 @@ static void mpi_destroy(dp_comm *c) {
     pthread_cond_destroy(&x->done);
     pthread_mutex_destroy(&x->mu);
   }
+  dp_dist_channel_close(x->channel);
   free(x->stage);
   free(x);
   c->mpi = NULL;

@@ -411,7 +411,50 @@ dp_status dp_dist_barrier(double timeout, const char *what) {
  * posting the next receive could deadlock the chain: with rendezvous
  * messages, the last process's first send back completes only when the first
  * process, still sending forward, posts its receives for the way back. */
+struct dp_dist_channel {
+  MPI_Comm comm;
+};
+
+dp_status dp_dist_channel_open(double timeout, dp_dist_channel **out) {
+  *out = NULL;
+  DP_TRY(usable());
+  dp_dist_channel *ch = calloc(1, sizeof *ch);
+  if (!ch) return DP_FAIL(DP_ERR_MEMORY, "MPI: cannot allocate a channel");
+  ch->comm = MPI_COMM_NULL;
+  if (world.size > 1) {
+    MPI_Request req;
+    const int peer = -1;
+    pthread_mutex_lock(&mpi_lock);
+    const int rc = MPI_Comm_idup(MPI_COMM_WORLD, &ch->comm, &req);
+    pthread_mutex_unlock(&mpi_lock);
+    dp_status st = mpi_call(rc, "MPI_Comm_idup", "opening a channel");
+    if (st == DP_OK) st = wait_requests(&req, &peer, 1, timeout, "opening a channel (MPI_Comm_idup)");
+    if (st != DP_OK) {
+      free(ch);
+      return st;
+    }
+    pthread_mutex_lock(&mpi_lock);
+    MPI_Comm_set_errhandler(ch->comm, MPI_ERRORS_RETURN);
+    pthread_mutex_unlock(&mpi_lock);
+  }
+  *out = ch;
+  return DP_OK;
+}
+
+void dp_dist_channel_close(dp_dist_channel *ch) {
+  if (!ch) return;
+  int down = 0;
+  MPI_Finalized(&down);
+  if (!down && ch->comm != MPI_COMM_NULL) {
+    pthread_mutex_lock(&mpi_lock);
+    MPI_Comm_free(&ch->comm);
+    pthread_mutex_unlock(&mpi_lock);
+  }
+  free(ch);
+}
+
 typedef struct chain {
+  MPI_Comm comm;
   MPI_Request *send;
   int *send_peer;
   int nsent, capacity;
@@ -428,7 +471,7 @@ static dp_status chain_wait(chain *c, MPI_Request *reqs, const int *peers, int n
 static dp_status chain_send(chain *c, const float *p, int64_t len, int peer, int tag) {
   if (c->nsent == c->capacity) return DP_FAIL(DP_ERR_RUNTIME, "chain all-reduce: more sends than segments");
   pthread_mutex_lock(&mpi_lock);
-  const int rc = MPI_Isend(p, (int)len, MPI_FLOAT, peer, tag, comm_data, &c->send[c->nsent]);
+  const int rc = MPI_Isend(p, (int)len, MPI_FLOAT, peer, tag, c->comm, &c->send[c->nsent]);
   pthread_mutex_unlock(&mpi_lock);
   c->send_peer[c->nsent++] = peer;
   return mpi_call(rc, "MPI_Isend", c->what);
@@ -442,7 +485,7 @@ static dp_status chain_sends_done(chain *c) {
 
 static dp_status chain_recv(chain *c, float *p, int64_t len, int peer, int tag, MPI_Request *req) {
   pthread_mutex_lock(&mpi_lock);
-  const int rc = MPI_Irecv(p, (int)len, MPI_FLOAT, peer, tag, comm_data, req);
+  const int rc = MPI_Irecv(p, (int)len, MPI_FLOAT, peer, tag, c->comm, req);
   pthread_mutex_unlock(&mpi_lock);
   return mpi_call(rc, "MPI_Irecv", c->what);
 }
@@ -510,12 +553,12 @@ static dp_status chain_run(chain *c, float *const *bufs, int k, int64_t n, float
 
 dp_status dp_dist_chain_allreduce(float *const *bufs, int k, int64_t n, float scale, int tag, float *stage,
                                   double timeout, const char *what) {
-  return dp_dist_chain_allreduce_abandonable(bufs, k, n, scale, tag, stage, timeout, what, NULL);
+  return dp_dist_chain_allreduce_on(NULL, bufs, k, n, scale, tag, stage, timeout, what, NULL);
 }
 
-dp_status dp_dist_chain_allreduce_abandonable(float *const *bufs, int k, int64_t n, float scale, int tag,
-                                              float *stage, double timeout, const char *what,
-                                              const _Atomic int *abandon) {
+dp_status dp_dist_chain_allreduce_on(const dp_dist_channel *ch, float *const *bufs, int k, int64_t n, float scale,
+                                     int tag, float *stage, double timeout, const char *what,
+                                     const _Atomic int *abandon) {
   DP_TRY(usable());
   if (n <= 0 || k < 1) return DP_OK;
   if (tag < 0 || tag >= DP_DIST_MAX_TAG) return DP_FAIL(DP_ERR_VALUE, "chain all-reduce: tag %d", tag);
@@ -525,7 +568,8 @@ dp_status dp_dist_chain_allreduce_abandonable(float *const *bufs, int k, int64_t
     return DP_OK;
   }
   const int fwd = TAG_CHAIN_BASE + 2 * tag, back = fwd + 1;
-  chain c = {.timeout = timeout, .what = what, .abandon = abandon, .capacity = (int)nseg};
+  chain c = {.comm = ch ? ch->comm : comm_data, .timeout = timeout, .what = what, .abandon = abandon,
+             .capacity = (int)nseg};
   c.send = malloc(sizeof *c.send * (size_t)nseg);
   c.send_peer = malloc(sizeof *c.send_peer * (size_t)nseg);
   dp_status st = c.send && c.send_peer ? chain_run(&c, bufs, k, n, scale, stage, fwd, back)
@@ -568,12 +612,23 @@ dp_status dp_dist_barrier(double timeout, const char *what) { return DP_OK; }
 
 dp_status dp_dist_chain_allreduce(float *const *bufs, int k, int64_t n, float scale, int tag, float *stage,
                                   double timeout, const char *what) {
-  return dp_dist_chain_allreduce_abandonable(bufs, k, n, scale, tag, stage, timeout, what, NULL);
+  return dp_dist_chain_allreduce_on(NULL, bufs, k, n, scale, tag, stage, timeout, what, NULL);
 }
 
-dp_status dp_dist_chain_allreduce_abandonable(float *const *bufs, int k, int64_t n, float scale, int tag,
-                                              float *stage, double timeout, const char *what,
-                                              const _Atomic int *abandon) {
+struct dp_dist_channel {
+  int unused;
+};
+
+dp_status dp_dist_channel_open(double timeout, dp_dist_channel **out) {
+  *out = calloc(1, sizeof **out);
+  return *out ? DP_OK : DP_FAIL(DP_ERR_MEMORY, "cannot allocate a channel");
+}
+
+void dp_dist_channel_close(dp_dist_channel *ch) { free(ch); }
+
+dp_status dp_dist_chain_allreduce_on(const dp_dist_channel *ch, float *const *bufs, int k, int64_t n, float scale,
+                                     int tag, float *stage, double timeout, const char *what,
+                                     const _Atomic int *abandon) {
   return DP_FAIL(DP_ERR_UNSUPPORTED, "the all-reduce across processes needs MPI: dpcore was built without it");
 }
 

@@ -91,10 +91,20 @@ DP_MUST_CHECK dp_status dp_dist_barrier(double timeout, const char *what);
 enum { DP_DIST_SEGMENT = 1 << 18, DP_DIST_MAX_TAG = 1 << 12 };
 DP_MUST_CHECK dp_status dp_dist_chain_allreduce(float *const *bufs, int k, int64_t n, float scale, int tag,
                                                 float *stage, double timeout, const char *what);
-/* The same with a flag that, once set by another thread, makes the chain give
- * up (DP_ERR_ABORTED) instead of waiting on: a comm being destroyed. */
-DP_MUST_CHECK dp_status dp_dist_chain_allreduce_abandonable(float *const *bufs, int k, int64_t n, float scale,
-                                                            int tag, float *stage, double timeout, const char *what,
-                                                            const _Atomic int *abandon);
+
+/* A communication context of its own (an MPI communicator duplicated from
+ * the job's): the messages of one channel never meet another's, whatever the
+ * tags. Collective: every process opens its channels in the same order.
+ * Closing one after MPI was finalised only frees the memory. */
+typedef struct dp_dist_channel dp_dist_channel;
+DP_MUST_CHECK dp_status dp_dist_channel_open(double timeout, dp_dist_channel **out);
+void dp_dist_channel_close(dp_dist_channel *ch);
+
+/* dp_dist_chain_allreduce on a channel (NULL: the job's default one), with a
+ * flag that, once set by another thread, makes the chain give up
+ * (DP_ERR_ABORTED) instead of waiting on: a comm being destroyed. */
+DP_MUST_CHECK dp_status dp_dist_chain_allreduce_on(const dp_dist_channel *ch, float *const *bufs, int k, int64_t n,
+                                                   float scale, int tag, float *stage, double timeout,
+                                                   const char *what, const _Atomic int *abandon);
 
 #endif

@@ -2,6 +2,7 @@
 
 #include <math.h>
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -108,9 +109,18 @@ static dp_status compare_signatures(const model_signature *all, int nproc) {
   return DP_OK;
 }
 
+/* Models across processes, numbered in the order this process makes them
+ * (the same on every process of a job), and one step at a time across
+ * processes within a process: two threads stepping two such models at once
+ * could take turns in another order on another process; the number in each
+ * step's header makes that a clear error instead of crossed messages. */
+static _Atomic int64_t models_across;
+static pthread_mutex_t across_turn = PTHREAD_MUTEX_INITIALIZER;
+
 /* This process's place among the job's replicas, after every process has
  * agreed about the model (collective). */
 static dp_status join_processes(dp_mirrored *m, dp_comm_kind comm, int64_t bucket_bytes) {
+  m->id = atomic_fetch_add(&models_across, 1);
   dp_dist_info info;
   DP_TRY(dp_dist_init(&info));
   const dp_model *m0 = m->models[0];
@@ -493,7 +503,7 @@ static void set_in_step(dp_mirrored *m, int on) {
 /* What every process of a job must agree on before a step exchanges
  * anything: that it is the same call on the same batch. */
 typedef struct step_header {
-  int64_t calls, n;
+  int64_t model, calls, n;
   uint64_t batch; /* FNV-1a of the labels (or rows) */
   int32_t evaluate_only, step, source;
   uint32_t lr, momentum, weight_decay; /* the bits */
@@ -509,6 +519,7 @@ static dp_status agree_on_step(dp_mirrored *m, const dp_batch *b, int evaluate_o
                                float momentum, float weight_decay) {
   step_header h;
   memset(&h, 0, sizeof h);
+  h.model = m->id;
   h.calls = m->calls;
   h.n = b->n;
   const int64_t *ids = b->rows ? b->rows : b->y;
@@ -527,6 +538,11 @@ static dp_status agree_on_step(dp_mirrored *m, const dp_batch *b, int evaluate_o
   /* read back with the stride of the gather */
   for (int q = 1; q < m->nproc; ++q) {
     const step_header *a = &all[0], *o = &all[q];
+    if (o->model != a->model)
+      return DP_FAIL(DP_ERR_DIST, "the processes are out of step: rank %d is stepping its model #%lld, rank 0 its "
+                     "model #%lld (models across processes are numbered in the order each process makes them; "
+                     "several such models must step in the same order on every process)", q,
+                     (long long)o->model, (long long)a->model);
     if (o->calls != a->calls || o->evaluate_only != a->evaluate_only || o->step != a->step)
       return DP_FAIL(DP_ERR_DIST, "the processes are out of step: rank %d is at call %lld (%s), rank 0 at call %lld "
                      "(%s); every process must make the same training steps and evaluations", q,
@@ -577,8 +593,8 @@ static dp_status gather_metrics(dp_mirrored *m, const step_task *t, double *loss
   return DP_OK;
 }
 
-static dp_status run_step(dp_mirrored *m, const dp_batch *b, int evaluate_only, int step, float lr, float momentum,
-                          float weight_decay, double *loss_sum, int64_t *correct) {
+static dp_status run_step_here(dp_mirrored *m, const dp_batch *b, int evaluate_only, int step, float lr,
+                               float momentum, float weight_decay, double *loss_sum, int64_t *correct) {
   if (m->nproc > 1) DP_TRY(agree_on_step(m, b, evaluate_only, step, lr, momentum, weight_decay));
   m->calls++;
   DP_TRY(dp_mirrored_check_batch(m, b, evaluate_only));
@@ -619,6 +635,15 @@ static dp_status run_step(dp_mirrored *m, const dp_batch *b, int evaluate_only, 
   }
   if (st != DP_OK) return st;
   return gather_metrics(m, &t, loss_sum, correct);
+}
+
+static dp_status run_step(dp_mirrored *m, const dp_batch *b, int evaluate_only, int step, float lr, float momentum,
+                          float weight_decay, double *loss_sum, int64_t *correct) {
+  if (m->nproc == 1) return run_step_here(m, b, evaluate_only, step, lr, momentum, weight_decay, loss_sum, correct);
+  pthread_mutex_lock(&across_turn);
+  const dp_status st = run_step_here(m, b, evaluate_only, step, lr, momentum, weight_decay, loss_sum, correct);
+  pthread_mutex_unlock(&across_turn);
+  return st;
 }
 
 dp_status dp_mirrored_train_step(dp_mirrored *m, const dp_batch *b, float lr, float momentum, float weight_decay,

@@ -44,6 +44,7 @@ struct dp_mirrored {
   int nproc, proc, first, total;
   double timeout;  /* seconds to wait for another process */
   int64_t calls;   /* steps and evaluations so far: every process must agree */
+  int64_t id;      /* across processes: the models made so far in this process (the same order everywhere) */
   int *proc_k;     /* across processes: each process's replica count */
   struct dp_step_metrics *gathered; /* across processes: every process's metrics of a step */
   dp_model **models; /* borrowed: the caller keeps them alive */

@@ -103,6 +103,16 @@ def fail(args):
         dp.train(net, it, num_epochs=1, lr=0.05, verbose=False)
         print(f"rank {rank} trained with seed {it.seed} digest {net.digest()}", flush=True)
         return
+    if args.case in ("two", "order"):
+        # a second model across processes, made second everywhere
+        other = make_model(args, strategy)
+        batches = list(it)[:2]
+        for Xb, yb in batches:
+            first, second = (other, net) if args.case == "order" and rank == 1 else (net, other)
+            first.train_step(Xb, yb, lr=0.05)
+            second.train_step(Xb, yb, lr=0.05)
+        print(f"rank {rank} two models {net.digest()} {other.digest()}", flush=True)
+        return
     if args.case == "epochs":
         dp.train(net, it, num_epochs=1 + rank, lr=0.05)
     for step, (Xb, yb) in enumerate(it):

@@ -243,6 +243,7 @@ def test_a_stopped_rank_is_named_after_the_timeout():
     ("seed", "the same shuffling seed"),
     ("model", "the processes disagree about the model: rank 1 has a parameter count of"),
     ("epochs", "the processes disagree about dp.train's arguments"),
+    ("order", "rank 1 is stepping its model #1, rank 0 its model #0"),
 ])
 def test_bad_use_is_a_clear_error_on_every_rank(case, message):
     """A rank that skips a batch, passes a smaller batch or another shuffle, builds
@@ -253,6 +254,15 @@ def test_bad_use_is_a_clear_error_on_every_rank(case, message):
     assert seconds < 30
     assert message in text, text
     assert "DistributedError" in text
+
+
+def test_two_models_across_processes_keep_their_messages_apart():
+    """Two models of one job, stepped alternately: each comm has its own MPI
+    communicator, so their chains never meet; both end the same on both ranks."""
+    proc, _, text = run_failure("two", timeout=30)
+    assert proc.returncode == 0, text
+    lines = [line.split("models")[1] for line in proc.stdout.splitlines() if "two models" in line]
+    assert len(lines) == 2 and lines[0] == lines[1], proc.stdout
 
 
 def test_a_drawn_shuffling_seed_is_rank_0s_on_every_rank():
