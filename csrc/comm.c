@@ -540,12 +540,14 @@ static dp_status nccl_create(dp_comm *c) {
     DP_TRY(dp_dist_bcast(&id, (int64_t)sizeof id, 0, c->timeout, "the NCCL unique id"));
     DP_NCCL_CHECK(ncclGroupStart());
     ncclResult_t rc = ncclSuccess;
-    for (int r = 0; r < c->k && rc == ncclSuccess; ++r) {
-      DP_CUDA_CHECK(cudaSetDevice(gpus[r]));
-      rc = ncclCommInitRank(&comms[r], c->total, id, c->first + r);
-      if (rc == ncclSuccess) c->ranks[r].nccl = comms[r];
+    cudaError_t ce = cudaSuccess;
+    for (int r = 0; r < c->k && rc == ncclSuccess && ce == cudaSuccess; ++r) {
+      ce = cudaSetDevice(gpus[r]);
+      if (ce == cudaSuccess) rc = ncclCommInitRank(&comms[r], c->total, id, c->first + r);
+      if (ce == cudaSuccess && rc == ncclSuccess) c->ranks[r].nccl = comms[r];
     }
-    const ncclResult_t end = ncclGroupEnd();
+    const ncclResult_t end = ncclGroupEnd(); /* the group is closed whatever failed inside it */
+    DP_CUDA_CHECK(ce);
     DP_NCCL_CHECK(rc);
     DP_NCCL_CHECK(end);
     return DP_OK;

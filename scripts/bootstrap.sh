@@ -43,7 +43,15 @@ fi
 vpy="$venv/bin/python"
 # Build and test requirements (PyTorch is a benchmark-only dependency and is
 # never installed here).
-"$vpy" -m pip install -q --disable-pip-version-check -r "$here/requirements-dev.txt"
+# DPCORE_OFFLINE=1 (scripts/offline-gpu.sh): no registry to reach, so use the
+# Python packages already there and install dpcore without its dependencies.
+if [ "${DPCORE_OFFLINE:-0}" = 1 ]; then
+  echo "bootstrap: offline: using the installed Python packages"
+  nodeps=--no-deps
+else
+  "$vpy" -m pip install -q --disable-pip-version-check -r "$here/requirements-dev.txt"
+  nodeps=
+fi
 echo "bootstrap: building and installing dpcore"
-"$vpy" -m pip install -q --disable-pip-version-check --no-build-isolation "$here"
+"$vpy" -m pip install -q --disable-pip-version-check --no-build-isolation $nodeps "$here"
 "$vpy" -c 'import dpcore, json; print("bootstrap: dpcore", dpcore.__version__, json.dumps(dpcore.build_info()["summary"]))'

@@ -75,7 +75,9 @@ if ! command -v mpicc >/dev/null 2>&1; then
   echo "offline-gpu: no mpicc here: building without MPI"
 fi
 
-# A virtualenv that sees the machine's Python packages (nothing to download).
+# A virtualenv that sees the machine's Python packages (nothing to download:
+# bootstrap.sh installs no requirement, and dpcore without its dependencies).
+export DPCORE_OFFLINE=1
 export VENV=${VENV:-/tmp/dpcore-venv}
 [ -x "$VENV/bin/python" ] || "$py" -m venv --system-site-packages "$VENV"
 export PYTHONUNBUFFERED=1

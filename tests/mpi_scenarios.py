@@ -153,7 +153,25 @@ def main():
     p.add_argument("--case", default="")
     p.add_argument("--gpu", action="store_true", help="GPU replicas (NCCL across processes)")
     args = p.parse_args()
+    if args.case == "mpi4py":
+        mpi4py_first(args)
+        return
     {"train": train, "fail": fail}[args.scenario](args)
+
+
+def mpi4py_first(args):
+    """mpi4py starts MPI before dpcore: dpcore uses it as it is, trains, and
+    leaves finalising to mpi4py (whose own collectives still work after)."""
+    from mpi4py import MPI
+
+    strategy = dp.MultiWorkerMirroredStrategy(timeout=args.timeout)
+    net = make_model(args, strategy)
+    X, y = data(128, 1)
+    dp.train(net, dp.data.from_arrays(X, y, batch_size=64, seed=0), num_epochs=1, lr=0.05, verbose=False)
+    digests = MPI.COMM_WORLD.allgather(net.digest())
+    info = dp._core.dist_info()
+    print(f"rank {MPI.COMM_WORLD.rank}: mpi4py first, initialized_here={info['initialized_here']}, "
+          f"thread_level={info['thread_level']}, same digests={len(set(digests)) == 1}", flush=True)
 
 
 if __name__ == "__main__":

@@ -265,6 +265,15 @@ def test_two_models_across_processes_keep_their_messages_apart():
     assert len(lines) == 2 and lines[0] == lines[1], proc.stdout
 
 
+def test_coexists_with_mpi4py_that_started_mpi_first():
+    """mpi4py (a test requirement) initialises MPI at import: dpcore joins that
+    MPI, trains, and does not finalise what it did not start; the job ends
+    cleanly, mpi4py finalising."""
+    proc, _, text = run_failure("mpi4py", timeout=30)
+    assert proc.returncode == 0, text
+    assert proc.stdout.count("mpi4py first, initialized_here=False, thread_level=3, same digests=True") == 2, text
+
+
 def test_a_drawn_shuffling_seed_is_rank_0s_on_every_rank():
     """from_arrays(shuffle=True) without a seed draws one per process; dp.train
     gives every process rank 0's, so they walk the same batches."""
