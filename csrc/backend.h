@@ -43,6 +43,12 @@ typedef struct dp_device {
    * many-thread NCCL program hangs (NVIDIA/nccl pull request 194). The runner
    * sizes every buffer in a warm-up pass before the step instead. */
   int in_step;
+  /* Set by the mirrored runner across processes: seconds the host may wait
+   * for the device's queued work within a step (0: no limit). NCCL kernels
+   * of a collective whose peer process stopped spin forever; a host wait
+   * that ends at the deadline turns that into an error (DP_ERR_DIST) whose
+   * exception ends the job, instead of a hang. */
+  double wait_timeout;
 } dp_device;
 
 /* Convolution geometry: input (N, C, H, W), filter (O, C, KH, KW), output (N, O, OH, OW). */

@@ -73,6 +73,7 @@ void dp_cuda_get_defaults(int *deterministic, int *allow_tf32) {
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "cuda_check.h"
 #include "cudnn_shapes.h"
@@ -695,12 +696,36 @@ static dp_status cuda_softmax_xent(dp_device *dev, int64_t N, int K, const float
   return DP_OK;
 }
 
+/* cudaEventSynchronize, or with dev->wait_timeout set, cudaEventQuery polled
+ * until the deadline: the event's work may wait on an NCCL peer in another
+ * process that stopped, and the host must not wait for it forever. */
+static dp_status wait_event(dp_device *dev, cudaEvent_t e, const char *what) {
+  if (!(dev->wait_timeout > 0.0)) {
+    DP_CUDA_CHECK(cudaEventSynchronize(e));
+    return DP_OK;
+  }
+  struct timespec t0, now;
+  clock_gettime(CLOCK_MONOTONIC, &t0);
+  for (;;) {
+    const cudaError_t q = cudaEventQuery(e);
+    if (q == cudaSuccess) return DP_OK;
+    if (q != cudaErrorNotReady) DP_CUDA_CHECK(q);
+    clock_gettime(CLOCK_MONOTONIC, &now);
+    const double waited = (double)(now.tv_sec - t0.tv_sec) + 1e-9 * (double)(now.tv_nsec - t0.tv_nsec);
+    if (waited > dev->wait_timeout)
+      return DP_FAIL(DP_ERR_DIST, "%s: waited %.0f s for %s; its NCCL collectives wait for a process that stopped or "
+                     "hung (the limit is the strategy's timeout=%g s)", dev->name, waited, what, dev->wait_timeout);
+    const struct timespec nap = {0, 100000L}; /* 100 us */
+    nanosleep(&nap, NULL);
+  }
+}
+
 static dp_status cuda_metrics_read(dp_device *dev, double *loss_sum, int64_t *correct) {
   CUDA_ENTER(dev, c);
   *loss_sum = 0.0;
   *correct = 0;
   if (!c->pending_rows) return DP_OK;
-  DP_CUDA_CHECK(cudaEventSynchronize(c->metrics_ready));
+  DP_TRY(wait_event(dev, c->metrics_ready, "the step's loss"));
   sum_rows(c, c->pending_rows, loss_sum, correct);
   c->pending_rows = 0;
   return DP_OK;

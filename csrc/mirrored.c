@@ -497,7 +497,11 @@ static void warm_forget(dp_mirrored *m, dp_warm_key key) {
 }
 
 static void set_in_step(dp_mirrored *m, int on) {
-  for (int r = 0; r < m->k; ++r) m->models[r]->dev->in_step = on;
+  for (int r = 0; r < m->k; ++r) {
+    m->models[r]->dev->in_step = on;
+    /* across processes: no host wait of the step outlasts the timeout */
+    m->models[r]->dev->wait_timeout = on && m->nproc > 1 ? m->timeout : 0.0;
+  }
 }
 
 /* What every process of a job must agree on before a step exchanges
