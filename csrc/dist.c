@@ -151,11 +151,27 @@ static void pending_peers(const MPI_Request *reqs, const int *peers, int n, char
   }
 }
 
+/* When a wait gives up: the receives among reqs (recv[i] != 0) still posted
+ * are cancelled, so that a late peer's message cannot be copied, by any later
+ * MPI progress (MPI_Finalize's included), into a buffer the caller frees once
+ * we return. MPI_Wait returns for a request marked for cancellation whatever
+ * the other processes do (MPI 3.1, 3.8.4). Sends are left (Open MPI cannot
+ * cancel them; an eager one no longer reads its buffer), and so is a
+ * broadcast (a collective cannot be cancelled). */
+static void cancel_receives(MPI_Request *reqs, const unsigned char *recv, int n) {
+  if (!recv) return;
+  pthread_mutex_lock(&mpi_lock);
+  for (int i = 0; i < n; ++i)
+    if (recv[i] && reqs[i] != MPI_REQUEST_NULL && MPI_Cancel(&reqs[i]) == MPI_SUCCESS)
+      MPI_Wait(&reqs[i], MPI_STATUS_IGNORE);
+  pthread_mutex_unlock(&mpi_lock);
+}
+
 /* Polls reqs until all are done, the deadline passes, MPI fails or the
  * caller abandons the wait (the abandon flag). A waiting thread yields its core: the
  * replica threads that compute are on the same cores. */
-static dp_status wait_requests_abandonable(MPI_Request *reqs, const int *peers, int n, double timeout,
-                                           const char *what, const _Atomic int *abandon) {
+static dp_status wait_requests_abandonable(MPI_Request *reqs, const int *peers, const unsigned char *recv, int n,
+                                           double timeout, const char *what, const _Atomic int *abandon) {
   const double start = now_seconds();
   long sleeps = 0;
   for (;;) {
@@ -175,14 +191,21 @@ static dp_status wait_requests_abandonable(MPI_Request *reqs, const int *peers, 
     if (rc != MPI_SUCCESS) {
       char text[MPI_MAX_ERROR_STRING];
       pending_peers(reqs, peers, n, who, sizeof who);
+      cancel_receives(reqs, recv, n);
       return mark_broken(DP_FAIL(DP_ERR_DIST, "rank %d: MPI failed in %s, waiting for rank %s: %s", world.rank, what,
                                  who[0] ? who : "?", mpi_error_text(rc, text, sizeof text)));
     }
     if (done) return DP_OK;
-    if (abandon && atomic_load(abandon)) return DP_FAIL(DP_ERR_ABORTED, "rank %d: %s was abandoned", world.rank, what);
+    if (abandon && atomic_load(abandon)) {
+      /* the peers may have gone on without us: the job is out of step */
+      cancel_receives(reqs, recv, n);
+      dp_status_ignore(mark_broken(DP_FAIL(DP_ERR_ABORTED, "rank %d: %s was abandoned", world.rank, what)));
+      return DP_FAIL(DP_ERR_ABORTED, "rank %d: %s was abandoned", world.rank, what);
+    }
     const double waited = now_seconds() - start;
     if (waited > timeout) {
       pending_peers(reqs, peers, n, who, sizeof who);
+      cancel_receives(reqs, recv, n);
       return mark_broken(DP_FAIL(DP_ERR_DIST,
                                  "rank %d gave up after %.0f s waiting for rank %s in %s: that process stopped, hung, "
                                  "or runs a different sequence of steps (the limit is the strategy's timeout=%g s)",
@@ -205,8 +228,9 @@ static dp_status wait_requests_abandonable(MPI_Request *reqs, const int *peers, 
   }
 }
 
-static dp_status wait_requests(MPI_Request *reqs, const int *peers, int n, double timeout, const char *what) {
-  return wait_requests_abandonable(reqs, peers, n, timeout, what, NULL);
+static dp_status wait_requests(MPI_Request *reqs, const int *peers, const unsigned char *recv, int n, double timeout,
+                               const char *what) {
+  return wait_requests_abandonable(reqs, peers, recv, n, timeout, what, NULL);
 }
 
 static dp_status mpi_call(int rc, const char *call, const char *what) {
@@ -289,7 +313,7 @@ static dp_status init_locked(void) {
   if (rc == MPI_SUCCESS) rc = MPI_Comm_idup(MPI_COMM_WORLD, &comm_data, &reqs[1]);
   if (rc != MPI_SUCCESS) return init_fail(rc, "MPI_Comm_idup");
   init_done = 1; /* the operations below run on the new communicators */
-  DP_TRY(wait_requests(reqs, peers, 2, 120.0, "joining the job (MPI_Comm_idup)"));
+  DP_TRY(wait_requests(reqs, peers, NULL, 2, 120.0, "joining the job (MPI_Comm_idup)"));
   MPI_Comm_set_errhandler(comm_ctl, MPI_ERRORS_RETURN);
   MPI_Comm_set_errhandler(comm_data, MPI_ERRORS_RETURN);
   return find_local_rank();
@@ -350,17 +374,28 @@ dp_status dp_dist_bcast(void *buf, int64_t bytes, int root, double timeout, cons
   if (world.size == 1 || bytes <= 0) return DP_OK;
   if (root < 0 || root >= world.size)
     return DP_FAIL(DP_ERR_VALUE, "broadcast: root %d is not a rank of %d", root, world.size);
-  for (int64_t at = 0; at < bytes; at += MAX_MESSAGE) {
+  /* Through a buffer of our own: a broadcast cannot be cancelled, so when one
+   * fails part way its buffer may still be written by a late root, and it is
+   * left allocated (the job is out of step and about to end) instead of the
+   * caller's being freed under MPI's feet. */
+  char *own = malloc((size_t)bytes);
+  if (!own) return DP_FAIL(DP_ERR_MEMORY, "broadcast: %lld bytes", (long long)bytes);
+  if (world.rank == root) memcpy(own, buf, (size_t)bytes);
+  dp_status st = DP_OK;
+  for (int64_t at = 0; at < bytes && st == DP_OK; at += MAX_MESSAGE) {
     const int len = (int)(bytes - at < MAX_MESSAGE ? bytes - at : MAX_MESSAGE);
     MPI_Request req;
     pthread_mutex_lock(&mpi_lock);
-    const int rc = MPI_Ibcast((char *)buf + at, len, MPI_BYTE, root, comm_ctl, &req);
+    const int rc = MPI_Ibcast(own + at, len, MPI_BYTE, root, comm_ctl, &req);
     pthread_mutex_unlock(&mpi_lock);
-    DP_TRY(mpi_call(rc, "MPI_Ibcast", what));
+    st = mpi_call(rc, "MPI_Ibcast", what);
     /* a broadcast has no single peer to name: the root, as seen by the others */
     const int peer = root;
-    DP_TRY(wait_requests(&req, &peer, 1, timeout, what));
+    if (st == DP_OK) st = wait_requests(&req, &peer, NULL, 1, timeout, what);
   }
+  if (st != DP_OK) return st; /* own stays allocated: see above */
+  memcpy(buf, own, (size_t)bytes);
+  free(own);
   return DP_OK;
 }
 
@@ -372,9 +407,11 @@ dp_status dp_dist_allgather(const void *mine, int64_t bytes, void *all, double t
   const int n = 2 * (world.size - 1);
   MPI_Request *reqs = malloc(sizeof *reqs * (size_t)n);
   int *peers = malloc(sizeof *peers * (size_t)n);
-  if (!reqs || !peers) {
+  unsigned char *recv = malloc((size_t)n);
+  if (!reqs || !peers || !recv) {
     free(reqs);
     free(peers);
+    free(recv);
     return DP_FAIL(DP_ERR_MEMORY, "allgather: %d requests", n);
   }
   int m = 0, rc = MPI_SUCCESS;
@@ -382,15 +419,18 @@ dp_status dp_dist_allgather(const void *mine, int64_t bytes, void *all, double t
   for (int q = 0; q < world.size && rc == MPI_SUCCESS; ++q) {
     if (q == world.rank) continue;
     rc = MPI_Irecv((char *)all + (size_t)q * (size_t)bytes, (int)bytes, MPI_BYTE, q, TAG_GATHER, comm_ctl, &reqs[m]);
+    recv[m] = 1;
     peers[m++] = q;
     if (rc == MPI_SUCCESS) rc = MPI_Isend(mine, (int)bytes, MPI_BYTE, q, TAG_GATHER, comm_ctl, &reqs[m]);
+    recv[m] = 0;
     peers[m++] = q;
   }
   pthread_mutex_unlock(&mpi_lock);
   dp_status st = mpi_call(rc, "MPI_Isend/MPI_Irecv", what);
-  if (st == DP_OK) st = wait_requests(reqs, peers, m, timeout, what);
+  if (st == DP_OK) st = wait_requests(reqs, peers, recv, m, timeout, what);
   free(reqs);
   free(peers);
+  free(recv);
   return st;
 }
 
@@ -428,7 +468,7 @@ dp_status dp_dist_channel_open(double timeout, dp_dist_channel **out) {
     const int rc = MPI_Comm_idup(MPI_COMM_WORLD, &ch->comm, &req);
     pthread_mutex_unlock(&mpi_lock);
     dp_status st = mpi_call(rc, "MPI_Comm_idup", "opening a channel");
-    if (st == DP_OK) st = wait_requests(&req, &peer, 1, timeout, "opening a channel (MPI_Comm_idup)");
+    if (st == DP_OK) st = wait_requests(&req, &peer, NULL, 1, timeout, "opening a channel (MPI_Comm_idup)");
     if (st != DP_OK) {
       free(ch);
       return st;
@@ -455,6 +495,7 @@ void dp_dist_channel_close(dp_dist_channel *ch) {
 
 typedef struct chain {
   MPI_Comm comm;
+  MPI_Request recv[2]; /* the receives posted (two segments ahead, or one on the way back) */
   MPI_Request *send;
   int *send_peer;
   int nsent, capacity;
@@ -463,8 +504,8 @@ typedef struct chain {
   const _Atomic int *abandon;
 } chain;
 
-static dp_status chain_wait(chain *c, MPI_Request *reqs, const int *peers, int n) {
-  return wait_requests_abandonable(reqs, peers, n, c->timeout, c->what, c->abandon);
+static dp_status chain_wait(chain *c, MPI_Request *reqs, const int *peers, const unsigned char *recv, int n) {
+  return wait_requests_abandonable(reqs, peers, recv, n, c->timeout, c->what, c->abandon);
 }
 
 /* Sends len floats at p to peer. */
@@ -478,7 +519,7 @@ static dp_status chain_send(chain *c, const float *p, int64_t len, int peer, int
 }
 
 static dp_status chain_sends_done(chain *c) {
-  const dp_status st = c->nsent ? chain_wait(c, c->send, c->send_peer, c->nsent) : DP_OK;
+  const dp_status st = c->nsent ? chain_wait(c, c->send, c->send_peer, NULL, c->nsent) : DP_OK;
   c->nsent = 0;
   return st;
 }
@@ -516,7 +557,7 @@ static dp_status chain_run(chain *c, float *const *bufs, int k, int64_t n, float
                            int back) {
   const int P = world.size, p = world.rank, last = p == P - 1;
   const int64_t S = DP_DIST_SEGMENT, nseg = (n + S - 1) / S;
-  MPI_Request recv[2] = {MPI_REQUEST_NULL, MPI_REQUEST_NULL};
+  MPI_Request *recv = c->recv;
   /* forward: the running sum from p - 1, plus ours, to p + 1 (the last
    * process: scaled, and sent back to p - 1) */
   if (p > 0)
@@ -527,7 +568,7 @@ static dp_status chain_run(chain *c, float *const *bufs, int k, int64_t n, float
     float *in = NULL;
     if (p > 0) {
       const int from = p - 1;
-      DP_TRY(chain_wait(c, &recv[s % 2], &from, 1));
+      DP_TRY(chain_wait(c, &recv[s % 2], &from, (const unsigned char[]){1}, 1));
       in = stage + (s % 2) * S;
     }
     chain_add(bufs, k, lo, len, in, last, scale);
@@ -544,7 +585,7 @@ static dp_status chain_run(chain *c, float *const *bufs, int k, int64_t n, float
     const int64_t lo = s * S, len = n - lo < S ? n - lo : S;
     const int from = p + 1;
     DP_TRY(chain_recv(c, bufs[0] + lo, len, from, back, &recv[0]));
-    DP_TRY(chain_wait(c, &recv[0], &from, 1));
+    DP_TRY(chain_wait(c, &recv[0], &from, (const unsigned char[]){1}, 1));
     if (p > 0) DP_TRY(chain_send(c, bufs[0] + lo, len, p - 1, back));
     for (int r = 1; r < k; ++r) memcpy(bufs[r] + lo, bufs[0] + lo, sizeof(float) * (size_t)len);
   }
@@ -572,8 +613,12 @@ dp_status dp_dist_chain_allreduce_on(const dp_dist_channel *ch, float *const *bu
              .capacity = (int)nseg};
   c.send = malloc(sizeof *c.send * (size_t)nseg);
   c.send_peer = malloc(sizeof *c.send_peer * (size_t)nseg);
+  c.recv[0] = c.recv[1] = MPI_REQUEST_NULL;
   dp_status st = c.send && c.send_peer ? chain_run(&c, bufs, k, n, scale, stage, fwd, back)
                                        : DP_FAIL(DP_ERR_MEMORY, "chain all-reduce: %lld requests", (long long)nseg);
+  /* a chain that failed part way may leave a receive posted into stage or
+   * bufs[0], which the caller may free: cancelled, as wait_requests does */
+  if (st != DP_OK) cancel_receives(c.recv, (const unsigned char[]){1, 1}, 2);
   free(c.send);
   free(c.send_peer);
   return st;
