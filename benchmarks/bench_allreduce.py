@@ -81,7 +81,7 @@ import numpy as np  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from bench_lenet_cpu import command_line, machine_info, replace_section  # noqa: E402
+from bench_lenet_cpu import command_line, import_dpcore, machine_info, replace_section  # noqa: E402
 
 DEFAULT_RESULTS = os.path.join(HERE, "RESULTS.md")
 SECTION_TITLE = "## All-reduce bus bandwidth (in-process, CPU)"
@@ -96,19 +96,8 @@ def log(msg):
 
 def import_core(tries=6, wait=5.0):
     """dpcore._core, retried: the package may be being reinstalled while we start."""
-    err = None
-    for i in range(tries):
-        try:
-            from dpcore import _core
-            return _core, None
-        except Exception as e:  # ImportError or the extension failing to load
-            err = "%s: %s" % (type(e).__name__, e)
-            for name in [m for m in sys.modules if m == "dpcore" or m.startswith("dpcore.")]:
-                del sys.modules[name]
-            if i + 1 < tries:
-                log("dpcore import failed (%s); retrying in %.0f s" % (err, wait))
-                time.sleep(wait)
-    return None, err
+    dp, err = import_dpcore(tries, wait)
+    return (dp._core, None) if dp is not None else (None, err)
 
 
 class CpuWindow:

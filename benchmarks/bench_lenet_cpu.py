@@ -187,12 +187,31 @@ def child_torch(args):
     }
 
 
-def import_dpcore():
-    try:
-        import dpcore
-        return dpcore, None
-    except Exception as e:  # ImportError, or the extension failing to load
-        return None, "%s: %s" % (type(e).__name__, e)
+def import_dpcore(tries=1, wait=5.0):
+    """(dpcore, None), or (None, why) after `tries` attempts `wait` s apart: the package may be
+    being reinstalled while a benchmark child starts."""
+    err = None
+    for i in range(tries):
+        try:
+            import dpcore
+            return dpcore, None
+        except Exception as e:  # ImportError, or the extension failing to load
+            err = "%s: %s" % (type(e).__name__, e)
+            for name in [m for m in sys.modules if m == "dpcore" or m.startswith("dpcore.")]:
+                del sys.modules[name]
+            if i + 1 < tries:
+                log("dpcore import failed (%s); retrying in %.0f s" % (err, wait))
+                time.sleep(wait)
+    return None, err
+
+
+def import_dpcore_or_exit(tries=6, wait=5.0):
+    """dpcore (retried as above), or exit with EXIT_DPCORE_MISSING saying why."""
+    dp, err = import_dpcore(tries, wait)
+    if dp is None:
+        print("dpcore not importable: %s" % err, file=sys.stderr, flush=True)
+        sys.exit(EXIT_DPCORE_MISSING)
+    return dp
 
 
 def child_dpcore(args):

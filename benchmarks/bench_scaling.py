@@ -71,7 +71,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from bench_lenet_cpu import command_line, default_threads, machine_info  # noqa: E402
+from bench_lenet_cpu import command_line, default_threads, import_dpcore_or_exit, machine_info  # noqa: E402
 
 DEFAULT_RESULTS = os.path.join(HERE, "RESULTS.md")
 DEFAULT_DATA_DIR = "/usr/share/datasets/fashion-mnist"
@@ -120,24 +120,6 @@ def child_env():
 # Children
 # ---------------------------------------------------------------------------------------------
 
-def import_dpcore(tries=6, wait=5.0):
-    """dpcore, retried: the package may be being reinstalled while we start."""
-    err = None
-    for i in range(tries):
-        try:
-            import dpcore
-            return dpcore
-        except Exception as e:  # ImportError or the extension failing to load
-            err = "%s: %s" % (type(e).__name__, e)
-            for name in [m for m in sys.modules if m == "dpcore" or m.startswith("dpcore.")]:
-                del sys.modules[name]
-            if i + 1 < tries:
-                log("dpcore import failed (%s); retrying in %.0f s" % (err, wait))
-                time.sleep(wait)
-    print("dpcore not importable: %s" % err, file=sys.stderr, flush=True)
-    sys.exit(EXIT_DPCORE_MISSING)
-
-
 def make_batches(dp, batch, count, data, data_dir):
     """`count` batches of `batch` uint8 images (N, 1, 28, 28) and int64 labels, made before timing."""
     import numpy as np
@@ -159,7 +141,7 @@ def make_batches(dp, batch, count, data, data_dir):
 
 
 def child_throughput(args):
-    dp = import_dpcore()
+    dp = import_dpcore_or_exit()
     ndev, devices, mult = CONFIGS[args.config]
     dp.set_logical_devices("cpu", ndev)
     batch = args.batch * mult
@@ -214,7 +196,7 @@ def per_call(fn, min_seconds, repeats=1):
 
 def child_fixed(args):
     import numpy as np
-    dp = import_dpcore()
+    dp = import_dpcore_or_exit()
     from dpcore import _core
     dp.set_logical_devices("cpu", 2)
     net1 = dp.models.LeNet(seed=0, devices=["cpu:0"])             # 1 replica, 1 thread

@@ -30,3 +30,17 @@ def test_gpu_benchmark_without_a_gpu_says_why():
                           text=True, timeout=120, cwd=ROOT)
     assert proc.returncode == 2
     assert "nothing to measure" in proc.stderr
+
+
+def test_mpi_benchmark_quick_smoke():
+    """bench_mpi.py --quick: the MPI all-reduce and LeNet comparisons run end to end (2 sizes, 1 round)."""
+    import shutil
+    if not dp.build_info().get("mpi_linked") or shutil.which("mpirun") is None:
+        pytest.skip("dpcore built without MPI or mpirun missing: bench_mpi.py has nothing to measure")
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_mpi.py"), "--quick"],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for line in ("(1) all-reduce, 2 ranks", "| 1 MiB |", "(2) LeNet throughput", "| 2p x 1r | 2 x 1 x ",
+                 "2 processes x 1 replica / 1 process x 2 replicas:",
+                 "the ranks' parameter digests agree after every run: True; parameters finite: True"):
+        assert line in proc.stdout, proc.stdout + proc.stderr
