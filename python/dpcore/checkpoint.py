@@ -158,6 +158,11 @@ def _parse_header(raw, data_bytes, where):
     if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
         _fail(where, "not a readable safetensors file: __metadata__ must map strings to strings")
     arch_text = meta[_ARCH_KEY]
+    if _ARCH_SUM_KEY in meta:  # before anything in the architecture is believed
+        digest = hashlib.sha256(arch_text.encode("utf-8", "surrogatepass")).hexdigest()
+        if meta[_ARCH_SUM_KEY] != digest:
+            _fail(where, f"the architecture metadata is damaged: its SHA-256 is {digest}, the file records "
+                         f"{meta[_ARCH_SUM_KEY]!r:.80}")
     arch = _json(arch_text, where, "the 'dpcore' metadata")
     if not isinstance(arch, dict):
         _fail(where, f"not a dpcore model file: the 'dpcore' metadata is a JSON {_type_name(arch)}, not an object")
@@ -172,11 +177,6 @@ def _parse_header(raw, data_bytes, where):
     if set(meta) != expected_meta:
         _fail(where, f"not a dpcore model file: format {fmt} has metadata keys {sorted(expected_meta)}, this file "
                      f"has {sorted(meta)}")
-    if fmt == FORMAT:
-        digest = hashlib.sha256(arch_text.encode("utf-8")).hexdigest()
-        if meta[_ARCH_SUM_KEY] != digest:
-            _fail(where, f"the architecture metadata is damaged: its SHA-256 is {digest}, the file records "
-                         f"{meta[_ARCH_SUM_KEY]!r}")
     optional = () if fmt == FORMAT else ("sources", "names")  # format 1 before ResNet18 had neither
     missing = [k for k in keys if k not in arch and k not in optional]
     extra = sorted(k for k in arch if k not in keys)
@@ -246,9 +246,9 @@ def _match(plan, stored, where):
 # ---- the architecture -----------------------------------------------------------
 
 def _plan(arch, where):
-    """(tensors, normalised architecture) of an architecture object: its
-    values checked and every tensor's shape inferred from the layer specs,
-    without building a model. Raises DataError naming `where`."""
+    """(tensors, architecture) of an architecture object: its values checked
+    and every tensor's shape inferred from the layer specs, without building
+    a model. Raises DataError naming `where`."""
     def bad(problem):
         _fail(where, f"not a dpcore model file: {problem}")
 
@@ -306,9 +306,10 @@ def _plan(arch, where):
         if p.name in seen:
             bad(f"two tensors are named {p.name!r} (names repeat)")
         seen.add(p.name)
-    normal = dict(arch, layers=[[kind] + list(args) for kind, args in specs], sources=sources, names=names)
-    _check_class(normal, outs[-1][0], bad)
-    return plan, normal
+    _check_class(dict(arch, layers=[[kind] + list(args) for kind, args in specs], sources=sources, names=names),
+                 outs[-1][0], bad)
+    # as stored (a layer's defaults left out, as its model has them)
+    return plan, dict(arch, sources=arch.get("sources"), names=arch.get("names"))
 
 
 def _layer_spec(i, spec, bad):
@@ -329,8 +330,11 @@ def _layer_spec(i, spec, bad):
     for name, typ, value in zip(names, info["types"], full):
         if typ == "int":
             ok = _is_int(value)
-        else:  # a double, as the binding takes it
-            ok = (_is_int(value) and abs(value) < 2**1000) or (isinstance(value, float) and math.isfinite(value))
+        else:  # a finite double (JSON has no infinity to save it as)
+            try:
+                ok = (_is_int(value) or isinstance(value, float)) and math.isfinite(float(value))
+            except OverflowError:
+                ok = False
         if not ok:
             bad(f"layers[{i}] ({kind}): {name} must be {'an integer' if typ == 'int' else 'a finite number'}, got "
                 f"{value!r:.40}")
@@ -359,10 +363,13 @@ def _window(label, args, shape, pool, bad):
 
 
 def _conv_output(label, args, shape, shape_of, bad):
-    o = args[0]
+    o, k = args[0], args[1]
     if not 1 <= o <= _INT_MAX:
         bad(f"{label}: out_channels {o} is outside 1..{_INT_MAX}")
-    return (o,) + _window(label, args[1:], shape, False, bad)
+    out = (o,) + _window(label, args[1:], shape, False, bad)
+    if o * shape[0] * k * k > _INT_MAX:
+        bad(f"{label}: {o * shape[0] * k * k} weights, more than the largest supported {_INT_MAX}")
+    return out
 
 
 def _dense_output(label, args, shape, shape_of, bad):
@@ -371,7 +378,19 @@ def _dense_output(label, args, shape, shape_of, bad):
         bad(f"{label}: out_features {o} is outside 1..{_INT_MAX}")
     if shape[1:] != (1, 1):
         bad(f"{label}: input is {shape}; a flatten layer must come first")
+    if o * shape[0] > _INT_MAX:
+        bad(f"{label}: {o * shape[0]} weights, more than the largest supported {_INT_MAX}")
     return (o, 1, 1)
+
+
+def _batchnorm_output(label, args, shape, shape_of, bad):
+    with np.errstate(over="ignore"):  # as the core stores them: float
+        eps, momentum = np.float32(args[0]), np.float32(args[1])
+    if not eps > 0:
+        bad(f"{label}: eps must be > 0 (as a float32), got {args[0]}")
+    if not 0 <= momentum <= 1:
+        bad(f"{label}: momentum must be in [0, 1], got {args[1]}")
+    return shape
 
 
 def _add_output(label, args, shape, shape_of, bad):
@@ -389,7 +408,7 @@ _OUTPUT_SHAPE = {
     "conv2d": _conv_output,
     "dense": _dense_output,
     "relu": lambda label, args, shape, shape_of, bad: shape,
-    "batchnorm": lambda label, args, shape, shape_of, bad: shape,
+    "batchnorm": _batchnorm_output,
     "avgpool": lambda label, args, shape, shape_of, bad: (shape[0],) + _window(label, args, shape, True, bad),
     "maxpool": lambda label, args, shape, shape_of, bad: (shape[0],) + _window(label, args, shape, True, bad),
     "flatten": lambda label, args, shape, shape_of, bad: (shape[0] * shape[1] * shape[2], 1, 1),
