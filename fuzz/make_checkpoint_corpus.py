@@ -35,7 +35,8 @@ def main():
     for name in os.listdir(CORPUS):
         if not name.startswith("found-"):  # reproducers of fixed findings stay
             os.unlink(os.path.join(CORPUS, name))
-    dense = saved(dp.models.Sequential([("flatten",), ("dense", 3)], input_shape=(1, 4, 4), seed=1), "dense.safetensors")
+    dense = saved(dp.models.Sequential([("flatten",), ("dense", 3)], input_shape=(1, 4, 4), seed=1),
+                  "dense.safetensors")
     saved(dp.models.Sequential([("conv2d", 2, 3, 1, 1), ("batchnorm", 1e-3, 0.2), ("relu",), ("conv2d", 2, 3, 1, 1),
                                 ("add", 2, 3), ("maxpool", 2, 2, 0), ("avgpool", 2, 1, 1), ("global_avgpool",),
                                 ("flatten",), ("dense", 2)],

@@ -247,8 +247,8 @@ def mutations(data, rng):
         ("layers a dict", arch_edit(lambda a: a.__setitem__("layers", {"0": ["relu"]})), "non-empty list"),
         ("layers null", arch_edit(lambda a: a.__setitem__("layers", None)), "non-empty list"),
         ("input_shape of 2", arch_edit(lambda a: a.__setitem__("input_shape", a["input_shape"][:2])), "input_shape"),
-        ("input_shape with a channel more", arch_edit(lambda a: a["input_shape"].__setitem__(0, a["input_shape"][0] + 1)),
-         "shape|class"),
+        ("input_shape with a channel more",
+         arch_edit(lambda a: a["input_shape"].__setitem__(0, a["input_shape"][0] + 1)), "shape|class"),
         ("input_shape 0 channels", arch_edit(lambda a: a["input_shape"].__setitem__(0, 0)), "input_shape"),
         ("input_shape huge", arch_edit(lambda a: a.__setitem__("input_shape", [10**9, 10**9, 10**9])),
          "input_shape"),
@@ -491,7 +491,9 @@ def test_save_refuses_what_load_would_refuse(tmp_path):
     with pytest.raises(ValueError, match=r"cannot save this model: .*two tensors are named 'b\.weight'"):
         net.save(tmp_path / "dup.safetensors")
     assert os.listdir(tmp_path) == []
-    many = dp.models.Sequential([("flatten",)] + [("dense", 1)] * 9000, input_shape=(1, 1, 1))
+    n = 1200  # with 300-character names: some 1.5 MB of header
+    many = dp.models.Sequential([("flatten",)] + [("dense", 1)] * n, input_shape=(1, 1, 1),
+                                names=[f"{i:0300d}" for i in range(n + 1)])
     with pytest.raises(ValueError, match="over the limit of 1048576"):
         many.save(tmp_path / "many.safetensors")
     assert os.listdir(tmp_path) == []
