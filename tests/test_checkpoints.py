@@ -507,45 +507,59 @@ def test_every_layer_kind_can_be_checked():
 
 
 def random_architecture(rng):
-    """A random layer list over every kind; the C core may refuse it."""
+    """A random layer list over every kind, with random sources; the C core refuses many."""
     c, h = int(rng.integers(1, 4)), int(rng.integers(1, 12))
     layers, sources = [], []
-    shapes = [(c, h, h)]
     for _ in range(int(rng.integers(1, 7))):
-        kind = rng.choice(["conv2d", "relu", "avgpool", "maxpool", "batchnorm", "add", "global_avgpool"])
+        kind = str(rng.choice(["conv2d", "relu", "avgpool", "maxpool", "batchnorm", "add", "global_avgpool",
+                               "flatten", "dense"]))
         if kind == "conv2d":
-            spec = ("conv2d", int(rng.integers(1, 5)), int(rng.integers(1, 5)), int(rng.integers(1, 4)),
+            spec = ("conv2d", int(rng.integers(1, 5)), int(rng.integers(1, 6)), int(rng.integers(1, 4)),
                     int(rng.integers(0, 3)))
         elif kind in ("avgpool", "maxpool"):
-            spec = (kind, int(rng.integers(1, 4)), int(rng.integers(1, 4)), int(rng.integers(0, 2)))
+            spec = (kind, int(rng.integers(1, 4)), int(rng.integers(1, 4)), int(rng.integers(0, 3)))
         elif kind == "add":
-            spec = ("add", int(rng.integers(-1, len(layers))) if layers else -1, len(layers) - 1)
+            spec = ("add", int(rng.integers(-1, len(layers) + 1)), int(rng.integers(-1, len(layers) + 1)))
         elif kind == "batchnorm":
-            spec = ("batchnorm",) if rng.random() < 0.5 else ("batchnorm", 1e-3, 0.2)
+            spec = ("batchnorm",) if rng.random() < 0.5 else ("batchnorm", float(rng.choice([1e-3, 0.0, 1e-50])),
+                                                              float(rng.choice([0.2, 1.0, 1.5])))
+        elif kind == "dense":
+            spec = ("dense", int(rng.integers(1, 4)))
         else:
-            spec = (str(kind),)
+            spec = (kind,)
         layers.append(spec)
-        sources.append(None if rng.random() < 0.8 or kind == "add" else int(rng.integers(-1, len(layers) - 1)))
-    layers += [("flatten",), ("dense", int(rng.integers(1, 5)))]
-    sources += [None, None]
+        sources.append(None if rng.random() < 0.7 else int(rng.integers(-2, len(layers) + 1)))
+    if rng.random() < 0.8:
+        layers += [("flatten",), ("dense", int(rng.integers(1, 5)))]
+        sources += [None, None]
     return layers, sources, (c, h, h)
 
 
-def test_inferred_shapes_are_those_of_the_built_model():
+def test_the_loader_accepts_an_architecture_exactly_when_the_core_builds_it():
+    """The loader infers every shape without building a model (it checks a
+    file before allocating what it declares): for random architectures it
+    must accept exactly those the C core builds, with the core's shapes."""
     rng = np.random.default_rng(5)
-    built = 0
-    for _ in range(300):
+    built = refused = 0
+    for _ in range(2000):
         layers, sources, shape = random_architecture(rng)
+        arch = {"format": checkpoint.FORMAT, "class": "Sequential", "layers": [list(l) for l in layers],
+                "input_shape": list(shape), "sources": sources, "names": None}
+        try:
+            plan, _ = checkpoint._plan(arch, "x")
+        except dp.DataError as e:
+            plan, why = None, e
         try:
             net = dp.models.Sequential(layers, input_shape=shape, sources=sources, init=_SKIP_INIT)
-        except ValueError:
-            continue  # the core refuses it (kernel larger than the input, shapes that differ, ...)
-        built += 1
-        arch = checkpoint.architecture(net)
-        plan, _ = checkpoint._plan(arch, "x")
+        except ValueError as e:
+            assert plan is None, f"{layers} {sources} {shape}: the core refuses it ({e}), the loader accepts it"
+            refused += 1
+            continue
+        assert plan is not None, f"{layers} {sources} {shape}: the core builds it, the loader refuses it: {why}"
         assert [(p.name, p.buffer, p.shape) for p in plan] == \
                [(name, buffer, tuple(shape)) for name, buffer, _, shape in net._entries()], layers
-    assert built >= 100
+        built += 1
+    assert built >= 200 and refused >= 200, (built, refused)
 
 
 # ---- memory ---------------------------------------------------------------------------------
