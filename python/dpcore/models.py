@@ -546,5 +546,6 @@ def load(path, devices=None, allow_nonfinite=False):
     its layers, each tensor's SHA-256, and that every weight is finite unless
     ``allow_nonfinite=True``. A file that fails a check raises
     :class:`dpcore.DataError` (a ValueError) naming the file and the problem;
-    a missing file raises FileNotFoundError."""
+    a missing file raises FileNotFoundError. Files written before checksums
+    (format ``dpcore-sequential-1``) still load, with every check but those."""
     return checkpoint.load(path, devices=devices, allow_nonfinite=allow_nonfinite)
