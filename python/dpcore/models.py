@@ -5,14 +5,12 @@ follow PyTorch's ``state_dict`` names for the equivalent ``torch.nn.Sequential``
 (``'0.weight'``, ``'0.bias'``, ``'3.weight'``, ...), so weights move between the
 two libraries with ``get_weights`` / ``set_weights``.
 """
-import json
 import os
-import tempfile
 from collections import OrderedDict, namedtuple
 
 import numpy as np
 
-from . import _core
+from . import _core, checkpoint
 from .batches import as_images, as_labels
 from .devices import check_device, device_gpu, device_index, device_kind, device_threads
 from .parallel import Tensor
@@ -20,13 +18,13 @@ from .strategy import DEFAULT_BUCKET_MB, check_all_reduce_options, get_strategy
 
 __all__ = ["Sequential", "LeNet", "ResNet18", "Metrics", "Replica", "load", "layer_kinds"]
 
-_FORMAT = "dpcore-sequential-1"
-
 # The layer kinds' table of the C core (csrc/layers.c): names, arguments,
 # tensors and their init rules. Read here, never restated.
 _LAYER_KINDS = _core.layer_kinds()
 # dp.models' init= modes: those every tensor has a rule for
 _INIT_MODES = tuple(dict.fromkeys(mode for kind in _LAYER_KINDS.values() for t in kind["tensors"] for mode in t[3]))
+# init= of a model whose every tensor is about to be set (dp.models.load): no draw
+_SKIP_INIT = object()
 
 
 def layer_kinds():
@@ -88,7 +86,7 @@ class Sequential:
         self._names = [str(i) for i in range(len(self._specs))] if names is None else list(names)
         if len(self._names) != len(self._specs):
             raise ValueError(f"names must have one entry per layer ({len(self._specs)}), got {len(self._names)}")
-        if init not in _INIT_MODES:
+        if init is not _SKIP_INIT and init not in _INIT_MODES:
             raise ValueError(f"init must be one of {', '.join(map(repr, _INIT_MODES))}, got {init!r}")
         strategy = get_strategy()
         if devices is None:
@@ -118,7 +116,8 @@ class Sequential:
                           if len(self._replicas) > 1 or self._timeout else None)
         self._layout = self._model.param_layout()
         self._state_layout = self._model.state_layout()
-        self._init_params(init, init_std, seed)
+        if init is not _SKIP_INIT:
+            self._init_params(init, init_std, seed)
         if self._timeout:
             self._mirrored.broadcast_across()  # rank 0's parameters everywhere, checked
 
@@ -293,21 +292,32 @@ class Sequential:
             if tuple(a.shape) != tuple(shape):
                 raise ValueError(f"{name}: expected shape {tuple(shape)}, got {tuple(a.shape)}")
             buffers[buffer][offset:offset + a.size] = a.astype(np.float32).ravel()
-        self._set_flat(buffers["params"])
+        self._load_buffers(buffers["params"], buffers["state"])
+
+    def _load_buffers(self, params, state):
+        """Whole flat parameter and state buffers onto every replica."""
+        self._set_flat(params)
         for replica in self._replicas:
-            replica.set_state(buffers["state"])
+            replica.set_state(state)
         if self._timeout:
             # collective: rank 0's weights win, so the replicas never diverge
             self._mirrored.broadcast_across()
 
     # ---- files ---------------------------------------------------------------
-    def _architecture(self):
-        return {"format": _FORMAT, "class": type(self).__name__, "layers": [list(l) for l in self._specs],
-                "input_shape": list(self.input_shape), "sources": self._sources, "names": self._names}
+    @classmethod
+    def _checkpoint_architecture(cls, input_shape, num_classes):
+        """{'layers', 'input_shape', 'sources', 'names'} that a checkpoint of this
+        class must hold, for its input shape and class count; None: any (a
+        Sequential's layers are its own)."""
+        return None
 
     def save(self, path):
         """Write the weights (PyTorch state_dict names) and the architecture to a
-        safetensors file. Atomic: a crash leaves either the old file or the new one.
+        safetensors file (format: :mod:`dpcore.checkpoint`), with a SHA-256 of each
+        tensor and of the architecture. Atomic and durable: a crash leaves
+        either the old file or the new one (the temporary a killed writer
+        leaves is removed by the next save to this path); the file's mode is
+        0666 & ~umask.
 
         Across the processes of a job (MultiWorkerMirroredStrategy) it is
         collective: rank 0 writes (every replica holds the same bits) and the
@@ -318,27 +328,10 @@ class Sequential:
             if distributed.rank() == 0:
                 # a failure here ends the job (MPI_Abort) if nothing catches it,
                 # else the others give up waiting after the timeout
-                self._save_file(path)
+                checkpoint.save(self, path)
             distributed.barrier(self._timeout, f"net.save({os.fspath(path)!r}) by rank 0")
             return
-        self._save_file(path)
-
-    def _save_file(self, path):
-        from safetensors.numpy import save_file
-
-        path = os.fspath(path)
-        directory = os.path.dirname(os.path.abspath(path))
-        fd, tmp = tempfile.mkstemp(prefix=".dpcore-", suffix=".tmp", dir=directory)
-        os.close(fd)
-        try:
-            save_file(dict(self.get_weights()), tmp, metadata={"dpcore": json.dumps(self._architecture())})
-            with open(tmp, "rb") as f:
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-            raise
+        checkpoint.save(self, path)
 
     # ---- running -----------------------------------------------------------
     def _labelled_batches(self, data, what):
@@ -412,13 +405,22 @@ class LeNet(Sequential):
 
     def __init__(self, num_classes=10, in_channels=1, seed=0, threads=0, devices=None, all_reduce=None,
                  bucket_mb=None):
+        arch = self._architecture(num_classes, in_channels)
+        super().__init__(arch["layers"], input_shape=arch["input_shape"], init_std=0.01, seed=seed, threads=threads,
+                         devices=devices, all_reduce=all_reduce, bucket_mb=bucket_mb)
+
+    @staticmethod
+    def _architecture(num_classes, in_channels):
         layers = [
             ("conv2d", 20, 3, 1, 0), ("relu",), ("avgpool", 2, 2, 0),
             ("conv2d", 50, 5, 1, 0), ("relu",), ("avgpool", 2, 2, 0),
             ("flatten",), ("dense", 128), ("relu",), ("dense", num_classes),
         ]
-        super().__init__(layers, input_shape=(in_channels, 28, 28), init_std=0.01, seed=seed, threads=threads,
-                         devices=devices, all_reduce=all_reduce, bucket_mb=bucket_mb)
+        return {"layers": layers, "input_shape": (in_channels, 28, 28), "sources": None, "names": None}
+
+    @classmethod
+    def _checkpoint_architecture(cls, input_shape, num_classes):
+        return cls._architecture(num_classes, input_shape[0])
 
 
 class ResNet18(Sequential):
@@ -436,6 +438,13 @@ class ResNet18(Sequential):
 
     def __init__(self, num_classes=10, in_channels=1, seed=0, threads=0, devices=None, sync_batchnorm=False,
                  input_size=28, all_reduce=None, bucket_mb=None):
+        arch = self._architecture(num_classes, in_channels, input_size)
+        super().__init__(arch["layers"], input_shape=arch["input_shape"], seed=seed, threads=threads, devices=devices,
+                         sources=arch["sources"], names=arch["names"], init="torch", sync_batchnorm=sync_batchnorm,
+                         all_reduce=all_reduce, bucket_mb=bucket_mb)
+
+    @staticmethod
+    def _architecture(num_classes, in_channels, input_size):
         layers, sources, names = [], [], []
 
         def add(spec, name=None, source=None):
@@ -468,9 +477,12 @@ class ResNet18(Sequential):
         add(("global_avgpool",))
         add(("flatten",))
         add(("dense", num_classes), "fc.1")
-        super().__init__(layers, input_shape=(in_channels, input_size, input_size), seed=seed, threads=threads,
-                         devices=devices, sources=sources, names=names, init="torch",
-                         sync_batchnorm=sync_batchnorm, all_reduce=all_reduce, bucket_mb=bucket_mb)
+        return {"layers": layers, "input_shape": (in_channels, input_size, input_size), "sources": sources,
+                "names": names}
+
+    @classmethod
+    def _checkpoint_architecture(cls, input_shape, num_classes):
+        return cls._architecture(num_classes, input_shape[0], input_shape[1])
 
 
 def _host(data):
@@ -520,32 +532,20 @@ class Replica:
         return f"Replica(device='{self.device}')"
 
 
-def load(path, devices=None):
-    """A model saved with ``net.save(path)``, on ``devices`` (default: the active
-    strategy's devices, else cpu:0)."""
-    from safetensors import SafetensorError, safe_open
+# the classes a checkpoint may name (dpcore.checkpoint)
+_CLASSES = {cls.__name__: cls for cls in (Sequential, LeNet, ResNet18)}
 
-    path = os.fspath(path)
-    try:
-        with safe_open(path, framework="np") as f:
-            meta = f.metadata() or {}
-            weights = {name: f.get_tensor(name) for name in f.keys()}
-    except (SafetensorError, OSError) as e:
-        if isinstance(e, FileNotFoundError):
-            raise
-        raise ValueError(f"{path}: not a readable safetensors file ({e})") from e
-    try:
-        arch = json.loads(meta["dpcore"])
-        if arch.get("format") != _FORMAT:
-            raise ValueError(f"unknown format {arch.get('format')!r}")
-        layers = [tuple(l) for l in arch["layers"]]
-        input_shape = tuple(arch["input_shape"])
-        sources, names = arch.get("sources"), arch.get("names")
-    except (KeyError, TypeError, ValueError) as e:
-        raise ValueError(f"{path}: not a dpcore model file ({e})") from e
-    net = Sequential(layers, input_shape=input_shape, devices=devices, sources=sources, names=names)
-    classes = {"LeNet": LeNet, "ResNet18": ResNet18}
-    if arch.get("class") in classes:
-        net.__class__ = classes[arch["class"]]
-    net.set_weights(weights)
-    return net
+
+def load(path, devices=None, allow_nonfinite=False):
+    """A model saved with ``net.save(path)``, on ``devices`` (default: the active
+    strategy's devices, else cpu:0), of the class it was saved as.
+
+    Everything in the file is checked before it is trusted (see
+    :mod:`dpcore.checkpoint`): the header, the architecture against the
+    tensors' shapes and dtypes (before any model is built), the class against
+    its layers, each tensor's SHA-256, and that every weight is finite unless
+    ``allow_nonfinite=True``. A file that fails a check raises
+    :class:`dpcore.DataError` (a ValueError) naming the file and the problem;
+    a missing file raises FileNotFoundError. Files written before checksums
+    (format ``dpcore-sequential-1``) still load, with every check but those."""
+    return checkpoint.load(path, devices=devices, allow_nonfinite=allow_nonfinite)

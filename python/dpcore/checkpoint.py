@@ -1,0 +1,694 @@
+"""Checkpoints: the one home of dpcore's model file format.
+
+``net.save(path)`` and ``dp.models.load(path)`` are thin calls into here.
+
+The file is plain safetensors (PyTorch's state_dict names, float32
+little-endian tensors), readable by any safetensors reader::
+
+    8 bytes      little-endian length N of the header
+    N bytes      JSON header, padded with spaces to a multiple of 8:
+                   {"__metadata__": {"dpcore": ARCH, "dpcore_sha256": hex},
+                    "<tensor name>": {"dtype": "F32", "shape": [...], "data_offsets": [begin, end]}, ...}
+    the data     the tensors' bytes, back to back, exactly covering the rest of the file
+
+ARCH is a JSON object (a string in the metadata): ``format``
+(``"dpcore-sequential-2"``), ``class`` (``Sequential``, ``LeNet`` or
+``ResNet18``), ``layers``, ``input_shape``, ``sources``, ``names`` (the
+arguments of :class:`dpcore.models.Sequential`) and ``sha256``: tensor name
+-> SHA-256 of the tensor's bytes as stored. ``dpcore_sha256`` is the SHA-256 of
+the ARCH string itself, so the architecture and the tensor digests are covered
+too; the header's remaining fields (dtype, shape, offsets) are each checked
+against what the architecture implies.
+
+Checksum: SHA-256 (hashlib, OpenSSL underneath). It is a standard digest
+(``sha256sum`` of a tensor's bytes gives the same), it has no length limit on
+what it protects (CRC-32's guarantees weaken past 512 MB, and its 2**-32 miss
+rate is per tensor), and with the SHA extensions of current x86 and ARM CPUs
+it runs at about 2 GB/s, a few tens of milliseconds for ResNet-18's 45 MB.
+It detects damage (bit rot, truncation, a bad copy), not tampering: anyone who
+edits a file can recompute it.
+
+Loading refuses, with a :class:`dpcore.DataError` (a ValueError) that names
+the file and the problem, before any model is built or any buffer of the
+file's declared sizes is allocated: a header that is not strict safetensors
+(duplicate keys, offsets that leave gaps, overlap or run past the file, a
+header over :data:`MAX_HEADER_BYTES`), a dtype other than F32, metadata that
+is not a dpcore architecture, a layer list the layer kinds' table does not
+accept, a class whose layers are not that class's, and any tensor missing,
+extra, or of another shape than the architecture implies (every shape is
+inferred from the layer specs here, in Python, without building a model;
+after the model is built its own layout is compared once more). Then, as the
+tensors are read into the model's buffers: a SHA-256 that disagrees, and
+non-finite values unless ``allow_nonfinite=True``.
+
+Files of format ``dpcore-sequential-1`` (dpcore before checksums) still load,
+with every check above except the checksums; a file that says format 1 but
+carries checksum fields is refused, so no single damaged byte turns a
+checksummed file into one that skips them.
+
+Writing is atomic and durable: a temporary file beside the target (mode
+0666 & ~umask, like open()), fsync, rename over the target, fsync of the
+directory. A writer killed mid-write leaves its temporary, named
+``.<target>.dpcore-<host>-<pid>-<random>.tmp``; the next save to the same
+target removes those whose writer (same host, that pid) is gone.
+"""
+import errno
+import hashlib
+import json
+import math
+import os
+import re
+import secrets
+import socket
+import sys
+from collections import OrderedDict, namedtuple
+
+import numpy as np
+
+from . import _core
+from .errors import DataError
+
+__all__ = ["FORMAT", "MAX_HEADER_BYTES", "save", "load", "read"]
+
+FORMAT = "dpcore-sequential-2"
+_LEGACY_FORMAT = "dpcore-sequential-1"  # no checksums
+_ARCH_KEY = "dpcore"
+_ARCH_SUM_KEY = "dpcore_sha256"
+# ResNet-18's header is 24 KB (62 tensors); 1 MiB holds some 2,500 tensors.
+# A bound on the header bounds what parsing it can cost: its JSON's Python
+# objects, and a model of that many layers (95,000 relu layers, the most a
+# header at the limit can declare, load in 0.9 s and 42 MB here). save refuses
+# a model whose header is larger.
+MAX_HEADER_BYTES = 1 << 20
+_INT_MAX = 2**31 - 1  # the C core's largest size (shapes.c)
+_ARCH_KEYS = ("format", "class", "layers", "input_shape", "sources", "names")
+
+_LAYER_KINDS = _core.layer_kinds()
+
+# a tensor the header declares: its shape and where its bytes lie in the data region
+_Stored = namedtuple("_Stored", ["name", "shape", "begin", "end"])
+# what an architecture implies: the model's tensors, in the model's order
+_Planned = namedtuple("_Planned", ["name", "buffer", "shape"])
+_Header = namedtuple("_Header", ["arch", "tensors", "stored", "sha256", "data_bytes"])
+
+
+def _fail(where, problem):
+    raise DataError(f"{where}: {problem}")
+
+
+def _type_name(value):
+    return {dict: "object", list: "list", str: "string", bool: "boolean", type(None): "null",
+            int: "integer", float: "number"}.get(type(value), type(value).__name__)
+
+
+def _is_int(value):
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+# ---- the safetensors header ---------------------------------------------------
+
+def _pairs_without_duplicates(pairs):
+    keys = [k for k, _ in pairs]
+    if len(set(keys)) != len(keys):
+        dup = next(k for k in keys if keys.count(k) > 1)
+        raise ValueError(f"key {dup!r} appears twice in one object")
+    return dict(pairs)
+
+
+def _refuse_constant(name):
+    raise ValueError(f"{name} is not JSON")
+
+
+def _json(text, where, what):
+    """text parsed as strict JSON (no duplicate keys, no NaN/Infinity)."""
+    try:
+        return json.loads(text, object_pairs_hook=_pairs_without_duplicates, parse_constant=_refuse_constant)
+    except RecursionError:
+        _fail(where, f"{what} is nested too deeply")
+    except ValueError as e:  # JSONDecodeError, and over-long integers
+        _fail(where, f"{what} is not valid JSON ({e})")
+
+
+def _header_length(prefix, file_bytes, where):
+    """N from the first 8 bytes, checked against the file's size and the limit."""
+    if len(prefix) < 8:
+        _fail(where, f"not a readable safetensors file: {file_bytes} bytes, shorter than the 8-byte header length")
+    n = int.from_bytes(prefix, "little")
+    if n > MAX_HEADER_BYTES:
+        _fail(where, f"not a readable safetensors file: header length {n} is over dpcore's limit of "
+                     f"{MAX_HEADER_BYTES} bytes (a damaged or foreign file)")
+    if 8 + n > file_bytes:
+        _fail(where, f"not a readable safetensors file: truncated: the header needs {8 + n} bytes, the file has "
+                     f"{file_bytes}")
+    return n
+
+
+def _parse_header(raw, data_bytes, where):
+    """The checked header of a file whose data region has data_bytes bytes."""
+    try:
+        text = bytes(raw).decode("utf-8")
+    except UnicodeDecodeError as e:
+        _fail(where, f"not a readable safetensors file: the header is not UTF-8 ({e})")
+    header = _json(text, where, "the safetensors header")
+    if not isinstance(header, dict):
+        _fail(where, f"not a readable safetensors file: the header is a JSON {_type_name(header)}, not an object")
+    meta = header.pop("__metadata__", None)
+    stored = [_stored_tensor(name, entry, where) for name, entry in header.items()]
+    _check_tiling(stored, data_bytes, where)
+    if meta is None or (isinstance(meta, dict) and _ARCH_KEY not in meta):
+        _fail(where, "not a dpcore model file: no 'dpcore' architecture in its metadata")
+    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+        _fail(where, "not a readable safetensors file: __metadata__ must map strings to strings")
+    arch_text = meta[_ARCH_KEY]
+    if _ARCH_SUM_KEY in meta:  # before anything in the architecture is believed
+        digest = hashlib.sha256(arch_text.encode("utf-8", "surrogatepass")).hexdigest()
+        if meta[_ARCH_SUM_KEY] != digest:
+            _fail(where, f"the architecture metadata is damaged: its SHA-256 is {digest}, the file records "
+                         f"{meta[_ARCH_SUM_KEY]!r:.80}")
+    arch = _json(arch_text, where, "the 'dpcore' metadata")
+    if not isinstance(arch, dict):
+        _fail(where, f"not a dpcore model file: the 'dpcore' metadata is a JSON {_type_name(arch)}, not an object")
+    fmt = arch.get("format")
+    if fmt == FORMAT:
+        expected_meta, keys = {_ARCH_KEY, _ARCH_SUM_KEY}, _ARCH_KEYS + ("sha256",)
+    elif fmt == _LEGACY_FORMAT:
+        expected_meta, keys = {_ARCH_KEY}, _ARCH_KEYS
+    else:
+        _fail(where, f"not a dpcore model file: unknown format {fmt!r} (dpcore reads {FORMAT!r} and "
+                     f"{_LEGACY_FORMAT!r})")
+    if set(meta) != expected_meta:
+        _fail(where, f"not a dpcore model file: format {fmt} has metadata keys {sorted(expected_meta)}, this file "
+                     f"has {sorted(meta)}")
+    optional = () if fmt == FORMAT else ("sources", "names")  # format 1 before ResNet18 had neither
+    missing = [k for k in keys if k not in arch and k not in optional]
+    extra = sorted(k for k in arch if k not in keys)
+    if missing or extra:
+        _fail(where, f"not a dpcore model file: the architecture misses {missing} and has unexpected keys {extra}")
+    plan, arch = _plan(arch, where)
+    sums = arch.pop("sha256", None)
+    if fmt == FORMAT:
+        if not isinstance(sums, dict) or not all(isinstance(v, str) for v in sums.values()):
+            _fail(where, "not a dpcore model file: 'sha256' must map tensor names to hex digests")
+        if set(sums) != {p.name for p in plan}:
+            _fail(where, f"not a dpcore model file: 'sha256' names {sorted(sums)}, the architecture's tensors are "
+                         f"{sorted(p.name for p in plan)}")
+    _match(plan, stored, where)
+    return _Header(arch, plan, {s.name: s for s in stored}, sums, data_bytes)
+
+
+def _stored_tensor(name, entry, where):
+    if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}:
+        _fail(where, f"not a readable safetensors file: tensor {name!r} must be an object with keys dtype, shape, "
+                     f"data_offsets")
+    dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
+    if dtype != "F32":
+        _fail(where, f"tensor {name!r} has dtype {dtype!r}; dpcore checkpoints hold float32 (F32) tensors")
+    if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
+        _fail(where, f"not a readable safetensors file: tensor {name!r} has shape {shape!r}, not a list of sizes")
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_int(o) for o in offsets)
+            and 0 <= offsets[0] <= offsets[1]):
+        _fail(where, f"not a readable safetensors file: tensor {name!r} has data_offsets {offsets!r}, not "
+                     f"[begin, end] with 0 <= begin <= end")
+    size = 4
+    for d in shape:
+        size *= d
+    if offsets[1] - offsets[0] != size:
+        _fail(where, f"not a readable safetensors file: tensor {name!r} of shape {shape} needs {size} bytes, its "
+                     f"data_offsets {offsets} span {offsets[1] - offsets[0]}")
+    return _Stored(name, tuple(shape), offsets[0], offsets[1])
+
+
+def _check_tiling(stored, data_bytes, where):
+    """The tensors cover the data region exactly: no gap, no overlap, nothing past its end."""
+    at = 0
+    for s in sorted(stored, key=lambda s: (s.begin, s.end)):
+        if s.begin != at:
+            what = "overlaps the tensor before it" if s.begin < at else f"leaves a gap of {s.begin - at} bytes"
+            _fail(where, f"not a readable safetensors file: tensor {s.name!r} at bytes {s.begin}..{s.end} {what}")
+        at = s.end
+    if at != data_bytes:
+        problem = "truncated" if at > data_bytes else "has trailing bytes"
+        _fail(where, f"not a readable safetensors file: {problem}: the tensors need {at} bytes of data, the file "
+                     f"holds {data_bytes}")
+
+
+def _match(plan, stored, where):
+    """Exactly the tensors the architecture implies, each of its shape."""
+    have = {s.name: s for s in stored}
+    missing = [p.name for p in plan if p.name not in have]
+    extra = sorted(set(have) - {p.name for p in plan})
+    if missing or extra:
+        _fail(where, f"the tensors do not match the architecture: missing {missing}, unexpected {extra}")
+    for p in plan:
+        if have[p.name].shape != p.shape:
+            _fail(where, f"tensor {p.name!r} has shape {list(have[p.name].shape)}, the architecture implies "
+                         f"{list(p.shape)}")
+
+
+# ---- the architecture -----------------------------------------------------------
+
+def _plan(arch, where):
+    """(tensors, architecture) of an architecture object: its values checked
+    and every tensor's shape inferred from the layer specs, without building
+    a model. Raises DataError naming `where`."""
+    def bad(problem):
+        _fail(where, f"not a dpcore model file: {problem}")
+
+    shape = arch["input_shape"]
+    if not (isinstance(shape, list) and len(shape) == 3 and all(_is_int(d) for d in shape)):
+        bad(f"input_shape must be a list of 3 integers (C, H, W), got {shape!r}")
+    layers = arch["layers"]
+    if not isinstance(layers, list) or not layers:
+        bad(f"layers must be a non-empty list, got {_type_name(layers)}")
+    n = len(layers)
+    sources, names = arch.get("sources"), arch.get("names")
+    if sources is not None and not (isinstance(sources, list) and len(sources) == n
+                                    and all(s is None or _is_int(s) for s in sources)):
+        bad(f"sources must be null or a list of {n} integers or nulls")
+    if names is None:
+        names = [str(i) for i in range(n)]
+    if not (isinstance(names, list) and len(names) == n and all(isinstance(s, str) for s in names)):
+        bad(f"names must be a list of {n} strings")
+    specs = [_layer_spec(i, spec, bad) for i, spec in enumerate(layers)]
+    for d, label in zip(shape, ("channels", "height", "width")):
+        if not 1 <= d <= _INT_MAX:
+            bad(f"input_shape: {label} {d} is outside 1..{_INT_MAX}")
+    _check_volume(tuple(shape), "input_shape", bad)
+    plan, outs = [], []  # outs: each layer's output (C, H, W)
+
+    def shape_of(src, label, what):
+        """The output of layer src (-1: the model input), an earlier layer."""
+        if not -1 <= src < len(outs):
+            bad(f"{label}: {what} {src} is not an earlier layer (0..{len(outs) - 1}) or the input (-1)")
+        return outs[src] if src >= 0 else tuple(shape)
+
+    for i, (kind, args) in enumerate(specs):
+        info = _LAYER_KINDS[kind]
+        label = f"layers[{i}] ({kind})"
+        chosen = sources[i] if sources is not None else None
+        if chosen is not None:
+            shape_of(chosen, label, "source")  # checked even where the kind names its own sources
+        src = args[0] if info["sources"] else (i - 1 if chosen is None else chosen)
+        for a in range(info["sources"]):
+            shape_of(args[a], label, info["args"][a])
+        in_shape = shape_of(src, label, "source")
+        out = _OUTPUT_SHAPE[kind](label, args, in_shape, shape_of, bad)
+        _check_volume(out, label, bad)
+        outs.append(out)
+        extents = {"in_channels": in_shape[0], "out_channels": out[0],
+                   "kernel": args[info["args"].index("kernel")] if "kernel" in info["args"] else None}
+        for tname, buffer, dims, _ in info["tensors"]:
+            if any(extents.get(d) is None for d in dims):
+                bad(f"{label}: dpcore cannot check tensor {tname!r} of shape {dims} in a checkpoint")
+            plan.append(_Planned(f"{names[i]}.{tname}", buffer, tuple(extents[d] for d in dims)))
+    if outs[-1][1:] != (1, 1):
+        bad(f"the last layer produces {outs[-1]}, not logits (classes, 1, 1)")
+    seen = set()
+    for p in plan:
+        if p.name in seen:
+            bad(f"two tensors are named {p.name!r} (names repeat)")
+        seen.add(p.name)
+    _check_class(dict(arch, layers=[[kind] + list(args) for kind, args in specs], sources=sources, names=names),
+                 outs[-1][0], bad)
+    # as stored (a layer's defaults left out, as its model has them)
+    return plan, dict(arch, sources=arch.get("sources"), names=arch.get("names"))
+
+
+def _layer_spec(i, spec, bad):
+    """(kind, args with defaults filled) of layers[i], its types checked."""
+    if not (isinstance(spec, list) and spec and isinstance(spec[0], str)):
+        bad(f"layers[{i}] must be a list [kind, *args], got {spec!r:.80}")
+    kind, args = spec[0], spec[1:]
+    if kind not in _LAYER_KINDS:
+        bad(f"layers[{i}]: unknown layer kind {kind!r:.40} (dpcore knows {', '.join(_LAYER_KINDS)})")
+    if kind not in _OUTPUT_SHAPE:
+        bad(f"layers[{i}]: dpcore cannot check layer kind {kind!r} in a checkpoint")
+    info = _LAYER_KINDS[kind]
+    names = info["args"]
+    required = len([a for a in names if a not in info["defaults"]])
+    if not required <= len(args) <= len(names):
+        bad(f"layers[{i}] ({kind}) takes {required}..{len(names)} arguments ({', '.join(names)}), got {len(args)}")
+    full = list(args) + [info["defaults"][a] for a in names[len(args):]]
+    for name, typ, value in zip(names, info["types"], full):
+        if typ == "int":
+            ok = _is_int(value)
+        else:  # a finite double (JSON has no infinity to save it as)
+            try:
+                ok = (_is_int(value) or isinstance(value, float)) and math.isfinite(float(value))
+            except OverflowError:
+                ok = False
+        if not ok:
+            bad(f"layers[{i}] ({kind}): {name} must be {'an integer' if typ == 'int' else 'a finite number'}, got "
+                f"{value!r:.40}")
+        if typ == "int" and not -2**63 <= value < 2**63:
+            bad(f"layers[{i}] ({kind}): {name} {value} is out of range (more than 64 bits)")
+    return kind, tuple(full)
+
+
+def _check_volume(out, label, bad):
+    c, h, w = out
+    if c * h * w > _INT_MAX:
+        bad(f"{label}: {out} has {c * h * w} values per sample, more than the largest supported {_INT_MAX}")
+
+
+def _window(label, args, shape, pool, bad):
+    """Output (H, W) of a square window over shape: 1 + (in + 2 pad - k) // stride."""
+    k, stride, pad = args
+    _, h, w = shape
+    if not (1 <= k <= _INT_MAX and 1 <= stride <= _INT_MAX and 0 <= pad <= _INT_MAX):
+        bad(f"{label}: kernel {k}, stride {stride}, padding {pad} out of range (kernel, stride >= 1, padding >= 0)")
+    if pool and 2 * pad > k:
+        bad(f"{label}: padding {pad} must be at most half the kernel {k}")
+    if h + 2 * pad < k or w + 2 * pad < k:
+        bad(f"{label}: kernel {k} is larger than the padded input {h}x{w} (padding {pad})")
+    return (h + 2 * pad - k) // stride + 1, (w + 2 * pad - k) // stride + 1
+
+
+def _conv_output(label, args, shape, shape_of, bad):
+    o, k = args[0], args[1]
+    if not 1 <= o <= _INT_MAX:
+        bad(f"{label}: out_channels {o} is outside 1..{_INT_MAX}")
+    out = (o,) + _window(label, args[1:], shape, False, bad)
+    if o * shape[0] * k * k > _INT_MAX:
+        bad(f"{label}: {o * shape[0] * k * k} weights, more than the largest supported {_INT_MAX}")
+    return out
+
+
+def _dense_output(label, args, shape, shape_of, bad):
+    o = args[0]
+    if not 1 <= o <= _INT_MAX:
+        bad(f"{label}: out_features {o} is outside 1..{_INT_MAX}")
+    if shape[1:] != (1, 1):
+        bad(f"{label}: input is {shape}; a flatten layer must come first")
+    if o * shape[0] > _INT_MAX:
+        bad(f"{label}: {o * shape[0]} weights, more than the largest supported {_INT_MAX}")
+    return (o, 1, 1)
+
+
+def _batchnorm_output(label, args, shape, shape_of, bad):
+    with np.errstate(over="ignore"):  # as the core stores them: float
+        eps, momentum = np.float32(args[0]), np.float32(args[1])
+    if not eps > 0:
+        bad(f"{label}: eps must be > 0 (as a float32), got {args[0]}")
+    if not 0 <= momentum <= 1:
+        bad(f"{label}: momentum must be in [0, 1], got {args[1]}")
+    return shape
+
+
+def _add_output(label, args, shape, shape_of, bad):
+    other = shape_of(args[1], label, "layer_b")
+    if other != shape:
+        bad(f"{label}: shapes differ: {shape} and {other}")
+    return shape
+
+
+# Per layer kind: (label, args, input (C, H, W), shape_of, bad) -> output
+# (C, H, W), for the kinds of the C core's table (csrc/layers.c, whose checks
+# the core repeats when the model is built). A kind missing here is refused in
+# checkpoints; tests/test_checkpoints.py checks that none is.
+_OUTPUT_SHAPE = {
+    "conv2d": _conv_output,
+    "dense": _dense_output,
+    "relu": lambda label, args, shape, shape_of, bad: shape,
+    "batchnorm": _batchnorm_output,
+    "avgpool": lambda label, args, shape, shape_of, bad: (shape[0],) + _window(label, args, shape, True, bad),
+    "maxpool": lambda label, args, shape, shape_of, bad: (shape[0],) + _window(label, args, shape, True, bad),
+    "flatten": lambda label, args, shape, shape_of, bad: (shape[0] * shape[1] * shape[2], 1, 1),
+    "global_avgpool": lambda label, args, shape, shape_of, bad: (shape[0], 1, 1),
+    "add": _add_output,
+}
+
+
+def _check_class(arch, num_classes, bad):
+    """The class is one dpcore knows, and a built-in network's layers are exactly its own."""
+    from .models import _CLASSES
+
+    name = arch["class"]
+    if not isinstance(name, str) or name not in _CLASSES:
+        bad(f"class {name!r:.40} is not one of dpcore's ({', '.join(_CLASSES)})")
+    expected = _CLASSES[name]._checkpoint_architecture(tuple(arch["input_shape"]), num_classes)
+    if expected is None:
+        return
+    for key in ("input_shape", "layers", "sources", "names"):
+        if _normal_value(key, expected[key], len(arch["layers"])) != arch[key]:
+            bad(f"class {name}, but its {key} are not {name}'s")
+
+
+def _normal_value(key, value, n):
+    """A class's architecture value as _plan normalises a file's."""
+    if key == "layers":
+        def bad(problem):
+            raise AssertionError(f"a dpcore class's own layers: {problem}")
+        return [[spec[0]] + list(_layer_spec(i, list(spec), bad)[1]) for i, spec in enumerate(value)]
+    if key == "names" and value is None:
+        return [str(i) for i in range(n)]
+    return None if value is None else list(value)
+
+
+def architecture(net):
+    """The architecture object of a model, as save writes it (without checksums)."""
+    from .models import _CLASSES
+
+    def ints(values):
+        return None if values is None else [None if v is None else int(v) for v in values]
+
+    layers = []
+    for spec in net._specs:
+        types = _LAYER_KINDS[spec[0]]["types"] if spec and spec[0] in _LAYER_KINDS else ()
+        layers.append([str(spec[0])] + [float(v) if t == "float" else int(v) for v, t in zip(spec[1:], types)])
+    arch = {"format": FORMAT, "class": "Sequential", "layers": layers, "input_shape": [int(d) for d in net.input_shape],
+            "sources": ints(net._sources), "names": [str(s) for s in net._names]}
+    # the first dpcore class in its MRO whose architecture it has (a subclass
+    # of LeNet with other layers is saved as a Sequential)
+    for cls in type(net).__mro__:
+        if _CLASSES.get(cls.__name__) is cls:
+            try:
+                _plan(dict(arch, **{"class": cls.__name__}), "")
+            except DataError:
+                continue
+            arch["class"] = cls.__name__
+            break
+    return arch
+
+
+# ---- the tensors' bytes --------------------------------------------------------------
+
+def _digest(header, name):
+    """The SHA-256 the file records for a tensor (None in a file of format 1)."""
+    return None if header.sha256 is None else header.sha256[name]
+
+
+def _check_tensor(where, name, raw, digest, allow_nonfinite):
+    """raw: a tensor's bytes as stored (float32 little-endian)."""
+    if digest is not None:
+        actual = hashlib.sha256(raw).hexdigest()
+        if actual != digest:
+            _fail(where, f"tensor {name!r} is damaged: the SHA-256 of its bytes is {actual}, the file records "
+                         f"{digest}")
+    if not allow_nonfinite:
+        values = np.frombuffer(raw, dtype="<f4")
+        step = 1 << 20  # bounded temporaries
+        bad = sum(int(np.count_nonzero(~np.isfinite(values[i:i + step]))) for i in range(0, len(values), step))
+        if bad:
+            _fail(where, f"tensor {name!r} holds {bad} non-finite values (NaN or infinity) of {len(values)}; load "
+                         f"with allow_nonfinite=True to accept them")
+
+
+def _parse(data, where="<bytes>", allow_nonfinite=False):
+    """(architecture, OrderedDict name -> float32 array) of a checkpoint held in
+    `data` (bytes-like), every check of load made; the arrays are read-only
+    views of data. Raises DataError naming `where`."""
+    data = memoryview(data).cast("B")
+    n = _header_length(data[:8], len(data), where)
+    header = _parse_header(data[8:8 + n], len(data) - 8 - n, where)
+    start = 8 + n
+    out = OrderedDict()
+    for p in header.tensors:
+        s = header.stored[p.name]
+        raw = data[start + s.begin:start + s.end]
+        _check_tensor(where, p.name, raw, _digest(header, p.name), allow_nonfinite)
+        out[p.name] = np.frombuffer(raw, dtype="<f4").reshape(p.shape)
+    return header.arch, out
+
+
+def read(path, allow_nonfinite=False):
+    """(architecture, OrderedDict name -> float32 array) of a checkpoint file,
+    checked as :func:`load` checks it, without building a model."""
+    where = os.fsdecode(path)  # a str for messages (a bytes path decodes reversibly)
+    with open(where, "rb") as f:
+        data = f.read()
+    return _parse(data, where, allow_nonfinite)
+
+
+def _read_exactly(f, offset, view, where):
+    """Fill view (bytes) from the file at offset."""
+    f.seek(offset)
+    got = 0
+    while got < len(view):
+        k = f.readinto(view[got:])
+        if not k:
+            _fail(where, f"truncated while reading: the file ended at byte {offset + got}")
+        got += k
+
+
+def load(path, devices=None, allow_nonfinite=False):
+    """A model saved with ``net.save(path)``; see :func:`dpcore.models.load`."""
+    from .devices import check_device
+    from .models import _CLASSES, _SKIP_INIT, Sequential
+
+    where = os.fsdecode(path)  # a str for messages (a bytes path decodes reversibly)
+    if devices is not None:  # so that the file is not blamed for a bad argument
+        devices = [check_device(d) for d in devices]
+    with open(where, "rb") as f:
+        file_bytes = os.fstat(f.fileno()).st_size
+        n = _header_length(f.read(8), file_bytes, where)
+        raw = f.read(n)
+        if len(raw) != n:
+            _fail(where, "truncated while reading the header")
+        header = _parse_header(raw, file_bytes - 8 - n, where)
+        arch = header.arch
+        # everything declared is now checked against the file: the model's
+        # buffers are as large as the file's tensors
+        try:
+            net = Sequential(arch["layers"], input_shape=arch["input_shape"], devices=devices,
+                             sources=arch["sources"], names=arch["names"], init=_SKIP_INIT)
+        except (ValueError, TypeError, OverflowError) as e:
+            if isinstance(e, DataError):
+                raise
+            raise DataError(f"{where}: dpcore cannot build the model it describes: {e}") from e
+        entries = net._entries()
+        built = [(name, tuple(shape)) for name, _, _, shape in entries]
+        if built != [(p.name, p.shape) for p in header.tensors]:
+            _fail(where, f"the model built from the architecture has tensors {built}, the file's architecture "
+                         f"implies {[(p.name, p.shape) for p in header.tensors]}")
+        buffers = {"params": np.zeros(net._model.nparams, dtype=np.float32),
+                   "state": np.zeros(len(net._model.get_state()), dtype=np.float32)}
+        for name, buffer, offset, shape in entries:
+            s = header.stored[name]
+            view = buffers[buffer][offset:offset + (s.end - s.begin) // 4]
+            raw = memoryview(view).cast("B")
+            _read_exactly(f, 8 + n + s.begin, raw, where)
+            _check_tensor(where, name, raw, _digest(header, name), allow_nonfinite)
+            if sys.byteorder == "big":
+                view.byteswap(inplace=True)
+    net._load_buffers(buffers["params"], buffers["state"])
+    net.__class__ = _CLASSES[arch["class"]]
+    return net
+
+
+# ---- writing ------------------------------------------------------------------------
+
+def _encode(arch, tensors):
+    """The header bytes (length prefix included) for arch and [(name, '<f4' array)]."""
+    arch = dict(arch, sha256={name: hashlib.sha256(memoryview(a).cast("B")).hexdigest() for name, a in tensors})
+    arch_text = json.dumps(arch, separators=(",", ":"), allow_nan=False)
+    header = {"__metadata__": {_ARCH_KEY: arch_text,
+                               _ARCH_SUM_KEY: hashlib.sha256(arch_text.encode("utf-8")).hexdigest()}}
+    at = 0
+    for name, a in tensors:
+        header[name] = {"dtype": "F32", "shape": list(a.shape), "data_offsets": [at, at + a.nbytes]}
+        at += a.nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    raw += b" " * (-len(raw) % 8)
+    return len(raw).to_bytes(8, "little") + raw, at
+
+
+def save(net, path):
+    """Write net's architecture and tensors to path, atomically (see the module's docstring)."""
+    where = os.fsdecode(path)  # a str for messages (a bytes path decodes reversibly)
+    arch = architecture(net)
+    try:
+        _plan(dict(arch), where)  # what load would refuse is not written
+    except DataError as e:
+        raise ValueError(f"cannot save this model: {e}") from None
+    tensors = [(name, np.ascontiguousarray(a, dtype="<f4")) for name, a in net.get_weights().items()]
+    head, data_bytes = _encode(arch, tensors)
+    if len(head) - 8 > MAX_HEADER_BYTES:
+        raise ValueError(f"{where}: the model's header would take {len(head) - 8} bytes, over the limit of "
+                         f"{MAX_HEADER_BYTES} that load accepts (too many layers)")
+    _parse_header(head[8:], data_bytes, where)  # loadable, by the loader's own checks
+    atomic_write(where, [head] + [memoryview(a).cast("B") for _, a in tensors])
+
+
+_HOST = hashlib.sha256(socket.gethostname().encode("utf-8", "replace")).hexdigest()[:8]
+
+
+def _temp_prefix(base):
+    """'.<target>.dpcore-': a temporary's name starts with its target's (hashed when long)."""
+    if len(base.encode("utf-8", "surrogateescape")) > 120:
+        base = base[:60] + "~" + hashlib.sha256(base.encode("utf-8", "surrogateescape")).hexdigest()[:16]
+    return f".{base}.dpcore-"
+
+
+def _pid_gone(pid):
+    """True when no process (zombies count as gone) has this pid on this machine."""
+    if os.name != "posix" or pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except (PermissionError, OverflowError, ValueError):
+        return False
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] == b"Z"
+    except (OSError, IndexError):
+        return False
+
+
+def _remove_stale_temps(directory, prefix):
+    """Remove the temporaries of this target whose writer is gone (same host, dead pid)."""
+    pattern = re.compile(re.escape(prefix) + _HOST + r"-([0-9]{1,10})-[0-9a-f]{16}\.tmp\Z")
+    try:
+        names = [e.name for e in os.scandir(directory) if e.name.startswith(prefix)]
+    except OSError:
+        return
+    for name in names:
+        m = pattern.match(name)
+        if m and _pid_gone(int(m.group(1))):
+            try:
+                os.unlink(os.path.join(directory, name))
+            except OSError:
+                pass
+
+
+def _fsync_directory(directory):
+    """Make a rename in directory durable (POSIX; some file systems cannot, and say EINVAL)."""
+    if os.name != "posix":
+        return
+    fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(fd)
+    except OSError as e:
+        if e.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EBADF):
+            raise
+    finally:
+        os.close(fd)
+
+
+def atomic_write(path, chunks):
+    """Write the bytes-like chunks to path atomically and durably: a temporary
+    beside it (mode 0666 & ~umask), fsync, rename, fsync of the directory.
+    On any error (or KeyboardInterrupt) the temporary is removed and path is
+    untouched."""
+    path = os.fspath(path)
+    directory, base = os.path.split(os.path.abspath(path))
+    prefix = _temp_prefix(base)
+    _remove_stale_temps(directory, prefix)
+    tmp = os.path.join(directory, f"{prefix}{_HOST}-{os.getpid()}-{secrets.token_hex(8)}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o666)
+    try:
+        with open(fd, "wb", closefd=True) as f:
+            for chunk in chunks:
+                f.write(chunk)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    _fsync_directory(directory)
