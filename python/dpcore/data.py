@@ -183,6 +183,14 @@ def _read_idx_stream(stream, name: str, file_size: int, max_bytes: Optional[int]
             f"above the limit of {max_bytes} bytes (read_idx's max_bytes)"
             f"{_signed_hint(dims)}")
 
+    # numpy refuses a shape whose non-zero dimensions multiply past its index
+    # range even when a zero dimension makes the array empty.
+    shape_bytes = math.prod(dim for dim in dims if dim) * element_type.itemsize
+    if payload_size == 0 and shape_bytes > np.iinfo(np.intp).max:
+        raise DataError(
+            f"{name}: dimensions {dims} describe an empty array that numpy cannot represent: "
+            f"its non-zero dimensions span {shape_bytes} bytes, above {np.iinfo(np.intp).max}")
+
     compressed = gzip_trailer_size is not None
     if compressed:
         max_inflated = file_size * _DEFLATE_MAX_RATIO
