@@ -789,7 +789,7 @@ def _read_fashion_mnist_split(split: str, images_path: str, labels_path: str) ->
         if not 1 <= dims[0] <= max_count:
             raise DataError(
                 f"{labels_path}: declares {dims[0]} labels; a Fashion-MNIST {split} split holds "
-                f"1 to {max_count}")
+                f"1 to {max_count}{_signed_hint(dims)}")
 
     labels = _read_idx_path(labels_path, None, check_labels)
     out_of_range = np.flatnonzero(labels >= _NUM_FASHION_MNIST_CLASSES)
@@ -804,11 +804,11 @@ def _read_fashion_mnist_split(split: str, images_path: str, labels_path: str) ->
             raise DataError(
                 f"{images_path}: Fashion-MNIST images must be a rank-3 (N, {height}, {width}) array "
                 f"of unsigned bytes (IDX type 0x08); the header declares rank {len(dims)}, "
-                f"shape {dims}, dtype {element_type.name}")
+                f"shape {dims}, dtype {element_type.name}{_signed_hint(dims)}")
         if dims[0] != len(labels):
             raise DataError(
                 f"image and label counts differ: {images_path} holds {dims[0]} images, "
-                f"{labels_path} holds {len(labels)} labels")
+                f"{labels_path} holds {len(labels)} labels{_signed_hint(dims)}")
 
     images = _read_idx_path(images_path, None, check_images)
     return images[:, np.newaxis], labels.astype(np.int64)
