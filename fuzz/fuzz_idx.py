@@ -15,6 +15,12 @@ Each input is the content of one file, parsed by the reader read_idx uses
 - a disagreement with zlib: a single-member gzip stream that zlib inflates to a
   well-formed IDX file must be accepted, and one zlib refuses must be refused.
 
+An input starting with 0xFF (never an IDX or gzip file) is instead an IDX file
+to compress: the rest of it, gzipped here at level ``input[1] % 10``. Its reading
+must then agree exactly with the raw reading of the rest, so the fuzzer explores
+IDX headers and payloads behind a valid gzip container, which mutating
+compressed bytes rarely reaches.
+
 See fuzz/README.md for the corpus convention and the CI run.
 """
 
@@ -60,7 +66,28 @@ def zlib_gunzip(content: bytes):
     return inflated
 
 
+def same_array(first, second) -> bool:
+    return (first.dtype == second.dtype and first.shape == second.shape
+            and first.tobytes() == second.tobytes())
+
+
+def check_compressed(level: int, content: bytes) -> None:
+    """``content`` gzipped must read exactly as ``content`` itself does."""
+    compressor = zlib.compressobj(level, zlib.DEFLATED, 16 + zlib.MAX_WBITS)
+    array = parse(compressor.compress(content) + compressor.flush())
+    expected = parse(content) if content[:2] != _GZIP_MAGIC else None
+    if (array is None) != (expected is None):
+        raise AssertionError(
+            f"the gzip reading {'refused' if array is None else 'accepted'} an IDX file that the "
+            f"raw reading {'accepts' if expected is not None else 'refuses'}")
+    if array is not None and not same_array(array, expected):
+        raise AssertionError("the gzip and the raw reading of the same IDX file differ")
+
+
 def TestOneInput(content: bytes) -> None:
+    if content[:1] == b"\xff":
+        check_compressed(content[1] % 10 if len(content) > 1 else 6, content[2:])
+        return
     array = parse(content)
     if content[:2] != _GZIP_MAGIC:
         if array is not None and idx_bytes(array) != content:
@@ -78,7 +105,7 @@ def TestOneInput(content: bytes) -> None:
     if array is not None:
         if idx_bytes(array) != reference:
             raise AssertionError("a gzip IDX file was accepted but does not round-trip through zlib")
-        if array.dtype != expected.dtype or array.shape != expected.shape or array.tobytes() != expected.tobytes():
+        if not same_array(array, expected):
             raise AssertionError("the gzip and the raw reading of the same IDX file differ")
 
 

@@ -62,6 +62,10 @@ def seeds():
     yield "dynamic-huffman.idx.gz", gzip_bytes(idx_bytes(images, "u1"), level=9)
     yield "all-header-fields.idx.gz", gzip_bytes(labels, flags=FTEXT | FHCRC | FEXTRA | FNAME | FCOMMENT)
     yield "zeros-bomb-small.idx.gz", gzip_bytes(idx_bytes(np.zeros((4, 28, 28)), "u1"), level=9)
+    # 0xFF, a level, then an IDX file the harness compresses itself.
+    yield "to-compress-u1.bin", b"\xff\x06" + idx_bytes(images, "u1")
+    yield "to-compress-f8-stored.bin", b"\xff\x00" + idx_bytes([[1.5, -2.0]], ">f8")
+    yield "to-compress-truncated.bin", b"\xff\x09" + idx_bytes(np.arange(30), "u1")[:-4]
     # Damaged: each is refused with a DataError.
     good = gzip_bytes(labels)
     yield "damaged-raw-truncated.idx", labels[:-3]
