@@ -179,65 +179,117 @@ def case(name, gzipped=False):
     return register
 
 
-def with_header_bytes(content, offset, new):
+def with_bytes(content, offset, new):
+    """``content`` with the bytes from ``offset`` (negative: from the end) replaced by ``new``."""
+    offset %= len(content)
     return content[:offset] + new + content[offset + len(new):]
 
 
+# --- one file replaced: (case, gzip root, file, its new content from the root,
+# written as "idx" (compressed when the root's files are) or as the exact "file"
+# bytes, the phrase the message must hold after the file's path) ----------------
+
+ONE_FILE_CASES = [
+    ("bad-magic-raw-images", False, "train_images", "idx",
+     lambda root: with_bytes(root.content("train_images"), 0, b"\x01"),
+     r"bad magic number 0x01000803: an IDX file starts with two zero bytes"),
+    ("bad-magic-gzip-labels", True, "test_labels", "idx",
+     lambda root: with_bytes(root.content("test_labels"), 0, b"PK"),
+     r"bad magic number 0x504b0801"),
+    ("bad-type-code", False, "train_labels", "idx",
+     lambda root: with_bytes(root.content("train_labels"), 2, b"\x0a"),
+     r"unsupported IDX type code 0x0a; supported: 0x08 \(uint8\)"),
+    ("int8-images", False, "train_images", "idx",
+     lambda root: with_bytes(root.content("train_images"), 2, b"\x09"),
+     r"images must be a rank-3 \(N, 28, 28\) array of unsigned bytes .*dtype int8"),
+    ("float64-labels", True, "test_labels", "idx",
+     lambda root: idx_bytes(root.arrays["test_labels"].astype(np.float64)),
+     r"labels must be a rank-1 \(N,\) array of unsigned bytes .*dtype float64"),
+    ("rank-0", False, "train_labels", "idx",
+     lambda root: b"\x00\x00\x08\x00",
+     r"unsupported IDX rank 0; supported: 1 to 4"),
+    ("rank-5", True, "train_images", "idx",
+     lambda root: idx_header(0x08, (12, 1, 1, 28, 28)) + root.arrays["train_images"].tobytes(),
+     r"unsupported IDX rank 5"),
+    ("labels-rank-2", False, "test_labels", "idx",
+     lambda root: idx_bytes(root.arrays["test_labels"][:, None]),
+     r"labels must be a rank-1 .*shape \(5, 1\)"),
+    ("images-rank-2", False, "test_images", "idx",
+     lambda root: idx_bytes(root.arrays["test_images"].reshape(5, 784)),
+     r"images must be a rank-3 .*rank 2, shape \(5, 784\)"),
+    ("zero-image-height", False, "test_images", "idx",
+     lambda root: idx_header(0x08, (5, 0, 28)),
+     r"\(N, 28, 28\) .*shape \(5, 0, 28\)"),
+    ("negative-label-count", False, "train_labels", "idx",
+     lambda root: idx_header(0x08, (2**32 - 1,)) + bytes(12),
+     r"declares 4294967295 labels.*-1 as a signed 32-bit number"),
+    ("negative-image-count", True, "test_images", "idx",
+     lambda root: idx_header(0x08, (2**32 - 5, 28, 28)) + root.arrays["test_images"].tobytes(),
+     r"counts differ: .* holds 4294967291 images, .* holds 5 labels.*-5 as a signed"),
+    ("images-declare-32768x32768", True, "train_images", "idx",
+     lambda root: idx_header(0x08, (1, 32768, 32768)) + bytes(1000),
+     r"\(N, 28, 28\) .*shape \(1, 32768, 32768\)"),
+    ("too-many-train-labels-declared", True, "train_labels", "idx",
+     lambda root: idx_header(0x08, (60001,)) + bytes(12),
+     r"declares 60001 labels; a Fashion-MNIST train split holds 1 to 60000"),
+    ("truncated-header-raw", False, "train_images", "idx",
+     lambda root: root.content("train_images")[:10],
+     r"too short for an IDX header: rank 3 needs 16 header bytes, the file has 10"),
+    ("truncated-header-gzip", True, "test_labels", "idx",
+     lambda root: root.content("test_labels")[:6],
+     r"too short for an IDX header: rank 1 needs 8 header bytes, the file has 6"),
+    ("magic-cut-short", False, "train_labels", "idx",
+     lambda root: b"\x00\x00\x08",
+     r"too short for an IDX header: 3 bytes"),
+    ("empty-file", False, "train_labels", "file",
+     lambda root: b"",
+     r"is empty \(0 bytes\), too short for an IDX header"),
+    ("empty-gzip-member", True, "test_images", "idx",
+     lambda root: b"",
+     r"too short for an IDX header: 0 bytes"),
+    ("trailing-bytes-gzip", True, "train_labels", "idx",
+     lambda root: root.content("train_labels") + b"\x00\x00",
+     r"trailing bytes after the 12-byte payload .*inflates to more than the header declares"),
+    ("truncated-gzip-trailer", True, "test_labels", "file",
+     lambda root: root.gz("test_labels")[:-3],
+     r"truncated gzip stream: the file ends inside the 8-byte trailer"),
+    ("corrupt-deflate-stream", True, "train_images", "file",
+     lambda root: with_bytes(root.gz("train_images"), 10, b"\xff" * 30),
+     r"corrupt deflate stream in the gzip data after 0 inflated bytes \(.*invalid"),
+    ("bad-size-field", True, "test_images", "file",
+     lambda root: with_bytes(root.gz("test_images"), -4, struct.pack("<I", 3937)),
+     r"gzip size mismatch: the trailer records 3937 bytes \(mod 2\*\*32\), the data inflates to 3936"),
+    ("gzip-method-7", True, "test_labels", "file",
+     lambda root: with_bytes(root.gz("test_labels"), 2, b"\x07"),
+     r"bad gzip header: unsupported compression method 7"),
+    ("gzip-reserved-flags", True, "test_labels", "file",
+     lambda root: with_bytes(root.gz("test_labels"), 3, b"\x20"),
+     r"bad gzip header: reserved flag bits set \(flags 0x20\)"),
+    ("gzip-header-cut", True, "train_images", "file",
+     lambda root: root.gz("train_images")[:7],
+     r"truncated gzip header: the file ends inside its 10-byte fixed part"),
+    ("gzip-file-name-unterminated", True, "test_images", "file",
+     lambda root: gzip_header(GZIP_FNAME)[:-1] + b"name-that-never-ends",
+     r"truncated gzip header: the file ends inside its file name"),
+    ("labels-255", True, "test_labels", "idx",
+     lambda root: idx_bytes(np.array([1, 255, 2, 255, 200], np.uint8)),
+     r"label 255 at index 1 is outside 0..9 \(3 labels out of range\)"),
+]
+
+
+def _register_one_file_case(name, gzipped, key, kind, make, phrase):
+    def build(root):
+        content = make(root)
+        path = root.write(key, content) if kind == "idx" else root.write_file(key, content)
+        return refused(path, phrase)
+    CASES[name] = (build, gzipped)
+
+
+for _one_file_case in ONE_FILE_CASES:
+    _register_one_file_case(*_one_file_case)
+
+
 # --- the IDX header ---------------------------------------------------------
-
-@case("bad-magic-raw-images")
-def _(root):
-    path = root.write("train_images", with_header_bytes(root.content("train_images"), 0, b"\x01"))
-    return refused(path, r"bad magic number 0x01000803: an IDX file starts with two zero bytes")
-
-
-@case("bad-magic-gzip-labels", gzipped=True)
-def _(root):
-    path = root.write("test_labels", with_header_bytes(root.content("test_labels"), 0, b"PK"))
-    return refused(path, r"bad magic number 0x504b0801")
-
-
-@case("bad-type-code")
-def _(root):
-    path = root.write("train_labels", with_header_bytes(root.content("train_labels"), 2, b"\x0a"))
-    return refused(path, r"unsupported IDX type code 0x0a; supported: 0x08 \(uint8\)")
-
-
-@case("int8-images")
-def _(root):
-    path = root.write("train_images", with_header_bytes(root.content("train_images"), 2, b"\x09"))
-    return refused(path, r"images must be a rank-3 \(N, 28, 28\) array of unsigned bytes .*dtype int8")
-
-
-@case("float64-labels", gzipped=True)
-def _(root):
-    path = root.write("test_labels", idx_bytes(root.arrays["test_labels"].astype(np.float64)))
-    return refused(path, r"labels must be a rank-1 \(N,\) array of unsigned bytes .*dtype float64")
-
-
-@case("rank-0")
-def _(root):
-    path = root.write("train_labels", b"\x00\x00\x08\x00")
-    return refused(path, r"unsupported IDX rank 0; supported: 1 to 4")
-
-
-@case("rank-5", gzipped=True)
-def _(root):
-    path = root.write("train_images", idx_header(0x08, (12, 1, 1, 28, 28)) + root.arrays["train_images"].tobytes())
-    return refused(path, r"unsupported IDX rank 5")
-
-
-@case("labels-rank-2")
-def _(root):
-    path = root.write("test_labels", idx_bytes(root.arrays["test_labels"][:, None]))
-    return refused(path, r"labels must be a rank-1 .*shape \(5, 1\)")
-
-
-@case("images-rank-2")
-def _(root):
-    path = root.write("test_images", idx_bytes(root.arrays["test_images"].reshape(5, 784)))
-    return refused(path, r"images must be a rank-3 .*rank 2, shape \(5, 784\)")
-
 
 @case("zero-examples")
 def _(root):
@@ -246,71 +298,11 @@ def _(root):
     return refused(path, r"declares 0 labels; a Fashion-MNIST train split holds 1 to 60000")
 
 
-@case("zero-image-height")
-def _(root):
-    path = root.write("test_images", idx_header(0x08, (5, 0, 28)))
-    return refused(path, r"\(N, 28, 28\) .*shape \(5, 0, 28\)")
-
-
-@case("negative-label-count")
-def _(root):
-    path = root.write("train_labels", idx_header(0x08, (2**32 - 1,)) + bytes(12))
-    return refused(path, r"declares 4294967295 labels.*-1 as a signed 32-bit number")
-
-
-@case("negative-image-count", gzipped=True)
-def _(root):
-    path = root.write("test_images", idx_header(0x08, (2**32 - 5, 28, 28)) + root.arrays["test_images"].tobytes())
-    return refused(path, r"counts differ: .* holds 4294967291 images, .* holds 5 labels.*-5 as a signed")
-
-
-@case("images-declare-32768x32768", gzipped=True)
-def _(root):
-    path = root.write("train_images", idx_header(0x08, (1, 32768, 32768)) + bytes(1000))
-    return refused(path, r"\(N, 28, 28\) .*shape \(1, 32768, 32768\)")
-
-
 @case("too-many-test-examples")
 def _(root):
     root.write("test_images", idx_bytes(np.zeros((10001, 28, 28), np.uint8)))
     path = root.write("test_labels", idx_bytes(np.zeros(10001, np.uint8)))
     return refused(path, r"declares 10001 labels; a Fashion-MNIST test split holds 1 to 10000")
-
-
-@case("too-many-train-labels-declared", gzipped=True)
-def _(root):
-    path = root.write("train_labels", idx_header(0x08, (60001,)) + bytes(12))
-    return refused(path, r"declares 60001 labels; a Fashion-MNIST train split holds 1 to 60000")
-
-
-@case("truncated-header-raw")
-def _(root):
-    path = root.write("train_images", root.content("train_images")[:10])
-    return refused(path, r"too short for an IDX header: rank 3 needs 16 header bytes, the file has 10")
-
-
-@case("truncated-header-gzip", gzipped=True)
-def _(root):
-    path = root.write("test_labels", root.content("test_labels")[:6])
-    return refused(path, r"too short for an IDX header: rank 1 needs 8 header bytes, the file has 6")
-
-
-@case("magic-cut-short")
-def _(root):
-    path = root.write("train_labels", b"\x00\x00\x08")
-    return refused(path, r"too short for an IDX header: 3 bytes")
-
-
-@case("empty-file")
-def _(root):
-    path = root.write_file("train_labels", b"")
-    return refused(path, r"is empty \(0 bytes\), too short for an IDX header")
-
-
-@case("empty-gzip-member", gzipped=True)
-def _(root):
-    path = root.write("test_images", b"")
-    return refused(path, r"too short for an IDX header: 0 bytes")
 
 
 # --- the payload --------------------------------------------------------------
@@ -333,12 +325,6 @@ def _(root):
 def _(root):
     path = root.write("train_labels", root.content("train_labels") + b"\x00\x00")
     return refused(path, r"2 trailing bytes after the 12-byte payload that dimensions \(12,\) describe")
-
-
-@case("trailing-bytes-gzip", gzipped=True)
-def _(root):
-    path = root.write("train_labels", root.content("train_labels") + b"\x00\x00")
-    return refused(path, r"trailing bytes after the 12-byte payload .*inflates to more than the header declares")
 
 
 @case("gzip-bomb-inflates-far-past-the-declared-size", gzipped=True)
@@ -365,43 +351,19 @@ def _(root):
     return refused(path, r"truncated gzip stream: the file ends \(\d+ bytes\) before its deflate data does")
 
 
-@case("truncated-gzip-trailer", gzipped=True)
-def _(root):
-    path = root.write_file("test_labels", root.gz("test_labels")[:-3])
-    return refused(path, r"truncated gzip stream: the file ends inside the 8-byte trailer")
-
-
-@case("corrupt-deflate-stream", gzipped=True)
-def _(root):
-    gz = bytearray(root.gz("train_images"))
-    gz[10:40] = b"\xff" * 30
-    path = root.write_file("train_images", bytes(gz))
-    return refused(path, r"corrupt deflate stream in the gzip data after 0 inflated bytes \(.*invalid")
-
-
 @case("damaged-deflate-data-that-still-inflates", gzipped=True)
 def _(root):
     # Stored-block data overwritten: it inflates, to the wrong bytes; the CRC-32 tells.
-    gz = bytearray(gzip_bytes(root.content("train_images"), level=0))
-    middle = len(gz) // 2
-    gz[middle:middle + 64] = bytes(range(64))
-    path = root.write_file("train_images", bytes(gz))
+    gz = gzip_bytes(root.content("train_images"), level=0)
+    path = root.write_file("train_images", with_bytes(gz, len(gz) // 2, bytes(range(64))))
     return refused(path, r"gzip CRC-32 mismatch: the trailer records 0x[0-9a-f]{8}, the inflated data has")
 
 
 @case("bad-crc", gzipped=True)
 def _(root):
-    gz = bytearray(root.gz("test_images"))
-    gz[-8] ^= 0x01
-    path = root.write_file("test_images", bytes(gz))
-    return refused(path, r"gzip CRC-32 mismatch: the trailer records 0x[0-9a-f]{8}, the inflated data has")
-
-
-@case("bad-size-field", gzipped=True)
-def _(root):
     gz = root.gz("test_images")
-    path = root.write_file("test_images", gz[:-4] + struct.pack("<I", 3937))
-    return refused(path, r"gzip size mismatch: the trailer records 3937 bytes \(mod 2\*\*32\), the data inflates to 3936")
+    path = root.write_file("test_images", with_bytes(gz, -8, bytes([gz[-8] ^ 0x01])))
+    return refused(path, r"gzip CRC-32 mismatch: the trailer records 0x[0-9a-f]{8}, the inflated data has")
 
 
 @case("concatenated-gzip-members", gzipped=True)
@@ -419,22 +381,6 @@ def _(root):
     return refused(path, rf"4 bytes of trailing garbage after the end of the gzip stream at byte {len(gz)}")
 
 
-@case("gzip-method-7", gzipped=True)
-def _(root):
-    gz = bytearray(root.gz("test_labels"))
-    gz[2] = 7
-    path = root.write_file("test_labels", bytes(gz))
-    return refused(path, r"bad gzip header: unsupported compression method 7")
-
-
-@case("gzip-reserved-flags", gzipped=True)
-def _(root):
-    gz = bytearray(root.gz("test_labels"))
-    gz[3] = 0x20
-    path = root.write_file("test_labels", bytes(gz))
-    return refused(path, r"bad gzip header: reserved flag bits set \(flags 0x20\)")
-
-
 @case("gzip-bad-header-crc", gzipped=True)
 def _(root):
     content = root.content("train_labels")
@@ -445,18 +391,6 @@ def _(root):
     return refused(path, r"bad gzip header: its CRC-16 does not match")
 
 
-@case("gzip-header-cut", gzipped=True)
-def _(root):
-    path = root.write_file("train_images", root.gz("train_images")[:7])
-    return refused(path, r"truncated gzip header: the file ends inside its 10-byte fixed part")
-
-
-@case("gzip-file-name-unterminated", gzipped=True)
-def _(root):
-    path = root.write_file("test_images", gzip_header(GZIP_FNAME)[:-1] + b"name-that-never-ends")
-    return refused(path, r"truncated gzip header: the file ends inside its file name")
-
-
 # --- labels and counts --------------------------------------------------------
 
 @case("label-10")
@@ -465,12 +399,6 @@ def _(root):
     labels[7] = 10
     path = root.write("train_labels", idx_bytes(labels))
     return refused(path, r"label 10 at index 7 is outside 0..9 \(1 labels out of range\)")
-
-
-@case("labels-255", gzipped=True)
-def _(root):
-    path = root.write("test_labels", idx_bytes(np.array([1, 255, 2, 255, 200], np.uint8)))
-    return refused(path, r"label 255 at index 1 is outside 0..9 \(3 labels out of range\)")
 
 
 @case("count-mismatch")
