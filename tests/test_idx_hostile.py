@@ -27,13 +27,12 @@ import numpy as np
 import pytest
 
 import dpcore.data as data
-from dpcore.data import load_fashion_mnist, read_idx
+from dpcore.data import load_fashion_mnist
 from dpcore.errors import DataError
 
-REAL_FASHION_MNIST = "/usr/share/datasets/fashion-mnist"
+from test_data import REAL_FASHION_MNIST, idx_bytes, idx_header
+
 STEMS = data._FASHION_MNIST_FILES  # key ("train_images", ...) -> file name without .gz
-TYPE_CODES = {np.dtype("u1"): 0x08, np.dtype("i1"): 0x09, np.dtype(">i2"): 0x0B,
-              np.dtype(">i4"): 0x0C, np.dtype(">f4"): 0x0D, np.dtype(">f8"): 0x0E}
 GZIP_FHCRC, GZIP_FEXTRA, GZIP_FNAME, GZIP_FCOMMENT = 0x02, 0x04, 0x08, 0x10
 
 # Growth of the peak RSS allowed beyond the declared payload. The reader holds
@@ -45,15 +44,6 @@ BOMB_RSS_BOUND = 8 << 20
 # ---------------------------------------------------------------------------
 # Building IDX and gzip files byte by byte
 # ---------------------------------------------------------------------------
-
-def idx_header(type_code, dims):
-    return bytes([0, 0, type_code, len(dims)]) + struct.pack(f">{len(dims)}I", *dims)
-
-
-def idx_bytes(array):
-    big_endian = np.asarray(array).astype(np.asarray(array).dtype.newbyteorder(">"))
-    return idx_header(TYPE_CODES[big_endian.dtype], big_endian.shape) + big_endian.tobytes()
-
 
 def gzip_header(flags=0, name=b"data.idx", comment=b"a comment", extra=b"ab\x02\x00xy"):
     header = bytearray(b"\x1f\x8b\x08" + bytes([flags]) + b"\x00\x00\x00\x00\x00\xff")

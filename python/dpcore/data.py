@@ -120,11 +120,7 @@ def read_idx(path: PathLike, *, max_bytes: Optional[int] = IDX_MAX_BYTES) -> np.
 def _read_idx_path(name: str, max_bytes: Optional[int], check_header: Optional[HeaderCheck]) -> np.ndarray:
     """read_idx, plus a check of the header before the payload is allocated."""
     try:
-        status = os.stat(name)
-        if stat.S_ISDIR(status.st_mode):
-            raise DataError(f"{name}: is a directory, not an IDX file")
-        if not stat.S_ISREG(status.st_mode):
-            raise DataError(f"{name}: is not a regular file (a device, FIFO or socket), not an IDX file")
+        _check_regular_file(name)
         with open(name, "rb") as file:
             return _read_idx_file(file, name, os.fstat(file.fileno()).st_size, max_bytes, check_header)
     except FileNotFoundError as exc:
@@ -135,6 +131,20 @@ def _read_idx_path(name: str, max_bytes: Optional[int], check_header: Optional[H
         raise
     except OSError as exc:
         raise DataError(f"{name}: cannot read it: {_describe_os_error(exc)}") from exc
+
+
+def _check_regular_file(name: str) -> None:
+    """A DataError unless ``name`` is a regular file (FileNotFoundError when it does not exist)."""
+    try:
+        status = os.stat(name)
+    except FileNotFoundError:
+        raise
+    except OSError as exc:
+        raise DataError(f"{name}: cannot read it: {_describe_os_error(exc)}") from exc
+    if stat.S_ISDIR(status.st_mode):
+        raise DataError(f"{name}: is a directory, not an IDX file")
+    if not stat.S_ISREG(status.st_mode):
+        raise DataError(f"{name}: is not a regular file (a device, FIFO or socket), not an IDX file")
 
 
 def _describe_os_error(exc: OSError) -> str:
@@ -757,17 +767,11 @@ def _find_idx_file(root_dir: str, stem: str, notes: list) -> Optional[str]:
     for name in (stem, stem + ".gz"):
         path = os.path.join(root_dir, name)
         try:
-            status = os.stat(path)
+            _check_regular_file(path)
         except FileNotFoundError:
             if os.path.islink(path):
                 notes.append(f"{name} is a symbolic link to {os.readlink(path)}, which does not exist")
             continue
-        except OSError as exc:
-            raise DataError(f"{path}: cannot read it: {_describe_os_error(exc)}") from exc
-        if stat.S_ISDIR(status.st_mode):
-            raise DataError(f"{path}: is a directory, not an IDX file")
-        if not stat.S_ISREG(status.st_mode):
-            raise DataError(f"{path}: is not a regular file (a device, FIFO or socket), not an IDX file")
         return path
     return None
 
