@@ -66,28 +66,60 @@ def test_committed_corpus_replays_cleanly(path):
             pytest.fail(f"{path}: the committed seed {seed} is a finding: {type(exc).__name__}: {exc}")
 
 
+def run_fuzzer(path, seeds, seconds, work_dir):
+    """libFuzzer on harness ``path`` for ``seconds`` over a copy of the directory
+    ``seeds``; return (exit status, reproducer paths, output, command)."""
+    corpus = work_dir / "corpus"
+    shutil.copytree(seeds, corpus)
+    artifacts = work_dir / "artifacts"
+    artifacts.mkdir()
+    command = [sys.executable, str(path), f"-max_total_time={seconds}", f"-rss_limit_mb={RSS_LIMIT_MB}",
+               f"-timeout={PER_INPUT_TIMEOUT_S}", f"-artifact_prefix={artifacts}/", "-print_final_stats=1",
+               str(corpus)]
+    result = subprocess.run(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, errors="replace", timeout=seconds + 300)
+    output = "\n".join(line for line in result.stdout.splitlines()
+                       if not line.startswith("INFO: Instrumenting"))
+    reproducers = sorted(str(artifact) for artifact in artifacts.iterdir())
+    return result.returncode, reproducers, output, command
+
+
 @pytest.mark.parametrize("path", HARNESSES, ids=harness_name)
 def test_fuzz_for_a_bounded_time(path, tmp_path):
     """libFuzzer for DPCORE_FUZZ_SECONDS over a copy of the corpus (the repository
     is not modified); a crash, timeout or memory blow-up fails with its reproducer."""
     require_atheris()
-    corpus = tmp_path / "corpus"
-    shutil.copytree(corpus_dir(path), corpus)
-    artifacts = tmp_path / "artifacts"
-    artifacts.mkdir()
-    command = [sys.executable, path, f"-max_total_time={FUZZ_SECONDS}", f"-rss_limit_mb={RSS_LIMIT_MB}",
-               f"-timeout={PER_INPUT_TIMEOUT_S}", f"-artifact_prefix={artifacts}/", "-print_final_stats=1",
-               str(corpus)]
-    result = subprocess.run(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, errors="replace", timeout=FUZZ_SECONDS + 300)
-    output = "\n".join(line for line in result.stdout.splitlines()
-                       if not line.startswith("INFO: Instrumenting"))
-    reproducers = sorted(str(artifact) for artifact in artifacts.iterdir())
-    if result.returncode != 0 or reproducers:
+    status, reproducers, output, command = run_fuzzer(path, corpus_dir(path), FUZZ_SECONDS, tmp_path)
+    if status != 0 or reproducers:
         pytest.fail(
-            f"{path} found a problem (exit status {result.returncode}).\n"
+            f"{path} found a problem (exit status {status}).\n"
             f"Reproducers (pytest keeps its last 3 temporary directories; libFuzzer also prints "
             f"each as Base64 below): {reproducers or 'none written'}\n"
             f"Replay one with: {sys.executable} {path} REPRODUCER; add it to {corpus_dir(path)} "
             f"once fixed.\nCommand: {' '.join(command)}\nOutput (last 6000 characters):\n{output[-6000:]}")
     assert "Done" in output and "runs in" in output, f"libFuzzer did not finish a run:\n{output[-3000:]}"
+
+
+def test_a_finding_is_reported_with_its_reproducer(tmp_path):
+    """The runner above on a harness with a planted bug: a non-zero exit status
+    and the reproducer written, so a finding cannot pass unnoticed."""
+    require_atheris()
+    harness = tmp_path / "fuzz_planted.py"
+    harness.write_text(
+        "import sys\nimport atheris\n\n"
+        "def TestOneInput(data):\n"
+        "    if data.startswith(b'boom'):\n"
+        "        raise RuntimeError('planted bug')\n\n"
+        "atheris.Setup(sys.argv, TestOneInput)\natheris.Fuzz()\n")
+    seeds = tmp_path / "seeds"
+    seeds.mkdir()
+    (seeds / "harmless").write_bytes(b"hello")
+    (seeds / "trigger").write_bytes(b"boom!")
+    work_dir = tmp_path / "run"
+    work_dir.mkdir()
+    status, reproducers, output, _ = run_fuzzer(harness, seeds, 10, work_dir)
+    assert status != 0, output[-3000:]
+    assert "planted bug" in output
+    assert len(reproducers) == 1 and os.path.basename(reproducers[0]).startswith("crash-"), reproducers
+    with open(reproducers[0], "rb") as file:
+        assert file.read().startswith(b"boom")
