@@ -270,9 +270,11 @@ def _read_idx_header(stream, name: str) -> Tuple[np.dtype, Tuple[int, ...]]:
             f"{name}: too short for an IDX header: {len(magic)} bytes, the magic "
             f"number alone needs 4")
     if magic[0] != 0 or magic[1] != 0:
+        hint = ("its inflated data is gzip again: compressed twice?" if magic[:2] == _GZIP_MAGIC
+                else "is this an IDX file?")
         raise DataError(
             f"{name}: bad magic number 0x{magic.hex()}: an IDX file starts with two "
-            f"zero bytes (is this an IDX file?)")
+            f"zero bytes ({hint})")
     type_code, rank = magic[2], magic[3]
     element_type = _IDX_DTYPES.get(type_code)
     if element_type is None:
