@@ -233,6 +233,7 @@ def _read_idx_stream(stream, name: str, file_size: int, max_bytes: Optional[int]
             f"file has {received} after its {header_size}-byte header"
             f"{' (inflated)' if compressed else ''}{_signed_hint(dims)}")
     # One byte is enough to tell; reading it also makes gzip verify its trailer.
+    # (A raw file has been sized already: it only gets here if it grew while read.)
     if stream.read(1):
         if compressed:
             raise DataError(
