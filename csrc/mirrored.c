@@ -619,11 +619,12 @@ static dp_status check_step_loss(const dp_mirrored *m, const step_task *t, doubl
     for (int r = 0; r < kq; ++r, ++g) {
       const double l = m->nproc == 1 ? t->loss[r] : m->gathered[q].loss[r];
       if (isfinite(l)) continue;
-      char one[96];
+      char one[96], text[32];
       if (q == m->proc)
-        snprintf(one, sizeof one, "%s%d (%s, loss %g)", bad ? ", " : "", g, m->models[r]->dev->name, l);
+        snprintf(one, sizeof one, "%s%d (%s, loss %s)", bad ? ", " : "", g, m->models[r]->dev->name,
+                 dp_loss_text(l, text));
       else
-        snprintf(one, sizeof one, "%s%d (rank %d, loss %g)", bad ? ", " : "", g, q, l);
+        snprintf(one, sizeof one, "%s%d (rank %d, loss %s)", bad ? ", " : "", g, q, dp_loss_text(l, text));
       bad++;
       if (used + strlen(one) + 1 < sizeof names) {
         memcpy(names + used, one, strlen(one) + 1);
@@ -631,10 +632,11 @@ static dp_status check_step_loss(const dp_mirrored *m, const step_task *t, doubl
       }
     }
   }
+  char text[32];
   return DP_FAIL(DP_ERR_NUMERIC,
-                 "the loss is not finite (%g) on replica%s %s; the step applied no update on any replica: the "
+                 "the loss is not finite (%s) on replica%s %s; the step applied no update on any replica: the "
                  "parameters, momentum and BatchNorm statistics are those of the last finite step",
-                 loss_sum, bad == 1 ? "" : "s", names);
+                 dp_loss_text(loss_sum, text), bad == 1 ? "" : "s", names);
 }
 
 static dp_status run_step_here(dp_mirrored *m, const dp_batch *b, int evaluate_only, int step, float lr,

@@ -659,12 +659,19 @@ dp_status dp_model_train_step_loaded(dp_model *m, int64_t n, float lr, float mom
   return dp_model_check_loss(m, 0, *loss_sum);
 }
 
+const char *dp_loss_text(double loss, char *buf) {
+  if (isnan(loss)) return "nan";
+  snprintf(buf, 32, "%g", loss);
+  return buf;
+}
+
 dp_status dp_model_check_loss(const dp_model *m, int replica, double loss_sum) {
   if (isfinite(loss_sum)) return DP_OK;
+  char text[32];
   return DP_FAIL(DP_ERR_NUMERIC,
-                 "the loss is not finite (%g) on replica %d (%s); the step applied no update: the parameters, "
+                 "the loss is not finite (%s) on replica %d (%s); the step applied no update: the parameters, "
                  "momentum and BatchNorm statistics are those of the last finite step",
-                 loss_sum, replica, m->dev->name);
+                 dp_loss_text(loss_sum, text), replica, m->dev->name);
 }
 
 dp_status dp_model_guarded_step(dp_model *m, float lr, float momentum, float weight_decay) {
@@ -685,6 +692,66 @@ static dp_status sgd_step_guarded(dp_model *m, float lr, float momentum, float w
 
 dp_status dp_model_sgd_step(dp_model *m, float lr, float momentum, float weight_decay) {
   return sgd_step_guarded(m, lr, momentum, weight_decay, NULL);
+}
+
+/* 1 when every one of n floats of device memory at p is finite (via host memory at tmp). */
+static dp_status all_finite(dp_model *m, const float *p, int64_t n, float *tmp, int *ok) {
+  DP_TRY(m->dev->backend->copy_to_host(m->dev, tmp, p, sizeof(float) * (size_t)n));
+  *ok = 1;
+  for (int64_t i = 0; i < n && *ok; ++i) *ok = isfinite(tmp[i]) != 0;
+  return DP_OK;
+}
+
+static dp_status scan_nonfinite(dp_model *m, int64_t n, float *tmp, int *layer, int *what) {
+  double loss;
+  int64_t hits;
+  int ok = 1;
+  DP_TRY(dp_model_read_metrics(m, &loss, &hits));
+  for (int i = 0; i < m->nlayers; ++i) {
+    DP_TRY(all_finite(m, m->acts[i], n * layer_out_size(&m->layers[i]), tmp, &ok));
+    if (!ok) {
+      *layer = i;
+      *what = DP_NONFINITE_OUTPUT;
+      return DP_OK;
+    }
+  }
+  if (!isfinite(loss)) {
+    *layer = DP_NONFINITE_LOSS;
+    return DP_OK;
+  }
+  for (int i = m->nlayers - 1; i >= 0; --i) {
+    const dp_layer *l = &m->layers[i];
+    int out_ok = 1, w_ok = 1, b_ok = 1;
+    if (m->dready[i]) DP_TRY(all_finite(m, m->dacts[i], n * layer_out_size(l), tmp, &out_ok));
+    if (out_ok && l->w_len > 0) DP_TRY(all_finite(m, m->grads + l->w_off, l->w_len, tmp, &w_ok));
+    if (out_ok && w_ok && l->b_len > 0) DP_TRY(all_finite(m, m->grads + l->b_off, l->b_len, tmp, &b_ok));
+    if (!out_ok || !w_ok || !b_ok) {
+      *layer = i;
+      *what = !out_ok ? DP_NONFINITE_OUTPUT_GRAD : DP_NONFINITE_PARAM_GRAD;
+      return DP_OK;
+    }
+  }
+  return DP_OK;
+}
+
+dp_status dp_model_find_nonfinite(dp_model *m, const dp_batch *b, int *layer, int *what) {
+  *layer = DP_NONFINITE_NONE;
+  *what = DP_NONFINITE_OUTPUT;
+  DP_TRY(require_finalized(m));
+  if (b->n == 0) return DP_OK;
+  DP_TRY(dp_model_load(m, b, 1));
+  int64_t most = m->nparams + 1;
+  for (int i = 0; i < m->nlayers; ++i)
+    if (b->n * layer_out_size(&m->layers[i]) > most) most = b->n * layer_out_size(&m->layers[i]);
+  float *tmp = malloc(sizeof(float) * (size_t)(most + m->nstate + 1));
+  if (!tmp) return DP_FAIL(DP_ERR_MEMORY, "check_numerics: cannot allocate %lld floats", (long long)most);
+  float *state = tmp + most; /* the running statistics the diagnosis must not change */
+  dp_status st = dp_model_get_state(m, state);
+  if (st == DP_OK) st = dp_model_forward_backward_loaded(m, b->n, 1.0f / (float)b->n, NULL, NULL, NULL);
+  if (st == DP_OK) st = scan_nonfinite(m, b->n, tmp, layer, what);
+  const dp_status restored = dp_model_set_state(m, state);
+  free(tmp);
+  return st != DP_OK ? st : restored;
 }
 
 dp_status dp_model_evaluate(dp_model *m, const dp_batch *b, double *loss_sum, int64_t *correct) {

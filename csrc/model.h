@@ -146,6 +146,22 @@ DP_MUST_CHECK dp_status dp_model_guarded_step(dp_model *m, float lr, float momen
 /* DP_ERR_NUMERIC naming replica `replica` on m's device and the loss, when
  * loss_sum is not finite (the step it came from applied no update). */
 DP_MUST_CHECK dp_status dp_model_check_loss(const dp_model *m, int replica, double loss_sum);
+/* A loss for a message: "nan" (whatever its sign bit), "inf", or %g; buf holds at least 32 chars. */
+const char *dp_loss_text(double loss, char *buf);
+/* Where a batch's numbers stop being finite (dp.train's check_numerics, a
+ * diagnosis run after a step raised DP_ERR_NUMERIC; it copies every layer's
+ * output and gradients to the host, so it is for diagnosis only): a
+ * training forward and backward pass of the batch on m alone, every layer's
+ * output scanned in layer order, then the gradients in the order the
+ * backward pass makes them (a layer's output gradient, then its parameter
+ * gradients, from the last layer down). *layer: the first layer found, or
+ * DP_NONFINITE_LOSS (outputs finite, the loss not), or DP_NONFINITE_NONE;
+ * *what: DP_NONFINITE_OUTPUT / _OUTPUT_GRAD / _PARAM_GRAD. The parameters,
+ * momentum and running statistics are left as they were; the gradients are
+ * this batch's. */
+enum { DP_NONFINITE_NONE = -1, DP_NONFINITE_LOSS = -2 };
+enum { DP_NONFINITE_OUTPUT = 0, DP_NONFINITE_OUTPUT_GRAD = 1, DP_NONFINITE_PARAM_GRAD = 2 };
+DP_MUST_CHECK dp_status dp_model_find_nonfinite(dp_model *m, const dp_batch *b, int *layer, int *what);
 /* Forward only: loss and accuracy sums (labels required). */
 DP_MUST_CHECK dp_status dp_model_evaluate(dp_model *m, const dp_batch *b, double *loss_sum, int64_t *correct);
 /* Forward only: logits (n, num_classes) copied to host memory. */
