@@ -22,6 +22,16 @@
  *   released block can be handed out again, and when settings change. A
  *   training step's loss is read last (metrics_read waits for an event after
  *   the forward pass), so the host queues the whole step without waiting.
+ * - A step whose loss is not finite applies nothing, decided on the device:
+ *   loss_flag (one thread) turns the row losses into 0 or NaN at the end of
+ *   the gradient buffer, the gradient all-reduce sums it with the other
+ *   replicas' (NCCL or our kernel), and the SGD and restore kernels read it
+ *   and return early (dp_step_allowed). No host wait is added. UNTESTED on a
+ *   GPU (none where this was written): the bodies are the CPU's
+ *   (tests/c/kernel_bodies.c), the launchers only pass the pointers through.
+ * - cuDNN runs the convolutions only: no activation, pooling or softmax
+ *   descriptor, so no cudnnNanPropagation_t to set; ReLU, pooling and softmax
+ *   are our bodies, which keep NaN as PyTorch does.
  * - Copies from host memory go through a pinned staging buffer per device (two
  *   regions, an event each), so that they are truly asynchronous and the
  *   caller's buffer is free on return; see cuda_copy_to_device.
