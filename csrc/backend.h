@@ -120,9 +120,20 @@ struct dp_backend {
    * the step). A later softmax_xent replaces what is pending. */
   DP_MUST_CHECK dp_status (*softmax_xent)(dp_device *dev, int64_t N, int K, const float *logits, const int32_t *labels,
                                           float scale, float *dlogits, double *loss_sum, int64_t *correct);
-  /* One fused SGD step over a flat buffer (see dp_sgd_elem). v may be NULL when mu == 0. */
+  /* One fused SGD step over a flat buffer (see dp_sgd_elem). v may be NULL when mu == 0.
+   * guard (one float of device memory, or NULL): the step's loss flag; when
+   * it is not finite (dp_step_allowed) nothing is written. Read on the
+   * device: the host never waits for it. */
   DP_MUST_CHECK dp_status (*sgd_update)(dp_device *dev, int64_t n, float *w, const float *g, float *v, float lr,
-                                        float mu, float wd);
+                                        float mu, float wd, const float *guard);
+  /* flag (one float of device memory) = dp_loss_flag of the row losses of the
+   * last softmax_xent on dev (0 after an empty one): 0 when every row's loss
+   * is finite, NaN otherwise. Queued; the host does not wait. */
+  DP_MUST_CHECK dp_status (*loss_flag)(dp_device *dev, float *flag);
+  /* dst (n) = saved (n) when guard's flag is not finite, else nothing (the
+   * running statistics of a step that applies no update are put back). */
+  DP_MUST_CHECK dp_status (*restore_unless_allowed)(dp_device *dev, int64_t n, float *dst, const float *saved,
+                                                    const float *guard);
   /* y (n) = a + b; y may alias a. */
   DP_MUST_CHECK dp_status (*add)(dp_device *dev, int64_t n, const float *a, const float *b, float *y);
   /* x (n) *= alpha */

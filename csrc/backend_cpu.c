@@ -26,6 +26,7 @@ typedef struct cpu_ctx {
   size_t scratch_floats;
   double pending_loss;   /* softmax_xent's sums kept for metrics_read */
   int64_t pending_correct;
+  float loss_flag;       /* dp_loss_flag of the last softmax_xent's rows */
 } cpu_ctx;
 
 static void cpu_enter(dp_device *dev) { omp_set_num_threads(dev->nthreads); }
@@ -844,6 +845,7 @@ static dp_status cpu_softmax_xent(dp_device *dev, int64_t N, int K, const float 
     c += row_hit[n] != 0.0f;
   }
   cpu_ctx *ctx = dev->ctx;
+  ctx->loss_flag = dp_loss_flag(row_loss, N);
   ctx->pending_loss = loss_sum ? 0.0 : s; /* computed already: "pending" only in name */
   ctx->pending_correct = loss_sum ? 0 : c;
   if (loss_sum) *loss_sum = s;
@@ -860,8 +862,20 @@ static dp_status cpu_metrics_read(dp_device *dev, double *loss_sum, int64_t *cor
   return DP_OK;
 }
 
+static dp_status cpu_loss_flag(dp_device *dev, float *flag) {
+  *flag = ((cpu_ctx *)dev->ctx)->loss_flag;
+  return DP_OK;
+}
+
+static dp_status cpu_restore_unless_allowed(dp_device *dev, int64_t n, float *dst, const float *saved,
+                                            const float *guard) {
+  if (!dp_step_allowed(guard) && n > 0) memcpy(dst, saved, sizeof(float) * (size_t)n);
+  return DP_OK;
+}
+
 static dp_status cpu_sgd_update(dp_device *dev, int64_t n, float *w, const float *g, float *v, float lr, float mu,
-                                float wd) {
+                                float wd, const float *guard) {
+  if (!dp_step_allowed(guard)) return DP_OK; /* the step's loss is not finite: no update */
   if (mu == 0.0f) {
     /* a literal 0 folds the body's momentum branch away, so this loop vectorises too */
 #pragma omp parallel for simd num_threads(dev->nthreads) schedule(static) if (n > 65536)
@@ -1034,6 +1048,8 @@ static const dp_backend cpu_backend = {
     .softmax_xent = cpu_softmax_xent,
     .metrics_read = cpu_metrics_read,
     .sgd_update = cpu_sgd_update,
+    .loss_flag = cpu_loss_flag,
+    .restore_unless_allowed = cpu_restore_unless_allowed,
     .add = cpu_add,
     .scale = cpu_scale,
     .global_avgpool_forward = cpu_global_avgpool_forward,

@@ -22,6 +22,16 @@
  *   released block can be handed out again, and when settings change. A
  *   training step's loss is read last (metrics_read waits for an event after
  *   the forward pass), so the host queues the whole step without waiting.
+ * - A step whose loss is not finite applies nothing, decided on the device:
+ *   loss_flag (one thread) turns the row losses into 0 or NaN at the end of
+ *   the gradient buffer, the gradient all-reduce sums it with the other
+ *   replicas' (NCCL or our kernel), and the SGD and restore kernels read it
+ *   and return early (dp_step_allowed). No host wait is added. UNTESTED on a
+ *   GPU (none where this was written): the bodies are the CPU's
+ *   (tests/c/kernel_bodies.c), the launchers only pass the pointers through.
+ * - cuDNN runs the convolutions only: no activation, pooling or softmax
+ *   descriptor, so no cudnnNanPropagation_t to set; ReLU, pooling and softmax
+ *   are our bodies, which keep NaN as PyTorch does.
  * - Copies from host memory go through a pinned staging buffer per device (two
  *   regions, an event each), so that they are truly asynchronous and the
  *   caller's buffer is free on return; see cuda_copy_to_device.
@@ -128,6 +138,7 @@ typedef struct cuda_ctx {
   int32_t *host_hit;       /* the copies are asynchronous */
   int64_t rows;
   int64_t pending_rows;    /* rows of the last deferred softmax_xent, copied when metrics_ready is */
+  int64_t flag_rows;       /* rows of the last softmax_xent in row_loss, for loss_flag */
   cudaEvent_t metrics_ready;
   conv_plan plans[CUDA_PLANS];
   int next_plan;           /* round-robin eviction */
@@ -664,6 +675,7 @@ static dp_status cuda_softmax_xent(dp_device *dev, int64_t N, int K, const float
   if (loss_sum) *loss_sum = 0.0;
   if (correct) *correct = 0;
   c->pending_rows = 0;
+  c->flag_rows = 0;
   if (N == 0) return DP_OK;
   if (N > c->rows) {
     DP_TRY(dp_device_may_grow(dev, "the loss rows (device and pinned host)", (size_t)c->rows, (size_t)N, "rows"));
@@ -684,6 +696,7 @@ static dp_status cuda_softmax_xent(dp_device *dev, int64_t N, int K, const float
     c->rows = N;
   }
   DP_LAUNCH_CHECK(dp_cuda_softmax_xent(c->stream, N, K, logits, labels, scale, dlogits, c->row_loss, c->row_hit));
+  c->flag_rows = N;
   DP_CUDA_CHECK(cudaMemcpyAsync(c->host_loss, c->row_loss, sizeof(float) * (size_t)N, cudaMemcpyDeviceToHost, c->stream));
   DP_CUDA_CHECK(cudaMemcpyAsync(c->host_hit, c->row_hit, sizeof(int32_t) * (size_t)N, cudaMemcpyDeviceToHost, c->stream));
   if (!loss_sum) {
@@ -731,10 +744,27 @@ static dp_status cuda_metrics_read(dp_device *dev, double *loss_sum, int64_t *co
   return DP_OK;
 }
 
+/* The guard is read by the kernel on the device (no host wait); untested
+ * here: the CPU suite proves the shared bodies (dp_step_allowed,
+ * dp_loss_flag), and these launchers only pass pointers through. */
 static dp_status cuda_sgd_update(dp_device *dev, int64_t n, float *w, const float *g, float *v, float lr, float mu,
-                                 float wd) {
+                                 float wd, const float *guard) {
   CUDA_ENTER(dev, c);
-  DP_LAUNCH_CHECK(dp_cuda_sgd_update(c->stream, n, w, g, v, lr, mu, wd));
+  DP_LAUNCH_CHECK(dp_cuda_sgd_update(c->stream, n, w, g, v, lr, mu, wd, guard));
+  return DP_OK;
+}
+
+/* The rows the last softmax_xent left in row_loss, queued on the stream after it. */
+static dp_status cuda_loss_flag(dp_device *dev, float *flag) {
+  CUDA_ENTER(dev, c);
+  DP_LAUNCH_CHECK(dp_cuda_loss_flag(c->stream, c->flag_rows, c->row_loss, flag));
+  return DP_OK;
+}
+
+static dp_status cuda_restore_unless_allowed(dp_device *dev, int64_t n, float *dst, const float *saved,
+                                             const float *guard) {
+  CUDA_ENTER(dev, c);
+  DP_LAUNCH_CHECK(dp_cuda_restore_unless_allowed(c->stream, n, dst, saved, guard));
   return DP_OK;
 }
 
@@ -919,6 +949,8 @@ static const dp_backend cuda_backend = {
     .softmax_xent = cuda_softmax_xent,
     .metrics_read = cuda_metrics_read,
     .sgd_update = cuda_sgd_update,
+    .loss_flag = cuda_loss_flag,
+    .restore_unless_allowed = cuda_restore_unless_allowed,
     .add = cuda_add,
     .scale = cuda_scale,
     .global_avgpool_forward = cuda_global_avgpool_forward,

@@ -34,7 +34,8 @@ typedef enum dp_status {
   DP_ERR_CUDA,         /* CUDA runtime / cuDNN / cuBLAS / NCCL      -> dpcore.DeviceError */
   DP_ERR_UNSUPPORTED,  /* not built in / not available here         -> dpcore.DpcoreError */
   DP_ERR_ABORTED,      /* a collective gave up: another replica failed (that replica's error is reported) */
-  DP_ERR_DIST          /* another process: missing past the deadline, out of step, MPI failed -> dpcore.DistributedError */
+  DP_ERR_DIST,         /* another process: missing past the deadline, out of step, MPI failed -> dpcore.DistributedError */
+  DP_ERR_NUMERIC       /* a training step's loss is not finite; the step applied no update -> FloatingPointError */
 } dp_status;
 /* No status means "interrupted": Ctrl-C is Python's to see. The loops over
  * steps and batches are Python's (dp.train, evaluate, predict), each step or

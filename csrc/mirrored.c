@@ -52,8 +52,13 @@ static dp_status register_buffers(dp_mirrored *m) {
   const dp_model *m0 = m->models[0];
   float *bufs[DP_COMM_MAX_REPLICAS];
   buffers_of(m, offsetof(dp_model, grads), bufs);
-  DP_TRY(dp_comm_register(m->comm, bufs, m0->nparams));
-  DP_TRY(dp_comm_set_buckets(m->comm, bufs, m->buckets, m->nbuckets));
+  /* the gradients and the loss flag after them (model.h): the first bucket,
+   * the last layers' and the first reduced, carries the flag too */
+  DP_TRY(dp_comm_register(m->comm, bufs, m0->nparams + 1));
+  dp_grad_bucket with_flag[DP_COMM_MAX_BUCKETS];
+  memcpy(with_flag, m->buckets, sizeof *with_flag * (size_t)m->nbuckets);
+  if (m->nbuckets > 0) with_flag[0].end = m0->nparams + 1;
+  DP_TRY(dp_comm_set_buckets(m->comm, bufs, with_flag, m->nbuckets));
   buffers_of(m, offsetof(dp_model, bn_tmp), bufs);
   DP_TRY(dp_comm_register(m->comm, bufs, m0->nbn_tmp));
   buffers_of(m, offsetof(dp_model, state), bufs);
@@ -401,7 +406,8 @@ static dp_status reduce_and_step(step_task *t, int rank, const dp_collective *co
   }
   DP_TRY(dp_collective_wait(coll));
   if (!t->step) return DP_OK;
-  return dp_model_sgd_step(model, t->lr, t->momentum, t->weight_decay);
+  /* the loss flag came with the gradients: every replica skips or steps alike */
+  return dp_model_guarded_step(model, t->lr, t->momentum, t->weight_decay);
 }
 
 /* A replica's whole step: forward and backward on its shard, the gradient
@@ -458,7 +464,9 @@ static dp_status warm_shard(void *arg, int rank) {
   if (st == DP_OK) st = dp_model_read_metrics(model, &loss, &hits);
   if (st == DP_OK) st = dev->backend->fill(dev, model->dscratch, 1, 0.0f);
   if (st == DP_OK) st = dev->backend->scale(dev, 1, model->dscratch, 1.0f);
-  if (st == DP_OK) st = dev->backend->sgd_update(dev, 1, model->dscratch, model->dscratch, NULL, 0.0f, 0.0f, 0.0f);
+  if (st == DP_OK)
+    st = dev->backend->sgd_update(dev, 1, model->dscratch, model->dscratch, NULL, 0.0f, 0.0f, 0.0f, model->dscratch);
+  if (st == DP_OK) st = dev->backend->restore_unless_allowed(dev, 1, model->dscratch, model->dscratch, model->dscratch);
   if (state) {
     const dp_status restored = dp_model_set_state(model, state);
     if (st == DP_OK) st = restored;
@@ -597,6 +605,40 @@ static dp_status gather_metrics(dp_mirrored *m, const step_task *t, double *loss
   return DP_OK;
 }
 
+/* A training step whose global loss is not finite applied no update on any
+ * replica (the loss flag rode with the gradients); every process reaches
+ * this verdict from the same sum. DP_ERR_NUMERIC names the replicas (global
+ * index; the device where it is this process's, the rank otherwise). */
+static dp_status check_step_loss(const dp_mirrored *m, const step_task *t, double loss_sum) {
+  if (isfinite(loss_sum)) return DP_OK;
+  char names[512] = "";
+  size_t used = 0;
+  int bad = 0, g = 0;
+  for (int q = 0; q < m->nproc; ++q) {
+    const int kq = m->nproc == 1 ? m->k : m->proc_k[q];
+    for (int r = 0; r < kq; ++r, ++g) {
+      const double l = m->nproc == 1 ? t->loss[r] : m->gathered[q].loss[r];
+      if (isfinite(l)) continue;
+      char one[96], text[32];
+      if (q == m->proc)
+        snprintf(one, sizeof one, "%s%d (%s, loss %s)", bad ? ", " : "", g, m->models[r]->dev->name,
+                 dp_loss_text(l, text));
+      else
+        snprintf(one, sizeof one, "%s%d (rank %d, loss %s)", bad ? ", " : "", g, q, dp_loss_text(l, text));
+      bad++;
+      if (used + strlen(one) + 1 < sizeof names) {
+        memcpy(names + used, one, strlen(one) + 1);
+        used += strlen(one);
+      }
+    }
+  }
+  char text[32];
+  return DP_FAIL(DP_ERR_NUMERIC,
+                 "the loss is not finite (%s) on replica%s %s; the step applied no update on any replica: the "
+                 "parameters, momentum and BatchNorm statistics are those of the last finite step",
+                 dp_loss_text(loss_sum, text), bad == 1 ? "" : "s", names);
+}
+
 static dp_status run_step_here(dp_mirrored *m, const dp_batch *b, int evaluate_only, int step, float lr,
                                float momentum, float weight_decay, double *loss_sum, int64_t *correct) {
   if (m->nproc > 1) DP_TRY(agree_on_step(m, b, evaluate_only, step, lr, momentum, weight_decay));
@@ -638,7 +680,8 @@ static dp_status run_step_here(dp_mirrored *m, const dp_batch *b, int evaluate_o
     }
   }
   if (st != DP_OK) return st;
-  return gather_metrics(m, &t, loss_sum, correct);
+  DP_TRY(gather_metrics(m, &t, loss_sum, correct));
+  return t.step ? check_step_loss(m, &t, *loss_sum) : DP_OK;
 }
 
 static dp_status run_step(dp_mirrored *m, const dp_batch *b, int evaluate_only, int step, float lr, float momentum,

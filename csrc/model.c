@@ -1,6 +1,7 @@
 #include "model.h"
 
 #include <limits.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -54,10 +55,11 @@ static void free_flat_buffers(dp_model *m) {
   dp_device_free(m->dev, m->grads);
   dp_device_free(m->dev, m->velocity);
   dp_device_free(m->dev, m->state);
+  dp_device_free(m->dev, m->state_before);
   dp_device_free(m->dev, m->bn_saved);
   dp_device_free(m->dev, m->bn_tmp);
   free(m->bn_count);
-  m->params = m->grads = m->velocity = m->state = m->bn_saved = m->bn_tmp = m->bn_count = NULL;
+  m->params = m->grads = m->velocity = m->state = m->state_before = m->bn_saved = m->bn_tmp = m->bn_count = NULL;
 }
 
 void dp_model_destroy(dp_model *m) {
@@ -203,9 +205,10 @@ static dp_status alloc_flat_buffers(dp_model *m, int64_t max_state) {
   const int64_t off = m->nparams, state = m->nstate;
   size_t bytes = sizeof(float) * (size_t)off;
   DP_TRY(dp_device_alloc(m->dev, bytes, (void **)&m->params));
-  DP_TRY(dp_device_alloc(m->dev, bytes, (void **)&m->grads));
+  DP_TRY(dp_device_alloc(m->dev, bytes + sizeof(float), (void **)&m->grads)); /* + the loss flag */
   DP_TRY(dp_device_alloc(m->dev, bytes, (void **)&m->velocity));
   DP_TRY(dp_device_alloc(m->dev, sizeof(float) * (size_t)(state ? state : 1), (void **)&m->state));
+  DP_TRY(dp_device_alloc(m->dev, sizeof(float) * (size_t)(state ? state : 1), (void **)&m->state_before));
   /* per BatchNorm layer the batch mean and invstd, laid out as its running statistics */
   DP_TRY(dp_device_alloc(m->dev, sizeof(float) * (size_t)(state ? state : 1), (void **)&m->bn_saved));
   m->nbn_tmp = 2 * (int64_t)max_state + 1;
@@ -618,10 +621,16 @@ dp_status dp_model_forward_backward_loaded(dp_model *m, int64_t n, float grad_sc
   /* a synchronized BatchNorm counts the global batch; its runner checks that */
   if (!dp_collective_syncs_batchnorm(coll)) DP_TRY(dp_model_check_batchnorm_batch(m, n));
   m->training = 1;
+  const dp_backend *be = m->dev->backend;
+  /* the running statistics this forward pass updates, to put back if its loss is not finite */
+  if (m->nstate > 0)
+    DP_TRY(be->copy_to_device(m->dev, m->state_before, m->state, sizeof(float) * (size_t)m->nstate));
   DP_TRY(forward(m, n, coll));
   const int K = dp_model_num_classes(m);
-  DP_TRY(m->dev->backend->softmax_xent(m->dev, n, K, logits_of(m), m->labels, grad_scale, m->dacts[m->nlayers - 1],
-                                       loss_sum, correct));
+  DP_TRY(be->softmax_xent(m->dev, n, K, logits_of(m), m->labels, grad_scale, m->dacts[m->nlayers - 1], loss_sum,
+                          correct));
+  /* before the backward pass: it rides in the first gradient bucket */
+  DP_TRY(be->loss_flag(m->dev, m->grads + m->nparams));
   return backward(m, n, coll);
 }
 
@@ -636,6 +645,8 @@ dp_status dp_model_read_metrics(dp_model *m, double *loss_sum, int64_t *correct)
   return m->dev->backend->metrics_read(m->dev, loss_sum, correct);
 }
 
+static dp_status sgd_step_guarded(dp_model *m, float lr, float momentum, float weight_decay, const float *guard);
+
 dp_status dp_model_train_step_loaded(dp_model *m, int64_t n, float lr, float momentum, float weight_decay,
                                      double *loss_sum, int64_t *correct) {
   *loss_sum = 0.0;
@@ -643,16 +654,104 @@ dp_status dp_model_train_step_loaded(dp_model *m, int64_t n, float lr, float mom
   if (n == 0) return DP_OK; /* no samples, no step (not even weight decay) */
   /* the loss is read last, after the whole step is queued */
   DP_TRY(dp_model_forward_backward_loaded(m, n, 1.0f / (float)n, NULL, NULL, NULL));
-  DP_TRY(dp_model_sgd_step(m, lr, momentum, weight_decay));
-  return dp_model_read_metrics(m, loss_sum, correct);
+  DP_TRY(dp_model_guarded_step(m, lr, momentum, weight_decay));
+  DP_TRY(dp_model_read_metrics(m, loss_sum, correct));
+  return dp_model_check_loss(m, 0, *loss_sum);
 }
 
-dp_status dp_model_sgd_step(dp_model *m, float lr, float momentum, float weight_decay) {
+const char *dp_loss_text(double loss, char *buf) {
+  if (isnan(loss)) return "nan";
+  snprintf(buf, 32, "%g", loss);
+  return buf;
+}
+
+dp_status dp_model_check_loss(const dp_model *m, int replica, double loss_sum) {
+  if (isfinite(loss_sum)) return DP_OK;
+  char text[32];
+  return DP_FAIL(DP_ERR_NUMERIC,
+                 "the loss is not finite (%s) on replica %d (%s); the step applied no update: the parameters, "
+                 "momentum and BatchNorm statistics are those of the last finite step",
+                 dp_loss_text(loss_sum, text), replica, m->dev->name);
+}
+
+dp_status dp_model_guarded_step(dp_model *m, float lr, float momentum, float weight_decay) {
+  DP_TRY(sgd_step_guarded(m, lr, momentum, weight_decay, m->grads + m->nparams));
+  if (m->nstate == 0) return DP_OK;
+  return m->dev->backend->restore_unless_allowed(m->dev, m->nstate, m->state, m->state_before, m->grads + m->nparams);
+}
+
+static dp_status sgd_step_guarded(dp_model *m, float lr, float momentum, float weight_decay,
+                                        const float *guard) {
   DP_TRY(require_finalized(m));
   if (!(lr >= 0.0f)) return DP_FAIL(DP_ERR_VALUE, "learning rate must be >= 0, got %g", (double)lr);
   if (!(momentum >= 0.0f)) return DP_FAIL(DP_ERR_VALUE, "momentum must be >= 0, got %g", (double)momentum);
   if (!(weight_decay >= 0.0f)) return DP_FAIL(DP_ERR_VALUE, "weight decay must be >= 0, got %g", (double)weight_decay);
-  return m->dev->backend->sgd_update(m->dev, m->nparams, m->params, m->grads, m->velocity, lr, momentum, weight_decay);
+  return m->dev->backend->sgd_update(m->dev, m->nparams, m->params, m->grads, m->velocity, lr, momentum, weight_decay,
+                                     guard);
+}
+
+dp_status dp_model_sgd_step(dp_model *m, float lr, float momentum, float weight_decay) {
+  return sgd_step_guarded(m, lr, momentum, weight_decay, NULL);
+}
+
+/* 1 when every one of n floats of device memory at p is finite (via host memory at tmp). */
+static dp_status all_finite(dp_model *m, const float *p, int64_t n, float *tmp, int *ok) {
+  DP_TRY(m->dev->backend->copy_to_host(m->dev, tmp, p, sizeof(float) * (size_t)n));
+  *ok = 1;
+  for (int64_t i = 0; i < n && *ok; ++i) *ok = isfinite(tmp[i]) != 0;
+  return DP_OK;
+}
+
+static dp_status scan_nonfinite(dp_model *m, int64_t n, float *tmp, int *layer, int *what) {
+  double loss;
+  int64_t hits;
+  int ok = 1;
+  DP_TRY(dp_model_read_metrics(m, &loss, &hits));
+  for (int i = 0; i < m->nlayers; ++i) {
+    DP_TRY(all_finite(m, m->acts[i], n * layer_out_size(&m->layers[i]), tmp, &ok));
+    if (!ok) {
+      *layer = i;
+      *what = DP_NONFINITE_OUTPUT;
+      return DP_OK;
+    }
+  }
+  if (!isfinite(loss)) {
+    *layer = DP_NONFINITE_LOSS;
+    return DP_OK;
+  }
+  for (int i = m->nlayers - 1; i >= 0; --i) {
+    const dp_layer *l = &m->layers[i];
+    int out_ok = 1, w_ok = 1, b_ok = 1;
+    if (m->dready[i]) DP_TRY(all_finite(m, m->dacts[i], n * layer_out_size(l), tmp, &out_ok));
+    if (out_ok && l->w_len > 0) DP_TRY(all_finite(m, m->grads + l->w_off, l->w_len, tmp, &w_ok));
+    if (out_ok && w_ok && l->b_len > 0) DP_TRY(all_finite(m, m->grads + l->b_off, l->b_len, tmp, &b_ok));
+    if (!out_ok || !w_ok || !b_ok) {
+      *layer = i;
+      *what = !out_ok ? DP_NONFINITE_OUTPUT_GRAD : DP_NONFINITE_PARAM_GRAD;
+      return DP_OK;
+    }
+  }
+  return DP_OK;
+}
+
+dp_status dp_model_find_nonfinite(dp_model *m, const dp_batch *b, int *layer, int *what) {
+  *layer = DP_NONFINITE_NONE;
+  *what = DP_NONFINITE_OUTPUT;
+  DP_TRY(require_finalized(m));
+  if (b->n == 0) return DP_OK;
+  DP_TRY(dp_model_load(m, b, 1));
+  int64_t most = m->nparams + 1;
+  for (int i = 0; i < m->nlayers; ++i)
+    if (b->n * layer_out_size(&m->layers[i]) > most) most = b->n * layer_out_size(&m->layers[i]);
+  float *tmp = malloc(sizeof(float) * (size_t)(most + m->nstate + 1));
+  if (!tmp) return DP_FAIL(DP_ERR_MEMORY, "check_numerics: cannot allocate %lld floats", (long long)most);
+  float *state = tmp + most; /* the running statistics the diagnosis must not change */
+  dp_status st = dp_model_get_state(m, state);
+  if (st == DP_OK) st = dp_model_forward_backward_loaded(m, b->n, 1.0f / (float)b->n, NULL, NULL, NULL);
+  if (st == DP_OK) st = scan_nonfinite(m, b->n, tmp, layer, what);
+  const dp_status restored = dp_model_set_state(m, state);
+  free(tmp);
+  return st != DP_OK ? st : restored;
 }
 
 dp_status dp_model_evaluate(dp_model *m, const dp_batch *b, double *loss_sum, int64_t *correct) {

@@ -29,9 +29,13 @@ typedef struct dp_model {
   int next_src;             /* source of the next layer added; DP_SRC_PREVIOUS by default */
   int finalized;
   int64_t nparams;
-  float *params, *grads, *velocity;  /* flat, (nparams), device memory */
+  float *params, *grads, *velocity;  /* flat, (nparams), device memory; grads has one float more: */
+  /* grads[nparams] is the loss flag of the last training forward pass
+   * (dp_loss_flag: 0 finite, NaN not), all-reduced with the gradients so that
+   * every replica's SGD kernel skips a step whose global loss is not finite */
   int64_t nstate;
   float *state;             /* BatchNorm running statistics, (nstate) */
+  float *state_before;      /* (nstate) the running statistics before the last training forward pass */
   int training;             /* set by forward: batch statistics (1) or running ones (0) */
   /* activations for up to act_batch samples; acts[i] is layer i's output */
   int64_t act_batch;
@@ -134,6 +138,30 @@ DP_MUST_CHECK dp_status dp_model_train_step_loaded(dp_model *m, int64_t n, float
                                                    double *loss_sum, int64_t *correct);
 /* w -= lr * (momentum-smoothed g + wd * w), over the flat buffer, one kernel. */
 DP_MUST_CHECK dp_status dp_model_sgd_step(dp_model *m, float lr, float momentum, float weight_decay);
+/* The SGD step of a training step, after the gradient all-reduce: the kernel
+ * reads the loss flag (grads[nparams]) on the device and applies nothing when
+ * it is not finite, and BatchNorm's running statistics are put back to those
+ * before the step's forward pass then; no host wait. */
+DP_MUST_CHECK dp_status dp_model_guarded_step(dp_model *m, float lr, float momentum, float weight_decay);
+/* DP_ERR_NUMERIC naming replica `replica` on m's device and the loss, when
+ * loss_sum is not finite (the step it came from applied no update). */
+DP_MUST_CHECK dp_status dp_model_check_loss(const dp_model *m, int replica, double loss_sum);
+/* A loss for a message: "nan" (whatever its sign bit), "inf", or %g; buf holds at least 32 chars. */
+const char *dp_loss_text(double loss, char *buf);
+/* Where a batch's numbers stop being finite (dp.train's check_numerics, a
+ * diagnosis run after a step raised DP_ERR_NUMERIC; it copies every layer's
+ * output and gradients to the host, so it is for diagnosis only): a
+ * training forward and backward pass of the batch on m alone, every layer's
+ * output scanned in layer order, then the gradients in the order the
+ * backward pass makes them (a layer's output gradient, then its parameter
+ * gradients, from the last layer down). *layer: the first layer found, or
+ * DP_NONFINITE_LOSS (outputs finite, the loss not), or DP_NONFINITE_NONE;
+ * *what: DP_NONFINITE_OUTPUT / _OUTPUT_GRAD / _PARAM_GRAD. The parameters,
+ * momentum and running statistics are left as they were; the gradients are
+ * this batch's. */
+enum { DP_NONFINITE_NONE = -1, DP_NONFINITE_LOSS = -2 };
+enum { DP_NONFINITE_OUTPUT = 0, DP_NONFINITE_OUTPUT_GRAD = 1, DP_NONFINITE_PARAM_GRAD = 2 };
+DP_MUST_CHECK dp_status dp_model_find_nonfinite(dp_model *m, const dp_batch *b, int *layer, int *what);
 /* Forward only: loss and accuracy sums (labels required). */
 DP_MUST_CHECK dp_status dp_model_evaluate(dp_model *m, const dp_batch *b, double *loss_sum, int64_t *correct);
 /* Forward only: logits (n, num_classes) copied to host memory. */

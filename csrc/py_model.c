@@ -337,7 +337,9 @@ static PyObject *Model_params_tensor(ModelObject *self, PyObject *u) { return mo
 
 /* ---- the calls that compute: without the GIL, the model marked busy --------- */
 
-enum model_call { MODEL_TRAIN_STEP, MODEL_FORWARD_BACKWARD, MODEL_EVALUATE, MODEL_PREDICT, MODEL_SGD_STEP };
+enum model_call {
+  MODEL_TRAIN_STEP, MODEL_FORWARD_BACKWARD, MODEL_EVALUATE, MODEL_PREDICT, MODEL_SGD_STEP, MODEL_FIND_NONFINITE
+};
 
 typedef struct {
   dp_model *model;
@@ -347,6 +349,7 @@ typedef struct {
   float *logits;   /* predict: (n, num_classes), host memory */
   double loss;
   int64_t correct;
+  int layer, what;  /* find_nonfinite */
 } model_work;
 
 static dp_status model_work_run(void *p) {
@@ -358,6 +361,7 @@ static dp_status model_work_run(void *p) {
     case MODEL_FORWARD_BACKWARD: return dp_model_forward_backward(m, b, w->grad_scale, &w->loss, &w->correct);
     case MODEL_PREDICT: return dp_model_predict(m, b, w->logits);
     case MODEL_SGD_STEP: return dp_model_sgd_step(m, w->lr, w->momentum, w->weight_decay);
+    case MODEL_FIND_NONFINITE: return dp_model_find_nonfinite(m, b, &w->layer, &w->what);
     case MODEL_TRAIN_STEP: break;
   }
   if (b->n == 0) return DP_OK; /* an empty batch changes nothing */
@@ -378,7 +382,8 @@ static PyObject *model_batch(ModelObject *self, PyObject *X, PyObject *Y, model_
   w->batch = (dp_batch){PyArray_DATA(xa), is_u8, (const int64_t *)PyArray_DATA(ya), (int64_t)PyArray_DIM(xa, 0),
                         NULL, NULL};
   if (model_run_without_gil(self, model_work_run, w) < 0) goto done;
-  ret = Py_BuildValue("(dL)", w->loss, (long long)w->correct);
+  ret = w->call == MODEL_FIND_NONFINITE ? Py_BuildValue("(ii)", w->layer, w->what)
+                                        : Py_BuildValue("(dL)", w->loss, (long long)w->correct);
 done:
   Py_XDECREF(xa);
   Py_XDECREF(ya);
@@ -406,6 +411,14 @@ static PyObject *Model_evaluate(ModelObject *self, PyObject *args, PyObject *kwd
   static char *kwlist[] = {"images", "labels", NULL};
   PyObject *X, *Y;
   model_work w = {.call = MODEL_EVALUATE};
+  if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO", kwlist, &X, &Y)) return NULL;
+  return model_batch(self, X, Y, &w);
+}
+
+static PyObject *Model_find_nonfinite(ModelObject *self, PyObject *args, PyObject *kwds) {
+  static char *kwlist[] = {"images", "labels", NULL};
+  PyObject *X, *Y;
+  model_work w = {.call = MODEL_FIND_NONFINITE};
   if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO", kwlist, &X, &Y)) return NULL;
   return model_batch(self, X, Y, &w);
 }
@@ -513,6 +526,10 @@ static PyMethodDef Model_methods[] = {
     {"reset_velocity", (PyCFunction)Model_reset_velocity, METH_NOARGS, "zero the SGD momentum buffer"},
     {"train_step", (PyCFunction)(void (*)(void))Model_train_step, METH_VARARGS | METH_KEYWORDS,
      "train_step(images, labels, lr, momentum=0, weight_decay=0) -> (loss_sum, correct)"},
+    {"find_nonfinite", (PyCFunction)(void (*)(void))Model_find_nonfinite, METH_VARARGS | METH_KEYWORDS,
+     "find_nonfinite(images, labels) -> (layer, what): where a training pass of the batch stops being finite "
+     "(layer -1: nowhere, -2: the loss; what 0 output, 1 output gradient, 2 parameter gradients); "
+     "the parameters, momentum and running statistics are kept"},
     {"forward_backward", (PyCFunction)(void (*)(void))Model_forward_backward, METH_VARARGS | METH_KEYWORDS,
      "forward_backward(images, labels, grad_scale) -> (loss_sum, correct); gradients stay in the model"},
     {"sgd_step", (PyCFunction)(void (*)(void))Model_sgd_step, METH_VARARGS | METH_KEYWORDS,

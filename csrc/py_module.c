@@ -38,6 +38,7 @@ PyObject *raise_from_status(dp_status s) {
     case DP_ERR_IO: type = PyExc_OSError; break;
     case DP_ERR_CUDA: type = DeviceError; break;
     case DP_ERR_DIST: type = DistributedError; break;
+    case DP_ERR_NUMERIC: type = PyExc_FloatingPointError; break;
     default: type = DpcoreError; break;
   }
   PyErr_SetString(type, msg);

@@ -310,7 +310,7 @@ static PyObject *op_sgd_update(PyObject *mod, PyObject *args) {
     }
   }
   if (check_status(ops_device.backend->sgd_update(&ops_device, PyArray_SIZE(arrs[0]), PyArray_DATA(arrs[0]),
-                                                  PyArray_DATA(arrs[1]), PyArray_DATA(arrs[2]), lr, mu, wd)) < 0)
+                                                  PyArray_DATA(arrs[1]), PyArray_DATA(arrs[2]), lr, mu, wd, NULL)) < 0)
     goto done;
   ret = Py_NewRef(Py_None);
 done:

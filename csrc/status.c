@@ -42,6 +42,7 @@ const char *dp_status_name(dp_status s) {
     case DP_ERR_UNSUPPORTED: return "unsupported";
     case DP_ERR_ABORTED: return "collective aborted";
     case DP_ERR_DIST: return "distributed error";
+    case DP_ERR_NUMERIC: return "non-finite loss";
   }
   return "unknown error";
 }

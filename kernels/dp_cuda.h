@@ -29,7 +29,13 @@ int dp_cuda_u8_to_unit(dp_cuda_stream s, int64_t n, const uint8_t *x, float *y);
 /* dst row r (row_bytes bytes) = src row rows[r], r < nrows; rows on the device */
 int dp_cuda_gather_rows(dp_cuda_stream s, int64_t nrows, int64_t row_bytes, const void *src, const int32_t *rows,
                         void *dst);
-int dp_cuda_sgd_update(dp_cuda_stream s, int64_t n, float *w, const float *g, float *v, float lr, float mu, float wd);
+/* guard: the step's loss flag on the device, or NULL (see dp_step_allowed) */
+int dp_cuda_sgd_update(dp_cuda_stream s, int64_t n, float *w, const float *g, float *v, float lr, float mu, float wd,
+                       const float *guard);
+/* *flag = dp_loss_flag(row_loss, n), one thread; row_loss may be NULL when n == 0 */
+int dp_cuda_loss_flag(dp_cuda_stream s, int64_t n, const float *row_loss, float *flag);
+/* dst = saved unless dp_step_allowed(guard) */
+int dp_cuda_restore_unless_allowed(dp_cuda_stream s, int64_t n, float *dst, const float *saved, const float *guard);
 int dp_cuda_avgpool_forward(dp_cuda_stream s, dp_pool_geom g, int64_t N, const float *x, float *y);
 int dp_cuda_avgpool_backward(dp_cuda_stream s, dp_pool_geom g, int64_t N, const float *dy, float *dx);
 int dp_cuda_maxpool_forward(dp_cuda_stream s, dp_pool_geom g, int64_t N, const float *x, float *y, int32_t *arg);

@@ -23,11 +23,14 @@
 
 /* ---- element-wise ------------------------------------------------------ */
 
-/* y = max(x, 0) */
-static inline DP_HD float dp_relu_forward_elem(float x) { return x > 0.0f ? x : 0.0f; }
+/* y = max(x, 0), NaN kept (PyTorch's relu: NaN -> NaN, -inf -> 0). The
+ * comparison is written so that NaN fails it: NaN <= 0 is false. */
+static inline DP_HD float dp_relu_forward_elem(float x) { return x <= 0.0f ? 0.0f : x; }
 
-/* dx = dy where the forward output was positive (y > 0 <=> x > 0). */
-static inline DP_HD float dp_relu_backward_elem(float y, float dy) { return y > 0.0f ? dy : 0.0f; }
+/* dx = dy where the forward output is not <= 0 (PyTorch's threshold_backward:
+ * y <= 0 ? 0 : dy), so a NaN output passes dy on and a NaN dy passes where
+ * y > 0: NaN is never turned into 0 here. */
+static inline DP_HD float dp_relu_backward_elem(float y, float dy) { return y <= 0.0f ? 0.0f : dy; }
 
 /* x = u8 / 255, the [0, 1] scaling of torchvision's ToTensor. */
 static inline DP_HD float dp_u8_to_unit_elem(uint8_t v) { return (float)v * (1.0f / 255.0f); }
@@ -41,6 +44,24 @@ static inline DP_HD uint8_t dp_gather_elem(const uint8_t *src, const int32_t *ro
 /* out[i] = bias[c] for i in the channel-c plane: y is (N, C, HW). Element i. */
 static inline DP_HD float dp_bias_value_elem(const float *bias, int64_t i, int64_t C, int64_t HW) {
   return bias[(i / HW) % C];
+}
+
+/* Whether a training step may change the parameters: guard (device memory,
+ * one float; NULL: no guard) is the step's loss flag after the gradient
+ * all-reduce (dp_loss_flag of every replica, summed): 0 when every replica's
+ * loss was finite, NaN otherwise. A step whose loss is not finite applies no
+ * update at all, so the model keeps the weights of its last finite step. */
+static inline DP_HD int dp_step_allowed(const float *guard) { return !guard || isfinite(*guard); }
+
+/* The loss flag of n row losses: 0 when all are finite, NaN otherwise. It
+ * rides at the end of the gradient buffer through the all-reduce (a sum of
+ * zeros is 0, anything plus NaN is NaN), so every replica of every process
+ * reaches the same verdict without a host round trip. A flag, not the loss
+ * itself: a finite double loss sum could overflow a float. */
+static inline DP_HD float dp_loss_flag(const float *row_loss, int64_t n) {
+  for (int64_t i = 0; i < n; ++i)
+    if (!isfinite(row_loss[i])) return NAN;
+  return 0.0f;
 }
 
 /* SGD with momentum and weight decay, PyTorch's torch.optim.SGD semantics
@@ -128,8 +149,10 @@ static inline DP_HD float dp_avgpool_backward_at(const float *dy, const dp_pool_
 }
 
 /* Max pooling forward; *arg receives the winner's offset within the plane
- * (the first maximum wins, like PyTorch; a NaN wins and stays; padding never
- * wins). One output (oh, ow) of a plane x (H, W). */
+ * (the first maximum wins and padding never wins, like PyTorch; a NaN beats
+ * every number and a later NaN beats an earlier one, PyTorch's
+ * `val > maxval || isnan(val)`, so the output is NaN and the gradient goes to
+ * the window's last NaN). One output (oh, ow) of a plane x (H, W). */
 static inline DP_HD float dp_maxpool_forward_at(const float *x, const dp_pool_geom *g, int oh, int ow, int32_t *arg) {
   int h0 = oh * g->stride - g->pad, w0 = ow * g->stride - g->pad;
   float best = -INFINITY;
@@ -141,7 +164,7 @@ static inline DP_HD float dp_maxpool_forward_at(const float *x, const dp_pool_ge
       int w = w0 + j;
       if (w < 0 || w >= g->W) continue;
       float v = x[h * g->W + w];
-      if (besti < 0 || v > best || (isnan(v) && !isnan(best))) {
+      if (besti < 0 || v > best || isnan(v)) {
         best = v;
         besti = h * g->W + w;
       }
@@ -205,13 +228,18 @@ static inline DP_HD float dp_maxpool_backward_elem(const float *dy, const int32_
 /* Softmax cross-entropy of one row of logits (K classes) with integer label.
  * Writes dlogits = scale * (softmax - onehot) (dlogits may be NULL) and returns
  * the row's loss -log softmax[label] in float, computed stably (max shifted,
- * log-sum-exp). *correct is 1 when argmax == label (first maximum wins). */
+ * log-sum-exp). *correct is 1 when argmax == label (first maximum wins; a
+ * NaN counts as the maximum, the first NaN winning, as torch.argmax does).
+ * NaN anywhere in the row makes the loss and every dlogit NaN (the sum s is
+ * NaN), and +inf does too (inf - inf), as in PyTorch's log_softmax: the max
+ * is taken with comparisons that keep the first NaN, never fmaxf, which
+ * drops NaN. */
 static inline DP_HD float dp_softmax_xent_row(const float *logits, int K, int label, float scale,
                                               float *dlogits, int *correct) {
   float m = logits[0];
   int am = 0;
   for (int j = 1; j < K; ++j)
-    if (logits[j] > m) { m = logits[j]; am = j; }
+    if (logits[j] > m || (isnan(logits[j]) && !isnan(m))) { m = logits[j]; am = j; }
   float s = 0.0f;
   for (int j = 0; j < K; ++j) s += expf(logits[j] - m);
   float lse = logf(s);

@@ -28,8 +28,20 @@ __global__ void gather_rows_kernel(int64_t n, int64_t row_bytes, const uint8_t *
 __global__ void u8_to_unit_kernel(int64_t n, const uint8_t *x, float *y) {
   DP_GRID_STRIDE(i, n) y[i] = dp_u8_to_unit_elem(x[i]);
 }
-__global__ void sgd_kernel(int64_t n, float *w, const float *g, float *v, float lr, float mu, float wd) {
+// guard: the step's loss flag on the device (NULL: none); every thread reads
+// it and a non-finite flag leaves w and v untouched: no host round trip.
+__global__ void sgd_kernel(int64_t n, float *w, const float *g, float *v, float lr, float mu, float wd,
+                           const float *guard) {
+  if (!dp_step_allowed(guard)) return;
   DP_GRID_STRIDE(i, n) dp_sgd_elem(w, g, v, i, lr, mu, wd);
+}
+// One thread: the row losses of a batch (a few hundred) into one flag.
+__global__ void loss_flag_kernel(int64_t n, const float *row_loss, float *flag) {
+  if (blockIdx.x == 0 && threadIdx.x == 0) *flag = dp_loss_flag(row_loss, n);
+}
+__global__ void restore_kernel(int64_t n, float *dst, const float *saved, const float *guard) {
+  if (dp_step_allowed(guard)) return;
+  DP_GRID_STRIDE(i, n) dst[i] = saved[i];
 }
 __global__ void avgpool_forward_kernel(dp_pool_geom g, int64_t n, const float *x, float *y) {
   DP_GRID_STRIDE(o, n) y[o] = dp_avgpool_forward_elem(x, &g, o);
@@ -81,9 +93,19 @@ int dp_cuda_u8_to_unit(dp_cuda_stream s, int64_t n, const uint8_t *x, float *y) 
   u8_to_unit_kernel<<<grid_for(n), kThreads, 0, s>>>(n, x, y);
   return launched();
 }
-int dp_cuda_sgd_update(dp_cuda_stream s, int64_t n, float *w, const float *g, float *v, float lr, float mu, float wd) {
+int dp_cuda_sgd_update(dp_cuda_stream s, int64_t n, float *w, const float *g, float *v, float lr, float mu, float wd,
+                       const float *guard) {
   if (n <= 0) return 0;
-  sgd_kernel<<<grid_for(n), kThreads, 0, s>>>(n, w, g, v, lr, mu, wd);
+  sgd_kernel<<<grid_for(n), kThreads, 0, s>>>(n, w, g, v, lr, mu, wd, guard);
+  return launched();
+}
+int dp_cuda_loss_flag(dp_cuda_stream s, int64_t n, const float *row_loss, float *flag) {
+  loss_flag_kernel<<<1, 1, 0, s>>>(n < 0 ? 0 : n, row_loss, flag);
+  return launched();
+}
+int dp_cuda_restore_unless_allowed(dp_cuda_stream s, int64_t n, float *dst, const float *saved, const float *guard) {
+  if (n <= 0) return 0;
+  restore_kernel<<<grid_for(n), kThreads, 0, s>>>(n, dst, saved, guard);
   return launched();
 }
 int dp_cuda_avgpool_forward(dp_cuda_stream s, dp_pool_geom g, int64_t N, const float *x, float *y) {

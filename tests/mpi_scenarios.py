@@ -113,6 +113,27 @@ def fail(args):
             second.train_step(Xb, yb, lr=0.05)
         print(f"rank {rank} two models {net.digest()} {other.digest()}", flush=True)
         return
+    if args.case == "nan":
+        # a NaN pixel in batch 3 at position 200 of 256: rank 1's shard (of 2 processes x 1 replica)
+        X = X.astype(np.float32) / 255
+        X[2 * 256 + 200, 0, 5, 5] = np.nan
+        batches = [(X[i:i + 256], y[i:i + 256]) for i in range(0, 3 * 256, 256)]
+        for Xb, yb in batches[:2]:
+            net.train_step(Xb, yb, lr=0.05, momentum=0.9)
+        before = net.digest()
+        try:
+            net.train_step(*batches[2], lr=0.05, momentum=0.9)
+        except FloatingPointError as e:
+            print(f"rank {rank} train_step: {e}", flush=True)
+        print(f"rank {rank} unchanged {net.digest() == before}", flush=True)
+        try:
+            dp.train(net, dp.data.from_arrays(X[:3 * 256], y[:3 * 256], batch_size=256, shuffle=False),
+                     num_epochs=1, lr=0.05, momentum=0.9, verbose=False)
+        except FloatingPointError as e:
+            print(f"rank {rank} dp.train: {e}", flush=True)
+        net.train_step(*batches[0], lr=0.05, momentum=0.9)  # trains on, in step
+        print(f"rank {rank} digest {net.digest()}", flush=True)
+        return
     if args.case == "epochs":
         dp.train(net, it, num_epochs=1 + rank, lr=0.05)
     for step, (Xb, yb) in enumerate(it):

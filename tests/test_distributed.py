@@ -214,6 +214,21 @@ def run_failure(case, timeout=5, processes=2):
     return proc, seconds, proc.stdout + proc.stderr
 
 
+def test_a_nonfinite_loss_is_the_same_verdict_on_every_rank():
+    """A NaN pixel in rank 1's shard: both ranks raise FloatingPointError at that step, both name
+    global replica 1 (rank 0 by its rank, rank 1 by its device), neither applies the step (the
+    loss flag rides with the chain all-reduce), and both train on in step afterwards."""
+    proc, _, text = run_failure("nan", timeout=60)
+    assert proc.returncode == 0, text
+    assert "rank 0 train_step: the loss is not finite (nan) on replica 1 (rank 1, loss nan)" in text, text
+    assert "rank 1 train_step: the loss is not finite (nan) on replica 1 (cpu:0, loss nan)" in text, text
+    assert "rank 0 unchanged True" in text and "rank 1 unchanged True" in text, text
+    for r in (0, 1):
+        assert f"rank {r} dp.train: training stopped at epoch 1, step 3: the loss is not finite" in text, text
+    digests = set(re.findall(r"rank \d digest (\d+)", text))
+    assert len(digests) == 1, text
+
+
 def test_a_killed_rank_ends_the_job():
     proc, seconds, text = run_failure("kill")
     assert proc.returncode != 0

@@ -63,13 +63,17 @@ def test_train_rejects_bad_arguments():
         dp.train(net, [], num_epochs=1, lr=0.1, verbose=False)
 
 
-def test_divergence_warns():
+def test_divergence_raises_at_the_step_and_keeps_the_weights():
+    """Weights of 1e30 overflow the first step's loss: FloatingPointError there (no warning after
+    the epoch, no training on with NaN), the weights unchanged (tests/test_numerics.py has more)."""
     X, y = synthetic(64)
     it = dp.data.from_arrays(X, y, batch_size=64)
     net = dp.models.LeNet()
     net.set_weights({k: np.full(v.shape, 1e30, np.float32) for k, v in net.get_weights().items()})
-    with pytest.warns(RuntimeWarning, match="diverged"):
+    before = net.get_weights()
+    with pytest.raises(FloatingPointError, match=r"epoch 1, step 1: the loss is not finite"):
         dp.train(net, it, num_epochs=1, lr=0.1, verbose=False)
+    assert all(np.array_equal(before[k], w) for k, w in net.get_weights().items())
 
 
 @pytest.fixture

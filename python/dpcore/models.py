@@ -383,7 +383,9 @@ class Sequential:
         return self._model.train_step_rows(residents[0], rows, lr, momentum, weight_decay)
 
     def train_step(self, X, y, lr, momentum=0.0, weight_decay=0.0):
-        """One SGD step on a batch (mean loss). Returns (loss_sum, correct)."""
+        """One SGD step on a batch (mean loss). Returns (loss_sum, correct).
+        A loss that is not finite on any replica raises FloatingPointError
+        naming the replicas, and the step applies no update."""
         X = as_images(X, self.input_shape)
         return (self._mirrored or self._model).train_step(X, as_labels(y, len(X)), lr, momentum, weight_decay)
 

@@ -3,11 +3,14 @@
 Each step runs forward, backward and the SGD update in C with the GIL
 released; Ctrl-C is seen between steps and stops training with
 KeyboardInterrupt, leaving the model with the weights of the last whole step.
+A step whose loss is not finite applies no update and raises
+FloatingPointError naming the epoch, the step and the replicas.
 """
 import math
 import time
-import warnings
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from . import _core
 from .data import ArrayIterator
@@ -82,20 +85,60 @@ def _resident_by_default(net, train_iter):
 
 
 def _epoch_steps(net, train_iter, residents, lr, momentum, weight_decay):
-    """One epoch's SGD steps, each yielding (loss_sum, correct, samples): from
-    the rows of the resident dataset, or from the iterator's host batches."""
+    """One epoch's SGD steps, each yielding (run, batch): run() takes the step
+    and returns (loss_sum, correct, samples); batch() the host (images,
+    labels) it trains on (for check_numerics), from the rows of the resident
+    dataset or the iterator's host batches."""
     if residents is not None:
         for rows in train_iter.index_batches():
-            yield net.train_step_rows(residents, rows, lr, momentum, weight_decay) + (len(rows),)
+            yield (lambda rows=rows: net.train_step_rows(residents, rows, lr, momentum, weight_decay) + (len(rows),),
+                   lambda rows=rows: (train_iter.X[rows], train_iter.y[rows]))
         return
     # one replica: its own step; several: scatter, parallel forward/backward, all-reduce, step
     step = (net._mirrored or net._model).train_step
     for X, y in net._labelled_batches(train_iter, "train_iter"):
-        yield step(X, y, lr, momentum, weight_decay) + (len(y),)
+        yield (lambda X=X, y=y: step(X, y, lr, momentum, weight_decay) + (len(y),)), (lambda X=X, y=y: (X, y))
+
+
+def _nonfinite_values(X):
+    """'1 NaN value(s) at sample 17', ... for the non-finite values of a float batch (None: all finite)."""
+    X = np.asarray(X)
+    if X.dtype.kind != "f" or len(X) == 0:
+        return None
+    flat = X.reshape(len(X), -1)
+    parts = []
+    for name, mask in (("NaN", np.isnan(flat)), ("+inf", np.isposinf(flat)), ("-inf", np.isneginf(flat))):
+        count = int(mask.sum())
+        if count:
+            samples = np.flatnonzero(mask.any(axis=1))
+            shown = ", ".join(str(int(i)) for i in samples[:8]) + (", ..." if len(samples) > 8 else "")
+            parts.append(f"{count} {name} value(s) at sample{'s' if len(samples) > 1 else ''} {shown}")
+    return ", ".join(parts) or None
+
+
+_WHAT = {0: "output", 1: "output's gradient", 2: "parameter gradients"}
+
+
+def _diagnose(net, X, y):
+    """check_numerics: the input batch's non-finite values and the first layer
+    whose output or gradient stops being finite, from a diagnostic re-run of
+    the failed step's batch on replica 0 alone (the step applied nothing; the
+    re-run keeps the parameters, momentum and running statistics)."""
+    found = _nonfinite_values(X)
+    lines = [f"the input batch has {found}" if found else "the input batch is finite"]
+    layer, what = net._model.find_nonfinite(X, np.ascontiguousarray(y, dtype=np.int64))
+    kinds = [kind for kind, _, _ in net._model.layers()]
+    if layer >= 0:
+        lines.append(f"the first non-finite values: layer {layer} ({kinds[layer]})'s {_WHAT[what]}")
+    elif layer == -2:
+        lines.append("every layer's output is finite; the loss is not (logits too far apart)")
+    else:
+        lines.append("a re-run of the batch on replica 0 alone is finite everywhere")
+    return "; ".join(lines)
 
 
 def train(net, train_iter, test_iter=None, num_epochs=10, lr=0.1, momentum=0.0, weight_decay=0.0, verbose=True,
-          resident=None):
+          resident=None, check_numerics=False):
     """Train ``net`` with minibatch SGD on the mean softmax cross-entropy.
 
     train_iter / test_iter: iterables of (images, labels) batches, e.g. from
@@ -108,6 +151,16 @@ def train(net, train_iter, test_iter=None, num_epochs=10, lr=0.1, momentum=0.0, 
     CUDA replicas when train_iter is a ``dp.data`` iterator whose arrays take
     at most a quarter of the GPU's memory, off otherwise; ``True`` needs such
     an iterator (its arrays are what is copied).
+
+    A step whose loss is not finite (NaN or inf on any replica) applies no
+    update, on every replica and process, and raises FloatingPointError naming
+    the epoch, the step and the replicas: the model keeps the weights (and
+    momentum, and BatchNorm statistics) of the last finite step. The check
+    reads the loss the step computes anyway: it costs nothing.
+    check_numerics: then also re-run the failed batch in a diagnostic mode and
+    name the first layer whose output or gradient stopped being finite and
+    the input batch's non-finite values (costs a copy of every layer's
+    output, only after a failure).
     """
     if not isinstance(net, Sequential):
         raise TypeError(f"net must be a dpcore model (e.g. dp.models.LeNet()), got {type(net).__name__}")
@@ -146,12 +199,24 @@ def train(net, train_iter, test_iter=None, num_epochs=10, lr=0.1, momentum=0.0, 
     else:
         devices = list(net.devices)
     history = History(devices=devices)
+    if not isinstance(check_numerics, bool):
+        raise TypeError(f"check_numerics must be True or False, got {type(check_numerics).__name__}")
     residents = net.make_resident(train_iter.X, train_iter.y) if resident and num_epochs else None
-    warned = False
     for epoch in range(num_epochs):
         loss_sum, correct, seen = 0.0, 0, 0
         start = time.perf_counter()
-        for batch_loss, batch_correct, n in _epoch_steps(net, train_iter, residents, lr, momentum, weight_decay):
+        steps = _epoch_steps(net, train_iter, residents, lr, momentum, weight_decay)
+        for step, (run, batch) in enumerate(steps, 1):
+            try:
+                batch_loss, batch_correct, n = run()
+            except FloatingPointError as e:
+                where = f"training stopped at epoch {epoch + 1}, step {step}: {e}"
+                if check_numerics:
+                    where += f". check_numerics: {_diagnose(net, *batch())}"
+                else:
+                    where += (f". Try a smaller learning rate (lr={lr}), or dp.train(..., check_numerics=True) to "
+                              "name the first non-finite layer and input values")
+                raise FloatingPointError(where) from None
             loss_sum += batch_loss
             correct += batch_correct
             seen += n
@@ -166,10 +231,6 @@ def train(net, train_iter, test_iter=None, num_epochs=10, lr=0.1, momentum=0.0, 
         history.epoch_seconds.append(seconds)
         history.train_loss.append(loss_sum / seen)
         history.train_acc.append(correct / seen)
-        if not math.isfinite(loss_sum) and not warned:
-            warnings.warn(f"training diverged in epoch {epoch + 1}: the loss is {loss_sum / seen}; "
-                          f"try a smaller learning rate (lr={lr})", RuntimeWarning, stacklevel=2)
-            warned = True
         line = (f"epoch {epoch + 1}/{num_epochs}: loss {history.train_loss[-1]:.3f}, "
                 f"train acc {history.train_acc[-1]:.3f}")
         if test_iter is not None:

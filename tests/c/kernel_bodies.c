@@ -190,7 +190,7 @@ static void check_elementwise(dp_device *dev) {
   expect_same("sgd weights (body)", w, wref, n);
   expect_same("sgd velocity (body)", v, vref, n);
   memcpy(w, w0, sizeof(float) * n), memcpy(v, v0, sizeof(float) * n);
-  EXPECT_OK(dev->backend->sgd_update(dev, n, w, dy, v, lr, mu, wd));
+  EXPECT_OK(dev->backend->sgd_update(dev, n, w, dy, v, lr, mu, wd, NULL));
   expect_same("sgd weights (cpu)", w, wref, n);
   expect_same("sgd velocity (cpu)", v, vref, n);
   /* without momentum the velocity is not used: w -= lr (g + wd w) */
@@ -266,6 +266,139 @@ static void check_softmax(dp_device *dev) {
     failures++;
   }
   free(logits);
+}
+
+/* ---- NaN and infinities: PyTorch's semantics, and the step guard ------------ */
+
+/* Bitwise equality, NaN included (a NaN's bits are whatever the body made, so
+ * NaN positions are compared as "is NaN" and the rest exactly). */
+static void expect_nan_same(const char *what, const float *a, const float *ref, int64_t n) {
+  for (int64_t i = 0; i < n; ++i)
+    if (isnan(ref[i]) ? !isnan(a[i]) : (isnan(a[i]) || a[i] != ref[i])) {
+      fprintf(stderr, "%s: [%lld] %.9g, expected %.9g\n", what, (long long)i, a[i], ref[i]);
+      failures++;
+      return;
+    }
+}
+
+static void check_nonfinite(dp_device *dev) {
+  enum { E = 7 };
+  /* relu keeps NaN (PyTorch: relu(NaN) = NaN); threshold_backward: y <= 0 ? 0 : dy */
+  const float x[E] = {NAN, -INFINITY, INFINITY, -1.0f, -0.0f, 0.0f, 2.0f};
+  const float relu_ref[E] = {NAN, 0.0f, INFINITY, 0.0f, 0.0f, 0.0f, 2.0f};
+  float a[E];
+  for (int i = 0; i < E; ++i) a[i] = dp_relu_forward_elem(x[i]);
+  expect_nan_same("relu forward, NaN and inf (body)", a, relu_ref, E);
+  EXPECT_OK(dev->backend->relu_forward(dev, E, x, a));
+  expect_nan_same("relu forward, NaN and inf (cpu)", a, relu_ref, E);
+  const float y[E] = {NAN, 0.0f, 1.0f, 0.0f, 2.0f, -INFINITY, INFINITY};
+  const float dy[E] = {5.0f, 5.0f, NAN, NAN, INFINITY, 3.0f, -1.0f};
+  const float back_ref[E] = {5.0f, 0.0f, NAN, 0.0f, INFINITY, 0.0f, -1.0f};
+  for (int i = 0; i < E; ++i) a[i] = dp_relu_backward_elem(y[i], dy[i]);
+  expect_nan_same("relu backward, NaN and inf (body)", a, back_ref, E);
+  EXPECT_OK(dev->backend->relu_backward(dev, E, y, dy, a));
+  expect_nan_same("relu backward, NaN and inf (cpu)", a, back_ref, E);
+
+  /* max pooling, one 2x2 window per plane: a NaN wins, the last NaN of the
+   * window (PyTorch's `val > maxval || isnan(val)`); -inf everywhere: -inf at
+   * the first position; +inf beats numbers */
+  const dp_pool_geom g = {1, 2, 2, 1, 1, 2, 2, 0};
+  const float planes[4][4] = {{1.0f, NAN, 3.0f, NAN}, {NAN, 7.0f, 8.0f, 9.0f},
+                              {-INFINITY, -INFINITY, -INFINITY, -INFINITY}, {1.0f, INFINITY, NAN, 2.0f}};
+  const float want[4] = {NAN, NAN, -INFINITY, NAN};
+  const int32_t want_arg[4] = {3, 0, 0, 2};
+  float got[4];
+  int32_t arg[4];
+  for (int p = 0; p < 4; ++p) got[p] = dp_maxpool_forward_elem(planes[p], &g, 0, &arg[p]);
+  expect_nan_same("maxpool forward, NaN and inf (body)", got, want, 4);
+  if (memcmp(arg, want_arg, sizeof arg) != 0) {
+    fprintf(stderr, "maxpool forward, NaN and inf (body): winners %d %d %d %d\n", arg[0], arg[1], arg[2], arg[3]);
+    failures++;
+  }
+  EXPECT_OK(dev->backend->maxpool_forward(dev, &g, 4, &planes[0][0], got, arg));
+  expect_nan_same("maxpool forward, NaN and inf (cpu)", got, want, 4);
+  if (memcmp(arg, want_arg, sizeof arg) != 0) {
+    fprintf(stderr, "maxpool forward, NaN and inf (cpu): winners %d %d %d %d\n", arg[0], arg[1], arg[2], arg[3]);
+    failures++;
+  }
+
+  /* softmax cross-entropy: a NaN or +inf logit makes the row's loss and
+   * every dlogit NaN; argmax counts the first NaN as the maximum; -inf on the
+   * label is an infinite loss with a finite gradient */
+  enum { R = 4, K = 3 };
+  const float logits[R * K] = {1.0f, NAN, 3.0f, INFINITY, 0.0f, 1.0f, 1.0f, -INFINITY, 2.0f, NAN, 4.0f, NAN};
+  const int32_t labels[R] = {1, 1, 1, 2};
+  const int want_hit[R] = {1, 0, 0, 0};
+  float d[R * K], loss[R];
+  for (int r = 0; r < R; ++r) {
+    int hit;
+    loss[r] = dp_softmax_xent_row(logits + r * K, K, labels[r], 1.0f, d + r * K, &hit);
+    if (hit != want_hit[r]) {
+      fprintf(stderr, "softmax row %d with NaN/inf: hit %d, expected %d\n", r, hit, want_hit[r]);
+      failures++;
+    }
+  }
+  const float loss_ref[R] = {NAN, NAN, INFINITY, NAN};
+  expect_nan_same("softmax loss, NaN and inf rows (body)", loss, loss_ref, R);
+  /* row 2: softmax (e^1, 0, e^2) / (e^1 + e^2) minus the one-hot of class 1 */
+  const float p0 = expf(1.0f - 2.0f) / (expf(1.0f - 2.0f) + 1.0f);
+  const float d_ref[R * K] = {NAN, NAN, NAN, NAN, NAN, NAN, p0, -1.0f, 1.0f - p0, NAN, NAN, NAN};
+  for (int j = 6; j < 9; ++j) /* the finite row: within the softmax tolerance */
+    if (!(fabsf(d[j] - d_ref[j]) <= SOFTMAX_TOL)) {
+      fprintf(stderr, "softmax dlogits with -inf: [%d] %.9g, expected %.9g\n", j, d[j], d_ref[j]);
+      failures++;
+    }
+  for (int j = 0; j < R * K; ++j)
+    if (isnan(d_ref[j]) && !isnan(d[j])) {
+      fprintf(stderr, "softmax dlogits: [%d] %.9g, expected NaN\n", j, d[j]);
+      failures++;
+    }
+
+  /* the loss flag and the step guard */
+  const float finite_rows[3] = {0.5f, 2.0f, 1e30f}, inf_rows[3] = {0.5f, INFINITY, 1.0f}, nan_rows[1] = {NAN};
+  const float flags[4] = {dp_loss_flag(finite_rows, 3), dp_loss_flag(inf_rows, 3), dp_loss_flag(nan_rows, 1),
+                          dp_loss_flag(NULL, 0)};
+  const float flags_ref[4] = {0.0f, NAN, NAN, 0.0f};
+  expect_nan_same("loss flag (body)", flags, flags_ref, 4);
+  const float zero = 0.0f, nan = NAN, inf = INFINITY, sum_of_flags = 0.0f + NAN; /* the all-reduce's sum */
+  if (!dp_step_allowed(NULL) || !dp_step_allowed(&zero) || dp_step_allowed(&nan) || dp_step_allowed(&inf) ||
+      dp_step_allowed(&sum_of_flags)) {
+    fprintf(stderr, "dp_step_allowed: wrong verdict\n");
+    failures++;
+  }
+  /* the CPU backend: softmax_xent leaves the flag, sgd_update and restore obey it */
+  float flag = -1.0f;
+  double lsum;
+  int64_t hsum;
+  EXPECT_OK(dev->backend->softmax_xent(dev, R, K, logits, labels, 1.0f, NULL, NULL, NULL));
+  EXPECT_OK(dev->backend->metrics_read(dev, &lsum, &hsum));
+  EXPECT_OK(dev->backend->loss_flag(dev, &flag));
+  expect_nan_same("loss flag after NaN rows (cpu)", &flag, &nan, 1);
+  EXPECT_OK(dev->backend->softmax_xent(dev, 1, K, logits + 2 * K, labels + 3, 1.0f, NULL, NULL, NULL));
+  EXPECT_OK(dev->backend->loss_flag(dev, &flag));
+  expect_nan_same("loss flag after a finite row (cpu)", &flag, &zero, 1);
+  EXPECT_OK(dev->backend->metrics_read(dev, &lsum, &hsum));
+  float w[3] = {1.0f, 2.0f, 3.0f}, v[3] = {0.5f, 0.25f, 0.125f}, gr[3] = {NAN, 1.0f, 1.0f};
+  const float w0[3] = {1.0f, 2.0f, 3.0f}, v0[3] = {0.5f, 0.25f, 0.125f};
+  EXPECT_OK(dev->backend->sgd_update(dev, 3, w, gr, v, 0.1f, 0.9f, 0.01f, &sum_of_flags));
+  if (memcmp(w, w0, sizeof w) != 0 || memcmp(v, v0, sizeof v) != 0) {
+    fprintf(stderr, "sgd_update with a NaN guard changed the weights or momentum (cpu)\n");
+    failures++;
+  }
+  EXPECT_OK(dev->backend->sgd_update(dev, 3, w, gr, v, 0.1f, 0.9f, 0.01f, &zero));
+  float w_ref[3], v_ref[3];
+  for (int i = 0; i < 3; ++i) { /* PyTorch's order; a NaN gradient makes NaN, as in PyTorch */
+    v_ref[i] = 0.9f * v0[i] + (gr[i] + 0.01f * w0[i]);
+    w_ref[i] = w0[i] - 0.1f * v_ref[i];
+  }
+  expect_nan_same("sgd_update with a finite guard (cpu): weights", w, w_ref, 3);
+  expect_nan_same("sgd_update with a finite guard (cpu): momentum", v, v_ref, 3);
+  float st[2] = {7.0f, 8.0f};
+  const float saved[2] = {1.0f, 2.0f}, kept[2] = {7.0f, 8.0f};
+  EXPECT_OK(dev->backend->restore_unless_allowed(dev, 2, st, saved, &zero));
+  expect_nan_same("restore with a finite guard (cpu)", st, kept, 2);
+  EXPECT_OK(dev->backend->restore_unless_allowed(dev, 2, st, saved, &inf));
+  expect_nan_same("restore with an infinite guard (cpu)", st, saved, 2);
 }
 
 /* ---- BatchNorm: double-precision references of PyTorch's formulas --------- */
@@ -423,6 +556,7 @@ int main(void) {
   check_pooling(&dev, 2, 4, 28, 28, 2, 2, 0);
   check_elementwise(&dev);
   check_softmax(&dev);
+  check_nonfinite(&dev);
   check_batchnorm(&dev);
   check_sum_parts();
   check_gather(&dev);
