@@ -36,15 +36,19 @@ test-cpu-only:
 # The whole suite under AddressSanitizer + UndefinedBehaviorSanitizer (LeakSanitizer in pytest's
 # own process): the extension built with DPCORE_SANITIZE=1 into .venv-asan (CPU-only, with MPI),
 # pytest in a Python with GCC's sanitizer runtime preloaded; a report from any process of the run
-# fails it (scripts/sanitized-pytest.sh: the options, and why). Nothing is excluded. What cannot
-# run here is skipped with its reason as in any CPU build: the GPU tests (a sanitized build has
-# no CUDA: ASan would see only the host side of nvcc's launchers) and the DPCORE_MPI=0 checks
-# (make test-cpu-only runs those). mpirun itself runs without the runtime, its ranks with it
-# (Open MPI's launcher has a use-after-free of its own). tests/test_sanitizers.py, part of the
-# suite everywhere, builds the C programs with ASan/UBSan/LSan and tsan_stress.c with TSan.
+# fails it (scripts/sanitized-pytest.sh: the options, and why). Every test file runs, the
+# multi-process ones (mpirun, dp.launch) included; mpirun itself runs without the runtime and
+# hands it to its ranks (Open MPI's launcher has a use-after-free of its own). Left out: the two
+# minutes-long experiments (-m "not slow": the book's LeNet for 10 epochs, ResNet-18 for 200
+# steps), which run the training code the short training tests run, only longer, and would take
+# 17 of this run's 25 minutes on 2 cores (make test runs them). Skipped with the reason, as in any
+# CPU build: the GPU tests (a sanitized build has no CUDA: ASan would see only the host side of
+# nvcc's launchers) and the DPCORE_MPI=0 checks (make test-cpu-only runs those).
+# tests/test_sanitizers.py, in every suite run, builds the C programs of tests/c with
+# ASan/UBSan/LSan and tests/c/tsan_stress.c with ThreadSanitizer.
 test-asan:
 	DPCORE_SANITIZE=1 DPCORE_CUDA=0 VENV=.venv-asan scripts/bootstrap.sh
-	scripts/sanitized-pytest.sh .venv-asan -q -ra tests
+	scripts/sanitized-pytest.sh .venv-asan -q -ra -m "not slow" tests
 
 # The GPU tests of every file (skipped, with the reason, where no CUDA device is usable).
 test-gpu: setup

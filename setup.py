@@ -213,7 +213,11 @@ def extension():
         # is no check); the runtime is GCC's shared libasan/libubsan, preloaded into Python.
         # The optimization stays the shipped build's (-O3): the sanitizers check the code that
         # runs, vectorized loops and their tails included; -g names the inlined frames.
-        cflags += ["-fsanitize=address,undefined", "-fno-sanitize-recover=undefined", "-fno-omit-frame-pointer", "-g"]
+        # -fno-wrapv: CPython's CFLAGS, which every extension inherits, carry -fwrapv, under
+        # which a signed overflow is defined (it wraps) and UBSan never checks one; the C core
+        # is written to C11, where it is undefined, as the C test programs compile it.
+        cflags += ["-fsanitize=address,undefined", "-fno-sanitize-recover=undefined", "-fno-omit-frame-pointer", "-g",
+                   "-fno-wrapv"]
         ldflags += ["-fsanitize=address,undefined"]
     macros = [("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")]
     libdirs, libs, objs, incs = [], [], [blas["library"]], [blas["include"]]

@@ -6,9 +6,10 @@
 #
 # Fails when pytest fails or when any process of the run (pytest itself or a
 # process a test starts: a Python script, a C test program) printed a sanitizer
-# report: every report goes to a file under a fresh directory (log_path), so a
-# report of a child that a test expected to fail, or whose stderr it dropped,
-# is not lost; they are printed at the end.
+# report: every report goes to a file under a fresh directory (ASan's log_path;
+# UBSan's through scripts/sanitizer-site/sitecustomize.py), so the report of a
+# child that a test expected to fail, or whose stderr it dropped, or of pytest
+# itself while it captures stderr, is not lost; they are printed at the end.
 #
 # Options, and why:
 #   LD_PRELOAD   GCC's libasan and libubsan: ASan must be the first library of
@@ -19,18 +20,20 @@
 #                Python object is caught) and LeakSanitizer scans them (a dpcore
 #                buffer owned by a live Python object is reachable, not leaked).
 #   detect_leaks=1 in pytest's own process; 0 in its children (they inherit the
-#                ASAN_OPTIONS this script's Python launcher sets below): they are
-#                also gcc, mpirun and the C test programs' builds, whose own
-#                leaks at exit are not dpcore's and would fail them.
+#                ASAN_OPTIONS that scripts/sanitizer-site/sitecustomize.py sets):
+#                they are also gcc and the like, whose own leaks at exit are not
+#                dpcore's and would fail them. (So a leak only a child Python
+#                process's code path makes goes unseen; the suite's own process
+#                runs the core and the binding throughout.)
 #                tests/test_sanitizers.py runs its C programs with leak
 #                detection on and full stacks (no suppression but Open MPI's).
 #   malloc_context_size=2  an allocation's stack is the allocator and its direct
 #                caller. LeakSanitizer applies a suppression when any frame of a
 #                leak's stack matches, and a dpcore allocation made under a Python
 #                call has CPython's frames below dpcore's; with two frames,
-#                scripts/lsan-python.supp (allocations made directly by CPython,
-#                NumPy, OpenBLAS, libgomp) can never hide an allocation made by
-#                dpcore's code, whose direct caller is in dpcore's _core.so. ASan's
+#                scripts/lsan-python.supp (allocations made directly by CPython)
+#                can never hide an allocation made by dpcore's code, whose
+#                direct caller is in dpcore's _core.so. ASan's
 #                reports keep the whole stack of the bad access itself; the
 #                allocation and free stacks name the function that called
 #                malloc / free.
@@ -53,7 +56,11 @@ common="halt_on_error=1:abort_on_error=0:allocator_may_return_null=1:malloc_cont
 common+=":log_path=$logs/asan:log_exe_name=1"
 export PYTHONMALLOC=malloc
 export LSAN_OPTIONS="suppressions=$here/scripts/lsan-python.supp:print_suppressions=0"
-export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1:log_path=$logs/ubsan:log_exe_name=1"
+export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1"
+# scripts/sanitizer-site/sitecustomize.py, in every Python process of the run:
+# UBSan's reports into the log directory too, and the children's ASAN_OPTIONS
+export PYTHONPATH="$here/scripts/sanitizer-site${PYTHONPATH:+:$PYTHONPATH}"
+export DPCORE_UBSAN_LOG="$logs/ubsan" DPCORE_UBSAN_RUNTIME="$ubsan"
 export DPCORE_CHILD_ASAN_OPTIONS="$common:detect_leaks=0"
 # Open MPI's launcher (mpirun, as the tests and dp.launch start it) runs
 # without the runtime and hands it to its ranks: ASan finds a use-after-free in
@@ -79,12 +86,7 @@ done
 export PATH="$shims:$PATH"
 rc=0
 # LD_PRELOAD for Python and what it starts, not for this script's own tools
-LD_PRELOAD="$asan $ubsan" ASAN_OPTIONS="$common:detect_leaks=1" "$venv/bin/python" -c '
-import os, sys
-import pytest
-os.environ["ASAN_OPTIONS"] = os.environ.pop("DPCORE_CHILD_ASAN_OPTIONS")  # for the processes the tests start
-sys.exit(pytest.main(sys.argv[1:]))
-' "$@" || rc=$?
+LD_PRELOAD="$asan $ubsan" ASAN_OPTIONS="$common:detect_leaks=1" "$venv/bin/python" -m pytest "$@" || rc=$?
 # A report is an error (ASan, LeakSanitizer: "ERROR: ...Sanitizer"; UBSan:
 # "runtime error:"). allocator_may_return_null=1 also writes a warning for
 # each impossible request, which the tests make on purpose: shown, not failed.

@@ -179,6 +179,37 @@ def test_mpi_processes_are_clean_under_asan_ubsan(tmp_path):
 
 TSAN_CORE = ["backend_cpu.c", "backend_cuda.c", "collective.c", "comm.c", "dist.c", "mirrored.c", "layers.c", "model.c",
              "replica.c", "resident.c", "shapes.c", "status.c"]
+# OMP_NUM_THREADS=1 (and one thread per CPU device in the programs): GCC's
+# libgomp is not built with TSan, so the hand-offs inside a team of its threads
+# (the barrier that ends a parallel region) are invisible to it and every
+# parallel loop would be a reported race (with two threads per device it
+# reports cpu_conv2d_forward's loop against the BatchNorm sums that follow it).
+# dpcore's own threads and their synchronization are all seen; nothing is
+# suppressed.
+TSAN_ENV = {"TSAN_OPTIONS": "halt_on_error=1:second_deadlock_stack=1", "OMP_NUM_THREADS": "1"}
+
+
+def build_tsan(tmp_path, program, core_sources):
+    cc = shutil.which("gcc") or shutil.which("cc")
+    paths = blas_paths()
+    if cc is None or paths is None:
+        pytest.fail("the sanitizer build needs gcc and Debian's OpenBLAS (scripts/bootstrap.sh installs them)")
+    inc, lib = paths
+    exe = tmp_path / program
+    sources = [os.path.join(ROOT, "tests", "c", program + ".c")] + [os.path.join(ROOT, "csrc", f) for f in core_sources]
+    cmd = [cc, "-std=c11", "-O1", "-g", "-fsanitize=thread", "-fopenmp", "-D_GNU_SOURCE", "-Wall", "-Wextra",
+           "-Wno-unused-parameter", "-Werror", "-I", os.path.join(ROOT, "csrc"), "-I", os.path.join(ROOT, "kernels"),
+           "-I", inc, *sources, lib, "-lm", "-lpthread", "-o", str(exe)]
+    subprocess.run(cmd, check=True, env=clean_env())
+    return exe
+
+
+def run_tsan_clean(exe, program):
+    proc = subprocess.run([str(exe)], capture_output=True, text=True, env=clean_env(**TSAN_ENV), timeout=300)
+    report = proc.stdout + proc.stderr
+    assert proc.returncode == 0, report
+    assert f"{program}: ok" in proc.stdout, report
+    assert "ThreadSanitizer" not in report, report
 
 
 def test_replica_threads_barriers_and_all_reduce_are_race_free_under_tsan(tmp_path):
@@ -190,34 +221,19 @@ def test_replica_threads_barriers_and_all_reduce_are_race_free_under_tsan(tmp_pa
     the group reused after each; mirrored models made, trained and destroyed
     for 2, 3 and 4 replicas, two runners stepping at once from two threads;
     dp.all_reduce's kept groups from four threads at once, replaced while
-    others run. No ThreadSanitizer report, no suppression. Its `race` mode
-    writes one plain int from two replica threads, which TSan must report:
-    the check can fail.
-
-    OMP_NUM_THREADS=1 and one thread per CPU device: GCC's libgomp is not
-    built with TSan, so the hand-offs inside a team of its threads (the
-    barrier that ends a parallel region) are invisible to it and every
-    parallel loop would be a reported race (with two threads per device it
-    reports cpu_conv2d_forward's loop against the BatchNorm sums that follow
-    it). dpcore's own threads and their synchronization are all seen."""
-    cc = shutil.which("gcc") or shutil.which("cc")
-    paths = blas_paths()
-    if cc is None or paths is None:
-        pytest.fail("the sanitizer build needs gcc and Debian's OpenBLAS (scripts/bootstrap.sh installs them)")
-    inc, lib = paths
-    exe = tmp_path / "tsan_stress"
-    sources = [os.path.join(ROOT, "tests", "c", "tsan_stress.c")] + [os.path.join(ROOT, "csrc", f) for f in TSAN_CORE]
-    cmd = [cc, "-std=c11", "-O1", "-g", "-fsanitize=thread", "-fopenmp", "-D_GNU_SOURCE", "-Wall", "-Wextra",
-           "-Wno-unused-parameter", "-Werror", "-I", os.path.join(ROOT, "csrc"), "-I", os.path.join(ROOT, "kernels"),
-           "-I", inc, *sources, lib, "-lm", "-lpthread", "-o", str(exe)]
-    subprocess.run(cmd, check=True, env=clean_env())
-    env = clean_env(TSAN_OPTIONS="halt_on_error=1:second_deadlock_stack=1", OMP_NUM_THREADS="1")
-    proc = subprocess.run([str(exe)], capture_output=True, text=True, env=env, timeout=300)
-    report = proc.stdout + proc.stderr
-    assert proc.returncode == 0, report
-    assert "tsan_stress: ok" in proc.stdout, report
-    assert "ThreadSanitizer" not in report, report
-
-    proc = subprocess.run([str(exe), "race"], capture_output=True, text=True, env=env, timeout=60)
+    others run. No ThreadSanitizer report. Its `race` mode writes one plain
+    int from two replica threads, which TSan must report: the check can fail."""
+    exe = build_tsan(tmp_path, "tsan_stress", TSAN_CORE)
+    run_tsan_clean(exe, "tsan_stress")
+    proc = subprocess.run([str(exe), "race"], capture_output=True, text=True, env=clean_env(**TSAN_ENV), timeout=60)
     assert proc.returncode != 0, proc.stdout + proc.stderr
     assert "WARNING: ThreadSanitizer: data race" in proc.stderr and "race_rank" in proc.stderr, proc.stderr
+
+
+def test_device_registry_is_race_free_under_tsan(tmp_path):
+    """tests/c/device_registry.c (four threads getting and putting devices and
+    counting under a device's step lock, the registry reconfigured between)
+    under ThreadSanitizer: no report."""
+    exe = build_tsan(tmp_path, "device_registry", ["backend_cpu.c", "backend_cuda.c", "device.c", "layers.c", "model.c",
+                                                   "resident.c", "shapes.c", "status.c"])
+    run_tsan_clean(exe, "device_registry")

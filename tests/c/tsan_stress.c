@@ -116,7 +116,7 @@ static void barriers_and_all_reduce(void) {
     if (!g) continue;
     for (size_t b = 0; b < sizeof ns / sizeof ns[0]; ++b)
       for (int op = 0; op < 2; ++op) {
-        reduce_work w = {g, k, 5, 0, ns[b], op ? DP_REDUCE_MEAN : DP_REDUCE_SUM, {0}, {0}, -1};
+        reduce_work w = {g, k, 10, 0, ns[b], op ? DP_REDUCE_MEAN : DP_REDUCE_SUM, {0}, {0}, -1};
         for (int r = 0; r < k; ++r) {
           w.bufs[r] = bufs[r];
           w.init[r] = init[r];
@@ -127,7 +127,7 @@ static void barriers_and_all_reduce(void) {
       }
     /* bare barriers: spinning, and with a sleeper so that peers wait on the condition variable */
     for (int sleeper = -1; sleeper < k; sleeper += k) {
-      reduce_work w = {g, k, 0, k <= 4 ? 4000 : 1500, 0, DP_REDUCE_SUM, {0}, {0}, sleeper};
+      reduce_work w = {g, k, 0, k <= 4 ? 20000 : 5000, 0, DP_REDUCE_SUM, {0}, {0}, sleeper};
       CHECK(dp_group_run(g, reduce_rank, &w) == DP_OK);
     }
     dp_group_destroy(g);
@@ -198,7 +198,7 @@ static void failing_replicas(void) {
     int round = 0;
     for (int via_comm = 0; via_comm < 2 && comm; ++via_comm)
       for (int who = 0; who < k; ++who)
-        for (int at = 0; at < 12; at += 5, ++round) {
+        for (int at = 0; at < 12; at += 2, ++round) {
           fail_work w = {g, comm, k, who, at, via_comm, round % 3 == 0, N, {0}, 0};
           for (int r = 0; r < k; ++r) w.bufs[r] = bufs[r];
           /* the cause, not a peer's abort; its message moved to this thread */
@@ -222,7 +222,7 @@ static void failing_replicas(void) {
 
 /* ---- mirrored training: models made and destroyed ---------------------------------- */
 
-enum { SIDE = 8, BATCH = 13, STEPS = 4 };
+enum { SIDE = 8, BATCH = 13, STEPS = 6 };
 
 static dp_status build(dp_device *dev, int bn, dp_model **out) {
   dp_model *m = NULL;
@@ -314,12 +314,12 @@ static void mirrored_training(void) {
   for (int r = 0; r < 2 * MAX_K; ++r) CHECK(dp_cpu_device_init(&devs[r], r, 1) == DP_OK);
   /* one runner at a time, k = 2, 3, 4 */
   for (int k = 2; k <= 4; ++k) {
-    train_job j = {devs, k, k != 3, k == 4, 4, k == 2 ? 0 : 64, 7u * (unsigned)k, 0};
+    train_job j = {devs, k, k != 3, k == 4, 8, k == 2 ? 0 : 64, 7u * (unsigned)k, 0};
     train_rounds(&j);
     CHECK(j.failures == 0);
   }
   /* two runners at once, on devices of their own, from two caller threads */
-  train_job jobs[2] = {{devs, 3, 1, 0, 5, 64, 11u, 0}, {devs + MAX_K, 2, 1, 1, 5, 0, 13u, 0}};
+  train_job jobs[2] = {{devs, 3, 1, 0, 10, 64, 11u, 0}, {devs + MAX_K, 2, 1, 1, 10, 0, 13u, 0}};
   pthread_t t[2];
   for (int i = 0; i < 2; ++i) CHECK(pthread_create(&t[i], NULL, train_rounds, &jobs[i]) == 0);
   for (int i = 0; i < 2; ++i) {
@@ -331,7 +331,7 @@ static void mirrored_training(void) {
 
 /* ---- dp.all_reduce's kept groups from several threads ------------------------------ */
 
-enum { CALLERS = 4, CALLS = 60, SETS = 12, RK = 3, LEN = 41 };
+enum { CALLERS = 4, CALLS = 150, SETS = 12, RK = 3, LEN = 41 };
 
 typedef struct caller {
   int id;
