@@ -40,7 +40,17 @@ def clean_env(**options):
     return env
 
 
-def build_and_run(tmp_path, program, core_sources, link_flags=()):
+ASAN_UBSAN = ["-fsanitize=address,undefined", "-fno-sanitize-recover=undefined"]
+# the core of the replica threads (replicas, collectives, comm, mirrored runners), and the device registry's
+MIRRORED_CORE = ["backend_cpu.c", "backend_cuda.c", "collective.c", "comm.c", "dist.c", "mirrored.c", "layers.c",
+                 "model.c", "replica.c", "resident.c", "shapes.c", "status.c"]
+REGISTRY_CORE = ["backend_cpu.c", "backend_cuda.c", "device.c", "layers.c", "model.c", "resident.c", "shapes.c",
+                 "status.c"]
+
+
+def compile_program(tmp_path, program, core_sources, sanitizers, link_flags=()):
+    """tests/c/<program>.c with the named csrc/ files, built with the given
+    -fsanitize flags (and link_flags after the objects); returns the executable."""
     cc = shutil.which("gcc") or shutil.which("cc")
     paths = blas_paths()
     if cc is None or paths is None:
@@ -48,11 +58,15 @@ def build_and_run(tmp_path, program, core_sources, link_flags=()):
     inc, lib = paths
     exe = tmp_path / program
     sources = [os.path.join(ROOT, "tests", "c", program + ".c")] + [os.path.join(ROOT, "csrc", f) for f in core_sources]
-    cmd = [cc, "-std=c11", "-O1", "-g", "-fno-omit-frame-pointer", "-fsanitize=address,undefined",
-           "-fno-sanitize-recover=undefined", "-fopenmp", "-D_GNU_SOURCE", "-Wall", "-Wextra",
-           "-Wno-unused-parameter", "-Werror", "-I", os.path.join(ROOT, "csrc"), "-I", os.path.join(ROOT, "kernels"),
-           "-I", inc, *sources, lib, "-lm", *link_flags, "-o", str(exe)]
+    cmd = [cc, "-std=c11", "-O1", "-g", "-fno-omit-frame-pointer", *sanitizers, "-fopenmp", "-D_GNU_SOURCE", "-Wall",
+           "-Wextra", "-Wno-unused-parameter", "-Werror", "-I", os.path.join(ROOT, "csrc"), "-I",
+           os.path.join(ROOT, "kernels"), "-I", inc, *sources, lib, "-lm", *link_flags, "-o", str(exe)]
     subprocess.run(cmd, check=True, env=clean_env())
+    return exe
+
+
+def build_and_run(tmp_path, program, core_sources, link_flags=()):
+    exe = compile_program(tmp_path, program, core_sources, ASAN_UBSAN, link_flags)
     env = clean_env(ASAN_OPTIONS="detect_leaks=1:abort_on_error=0:halt_on_error=1",
                     UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1", OMP_NUM_THREADS="2")
     proc = subprocess.run([str(exe)], capture_output=True, text=True, env=env, timeout=300)
@@ -82,8 +96,7 @@ def test_replica_threads_and_collectives_are_clean(tmp_path):
     label or row is refused before any replica starts; a step whose memory
     would grow after its warm-up is a reported error before any collective;
     everything joined and freed."""
-    build_and_run(tmp_path, "mirrored_smoke", ["backend_cpu.c", "backend_cuda.c", "collective.c", "comm.c", "dist.c", "mirrored.c",
-                                                "layers.c", "model.c", "replica.c", "resident.c", "shapes.c", "status.c"])
+    build_and_run(tmp_path, "mirrored_smoke", MIRRORED_CORE)
 
 
 def test_device_registry_is_clean(tmp_path):
@@ -92,8 +105,7 @@ def test_device_registry_is_clean(tmp_path):
     devices' core shares; a device made before a reconfiguration keeps
     working; gets, puts and step locks from four threads at once; nothing
     left alive or leaked."""
-    build_and_run(tmp_path, "device_registry", ["backend_cpu.c", "backend_cuda.c", "device.c", "layers.c", "model.c", "resident.c",
-                                                 "shapes.c", "status.c"], link_flags=["-lpthread"])
+    build_and_run(tmp_path, "device_registry", REGISTRY_CORE, link_flags=["-lpthread"])
 
 
 def test_every_failed_allocation_is_a_memory_error(tmp_path):
@@ -137,10 +149,6 @@ def test_mpi_processes_are_clean_under_asan_ubsan(tmp_path):
     six replicas bit for bit, digests included; a rank late for a barrier is
     a DP_ERR_DIST naming it on the others within seconds, and the job still
     ends cleanly. No sanitizer report, no leak of dpcore's."""
-    cc = shutil.which("gcc") or shutil.which("cc")
-    paths = blas_paths()
-    if cc is None or paths is None:
-        pytest.fail("the sanitizer build needs gcc and Debian's OpenBLAS (scripts/bootstrap.sh installs them)")
     mpicc, mpirun = shutil.which("mpicc"), shutil.which("mpirun")
     if mpicc is None or mpirun is None:
         pytest.fail("the MPI sanitizer test needs Open MPI's mpicc and mpirun (scripts/bootstrap.sh installs them)")
@@ -148,16 +156,9 @@ def test_mpi_processes_are_clean_under_asan_ubsan(tmp_path):
                                              text=True, env=clean_env()).stdout)
     mpi_link = shlex.split(subprocess.run([mpicc, "-showme:link"], check=True, capture_output=True, text=True,
                                           env=clean_env()).stdout)
-    inc, lib = paths
-    exe = tmp_path / "dist_mpi"
-    core = ["backend_cpu.c", "backend_cuda.c", "collective.c", "comm.c", "dist.c", "mirrored.c", "layers.c", "model.c",
-            "replica.c", "resident.c", "shapes.c", "status.c"]
-    sources = [os.path.join(ROOT, "tests", "c", "dist_mpi.c")] + [os.path.join(ROOT, "csrc", f) for f in core]
-    cmd = [cc, "-std=c11", "-O1", "-g", "-fno-omit-frame-pointer", "-fsanitize=address,undefined",
-           "-fno-sanitize-recover=undefined", "-fopenmp", "-D_GNU_SOURCE", "-DDP_HAVE_MPI", "-Wall", "-Wextra",
-           "-Wno-unused-parameter", "-Werror", "-I", os.path.join(ROOT, "csrc"), "-I", os.path.join(ROOT, "kernels"),
-           "-I", inc, *mpi_compile, *sources, lib, "-lm", *mpi_link, "-lpthread", "-o", str(exe)]
-    subprocess.run(cmd, check=True, env=clean_env())
+    # -D and -I apply to every source wherever they stand on gcc's command line
+    exe = compile_program(tmp_path, "dist_mpi", MIRRORED_CORE, ASAN_UBSAN,
+                          ["-DDP_HAVE_MPI", *mpi_compile, *mpi_link, "-lpthread"])
     suppressions = tmp_path / "lsan_open_mpi.supp"
     suppressions.write_text(MPI_LSAN_SUPPRESSIONS)
     # fast_unwind_on_malloc=0: Open MPI's libraries are built without frame
@@ -177,8 +178,6 @@ def test_mpi_processes_are_clean_under_asan_ubsan(tmp_path):
     assert "runtime error" not in report and "Sanitizer" not in report, report
 
 
-TSAN_CORE = ["backend_cpu.c", "backend_cuda.c", "collective.c", "comm.c", "dist.c", "mirrored.c", "layers.c", "model.c",
-             "replica.c", "resident.c", "shapes.c", "status.c"]
 # OMP_NUM_THREADS=1 (and one thread per CPU device in the programs): GCC's
 # libgomp is not built with TSan, so the hand-offs inside a team of its threads
 # (the barrier that ends a parallel region) are invisible to it and every
@@ -187,21 +186,6 @@ TSAN_CORE = ["backend_cpu.c", "backend_cuda.c", "collective.c", "comm.c", "dist.
 # dpcore's own threads and their synchronization are all seen; nothing is
 # suppressed.
 TSAN_ENV = {"TSAN_OPTIONS": "halt_on_error=1:second_deadlock_stack=1", "OMP_NUM_THREADS": "1"}
-
-
-def build_tsan(tmp_path, program, core_sources):
-    cc = shutil.which("gcc") or shutil.which("cc")
-    paths = blas_paths()
-    if cc is None or paths is None:
-        pytest.fail("the sanitizer build needs gcc and Debian's OpenBLAS (scripts/bootstrap.sh installs them)")
-    inc, lib = paths
-    exe = tmp_path / program
-    sources = [os.path.join(ROOT, "tests", "c", program + ".c")] + [os.path.join(ROOT, "csrc", f) for f in core_sources]
-    cmd = [cc, "-std=c11", "-O1", "-g", "-fsanitize=thread", "-fopenmp", "-D_GNU_SOURCE", "-Wall", "-Wextra",
-           "-Wno-unused-parameter", "-Werror", "-I", os.path.join(ROOT, "csrc"), "-I", os.path.join(ROOT, "kernels"),
-           "-I", inc, *sources, lib, "-lm", "-lpthread", "-o", str(exe)]
-    subprocess.run(cmd, check=True, env=clean_env())
-    return exe
 
 
 def run_tsan_clean(exe, program):
@@ -223,7 +207,7 @@ def test_replica_threads_barriers_and_all_reduce_are_race_free_under_tsan(tmp_pa
     dp.all_reduce's kept groups from four threads at once, replaced while
     others run. No ThreadSanitizer report. Its `race` mode writes one plain
     int from two replica threads, which TSan must report: the check can fail."""
-    exe = build_tsan(tmp_path, "tsan_stress", TSAN_CORE)
+    exe = compile_program(tmp_path, "tsan_stress", MIRRORED_CORE, ["-fsanitize=thread"], ["-lpthread"])
     run_tsan_clean(exe, "tsan_stress")
     proc = subprocess.run([str(exe), "race"], capture_output=True, text=True, env=clean_env(**TSAN_ENV), timeout=60)
     assert proc.returncode != 0, proc.stdout + proc.stderr
@@ -234,6 +218,5 @@ def test_device_registry_is_race_free_under_tsan(tmp_path):
     """tests/c/device_registry.c (four threads getting and putting devices and
     counting under a device's step lock, the registry reconfigured between)
     under ThreadSanitizer: no report."""
-    exe = build_tsan(tmp_path, "device_registry", ["backend_cpu.c", "backend_cuda.c", "device.c", "layers.c", "model.c",
-                                                   "resident.c", "shapes.c", "status.c"])
+    exe = compile_program(tmp_path, "device_registry", REGISTRY_CORE, ["-fsanitize=thread"], ["-lpthread"])
     run_tsan_clean(exe, "device_registry")
