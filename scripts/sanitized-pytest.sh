@@ -88,8 +88,10 @@ rc=0
 # LD_PRELOAD for Python and what it starts, not for this script's own tools
 LD_PRELOAD="$asan $ubsan" ASAN_OPTIONS="$common:detect_leaks=1" "$venv/bin/python" -m pytest "$@" || rc=$?
 # A report is an error (ASan, LeakSanitizer: "ERROR: ...Sanitizer"; UBSan:
-# "runtime error:"). allocator_may_return_null=1 also writes a warning for
-# each impossible request, which the tests make on purpose: shown, not failed.
+# "runtime error:"). Shown, not failed: the warning allocator_may_return_null=1
+# writes for each impossible request (the tests make them on purpose), and the
+# stack libFuzzer prints through the runtime when a harness's input crashes
+# (tests/test_fuzz.py plants one).
 errors=0
 for f in $(find "$logs" -type f | sort); do
   if grep -q -e "ERROR: [A-Za-z]*Sanitizer" -e "runtime error:" "$f"; then
