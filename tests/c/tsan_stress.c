@@ -17,10 +17,12 @@
  *                replica's status and message, every peer gives up, and the
  *                same group then runs cleanly again;
  *   mirrored     models made, trained in lockstep (per-replica and
- *                synchronized BatchNorm, gradient buckets) and destroyed over
- *                and over for 2, 3 and 4 replicas, and two mirrored runners
- *                stepping at once from two caller threads, the replicas
- *                checked bitwise identical after every round;
+ *                synchronized BatchNorm, gradient buckets, a bad label
+ *                refused, a NaN in one shard making every replica skip the
+ *                step) and destroyed over and over for 2, 3 and 4 replicas,
+ *                and two mirrored runners stepping at once from two caller
+ *                threads, the replicas checked bitwise identical after every
+ *                round;
  *   all_reduce   dp.all_reduce's kept thread groups (mirrored.c) called from
  *                four threads at once, on one shared device set and on more
  *                sets than are kept, so that idle groups are replaced while
@@ -33,6 +35,7 @@
  * synchronization, which TSan sees whole. OpenBLAS then runs on the calling
  * thread too (its OpenMP build takes omp_get_max_threads()).
  */
+#include <math.h>
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdio.h>
@@ -268,6 +271,7 @@ static void *train_rounds(void *arg) {
   for (int round = 0; round < j->rounds; ++round) {
     dp_model *models[MAX_K] = {0};
     dp_mirrored *m = NULL;
+    float *before = NULL;
     int ok = 1;
     for (int r = 0; r < j->k && ok; ++r) ok = build(&j->devs[r], j->bn, &models[r]) == DP_OK;
     if (ok) ok = dp_mirrored_create(models, j->k, j->sync_batchnorm, DP_COMM_AUTO, j->bucket_bytes, &m) == DP_OK;
@@ -289,6 +293,18 @@ static void *train_rounds(void *arg) {
         y[n - 1] = 10;
         ok = dp_mirrored_train_step(m, &b, 0.05f, 0.9f, 0.0f, &loss, &correct) == DP_ERR_VALUE;
       }
+      if (ok && step == 3) {
+        /* a NaN pixel in the last replica's shard: its loss flag rides with the
+         * gradient all-reduce, and no replica applies the step */
+        ok = (before = malloc(sizeof(float) * (size_t)models[0]->nparams)) != NULL &&
+             dp_model_get_params(models[0], before) == DP_OK;
+        x[(n - 1) * SIDE * SIDE + 5] = NAN;
+        ok = ok && dp_mirrored_train_step(m, &b, 0.05f, 0.9f, 0.0f, &loss, &correct) == DP_ERR_NUMERIC;
+        float *after = ok ? malloc(sizeof(float) * (size_t)models[0]->nparams) : NULL;
+        ok = after && dp_model_get_params(models[0], after) == DP_OK &&
+             memcmp(before, after, sizeof(float) * (size_t)models[0]->nparams) == 0 && !replicas_differ(models, j->k);
+        free(after);
+      }
     }
     if (ok) ok = !replicas_differ(models, j->k);
     if (ok) {
@@ -303,6 +319,7 @@ static void *train_rounds(void *arg) {
               dp_error_message());
       j->failures++;
     }
+    free(before);
     dp_mirrored_destroy(m);
     for (int r = 0; r < j->k; ++r) dp_model_destroy(models[r]);
   }
