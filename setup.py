@@ -7,7 +7,10 @@ Environment:
   CUDA_HOME=/path      where the CUDA toolkit lives (default: /usr/local/cuda, or nvcc on PATH)
   DPCORE_BLAS_INC / DPCORE_BLAS_LIB   CBLAS header dir / library file (default: Debian's OpenBLAS)
   DPCORE_CUDA_ARCHS="90"  cubins for these compute capabilities only (default: 7.5 8.0 8.6 8.9 9.0 + PTX)
-  DPCORE_DEBUG=1       -O0 -g; DPCORE_SANITIZE=1 adds -fsanitize=address,undefined
+  DPCORE_DEBUG=1       -O0 -g
+  DPCORE_SANITIZE=1    AddressSanitizer + UndefinedBehaviorSanitizer (-g, UB fatal), CPU-only, in its
+                       own build tree (build/cpu-asan, build/cpu-nompi-asan); Python must preload the
+                       sanitizer runtime (make test-asan does)
 """
 import glob
 import json
@@ -62,9 +65,18 @@ def find_blas():
     return None
 
 
+SANITIZE = os.environ.get("DPCORE_SANITIZE") == "1"
+
+
 def find_cuda():
     if os.environ.get("DPCORE_CUDA", "1") == "0":
         return None, "disabled by DPCORE_CUDA=0"
+    if SANITIZE:
+        # Not worth it: ASan would check only the host side of nvcc's launchers (the kernels
+        # run on the GPU, which compute-sanitizer checks, not ASan), and the CUDA driver
+        # maps its memory under ASan only with protect_shadow_gap=0. The C core, the
+        # binding and the CPU backend, where the host-side bugs would be, are all here.
+        return None, "disabled by DPCORE_SANITIZE=1 (the sanitized build is CPU-only)"
     home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
     if not home:
         nvcc = shutil.which("nvcc")
@@ -182,13 +194,12 @@ def make_config():
 
 
 CONFIG = make_config()
-VARIANT = ("cuda" if CONFIG["cuda"] else "cpu") + ("" if CONFIG["mpi"] else "-nompi")
+VARIANT = ("cuda" if CONFIG["cuda"] else "cpu") + ("" if CONFIG["mpi"] else "-nompi") + ("-asan" if SANITIZE else "")
 
 
 def extension():
     blas, cuda = CONFIG["blas"], CONFIG["cuda"]
     debug = os.environ.get("DPCORE_DEBUG") == "1"
-    sanitize = os.environ.get("DPCORE_SANITIZE") == "1"
     # -ffp-contract=off: no FMA contraction (GCC's default under -std=c11 anyway, said here because
     # the DP_HD bodies are bit-identical to the GPU's only so; see --fmad=false below)
     cflags = ["-std=c11", "-Wall", "-Wextra", "-Wno-unused-parameter", "-fopenmp", "-D_GNU_SOURCE",
@@ -197,8 +208,16 @@ def extension():
     if os.environ.get("DPCORE_NATIVE", "1") != "0":
         cflags.append("-march=native")  # built from source on the machine that runs it
     ldflags = ["-fopenmp"]
-    if sanitize:
-        cflags += ["-fsanitize=address,undefined", "-fno-omit-frame-pointer"]
+    if SANITIZE:
+        # -fno-sanitize-recover: undefined behaviour ends the process (a report nobody reads
+        # is no check); the runtime is GCC's shared libasan/libubsan, preloaded into Python.
+        # The optimization stays the shipped build's (-O3): the sanitizers check the code that
+        # runs, vectorized loops and their tails included; -g names the inlined frames.
+        # -fno-wrapv: CPython's CFLAGS, which every extension inherits, carry -fwrapv, under
+        # which a signed overflow is defined (it wraps) and UBSan never checks one; the C core
+        # is written to C11, where it is undefined, as the C test programs compile it.
+        cflags += ["-fsanitize=address,undefined", "-fno-sanitize-recover=undefined", "-fno-omit-frame-pointer", "-g",
+                   "-fno-wrapv"]
         ldflags += ["-fsanitize=address,undefined"]
     macros = [("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")]
     libdirs, libs, objs, incs = [], [], [blas["library"]], [blas["include"]]
@@ -242,6 +261,8 @@ def extension():
         "blas": blas["name"], "blas_library": blas["library"],
         "cflags": " ".join(cflags), "ldflags": " ".join(ldflags),
         "compiler": sysconfig.get_config_var("CC"),
+        # the sanitizers compiled in (DPCORE_SANITIZE=1), [] in a normal build
+        "sanitizers": ["address", "undefined"] if SANITIZE else [],
     }
     # one generated header and one object directory per variant, so that a
     # CPU-only build never links objects compiled for CUDA (or the reverse)

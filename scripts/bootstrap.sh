@@ -4,6 +4,7 @@
 #
 #   scripts/bootstrap.sh            # system packages (when root), .venv, pip install .
 #   VENV=/path/to/venv scripts/bootstrap.sh
+#   DPCORE_CUDA=0 DPCORE_MPI=0 DPCORE_SANITIZE=1 VENV=...   the build knobs of setup.py
 #
 # System packages: OpenBLAS (CBLAS, OpenMP build: the same libgomp our kernels
 # use, so BLAS and dpcore never run two competing thread pools), Debian's
@@ -54,4 +55,11 @@ else
 fi
 echo "bootstrap: building and installing dpcore"
 "$vpy" -m pip install -q --disable-pip-version-check --no-build-isolation $nodeps "$here"
-"$vpy" -c 'import dpcore, json; print("bootstrap: dpcore", dpcore.__version__, json.dumps(dpcore.build_info()["summary"]))'
+# A sanitized build (DPCORE_SANITIZE=1, make test-asan) loads only into a Python
+# that has the sanitizer runtime preloaded (AddressSanitizer must come first).
+preload=
+if [ "${DPCORE_SANITIZE:-0}" = 1 ]; then
+  preload="$(gcc -print-file-name=libasan.so) $(gcc -print-file-name=libubsan.so)"
+fi
+LD_PRELOAD="$preload" ASAN_OPTIONS=detect_leaks=0 \
+  "$vpy" -c 'import dpcore, json; print("bootstrap: dpcore", dpcore.__version__, json.dumps(dpcore.build_info()["summary"]))'

@@ -1,8 +1,11 @@
-"""The C core under AddressSanitizer, LeakSanitizer and UndefinedBehaviorSanitizer.
+"""The C core under AddressSanitizer, LeakSanitizer, UndefinedBehaviorSanitizer
+and ThreadSanitizer.
 
-tests/c/core_smoke.c drives the core without Python (so leak detection sees only
-dpcore's allocations); it is built here with -fsanitize=address,undefined and
-must exit 0 with no sanitizer report.
+The C programs of tests/c drive the core without Python (so leak detection sees
+only dpcore's allocations, with whole stacks); each is built here with
+-fsanitize=address,undefined (tsan_stress.c: -fsanitize=thread) and must exit 0
+with no sanitizer report. The whole suite, Python and binding included, runs
+under ASan and UBSan in `make test-asan` (scripts/sanitized-pytest.sh).
 """
 import os
 import shlex
@@ -24,7 +27,30 @@ def blas_paths():
     return None
 
 
-def build_and_run(tmp_path, program, core_sources, link_flags=()):
+# What scripts/sanitized-pytest.sh (make test-asan) sets for the Python
+# processes of its run; the compilers, mpirun and the C programs here run
+# without them (gcc's own leaks at exit would fail it under a preloaded
+# LeakSanitizer), each program with the options its test gives.
+SANITIZED_RUN = ("LD_PRELOAD", "ASAN_OPTIONS", "LSAN_OPTIONS", "UBSAN_OPTIONS", "TSAN_OPTIONS", "PYTHONMALLOC")
+
+
+def clean_env(**options):
+    env = {k: v for k, v in os.environ.items() if k not in SANITIZED_RUN}
+    env.update(options)
+    return env
+
+
+ASAN_UBSAN = ["-fsanitize=address,undefined", "-fno-sanitize-recover=undefined"]
+# the core of the replica threads (replicas, collectives, comm, mirrored runners), and the device registry's
+MIRRORED_CORE = ["backend_cpu.c", "backend_cuda.c", "collective.c", "comm.c", "dist.c", "mirrored.c", "layers.c",
+                 "model.c", "replica.c", "resident.c", "shapes.c", "status.c"]
+REGISTRY_CORE = ["backend_cpu.c", "backend_cuda.c", "device.c", "layers.c", "model.c", "resident.c", "shapes.c",
+                 "status.c"]
+
+
+def compile_program(tmp_path, program, core_sources, sanitizers, link_flags=()):
+    """tests/c/<program>.c with the named csrc/ files, built with the given
+    -fsanitize flags (and link_flags after the objects); returns the executable."""
     cc = shutil.which("gcc") or shutil.which("cc")
     paths = blas_paths()
     if cc is None or paths is None:
@@ -32,13 +58,17 @@ def build_and_run(tmp_path, program, core_sources, link_flags=()):
     inc, lib = paths
     exe = tmp_path / program
     sources = [os.path.join(ROOT, "tests", "c", program + ".c")] + [os.path.join(ROOT, "csrc", f) for f in core_sources]
-    cmd = [cc, "-std=c11", "-O1", "-g", "-fno-omit-frame-pointer", "-fsanitize=address,undefined",
-           "-fno-sanitize-recover=undefined", "-fopenmp", "-D_GNU_SOURCE", "-Wall", "-Wextra",
-           "-Wno-unused-parameter", "-Werror", "-I", os.path.join(ROOT, "csrc"), "-I", os.path.join(ROOT, "kernels"),
-           "-I", inc, *sources, lib, "-lm", *link_flags, "-o", str(exe)]
-    subprocess.run(cmd, check=True)
-    env = dict(os.environ, ASAN_OPTIONS="detect_leaks=1:abort_on_error=0:halt_on_error=1",
-               UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1", OMP_NUM_THREADS="2")
+    cmd = [cc, "-std=c11", "-O1", "-g", "-fno-omit-frame-pointer", *sanitizers, "-fopenmp", "-D_GNU_SOURCE", "-Wall",
+           "-Wextra", "-Wno-unused-parameter", "-Werror", "-I", os.path.join(ROOT, "csrc"), "-I",
+           os.path.join(ROOT, "kernels"), "-I", inc, *sources, lib, "-lm", *link_flags, "-o", str(exe)]
+    subprocess.run(cmd, check=True, env=clean_env())
+    return exe
+
+
+def build_and_run(tmp_path, program, core_sources, link_flags=()):
+    exe = compile_program(tmp_path, program, core_sources, ASAN_UBSAN, link_flags)
+    env = clean_env(ASAN_OPTIONS="detect_leaks=1:abort_on_error=0:halt_on_error=1",
+                    UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1", OMP_NUM_THREADS="2")
     proc = subprocess.run([str(exe)], capture_output=True, text=True, env=env, timeout=300)
     report = proc.stdout + proc.stderr
     assert proc.returncode == 0, report
@@ -66,8 +96,7 @@ def test_replica_threads_and_collectives_are_clean(tmp_path):
     label or row is refused before any replica starts; a step whose memory
     would grow after its warm-up is a reported error before any collective;
     everything joined and freed."""
-    build_and_run(tmp_path, "mirrored_smoke", ["backend_cpu.c", "backend_cuda.c", "collective.c", "comm.c", "dist.c", "mirrored.c",
-                                                "layers.c", "model.c", "replica.c", "resident.c", "shapes.c", "status.c"])
+    build_and_run(tmp_path, "mirrored_smoke", MIRRORED_CORE)
 
 
 def test_device_registry_is_clean(tmp_path):
@@ -76,8 +105,7 @@ def test_device_registry_is_clean(tmp_path):
     devices' core shares; a device made before a reconfiguration keeps
     working; gets, puts and step locks from four threads at once; nothing
     left alive or leaked."""
-    build_and_run(tmp_path, "device_registry", ["backend_cpu.c", "backend_cuda.c", "device.c", "layers.c", "model.c", "resident.c",
-                                                 "shapes.c", "status.c"], link_flags=["-lpthread"])
+    build_and_run(tmp_path, "device_registry", REGISTRY_CORE, link_flags=["-lpthread"])
 
 
 def test_every_failed_allocation_is_a_memory_error(tmp_path):
@@ -121,26 +149,16 @@ def test_mpi_processes_are_clean_under_asan_ubsan(tmp_path):
     six replicas bit for bit, digests included; a rank late for a barrier is
     a DP_ERR_DIST naming it on the others within seconds, and the job still
     ends cleanly. No sanitizer report, no leak of dpcore's."""
-    cc = shutil.which("gcc") or shutil.which("cc")
-    paths = blas_paths()
-    if cc is None or paths is None:
-        pytest.fail("the sanitizer build needs gcc and Debian's OpenBLAS (scripts/bootstrap.sh installs them)")
     mpicc, mpirun = shutil.which("mpicc"), shutil.which("mpirun")
     if mpicc is None or mpirun is None:
         pytest.fail("the MPI sanitizer test needs Open MPI's mpicc and mpirun (scripts/bootstrap.sh installs them)")
     mpi_compile = shlex.split(subprocess.run([mpicc, "-showme:compile"], check=True, capture_output=True,
-                                             text=True).stdout)
-    mpi_link = shlex.split(subprocess.run([mpicc, "-showme:link"], check=True, capture_output=True, text=True).stdout)
-    inc, lib = paths
-    exe = tmp_path / "dist_mpi"
-    core = ["backend_cpu.c", "backend_cuda.c", "collective.c", "comm.c", "dist.c", "mirrored.c", "layers.c", "model.c",
-            "replica.c", "resident.c", "shapes.c", "status.c"]
-    sources = [os.path.join(ROOT, "tests", "c", "dist_mpi.c")] + [os.path.join(ROOT, "csrc", f) for f in core]
-    cmd = [cc, "-std=c11", "-O1", "-g", "-fno-omit-frame-pointer", "-fsanitize=address,undefined",
-           "-fno-sanitize-recover=undefined", "-fopenmp", "-D_GNU_SOURCE", "-DDP_HAVE_MPI", "-Wall", "-Wextra",
-           "-Wno-unused-parameter", "-Werror", "-I", os.path.join(ROOT, "csrc"), "-I", os.path.join(ROOT, "kernels"),
-           "-I", inc, *mpi_compile, *sources, lib, "-lm", *mpi_link, "-lpthread", "-o", str(exe)]
-    subprocess.run(cmd, check=True)
+                                             text=True, env=clean_env()).stdout)
+    mpi_link = shlex.split(subprocess.run([mpicc, "-showme:link"], check=True, capture_output=True, text=True,
+                                          env=clean_env()).stdout)
+    # -D and -I apply to every source wherever they stand on gcc's command line
+    exe = compile_program(tmp_path, "dist_mpi", MIRRORED_CORE, ASAN_UBSAN,
+                          ["-DDP_HAVE_MPI", *mpi_compile, *mpi_link, "-lpthread"])
     suppressions = tmp_path / "lsan_open_mpi.supp"
     suppressions.write_text(MPI_LSAN_SUPPRESSIONS)
     # fast_unwind_on_malloc=0: Open MPI's libraries are built without frame
@@ -148,13 +166,57 @@ def test_mpi_processes_are_clean_under_asan_ubsan(tmp_path):
     # theirs shows only an address in a component that MPI_Finalize has
     # unloaded, which no suppression can name. The slow (DWARF) unwinder
     # records the whole stack, down to the MPI_* call; nothing else changes.
-    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
-               ASAN_OPTIONS="detect_leaks=1:abort_on_error=0:halt_on_error=1:fast_unwind_on_malloc=0",
-               LSAN_OPTIONS=f"suppressions={suppressions}",
-               UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1", OMP_NUM_THREADS="2")
+    env = clean_env(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+                    ASAN_OPTIONS="detect_leaks=1:abort_on_error=0:halt_on_error=1:fast_unwind_on_malloc=0",
+                    LSAN_OPTIONS=f"suppressions={suppressions}",
+                    UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1", OMP_NUM_THREADS="2")
     proc = subprocess.run([mpirun, "-np", "3", "--oversubscribe", "--bind-to", "none", str(exe)], capture_output=True,
                           text=True, env=env, timeout=300)
     report = proc.stdout + proc.stderr
     assert proc.returncode == 0, report
     assert proc.stdout.count("dist_mpi: ok") == 3, report
     assert "runtime error" not in report and "Sanitizer" not in report, report
+
+
+# OMP_NUM_THREADS=1 (and one thread per CPU device in the programs): GCC's
+# libgomp is not built with TSan, so the hand-offs inside a team of its threads
+# (the barrier that ends a parallel region) are invisible to it and every
+# parallel loop would be a reported race (with two threads per device it
+# reports cpu_conv2d_forward's loop against the BatchNorm sums that follow it).
+# dpcore's own threads and their synchronization are all seen; nothing is
+# suppressed.
+TSAN_ENV = {"TSAN_OPTIONS": "halt_on_error=1:second_deadlock_stack=1", "OMP_NUM_THREADS": "1"}
+
+
+def run_tsan_clean(exe, program):
+    proc = subprocess.run([str(exe)], capture_output=True, text=True, env=clean_env(**TSAN_ENV), timeout=300)
+    report = proc.stdout + proc.stderr
+    assert proc.returncode == 0, report
+    assert f"{program}: ok" in proc.stdout, report
+    assert "ThreadSanitizer" not in report, report
+
+
+def test_replica_threads_barriers_and_all_reduce_are_race_free_under_tsan(tmp_path):
+    """tests/c/tsan_stress.c built with -fsanitize=thread: replica groups of 2
+    to 8 threads through thousands of barriers (spinning and sleeping) and
+    all-reduces of every chunk shape, each result checked against the
+    rank-ordered fold; a replica failing at varying points while its peers
+    wait in the barrier, the all-reduce or the comm's collective interface,
+    the group reused after each; mirrored models made, trained and destroyed
+    for 2, 3 and 4 replicas, two runners stepping at once from two threads;
+    dp.all_reduce's kept groups from four threads at once, replaced while
+    others run. No ThreadSanitizer report. Its `race` mode writes one plain
+    int from two replica threads, which TSan must report: the check can fail."""
+    exe = compile_program(tmp_path, "tsan_stress", MIRRORED_CORE, ["-fsanitize=thread"], ["-lpthread"])
+    run_tsan_clean(exe, "tsan_stress")
+    proc = subprocess.run([str(exe), "race"], capture_output=True, text=True, env=clean_env(**TSAN_ENV), timeout=60)
+    assert proc.returncode != 0, proc.stdout + proc.stderr
+    assert "WARNING: ThreadSanitizer: data race" in proc.stderr and "race_rank" in proc.stderr, proc.stderr
+
+
+def test_device_registry_is_race_free_under_tsan(tmp_path):
+    """tests/c/device_registry.c (four threads getting and putting devices and
+    counting under a device's step lock, the registry reconfigured between)
+    under ThreadSanitizer: no report."""
+    exe = compile_program(tmp_path, "device_registry", REGISTRY_CORE, ["-fsanitize=thread"], ["-lpthread"])
+    run_tsan_clean(exe, "device_registry")

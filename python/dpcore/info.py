@@ -16,7 +16,8 @@ def build_info():
 
     Keys include ``cuda`` (compiled with CUDA), ``cuda_toolkit``, ``cuda_archs``,
     ``cudnn_found``, ``cublas_found``, ``nccl_found``, ``mpi_found``, ``blas``,
-    ``cflags``, ``openmp``, ``cpu_cores``, ``cuda_device_count``,
+    ``cflags``, ``sanitizers`` (``["address", "undefined"]`` in a build made
+    with DPCORE_SANITIZE=1, else ``[]``), ``openmp``, ``cpu_cores``, ``cuda_device_count``,
     ``cuda_devices`` (each physical GPU's name, memory_bytes and
     compute_capability), ``cuda_why`` (why no CUDA device is usable, e.g. no
     driver), and ``summary``, a one-line dict for logs.
@@ -30,4 +31,6 @@ def build_info():
         "openmp": info["openmp"],
         "cpu_cores": info["cpu_cores"],
     }
+    if info.get("sanitizers"):
+        info["summary"]["sanitizers"] = info["sanitizers"]
     return info
