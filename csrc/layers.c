@@ -12,6 +12,7 @@
 #include <string.h>
 
 #include "backend.h"
+#include "dp_limits.h"
 
 /* ---- shape inference, per kind ---------------------------------------------- */
 
@@ -29,11 +30,8 @@ static dp_status infer_conv2d(dp_layer *l, const dp_layer_arg_value *a, const in
 
 static dp_status infer_dense(dp_layer *l, const dp_layer_arg_value *a, const int *in2, const char *what) {
   const int64_t out = a[0].i;
-  if (out < 1) return DP_FAIL(DP_ERR_VALUE, "%s: out_features must be >= 1, got %lld", what, (long long)out);
   /* before the product, which saturates and so would be misreported */
-  if (out > INT_MAX)
-    return DP_FAIL(DP_ERR_VALUE, "%s: out_features %lld is larger than the largest supported size %d", what,
-                   (long long)out, INT_MAX);
+  DP_TRY(dp_size_arg_check(what, "out_features", out, 1, DP_MAX_CHANNELS));
   if (l->in_h != 1 || l->in_w != 1)
     return DP_FAIL(DP_ERR_VALUE, "%s: input is (%d, %d, %d); add a flatten layer first", what, l->in_c, l->in_h,
                    l->in_w);

@@ -10,6 +10,7 @@
 #include <time.h>
 
 #include "dist.h"
+#include "dp_limits.h"
 
 void dp_shard_range(int64_t n, int k, int r, int64_t *begin, int64_t *end) {
   const int64_t base = n / k, extra = n % k;
@@ -695,7 +696,7 @@ static dp_status run_step(dp_mirrored *m, const dp_batch *b, int evaluate_only, 
 
 dp_status dp_mirrored_train_step(dp_mirrored *m, const dp_batch *b, float lr, float momentum, float weight_decay,
                                  double *loss_sum, int64_t *correct) {
-  if (!(lr >= 0.0f)) return DP_FAIL(DP_ERR_VALUE, "learning rate must be >= 0, got %g", (double)lr);
+  DP_TRY(dp_sgd_args_check(lr, momentum, weight_decay)); /* on every replica alike, before any work */
   return run_step(m, b, 0, 1, lr, momentum, weight_decay, loss_sum, correct);
 }
 

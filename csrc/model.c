@@ -1,5 +1,7 @@
 #include "model.h"
 
+#include "dp_limits.h"
+
 #include <limits.h>
 #include <math.h>
 #include <stdio.h>
@@ -254,6 +256,9 @@ dp_status dp_model_finalize(dp_model *m) {
       off += (size + 15) & ~(int64_t)15;
     }
   }
+  if (off > DP_MAX_PARAMS || state > DP_MAX_PARAMS)
+    return DP_FAIL(DP_ERR_VALUE, "the model has %lld parameters and %lld running statistics; fewer than 2**31 of "
+                   "each are supported", (long long)off, (long long)state);
   m->nparams = off;
   m->nstate = state;
   /* a failure leaves no buffer behind, so that finalize may be called again */
@@ -313,7 +318,7 @@ static dp_status ensure_batch(dp_model *m, int64_t n) {
 /* Stage the batch on the device; labels are checked against the class count. */
 dp_status dp_model_load(dp_model *m, const dp_batch *b, int need_labels) {
   DP_TRY(require_finalized(m));
-  if (b->n < 0) return DP_FAIL(DP_ERR_VALUE, "batch size must be >= 0, got %lld", (long long)b->n);
+  DP_TRY(dp_size_arg_check("a batch", "the number of samples", b->n, 0, DP_MAX_BATCH));
   DP_TRY(ensure_batch(m, b->n > 0 ? b->n : 1));
   const dp_backend *be = m->dev->backend;
   const int64_t nx = b->n * (int64_t)m->in_c * m->in_h * m->in_w;
@@ -353,7 +358,7 @@ dp_status dp_model_check_labels(const dp_model *m, const int64_t *y, int64_t n, 
 
 dp_status dp_model_check_rows(const dp_model *m, const dp_resident *d, const int64_t *rows, int64_t n,
                               int64_t first) {
-  if (n < 0) return DP_FAIL(DP_ERR_VALUE, "batch size must be >= 0, got %lld", (long long)n);
+  DP_TRY(dp_size_arg_check("a batch", "the number of rows", n, 0, DP_MAX_BATCH));
   if (!d) return DP_FAIL(DP_ERR_VALUE, "%s has no resident dataset", m->dev->name);
   if (d->dev != m->dev)
     return DP_FAIL(DP_ERR_VALUE, "the resident dataset is on %s, the model on %s", d->dev->name, m->dev->name);
@@ -618,6 +623,7 @@ dp_status dp_model_forward_backward_loaded(dp_model *m, int64_t n, float grad_sc
                                            double *loss_sum, int64_t *correct) {
   DP_TRY(require_finalized(m));
   if (n > m->act_batch) return DP_FAIL(DP_ERR_VALUE, "forward_backward: %lld samples were not loaded", (long long)n);
+  DP_TRY(dp_grad_scale_check(grad_scale));
   /* a synchronized BatchNorm counts the global batch; its runner checks that */
   if (!dp_collective_syncs_batchnorm(coll)) DP_TRY(dp_model_check_batchnorm_batch(m, n));
   m->training = 1;
@@ -683,9 +689,7 @@ dp_status dp_model_guarded_step(dp_model *m, float lr, float momentum, float wei
 static dp_status sgd_step_guarded(dp_model *m, float lr, float momentum, float weight_decay,
                                         const float *guard) {
   DP_TRY(require_finalized(m));
-  if (!(lr >= 0.0f)) return DP_FAIL(DP_ERR_VALUE, "learning rate must be >= 0, got %g", (double)lr);
-  if (!(momentum >= 0.0f)) return DP_FAIL(DP_ERR_VALUE, "momentum must be >= 0, got %g", (double)momentum);
-  if (!(weight_decay >= 0.0f)) return DP_FAIL(DP_ERR_VALUE, "weight decay must be >= 0, got %g", (double)weight_decay);
+  DP_TRY(dp_sgd_args_check(lr, momentum, weight_decay));
   return m->dev->backend->sgd_update(m->dev, m->nparams, m->params, m->grads, m->velocity, lr, momentum, weight_decay,
                                      guard);
 }

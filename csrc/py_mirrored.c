@@ -156,7 +156,9 @@ static PyObject *Mirrored_train_step(MirroredObject *self, PyObject *args, PyObj
   static char *kwlist[] = {"images", "labels", "lr", "momentum", "weight_decay", NULL};
   PyObject *X, *Y;
   mirrored_work w = {.call = MIRRORED_TRAIN};
-  if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOf|ff", kwlist, &X, &Y, &w.lr, &w.momentum, &w.weight_decay))
+  double sgd[3] = {0.0, 0.0, 0.0};
+  if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOd|dd", kwlist, &X, &Y, &sgd[0], &sgd[1], &sgd[2]) ||
+      sgd_args_narrow(sgd, &w.lr, &w.momentum, &w.weight_decay) < 0)
     return NULL;
   return mirrored_batch(self, X, Y, &w);
 }
@@ -183,8 +185,9 @@ static PyObject *Mirrored_train_step_rows(MirroredObject *self, PyObject *args, 
   static char *kwlist[] = {"residents", "rows", "lr", "momentum", "weight_decay", NULL};
   PyObject *R, *rows_obj;
   mirrored_work w = {.call = MIRRORED_TRAIN};
-  if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOf|ff", kwlist, &R, &rows_obj, &w.lr, &w.momentum,
-                                   &w.weight_decay))
+  double sgd[3] = {0.0, 0.0, 0.0};
+  if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOd|dd", kwlist, &R, &rows_obj, &sgd[0], &sgd[1], &sgd[2]) ||
+      sgd_args_narrow(sgd, &w.lr, &w.momentum, &w.weight_decay) < 0)
     return NULL;
   if (!mirrored_ready(self)) return NULL;
   /* the step runs without the GIL: the tuple keeps every Resident (and its

@@ -136,12 +136,16 @@ static dp_status model_finalize_run(void *p) { return dp_model_finalize(p); }
  * the physical GPU of cuda:device_index. */
 static int Model_init(ModelObject *self, PyObject *args, PyObject *kwds) {
   static char *kwlist[] = {"input_shape", "layers", "threads", "device_index", "sources", "device_kind", "gpu", NULL};
-  int threads = 0, index = 0, gpu = -1;
-  int64_t shape[3];
+  int index = 0, gpu = -1;
+  int64_t shape[3], threads = 0;
   const char *kind = "cpu";
-  PyObject *shape_obj, *layers, *sources = Py_None;
-  if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO|iiOsi", kwlist, &shape_obj, &layers, &threads, &index, &sources,
+  PyObject *shape_obj, *layers, *sources = Py_None, *threads_obj = NULL;
+  if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO|OiOsi", kwlist, &shape_obj, &layers, &threads_obj, &index, &sources,
                                    &kind, &gpu))
+    return -1;
+  /* 64 bits first, so that 2**32 + 1 is refused rather than wrapped to 1 */
+  if (threads_obj && (int64_arg(threads_obj, "Model", "threads", &threads) < 0 ||
+                      check_status(dp_size_arg_check("Model", "threads", threads, 0, DP_MAX_THREADS)) < 0))
     return -1;
   if (input_shape_from(shape_obj, shape) < 0) return -1;
   /* busy: another thread's __init__ is creating the device right now */
@@ -150,11 +154,7 @@ static int Model_init(ModelObject *self, PyObject *args, PyObject *kwds) {
     PyErr_SetString(PyExc_RuntimeError, "Model is already initialized");
     return -1;
   }
-  if (threads < 0) {
-    PyErr_Format(PyExc_ValueError, "threads must be >= 0, got %d", threads);
-    return -1;
-  }
-  if (model_device_init(self, kind, index, threads, gpu) < 0) return -1;
+  if (model_device_init(self, kind, index, (int)threads, gpu) < 0) return -1;
   dp_status st = dp_model_create(self->device, shape[0], shape[1], shape[2], &self->model);
   if (st != DP_OK) return raise_from_status(st), -1;
   PyObject *seq = NULL, *srcs = NULL;
@@ -394,7 +394,9 @@ static PyObject *Model_train_step(ModelObject *self, PyObject *args, PyObject *k
   static char *kwlist[] = {"images", "labels", "lr", "momentum", "weight_decay", NULL};
   PyObject *X, *Y;
   model_work w = {.call = MODEL_TRAIN_STEP};
-  if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOf|ff", kwlist, &X, &Y, &w.lr, &w.momentum, &w.weight_decay))
+  double sgd[3] = {0.0, 0.0, 0.0};
+  if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOd|dd", kwlist, &X, &Y, &sgd[0], &sgd[1], &sgd[2]) ||
+      sgd_args_narrow(sgd, &w.lr, &w.momentum, &w.weight_decay) < 0)
     return NULL;
   return model_batch(self, X, Y, &w);
 }
@@ -403,7 +405,11 @@ static PyObject *Model_forward_backward(ModelObject *self, PyObject *args, PyObj
   static char *kwlist[] = {"images", "labels", "grad_scale", NULL};
   PyObject *X, *Y;
   model_work w = {.call = MODEL_FORWARD_BACKWARD};
-  if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOf", kwlist, &X, &Y, &w.grad_scale)) return NULL;
+  double grad_scale;
+  if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOd", kwlist, &X, &Y, &grad_scale) ||
+      check_status(dp_grad_scale_check(grad_scale)) < 0)
+    return NULL;
+  w.grad_scale = (float)grad_scale;
   return model_batch(self, X, Y, &w);
 }
 
@@ -426,7 +432,10 @@ static PyObject *Model_find_nonfinite(ModelObject *self, PyObject *args, PyObjec
 static PyObject *Model_sgd_step(ModelObject *self, PyObject *args, PyObject *kwds) {
   static char *kwlist[] = {"lr", "momentum", "weight_decay", NULL};
   model_work w = {.call = MODEL_SGD_STEP};
-  if (!PyArg_ParseTupleAndKeywords(args, kwds, "f|ff", kwlist, &w.lr, &w.momentum, &w.weight_decay)) return NULL;
+  double sgd[3] = {0.0, 0.0, 0.0};
+  if (!PyArg_ParseTupleAndKeywords(args, kwds, "d|dd", kwlist, &sgd[0], &sgd[1], &sgd[2]) ||
+      sgd_args_narrow(sgd, &w.lr, &w.momentum, &w.weight_decay) < 0)
+    return NULL;
   if (!model_ready(self)) return NULL;
   w.model = self->model;
   if (model_run_without_gil(self, model_work_run, &w) < 0) return NULL;
@@ -456,8 +465,9 @@ static PyObject *Model_train_step_rows(ModelObject *self, PyObject *args, PyObje
   static char *kwlist[] = {"resident", "rows", "lr", "momentum", "weight_decay", NULL};
   PyObject *R, *rows_obj;
   model_work w = {.call = MODEL_TRAIN_STEP};
-  if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOf|ff", kwlist, &R, &rows_obj, &w.lr, &w.momentum,
-                                   &w.weight_decay))
+  double sgd[3] = {0.0, 0.0, 0.0};
+  if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOd|dd", kwlist, &R, &rows_obj, &sgd[0], &sgd[1], &sgd[2]) ||
+      sgd_args_narrow(sgd, &w.lr, &w.momentum, &w.weight_decay) < 0)
     return NULL;
   if (!model_ready(self)) return NULL;
   /* R (held by the call's arguments) keeps the dataset alive */

@@ -214,6 +214,14 @@ int float64_arg(PyObject *obj, const char *what, const char *name, double *out) 
   return 0;
 }
 
+int sgd_args_narrow(const double in[3], float *lr, float *momentum, float *weight_decay) {
+  if (check_status(dp_sgd_args_check(in[0], in[1], in[2])) < 0) return -1;
+  *lr = (float)in[0];
+  *momentum = (float)in[1];
+  *weight_decay = (float)in[2];
+  return 0;
+}
+
 /* ---- module functions ------------------------------------------------------- */
 
 typedef struct {
@@ -487,7 +495,13 @@ PyMODINIT_FUNC PyInit__core(void) {
       PyModule_AddObjectRef(m, "Model", (PyObject *)&ModelType) < 0 ||
       PyModule_AddObjectRef(m, "Tensor", (PyObject *)&TensorType) < 0 ||
       PyModule_AddObjectRef(m, "Mirrored", (PyObject *)&MirroredType) < 0 ||
-      PyModule_AddObjectRef(m, "Resident", (PyObject *)&ResidentType) < 0) {
+      PyModule_AddObjectRef(m, "Resident", (PyObject *)&ResidentType) < 0 ||
+      /* the documented limits (csrc/dp_limits.h), for python/dpcore/_check.py */
+      PyModule_AddIntConstant(m, "MAX_THREADS", DP_MAX_THREADS) < 0 ||
+      PyModule_AddIntConstant(m, "MAX_CHANNELS", DP_MAX_CHANNELS) < 0 ||
+      PyModule_AddIntConstant(m, "MAX_DEVICES", DP_MAX_DEVICES) < 0 ||
+      PyModule_AddIntConstant(m, "MAX_PARAMS", DP_MAX_PARAMS) < 0 ||
+      PyModule_AddIntConstant(m, "MAX_BATCH", DP_MAX_BATCH) < 0) {
     Py_DECREF(m);
     return NULL;
   }

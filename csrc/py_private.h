@@ -34,6 +34,7 @@
 
 #include "backend.h"
 #include "device.h"
+#include "dp_limits.h"
 #include "mirrored.h"
 #include "model.h"
 
@@ -84,6 +85,11 @@ DP_PY_LOCAL PyObject *items_of(PyObject *obj, const char *what);
 DP_PY_LOCAL int int64_arg(PyObject *obj, const char *what, const char *name, int64_t *out);
 /* A real-number argument as a double; TypeError naming it when it is not one. */
 DP_PY_LOCAL int float64_arg(PyObject *obj, const char *what, const char *name, double *out);
+/* The SGD hyperparameters {lr, momentum, weight_decay} as parsed (format
+ * "d", so that a value beyond float32 is seen, not rounded to inf), checked
+ * by the core's dp_sgd_args_check and narrowed to floats: 0, or -1 with
+ * ValueError naming the bad one. */
+DP_PY_LOCAL int sgd_args_narrow(const double in[3], float *lr, float *momentum, float *weight_decay);
 
 /* ---- Model (py_model.c) ---------------------------------------------------- */
 

@@ -27,19 +27,20 @@ def test_conv_padding_that_overflows_int_is_a_value_error():
 
 
 def test_conv_output_over_int_max_values_per_sample_is_a_value_error():
-    with pytest.raises(ValueError, match=r"conv2d \(layer 0\): the output \(1073741824, 28, 28\)"):
-        dp.models.Sequential([("conv2d", 2**30, 1, 1, 0), ("flatten",), ("dense", 10)])
+    # the most channels (65536) at 256x256: 2**32 values
+    with pytest.raises(ValueError, match=r"conv2d \(layer 0\): the output \(65536, 256, 256\)"):
+        dp.models.Sequential([("conv2d", 65536, 1, 1, 0), ("flatten",), ("dense", 10)], input_shape=(1, 256, 256))
 
 
 def test_conv_weights_over_int_max_are_a_value_error():
-    # a (2**22, 1, 1) output, but 2**22 * 28 * 28 weights
-    with pytest.raises(ValueError, match=r"conv2d \(layer 0\): 3288334336 weights"):
-        dp.models.Sequential([("conv2d", 2**22, 28, 1, 0), ("flatten",), ("dense", 10)])
+    # a (65536, 1, 1) output, but 65536 * 256 * 28 * 28 weights
+    with pytest.raises(ValueError, match=r"conv2d \(layer 0\): 13153337344 weights"):
+        dp.models.Sequential([("conv2d", 65536, 28, 1, 0), ("flatten",), ("dense", 10)], input_shape=(256, 28, 28))
 
 
 def test_dense_weights_over_int_max_are_a_value_error():
-    with pytest.raises(ValueError, match=r"dense \(layer 1\): 841813590016 weights \(1073741824 x 784\)"):
-        dp.models.Sequential([("flatten",), ("dense", 2**30)])
+    with pytest.raises(ValueError, match=r"dense \(layer 1\): 4294967296 weights \(65536 x 65536\)"):
+        dp.models.Sequential([("flatten",), ("dense", 65536)], input_shape=(1, 256, 256))
 
 
 def test_model_input_over_int_max_values_is_a_value_error():
@@ -62,8 +63,21 @@ def test_pool_that_grows_past_int_max_is_a_value_error():
 def test_lenet_with_absurd_sizes():
     with pytest.raises(ValueError, match="model input"):
         dp.models.LeNet(in_channels=2**30)
-    with pytest.raises(ValueError, match=r"dense \(layer \d+\): \d+ weights"):
+    with pytest.raises(ValueError, match=r"dense \(layer \d+\): out_features 1073741824 is larger than the "
+                                         r"largest supported 65536"):
         dp.models.LeNet(num_classes=2**30)
+
+
+def test_the_channel_limit_is_65536():
+    """csrc/dp_limits.h: at most 65536 channels or output features per layer."""
+    assert dp._core.MAX_CHANNELS == 65536
+    net = dp.models.Sequential([("conv2d", 65536, 1, 1, 0), ("flatten",), ("dense", 2)], input_shape=(1, 1, 1))
+    assert net.num_params > 65536
+    with pytest.raises(ValueError, match=r"conv2d \(layer 0\): out_channels 65537 is larger than the largest "
+                                         r"supported 65536"):
+        dp.models.Sequential([("conv2d", 65537, 1, 1, 0), ("flatten",), ("dense", 2)], input_shape=(1, 1, 1))
+    with pytest.raises(ValueError, match=r"model input: channels 65537 is larger than the largest supported 65536"):
+        dp.models.Sequential([("flatten",), ("dense", 2)], input_shape=(65537, 1, 1))
 
 
 def test_largest_accepted_shapes_still_build():
