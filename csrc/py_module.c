@@ -183,7 +183,8 @@ PyObject *items_of(PyObject *obj, const char *what) {
 /* ---- arguments ------------------------------------------------------------- */
 
 int int64_arg(PyObject *obj, const char *what, const char *name, int64_t *out) {
-  if (!PyIndex_Check(obj)) {
+  /* True is an int to Python, but as a size it is a mistake, not a 1 */
+  if (!PyIndex_Check(obj) || PyBool_Check(obj)) {
     PyErr_Format(PyExc_TypeError, "%s: %s must be an integer, got %s", what, name, Py_TYPE(obj)->tp_name);
     return -1;
   }
@@ -199,6 +200,10 @@ int int64_arg(PyObject *obj, const char *what, const char *name, int64_t *out) {
 }
 
 int float64_arg(PyObject *obj, const char *what, const char *name, double *out) {
+  if (PyBool_Check(obj)) {
+    PyErr_Format(PyExc_TypeError, "%s: %s must be a real number, got bool", what, name);
+    return -1;
+  }
   double v = PyFloat_AsDouble(obj);
   if (v == -1.0 && PyErr_Occurred()) {
     if (PyErr_ExceptionMatches(PyExc_OverflowError)) { /* an int beyond a double's range */

@@ -61,11 +61,14 @@ def test_pool_that_grows_past_int_max_is_a_value_error():
 
 
 def test_lenet_with_absurd_sizes():
-    with pytest.raises(ValueError, match="model input"):
+    with pytest.raises(ValueError, match=r"in_channels must be an int in \[1, 65536\], got 1073741824"):
         dp.models.LeNet(in_channels=2**30)
+    with pytest.raises(ValueError, match=r"num_classes must be an int in \[1, 65536\], got 1073741824"):
+        dp.models.LeNet(num_classes=2**30)
+    # the C core's check under it
     with pytest.raises(ValueError, match=r"dense \(layer \d+\): out_features 1073741824 is larger than the "
                                          r"largest supported 65536"):
-        dp.models.LeNet(num_classes=2**30)
+        dp.models.Sequential(dp.models.LeNet._architecture(2**30, 1)["layers"])
 
 
 def test_the_channel_limit_is_65536():
@@ -76,8 +79,10 @@ def test_the_channel_limit_is_65536():
     with pytest.raises(ValueError, match=r"conv2d \(layer 0\): out_channels 65537 is larger than the largest "
                                          r"supported 65536"):
         dp.models.Sequential([("conv2d", 65537, 1, 1, 0), ("flatten",), ("dense", 2)], input_shape=(1, 1, 1))
-    with pytest.raises(ValueError, match=r"model input: channels 65537 is larger than the largest supported 65536"):
+    with pytest.raises(ValueError, match=r"input_shape\[0\] \(channels\) must be an int in \[1, 65536\], got 65537"):
         dp.models.Sequential([("flatten",), ("dense", 2)], input_shape=(65537, 1, 1))
+    with pytest.raises(ValueError, match=r"model input: channels 65537 is larger than the largest supported 65536"):
+        dp._core.Model((65537, 1, 1), [("flatten",), ("dense", 2)])
 
 
 def test_largest_accepted_shapes_still_build():
@@ -130,22 +135,25 @@ def test_single_ops_accept_the_largest_int_stride():
     assert dp.ops.max_pool2d(X, 2, stride=INT_MAX).shape == (1, 1, 1, 1)
 
 
+# the C core's own checks, under dp.ops' (python/dpcore/_check.py; tests/test_bad_calls.py)
 @pytest.mark.parametrize("op, match", [
-    pytest.param(lambda: dp.ops.conv2d(X, W, stride=2**40), "conv2d: stride 1099511627776 is larger than",
+    pytest.param(lambda: dp._core.conv2d_forward(X, W, None, 2**40, 0), "conv2d: stride 1099511627776 is larger than",
                  id="conv2d-stride-2**40"),
-    pytest.param(lambda: dp.ops.conv2d(X, W, padding=2**31), "conv2d: padding 2147483648 is larger than",
+    pytest.param(lambda: dp._core.conv2d_forward(X, W, None, 1, 2**31), "conv2d: padding 2147483648 is larger than",
                  id="conv2d-padding-2**31"),
     # H + 2 * padding overflowed an int here once; the output is what is too large
     pytest.param(lambda: dp.ops.conv2d(X, W, padding=2**30), r"conv2d: the output \(2, 2147483654, 2147483654\)",
                  id="conv2d-padding-2**30"),
-    pytest.param(lambda: dp.ops.avg_pool2d(X, 2**40), "avg_pool2d: kernel 1099511627776 is larger than",
-                 id="avg_pool2d-kernel-2**40"),
-    pytest.param(lambda: dp.ops.max_pool2d(X, 2, stride=2**40), "max_pool2d: stride 1099511627776 is larger than",
+    pytest.param(lambda: dp._core.avg_pool2d_forward(X, 2**40, 2**40, 0), "avg_pool2d: kernel 1099511627776 is larger "
+                 "than", id="avg_pool2d-kernel-2**40"),
+    pytest.param(lambda: dp._core.max_pool2d_forward(X, 2, 2**40, 0), "max_pool2d: stride 1099511627776 is larger than",
                  id="max_pool2d-stride-2**40"),
-    pytest.param(lambda: dp.ops.max_pool2d_backward(X, X, 2, padding=2**80), "max_pool2d: padding .* is out of range",
+    pytest.param(lambda: dp._core.max_pool2d_backward(X, X, 2, 2, 2**80), "max_pool2d: padding .* is out of range",
                  id="max_pool2d_backward-padding-2**80"),
-    pytest.param(lambda: dp.ops.conv2d_backward(X, W, np.ones((1, 2, 6, 6), np.float32), stride=-2**70),
+    pytest.param(lambda: dp._core.conv2d_backward(X, W, np.ones((1, 2, 6, 6), np.float32), -2**70, 0),
                  "conv2d: stride .* is out of range", id="conv2d_backward-stride--2**70"),
+    pytest.param(lambda: dp.ops.conv2d(X, W, stride=2**40), r"stride must be an int in \[1, 2147483647\], got "
+                 "1099511627776", id="ops.conv2d-stride-2**40"),
 ])
 def test_single_op_sizes_over_int_max_are_value_errors(op, match):
     with pytest.raises(ValueError, match=match):

@@ -65,7 +65,7 @@ from collections import OrderedDict, namedtuple
 
 import numpy as np
 
-from . import _core
+from . import _check, _core
 from .errors import DataError
 
 __all__ = ["FORMAT", "MAX_HEADER_BYTES", "save", "load", "read"]
@@ -514,7 +514,8 @@ def _parse(data, where="<bytes>", allow_nonfinite=False):
 def read(path, allow_nonfinite=False):
     """(architecture, OrderedDict name -> float32 array) of a checkpoint file,
     checked as :func:`load` checks it, without building a model."""
-    where = os.fsdecode(path)  # a str for messages (a bytes path decodes reversibly)
+    where = _check.path("path", path)  # a str for messages (a bytes path decodes reversibly)
+    allow_nonfinite = _check.boolean("allow_nonfinite", allow_nonfinite)
     with open(where, "rb") as f:
         data = f.read()
     return _parse(data, where, allow_nonfinite)
@@ -533,12 +534,12 @@ def _read_exactly(f, offset, view, where):
 
 def load(path, devices=None, allow_nonfinite=False):
     """A model saved with ``net.save(path)``; see :func:`dpcore.models.load`."""
-    from .devices import check_device
     from .models import _CLASSES, _SKIP_INIT, Sequential
 
-    where = os.fsdecode(path)  # a str for messages (a bytes path decodes reversibly)
+    where = _check.path("path", path)  # a str for messages (a bytes path decodes reversibly)
+    allow_nonfinite = _check.boolean("allow_nonfinite", allow_nonfinite)
     if devices is not None:  # so that the file is not blamed for a bad argument
-        devices = [check_device(d) for d in devices]
+        devices = _check.devices("devices", devices)
     with open(where, "rb") as f:
         file_bytes = os.fstat(f.fileno()).st_size
         n = _header_length(f.read(8), file_bytes, where)
@@ -595,7 +596,7 @@ def _encode(arch, tensors):
 
 def save(net, path):
     """Write net's architecture and tensors to path, atomically (see the module's docstring)."""
-    where = os.fsdecode(path)  # a str for messages (a bytes path decodes reversibly)
+    where = _check.path("path", path)  # a str for messages (a bytes path decodes reversibly)
     arch = architecture(net)
     try:
         _plan(dict(arch), where)  # what load would refuse is not written

@@ -23,7 +23,6 @@ from __future__ import annotations
 import errno
 import io
 import math
-import numbers
 import os
 import stat
 import struct
@@ -32,6 +31,7 @@ from typing import Callable, Dict, Iterator, Optional, Tuple, Union
 
 import numpy as np
 
+from . import _check
 from .errors import DataError
 
 __all__ = ["read_idx", "load_fashion_mnist", "from_arrays", "ArrayIterator", "FASHION_MNIST_LABELS",
@@ -114,7 +114,10 @@ def read_idx(path: PathLike, *, max_bytes: Optional[int] = IDX_MAX_BYTES) -> np.
             or not matching the data, a truncated or corrupt gzip stream, a
             gzip CRC mismatch, several gzip members, trailing bytes).
     """
-    return _read_idx_path(os.fspath(path), max_bytes, None)
+    path = _check.path("path", path)
+    if max_bytes is not None:
+        max_bytes = _check.integer("max_bytes", max_bytes, 0)
+    return _read_idx_path(path, max_bytes, None)
 
 
 def _read_idx_path(name: str, max_bytes: Optional[int], check_header: Optional[HeaderCheck]) -> np.ndarray:
@@ -474,8 +477,8 @@ class ArrayIterator:
                 f"X and y must have the same length; got {len(self.X)} examples "
                 f"and {len(self.y)} labels")
         self.batch_size = _check_batch_size(batch_size)
-        self.shuffle = bool(shuffle)
-        self.drop_last = bool(drop_last)
+        self.shuffle = _check.boolean("shuffle", shuffle)
+        self.drop_last = _check.boolean("drop_last", drop_last)
         # a drawn seed differs between the processes of a job: dp.train gives
         # them rank 0's (a seed the user chose is theirs to keep equal)
         self.seed_drawn = seed is None and self.shuffle
@@ -557,7 +560,7 @@ def from_arrays(X, y, batch_size: int, shuffle: bool = False, seed: Optional[int
             (N, 1, H, W). dtype uint8 or float32 is kept; float16 and float64
             are converted to float32 once, here.
         y: labels, shape (N,), any integer dtype, non-negative; kept as int64.
-        batch_size: positive int.
+        batch_size: positive int, fewer than 2**31.
         shuffle: visit the examples in a new random order each epoch.
         seed: non-negative int seeding the shuffles; None draws one (stored in
             the iterator's ``seed``).
@@ -617,19 +620,11 @@ def _as_labels(y) -> np.ndarray:
 
 def _check_batch_size(batch_size) -> int:
     # bool is an int subclass, but batch_size=True is a mistake, not a 1.
-    if isinstance(batch_size, bool) or not isinstance(batch_size, numbers.Integral):
-        raise TypeError(f"batch_size must be an int; got {type(batch_size).__name__}")
-    if batch_size < 1:
-        raise ValueError(f"batch_size must be at least 1; got {batch_size}")
-    return int(batch_size)
+    return _check.integer("batch_size", batch_size, 1, _check.MAX_BATCH)
 
 
 def _check_seed(seed) -> int:
-    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
-        raise TypeError(f"seed must be an int or None; got {type(seed).__name__}")
-    if seed < 0:
-        raise ValueError(f"seed must be non-negative; got {seed}")
-    return int(seed)
+    return _check.integer("seed", seed, 0)
 
 
 # ---------------------------------------------------------------------------
@@ -694,6 +689,9 @@ def load_fashion_mnist(batch_size: int, root: Optional[PathLike] = None, *,
             and label counts that differ. The message names the file.
     """
     _check_batch_size(batch_size)
+    _check_seed(seed)
+    if root is not None:
+        _check.path("root", root)
     train_X, train_y, test_X, test_y = _load_fashion_mnist_arrays(root)
     train_iter = ArrayIterator(train_X, train_y, batch_size, shuffle=True, seed=seed)
     test_iter = ArrayIterator(test_X, test_y, batch_size, shuffle=False)
@@ -723,7 +721,7 @@ def _load_fashion_mnist_arrays(root: Optional[PathLike]) -> Tuple[np.ndarray, ..
 def _resolve_fashion_mnist_root(root: Optional[PathLike]) -> Tuple[str, str]:
     """Return the data directory and where it came from (for error messages)."""
     if root is not None:
-        return os.fspath(root), "the root= argument"
+        return _check.path("root", root), "the root= argument"
     from_environment = os.environ.get("DPCORE_DATA")
     if from_environment:
         return from_environment, "the DPCORE_DATA environment variable"

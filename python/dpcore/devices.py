@@ -17,7 +17,7 @@ use and shared by every model and tensor on it. This module is its Python face.
 """
 import warnings
 
-from . import _core
+from . import _check, _core
 
 __all__ = ["list_devices", "set_logical_devices", "device_threads", "check_device"]
 
@@ -28,16 +28,15 @@ def _cores():
 
 def set_logical_devices(kind, count):
     """Split the CPU into ``count`` logical devices ``cpu:0 .. cpu:{count-1}``,
-    or (kind 'cuda') each physical GPU into ``count`` logical GPUs.
+    or (kind 'cuda') each physical GPU into ``count`` logical GPUs; at most 64
+    devices of a kind (README, "Limits").
 
     Models and tensors made before keep the devices they were made on (with
     the cores or GPU those were made with) until they are released; models
     and tensors made afterwards get the new mapping.
     """
-    if kind not in ("cpu", "cuda"):
-        raise ValueError(f"logical devices can be set for 'cpu' or 'cuda', got {kind!r}")
-    if isinstance(count, bool) or not isinstance(count, int):
-        raise TypeError(f"count must be an int, got {type(count).__name__}")
+    kind = _check.one_of("kind", kind, ("cpu", "cuda"))
+    count = _check.integer("count", count, 1, _check.MAX_DEVICES)
     _core.set_logical_devices(kind, count)  # ValueError: a count out of range, or logical GPUs without a GPU
     if kind == "cpu" and count > _cores():
         warnings.warn(f"{count} logical CPU devices on {_cores()} cores: each gets one thread and they share cores",
@@ -54,15 +53,10 @@ def list_devices():
     return [d[0] for d in _core.list_devices()]
 
 
-def check_device(name):
-    """The canonical name of a device ('cpu' means 'cpu:0'); ValueError if unknown."""
-    if not isinstance(name, str):
-        raise TypeError(f"a device is named by a string like 'cpu:0', got {type(name).__name__}")
-    canonical = name if ":" in name else name + ":0"
-    if canonical not in list_devices():
-        raise ValueError(f"unknown device {name!r}; the devices are {list_devices()} "
-                         f"(dp.set_logical_devices('cpu', k) makes more CPU devices)")
-    return canonical
+def check_device(name, argument="device"):
+    """The canonical name of a device ('cpu' means 'cpu:0'); ValueError naming
+    `argument` if unknown."""
+    return _check.device(argument, name)
 
 
 def device_index(name):

@@ -24,6 +24,7 @@ import sys
 import tempfile
 import threading
 
+from . import _check
 from .errors import DistributedError
 
 __all__ = ["launch"]
@@ -68,21 +69,19 @@ def launch(fn, num_processes=2, args=(), kwargs=None, timeout=None, mpirun="mpir
     cores (``--bind-to none``): dpcore sizes its threads for the cores they
     share.
     """
+    _check.callable_("fn", fn)
+    num_processes = _check.integer("num_processes", num_processes, 1, 4096)
+    args = _check.sequence("args", args, "a tuple or list")
+    if kwargs is not None and not isinstance(kwargs, dict):
+        _check.fail(TypeError, "kwargs", "a dict or None", kwargs)
+    if timeout is not None:
+        timeout = _check.real("timeout", timeout, 0, allow_minimum=False)
+    mpirun = _check.string("mpirun", mpirun)
+    mpirun_args = _check.sequence("mpirun_args", mpirun_args, "a list of strings, e.g. ['--hostfile', 'hosts']")
+    for i, a in enumerate(mpirun_args):
+        _check.string(f"mpirun_args[{i}]", a)
     import cloudpickle
 
-    if not callable(fn):
-        raise TypeError(f"fn must be callable, got {type(fn).__name__}")
-    if isinstance(num_processes, bool) or not isinstance(num_processes, int) or num_processes < 1:
-        raise ValueError(f"num_processes must be an int >= 1, got {num_processes!r}")
-    if not isinstance(args, (tuple, list)):
-        raise TypeError(f"args must be a tuple, got {type(args).__name__}")
-    if kwargs is not None and not isinstance(kwargs, dict):
-        raise TypeError(f"kwargs must be a dict, got {type(kwargs).__name__}")
-    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or
-                                not timeout > 0):
-        raise ValueError(f"timeout must be a number of seconds > 0 or None, got {timeout!r}")
-    if isinstance(mpirun_args, str):
-        raise TypeError("mpirun_args must be a list of strings, e.g. ['--hostfile', 'hosts']")
     path = shutil.which(mpirun)
     if path is None:
         raise DistributedError(f"dp.launch needs {mpirun!r} on PATH (Debian: apt-get install openmpi-bin)")

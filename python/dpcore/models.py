@@ -10,9 +10,9 @@ from collections import OrderedDict, namedtuple
 
 import numpy as np
 
-from . import _core, checkpoint
+from . import _check, _core, checkpoint
 from .batches import as_images, as_labels
-from .devices import check_device, device_gpu, device_index, device_kind, device_threads
+from .devices import device_gpu, device_index, device_kind, device_threads
 from .parallel import Tensor
 from .strategy import DEFAULT_BUCKET_MB, check_all_reduce_options, get_strategy
 
@@ -69,25 +69,36 @@ class Sequential:
         LeNet); 'torch' is PyTorch's default (uniform in +-1/sqrt(fan_in) for
         weights and biases). BatchNorm starts at gamma 1, beta 0. Each tensor's
         rule per mode is in :func:`layer_kinds`.
-    devices: where the replicas live; default: the active strategy's devices
-        (``with strategy.scope():``), else ``['cpu:0']``. threads: cores per
-        replica (default: the device's share).
+    devices: where the replicas live, a device name or a list of them; default:
+        the active strategy's devices (``with strategy.scope():``), else
+        ``['cpu:0']``. threads: cores per replica, at most 256 (default 0: the
+        device's share).
     sync_batchnorm: with several replicas, normalise with the statistics of the
         whole global batch (SyncBatchNorm) instead of each replica's shard.
     all_reduce, bucket_mb: how the replicas' gradients are all-reduced; default:
         the active strategy's (see :class:`dpcore.MirroredStrategy`), else
         ``'auto'`` and 25.
+
+    Limits (README, "Limits"): at most 65536 channels or output features per
+    layer, fewer than 2**31 parameters, at most 64 devices.
     """
 
     def __init__(self, layers, input_shape=(1, 28, 28), init_std=0.01, seed=0, threads=0, devices=None,
                  sources=None, names=None, init="normal", sync_batchnorm=False, all_reduce=None, bucket_mb=None):
-        self._specs = [tuple(spec) for spec in layers]
-        self._sources = None if sources is None else list(sources)
-        self._names = [str(i) for i in range(len(self._specs))] if names is None else list(names)
-        if len(self._names) != len(self._specs):
-            raise ValueError(f"names must have one entry per layer ({len(self._specs)}), got {len(self._names)}")
-        if init is not _SKIP_INIT and init not in _INIT_MODES:
-            raise ValueError(f"init must be one of {', '.join(map(repr, _INIT_MODES))}, got {init!r}")
+        self._specs = self._check_layers(layers)
+        input_shape = _check.shape("input_shape", input_shape, ("channels", "height", "width"), (_check.MAX_CHANNELS,))
+        init_std = _check.real("init_std", init_std, 0)
+        seed = _check.integer("seed", seed, 0)
+        threads = _check.integer("threads", threads, 0, _check.MAX_THREADS)
+        self._sources = None if sources is None else _check.sequence("sources", sources, "a list with one entry per "
+                                                                     "layer", len(self._specs))
+        self._names = [str(i) for i in range(len(self._specs))] if names is None else \
+            _check.sequence("names", names, "a list of strings with one entry per layer", len(self._specs))
+        for i, name in enumerate(self._names):
+            _check.string(f"names[{i}]", name)
+        if init is not _SKIP_INIT:
+            _check.one_of("init", init, _INIT_MODES)
+        sync_batchnorm = _check.boolean("sync_batchnorm", sync_batchnorm)
         strategy = get_strategy()
         if devices is None:
             devices = strategy.devices if strategy is not None else ["cpu:0"]
@@ -96,9 +107,7 @@ class Sequential:
         if bucket_mb is None:
             bucket_mb = strategy.bucket_mb if strategy is not None else DEFAULT_BUCKET_MB
         all_reduce, bucket_mb = check_all_reduce_options(all_reduce, bucket_mb)
-        devices = [check_device(d) for d in devices]
-        if len(set(devices)) != len(devices):
-            raise ValueError(f"a device appears twice in {devices}")
+        devices = _check.devices("devices", devices)
         # across the processes of an MPI job (MultiWorkerMirroredStrategy): the
         # seconds to wait for another process; 0 within one process
         self._timeout = strategy.timeout if strategy is not None and strategy._across else 0.0
@@ -110,7 +119,7 @@ class Sequential:
             for d in devices
         ]
         self._model = self._replicas[0]
-        self.sync_batchnorm = bool(sync_batchnorm)
+        self.sync_batchnorm = sync_batchnorm
         self._mirrored = (_core.Mirrored(self._replicas, self.sync_batchnorm, all_reduce, int(bucket_mb * 2**20),
                                          self._timeout)
                           if len(self._replicas) > 1 or self._timeout else None)
@@ -120,6 +129,19 @@ class Sequential:
             self._init_params(init, init_std, seed)
         if self._timeout:
             self._mirrored.broadcast_across()  # rank 0's parameters everywhere, checked
+
+    @staticmethod
+    def _check_layers(layers):
+        """The layer specs as tuples ('kind', args...); the arguments are the C
+        core's to check (it names the layer and the argument)."""
+        specs = _check.sequence("layers", layers, "a non-empty list of layer tuples like ('dense', 10)")
+        if not specs:
+            raise ValueError("layers must be a non-empty list of layer tuples like ('dense', 10), got []")
+        for i, spec in enumerate(specs):
+            if not isinstance(spec, (tuple, list)) or not spec:
+                _check.fail(TypeError, f"layers[{i}]", "a tuple like ('dense', 10)", spec)
+            _check.one_of(f"layers[{i}][0] (the layer kind)", spec[0], tuple(_LAYER_KINDS))
+        return [tuple(spec) for spec in specs]
 
     def _init_params(self, init, init_std, seed):
         """Each parameter tensor by its kind's rule for this init mode, drawn
@@ -273,6 +295,8 @@ class Sequential:
         shapes; PyTorch's num_batches_tracked entries are ignored) or a list in order."""
         entries = self._entries()
         names = [e[0] for e in entries]
+        if not isinstance(weights, (dict, list, tuple)):
+            _check.fail(TypeError, "weights", "a dict name -> array or a list of arrays", weights)
         if isinstance(weights, dict):
             given = {k: v for k, v in weights.items() if not str(k).endswith("num_batches_tracked")}
             missing = [n for n in names if n not in given]
@@ -283,15 +307,14 @@ class Sequential:
         else:
             values = list(weights)
             if len(values) != len(names):
-                raise ValueError(f"expected {len(names)} arrays ({', '.join(names)}), got {len(values)}")
+                raise ValueError(f"weights must be a list of {len(names)} arrays ({', '.join(names)}), "
+                                 f"got {len(values)}")
         buffers = {"params": self._model.get_params(), "state": self._model.get_state()}
         for (name, buffer, offset, shape), value in zip(entries, values):
-            a = np.asarray(value)
-            if a.dtype.kind not in "fiu":
-                raise TypeError(f"{name}: expected a real array, got dtype {a.dtype}")
+            a = _check.array(f"weights[{name!r}]", value)
             if tuple(a.shape) != tuple(shape):
-                raise ValueError(f"{name}: expected shape {tuple(shape)}, got {tuple(a.shape)}")
-            buffers[buffer][offset:offset + a.size] = a.astype(np.float32).ravel()
+                raise ValueError(f"weights[{name!r}] must have shape {tuple(shape)}, got {tuple(a.shape)}")
+            buffers[buffer][offset:offset + a.size] = _check.float32_values(f"weights[{name!r}]", a).ravel()
         self._load_buffers(buffers["params"], buffers["state"])
 
     def _load_buffers(self, params, state):
@@ -337,17 +360,21 @@ class Sequential:
     def _labelled_batches(self, data, what):
         """The (images, labels) batches of a dataset iterator, checked and converted."""
         if isinstance(data, np.ndarray):
-            raise TypeError(f"{what} needs labels: pass an iterator of (images, labels) batches, e.g. "
-                            f"dp.data.from_arrays(X, y, batch_size), not an array")
+            raise TypeError(f"{what} must be an iterable of (images, labels) batches, e.g. "
+                            f"dp.data.from_arrays(X, y, batch_size), got an array (it has no labels)")
+        _check.iterable(what, data, "an iterable of (images, labels) batches, e.g. dp.data.from_arrays(X, y, "
+                                    "batch_size)")
         for batch in data:
             if not (isinstance(batch, tuple) and len(batch) == 2):
                 raise TypeError(f"{what}: a data iterator must yield (images, labels) pairs")
             X, y = batch
-            X = as_images(X, self.input_shape)
-            yield X, as_labels(y, len(X))
+            X = as_images(X, self.input_shape, what)
+            yield X, as_labels(y, len(X), what)
 
     def predict(self, X, batch_size=1024):
-        """Logits (N, num_classes) as float32 for images (N, C, H, W) or (N, H, W)."""
+        """Logits (N, num_classes) as float32 for images (N, C, H, W) or (N, H, W),
+        batch_size (at most 2**31 - 1) images at a time."""
+        batch_size = _check.integer("batch_size", batch_size, 1, _check.MAX_BATCH)
         X = as_images(X, self.input_shape)
         if len(X) == 0:
             return np.zeros((0, self.num_classes), dtype=np.float32)
@@ -356,13 +383,13 @@ class Sequential:
     def evaluate(self, data_iter):
         """Mean loss and accuracy over a dataset iterator: Metrics(loss, accuracy, num_examples)."""
         loss, correct, n = 0.0, 0, 0
-        for X, y in self._labelled_batches(data_iter, "evaluate"):
+        for X, y in self._labelled_batches(data_iter, "data_iter"):
             batch_loss, batch_correct = (self._mirrored or self._model).evaluate(X, y)
             loss += batch_loss
             correct += batch_correct
             n += len(y)
         if n == 0:
-            raise ValueError("evaluate: the dataset is empty")
+            raise ValueError("data_iter must yield at least one sample, got an empty dataset")
         return Metrics(loss / n, correct / n, n)
 
     def make_resident(self, X, y):
@@ -377,7 +404,10 @@ class Sequential:
     def train_step_rows(self, residents, rows, lr, momentum=0.0, weight_decay=0.0):
         """One SGD step on rows ``rows`` (int64 indices) of the dataset made
         resident by :meth:`make_resident`. Returns (loss_sum, correct)."""
-        rows = np.ascontiguousarray(rows, dtype=np.int64)
+        if not isinstance(residents, (list, tuple)) or len(residents) != len(self._replicas):
+            _check.fail(TypeError, "residents", f"the list of {len(self._replicas)} from make_resident", residents)
+        rows = np.ascontiguousarray(_check.array("rows", rows, kinds="iu", ndim=1), dtype=np.int64)
+        lr, momentum, weight_decay = _check.sgd(lr, momentum, weight_decay)
         if self._mirrored is not None:
             return self._mirrored.train_step_rows(residents, rows, lr, momentum, weight_decay)
         return self._model.train_step_rows(residents[0], rows, lr, momentum, weight_decay)
@@ -386,6 +416,7 @@ class Sequential:
         """One SGD step on a batch (mean loss). Returns (loss_sum, correct).
         A loss that is not finite on any replica raises FloatingPointError
         naming the replicas, and the step applies no update."""
+        lr, momentum, weight_decay = _check.sgd(lr, momentum, weight_decay)
         X = as_images(X, self.input_shape)
         return (self._mirrored or self._model).train_step(X, as_labels(y, len(X)), lr, momentum, weight_decay)
 
@@ -407,6 +438,8 @@ class LeNet(Sequential):
 
     def __init__(self, num_classes=10, in_channels=1, seed=0, threads=0, devices=None, all_reduce=None,
                  bucket_mb=None):
+        num_classes = _check.integer("num_classes", num_classes, 1, _check.MAX_CHANNELS)
+        in_channels = _check.integer("in_channels", in_channels, 1, _check.MAX_CHANNELS)
         arch = self._architecture(num_classes, in_channels)
         super().__init__(arch["layers"], input_shape=arch["input_shape"], init_std=0.01, seed=seed, threads=threads,
                          devices=devices, all_reduce=all_reduce, bucket_mb=bucket_mb)
@@ -440,6 +473,9 @@ class ResNet18(Sequential):
 
     def __init__(self, num_classes=10, in_channels=1, seed=0, threads=0, devices=None, sync_batchnorm=False,
                  input_size=28, all_reduce=None, bucket_mb=None):
+        num_classes = _check.integer("num_classes", num_classes, 1, _check.MAX_CHANNELS)
+        in_channels = _check.integer("in_channels", in_channels, 1, _check.MAX_CHANNELS)
+        input_size = _check.integer("input_size", input_size, 1, _check.MAX_INT)
         arch = self._architecture(num_classes, in_channels, input_size)
         super().__init__(arch["layers"], input_shape=arch["input_shape"], seed=seed, threads=threads, devices=devices,
                          sources=arch["sources"], names=arch["names"], init="torch", sync_batchnorm=sync_batchnorm,
@@ -523,12 +559,13 @@ class Replica:
     def forward_backward(self, X, y, grad_scale):
         """Forward and backward on a shard; the replica's gradient buffer becomes
         grad_scale * (sum of the shard's per-sample gradients). Returns (loss_sum, correct)."""
+        grad_scale = _check.real("grad_scale", grad_scale, float32=True)
         X = as_images(_host(X), self._net.input_shape)
         return self._model.forward_backward(X, as_labels(_host(y), len(X)), grad_scale)
 
     def sgd_step(self, lr, momentum=0.0, weight_decay=0.0):
         """One SGD step from this replica's gradient buffer."""
-        self._model.sgd_step(lr, momentum, weight_decay)
+        self._model.sgd_step(*_check.sgd(lr, momentum, weight_decay))
 
     def __repr__(self):
         return f"Replica(device='{self.device}')"
