@@ -21,6 +21,8 @@ import threading
 
 import pytest
 
+from dpcore import DataError
+
 # the names every snippet may use; made once per worker
 PRELUDE = textwrap.dedent("""
     import math
@@ -223,6 +225,10 @@ BAD = [
     ("dp.models.load('x.safetensors', devices=[])", V, "devices"),
     ("dp.models.load('x.safetensors', devices=['cpu:5'])", V, "devices"),
     ("dp.models.load('x.safetensors', allow_nonfinite=1)", T, "allow_nonfinite"),
+    # a checkpoint whose 'dpcore' metadata is a JSON list: the file is blamed, not a crash
+    ("import json, os, struct, tempfile; p = os.path.join(tempfile.mkdtemp(), 'm.safetensors');"
+     " h = json.dumps({'__metadata__': {'dpcore': '[1]'}}).encode();"
+     " open(p, 'wb').write(struct.pack('<Q', len(h)) + h); dp.models.load(p)", DataError, "metadata"),
     ("net.make_resident(None, y)", T, "X"),
     ("net.train_step_rows(None, [0], 0.1)", T, "residents"),
     ("net.train_step_rows(net.make_resident(X, y), [0.5], 0.1)", T, "rows"),

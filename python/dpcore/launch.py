@@ -70,7 +70,7 @@ def launch(fn, num_processes=2, args=(), kwargs=None, timeout=None, mpirun="mpir
     share.
     """
     _check.callable_("fn", fn)
-    num_processes = _check.integer("num_processes", num_processes, 1, 4096)
+    num_processes = _check.integer("num_processes", num_processes, 1)
     args = _check.sequence("args", args, "a tuple or list")
     if kwargs is not None and not isinstance(kwargs, dict):
         _check.fail(TypeError, "kwargs", "a dict or None", kwargs)

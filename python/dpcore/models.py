@@ -404,8 +404,10 @@ class Sequential:
     def train_step_rows(self, residents, rows, lr, momentum=0.0, weight_decay=0.0):
         """One SGD step on rows ``rows`` (int64 indices) of the dataset made
         resident by :meth:`make_resident`. Returns (loss_sum, correct)."""
-        if not isinstance(residents, (list, tuple)) or len(residents) != len(self._replicas):
-            _check.fail(TypeError, "residents", f"the list of {len(self._replicas)} from make_resident", residents)
+        residents = _check.sequence("residents", residents, "the list make_resident returned")
+        if len(residents) != len(self._replicas):
+            raise ValueError(f"residents must be the list make_resident returned, one per replica "
+                             f"({len(self._replicas)}), got {len(residents)}")
         rows = np.ascontiguousarray(_check.array("rows", rows, kinds="iu", ndim=1), dtype=np.int64)
         lr, momentum, weight_decay = _check.sgd(lr, momentum, weight_decay)
         if self._mirrored is not None:
