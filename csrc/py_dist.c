@@ -56,7 +56,10 @@ static dp_status abort_run(void *p) {
 /* dist_abort(code): MPI_Abort; returns only when MPI is not running. */
 static PyObject *mod_dist_abort(PyObject *m, PyObject *args) {
   int code = 1;
-  if (!PyArg_ParseTuple(args, "|i", &code)) return NULL;
+  PyObject *code_obj = NULL;
+  if (!PyArg_ParseTuple(args, "|O", &code_obj) ||
+      (code_obj && int_arg(code_obj, "dist_abort", "code", INT_MIN, INT_MAX, &code) < 0))
+    return NULL;
   /* without the GIL: mpirun may take a moment to end us */
   if (models_run_without_gil(NULL, 0, abort_run, &code) < 0) return NULL;
   Py_RETURN_NONE;
@@ -136,7 +139,10 @@ static PyObject *mod_dist_bcast(PyObject *m, PyObject *args) {
   PyObject *obj;
   coll_work w;
   memset(&w, 0, sizeof w);
-  if (!PyArg_ParseTuple(args, "Oids", &obj, &w.root, &w.timeout, &w.what)) return NULL;
+  PyObject *root;
+  if (!PyArg_ParseTuple(args, "OOds", &obj, &root, &w.timeout, &w.what) ||
+      int_arg(root, "dist_bcast", "root", 0, INT_MAX, &w.root) < 0)
+    return NULL;
   if (wait_args(w.timeout, w.what) < 0) return NULL;
   Py_buffer buf;
   if (PyObject_GetBuffer(obj, &buf, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) return NULL;

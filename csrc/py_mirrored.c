@@ -218,7 +218,10 @@ done:
 
 static PyObject *Mirrored_broadcast(MirroredObject *self, PyObject *args) {
   mirrored_work w = {.call = MIRRORED_BROADCAST};
-  if (!PyArg_ParseTuple(args, "|i", &w.root)) return NULL;
+  PyObject *root = NULL;
+  if (!PyArg_ParseTuple(args, "|O", &root) ||
+      (root && int_arg(root, "broadcast", "root", 0, DP_COMM_MAX_REPLICAS - 1, &w.root) < 0))
+    return NULL;
   if (!mirrored_ready(self)) return NULL;
   w.mirrored = self->mirrored;
   if (mirrored_run_without_gil(self, mirrored_work_run, &w) < 0) return NULL;

@@ -136,16 +136,17 @@ static dp_status model_finalize_run(void *p) { return dp_model_finalize(p); }
  * the physical GPU of cuda:device_index. */
 static int Model_init(ModelObject *self, PyObject *args, PyObject *kwds) {
   static char *kwlist[] = {"input_shape", "layers", "threads", "device_index", "sources", "device_kind", "gpu", NULL};
-  int index = 0, gpu = -1;
-  int64_t shape[3], threads = 0;
+  int threads = 0, index = 0, gpu = -1;
+  int64_t shape[3];
   const char *kind = "cpu";
-  PyObject *shape_obj, *layers, *sources = Py_None, *threads_obj = NULL;
-  if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO|OiOsi", kwlist, &shape_obj, &layers, &threads_obj, &index, &sources,
-                                   &kind, &gpu))
+  PyObject *shape_obj, *layers, *sources = Py_None, *threads_obj = NULL, *index_obj = NULL, *gpu_obj = NULL;
+  if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO|OOOsO", kwlist, &shape_obj, &layers, &threads_obj, &index_obj,
+                                   &sources, &kind, &gpu_obj))
     return -1;
-  /* 64 bits first, so that 2**32 + 1 is refused rather than wrapped to 1 */
-  if (threads_obj && (int64_arg(threads_obj, "Model", "threads", &threads) < 0 ||
-                      check_status(dp_size_arg_check("Model", "threads", threads, 0, DP_MAX_THREADS)) < 0))
+  /* in 64 bits first, so that 2**32 + 1 is refused rather than wrapped to 1 */
+  if ((threads_obj && int_arg(threads_obj, "Model", "threads", 0, DP_MAX_THREADS, &threads) < 0) ||
+      (index_obj && int_arg(index_obj, "Model", "device_index", 0, DP_MAX_DEVICES - 1, &index) < 0) ||
+      (gpu_obj && int_arg(gpu_obj, "Model", "gpu", -1, DP_MAX_DEVICES - 1, &gpu) < 0))
     return -1;
   if (input_shape_from(shape_obj, shape) < 0) return -1;
   /* busy: another thread's __init__ is creating the device right now */
@@ -154,7 +155,7 @@ static int Model_init(ModelObject *self, PyObject *args, PyObject *kwds) {
     PyErr_SetString(PyExc_RuntimeError, "Model is already initialized");
     return -1;
   }
-  if (model_device_init(self, kind, index, (int)threads, gpu) < 0) return -1;
+  if (model_device_init(self, kind, index, threads, gpu) < 0) return -1;
   dp_status st = dp_model_create(self->device, shape[0], shape[1], shape[2], &self->model);
   if (st != DP_OK) return raise_from_status(st), -1;
   PyObject *seq = NULL, *srcs = NULL;

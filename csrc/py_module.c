@@ -199,6 +199,13 @@ int int64_arg(PyObject *obj, const char *what, const char *name, int64_t *out) {
   return 0;
 }
 
+int int_arg(PyObject *obj, const char *what, const char *name, int64_t lo, int64_t hi, int *out) {
+  int64_t v;
+  if (int64_arg(obj, what, name, &v) < 0 || check_status(dp_size_arg_check(what, name, v, lo, hi)) < 0) return -1;
+  *out = (int)v;
+  return 0;
+}
+
 int float64_arg(PyObject *obj, const char *what, const char *name, double *out) {
   if (PyBool_Check(obj)) {
     PyErr_Format(PyExc_TypeError, "%s: %s must be a real number, got bool", what, name);

@@ -355,6 +355,11 @@ BAD = [
     ("dp._core.conv2d_forward(x4, w4, None, 2**40, 0)", V, "stride"),
     ("dp._core.conv2d_forward(x4, w4, None, True, 0)", T, "stride"),
     ("dp._core.Model((65537, 1, 1), small)", V, "channels"),
+    ("dp._core.Model((1, 28, 28), small, device_index=2**40)", V, "device_index"),
+    ("dp._core.Model((1, 28, 28), small, gpu=2**33)", V, "gpu"),
+    ("dp._core.all_reduce([t], 2**70)", V, "op"),
+    ("dp.checkpoint.save(None, 'x.safetensors')", T, "net"),
+    ("dp.checkpoint.read(None)", T, "path"),
 ]
 
 GOOD = [

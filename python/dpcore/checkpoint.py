@@ -596,6 +596,10 @@ def _encode(arch, tensors):
 
 def save(net, path):
     """Write net's architecture and tensors to path, atomically (see the module's docstring)."""
+    from .models import Sequential
+
+    if not isinstance(net, Sequential):
+        _check.fail(TypeError, "net", "a dpcore model (e.g. dp.models.LeNet())", net)
     where = _check.path("path", path)  # a str for messages (a bytes path decodes reversibly)
     arch = architecture(net)
     try:
