@@ -83,16 +83,17 @@ class Worker:
                                      stdout=subprocess.PIPE, stderr=self.log, text=True, env=env)
         line = self._read_line()
         if line != "ready\n":
-            raise RuntimeError(f"the worker did not start: {self._death()}")
+            raise RuntimeError("the worker did not start: " + (self._death() if self.proc else "it hung"))
 
     def _read_line(self):
         out = []
         reader = threading.Thread(target=lambda: out.append(self.proc.stdout.readline()), daemon=True)
         reader.start()
         reader.join(ROW_TIMEOUT)
-        if reader.is_alive():
+        if reader.is_alive():  # a hang: the next row gets a new worker
             self.proc.kill()
             self.proc.wait()
+            self.proc = None
             return None
         return out[0]
 
@@ -424,4 +425,12 @@ def test_a_crash_fails_only_its_row(worker):
     """The worker dies with the snippet's process; the next row gets a new one."""
     answer = worker.run("import os, signal; os.kill(os.getpid(), signal.SIGSEGV)")
     assert "SIGSEGV" in answer["crash"]
+    assert worker.run("x = 1")["ok"]
+
+
+def test_a_hang_fails_only_its_row(worker, monkeypatch):
+    assert worker.run("x = 1")["ok"]  # started, with the usual time to start
+    monkeypatch.setattr(sys.modules[__name__], "ROW_TIMEOUT", 0.5)
+    assert "no answer" in worker.run("import time; time.sleep(30)")["crash"]
+    monkeypatch.undo()
     assert worker.run("x = 1")["ok"]

@@ -214,9 +214,9 @@ def sgd(lr, momentum, weight_decay, lr_zero=True):
     """(lr, momentum, weight_decay) as floats: lr >= 0 (> 0 unless lr_zero),
     momentum in [0, 1], weight_decay >= 0, all finite and within float32's
     range: the ranges of the C core's dp_sgd_args_check."""
-    return (real("lr", lr, 0.0, allow_minimum=lr_zero, float32=True),
-            real("momentum", momentum, 0.0, 1.0),
-            real("weight_decay", weight_decay, 0.0, float32=True))
+    return (real("lr", lr, 0, allow_minimum=lr_zero, float32=True),
+            real("momentum", momentum, 0, 1),
+            real("weight_decay", weight_decay, 0, float32=True))
 
 
 def device(name, value):
@@ -232,12 +232,14 @@ def device(name, value):
 
 
 def devices(name, value):
-    """A non-empty list of distinct canonical device names; a single name
-    ('cpu:0') is one device."""
+    """A non-empty list of distinct canonical device names, in order; a single
+    name ('cpu:0') is one device. A set or dict is refused: its order is not
+    the caller's."""
     if isinstance(value, str):
         value = [value]
-    if not isinstance(value, (list, tuple)):
+    if isinstance(value, (bytes, set, frozenset, dict)) or not hasattr(value, "__iter__"):
         fail(TypeError, name, "a device name or a list of them, e.g. ['cpu:0', 'cpu:1']", value)
+    value = list(value)
     if not value:
         fail(ValueError, name, "at least one device", value)
     if len(value) > MAX_DEVICES:

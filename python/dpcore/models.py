@@ -416,8 +416,9 @@ class Sequential:
 
     def train_step(self, X, y, lr, momentum=0.0, weight_decay=0.0):
         """One SGD step on a batch (mean loss). Returns (loss_sum, correct).
-        A loss that is not finite on any replica raises FloatingPointError
-        naming the replicas, and the step applies no update."""
+        lr and weight_decay >= 0, momentum in [0, 1], all finite and within
+        float32's range. A loss that is not finite on any replica raises
+        FloatingPointError naming the replicas, and the step applies no update."""
         lr, momentum, weight_decay = _check.sgd(lr, momentum, weight_decay)
         X = as_images(X, self.input_shape)
         return (self._mirrored or self._model).train_step(X, as_labels(y, len(X)), lr, momentum, weight_decay)
@@ -429,7 +430,8 @@ if Sequential.__doc__:  # None under python -OO
 
 
 class LeNet(Sequential):
-    """The LeNet of *Dive into Deep Learning* 12.5 for 28x28 images.
+    """The LeNet of *Dive into Deep Learning* 12.5 for 28x28 images
+    (num_classes and in_channels: ints in [1, 65536]).
 
     conv 3x3 in->20, ReLU, avg-pool 2; conv 5x5 20->50, ReLU, avg-pool 2;
     flatten; dense 800->128, ReLU; dense 128->num_classes. Weights N(0, 0.01),
@@ -560,13 +562,15 @@ class Replica:
 
     def forward_backward(self, X, y, grad_scale):
         """Forward and backward on a shard; the replica's gradient buffer becomes
-        grad_scale * (sum of the shard's per-sample gradients). Returns (loss_sum, correct)."""
+        grad_scale * (sum of the shard's per-sample gradients); grad_scale must
+        be finite and within float32's range. Returns (loss_sum, correct)."""
         grad_scale = _check.real("grad_scale", grad_scale, float32=True)
         X = as_images(_host(X), self._net.input_shape)
         return self._model.forward_backward(X, as_labels(_host(y), len(X)), grad_scale)
 
     def sgd_step(self, lr, momentum=0.0, weight_decay=0.0):
-        """One SGD step from this replica's gradient buffer."""
+        """One SGD step from this replica's gradient buffer (the ranges of
+        :meth:`Sequential.train_step`)."""
         self._model.sgd_step(*_check.sgd(lr, momentum, weight_decay))
 
     def __repr__(self):

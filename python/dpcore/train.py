@@ -137,6 +137,11 @@ def train(net, train_iter, test_iter=None, num_epochs=10, lr=0.1, momentum=0.0, 
     ``dp.data.load_fashion_mnist`` or ``dp.data.from_arrays``. Prints one line
     per epoch and the book's closing line when ``verbose``. Returns a History.
 
+    num_epochs: an int >= 0; lr > 0, weight_decay >= 0 and momentum in [0, 1],
+    finite and within float32's range (Python or NumPy numbers); verbose,
+    check_numerics: True or False. A bad argument is a TypeError or ValueError
+    naming it, raised before anything trains.
+
     resident: copy the whole training set to every replica's device once, so
     that a step moves only its samples' indices and the device gathers the
     batch (the same batches in the same order). ``None`` (default): on for
