@@ -207,12 +207,14 @@ static dp_status chain_bench_run(void *p) {
 static PyObject *mod_dist_chain_benchmark(PyObject *m, PyObject *args) {
   chain_bench_work w;
   memset(&w, 0, sizeof w);
-  long long n;
-  if (!PyArg_ParseTuple(args, "Liid", &n, &w.k, &w.iters, &w.timeout)) return NULL;
-  if (n < 1 || w.k < 1 || w.k > DP_COMM_MAX_REPLICAS || w.iters < 1) {
-    PyErr_Format(PyExc_ValueError, "chain benchmark: need n >= 1, 1 <= k <= %d, iters >= 1", DP_COMM_MAX_REPLICAS);
+  PyObject *n_obj, *k_obj, *iters_obj;
+  int64_t n;
+  if (!PyArg_ParseTuple(args, "OOOd", &n_obj, &k_obj, &iters_obj, &w.timeout) ||
+      int64_arg(n_obj, "chain benchmark", "n", &n) < 0 ||
+      check_status(dp_size_arg_check("chain benchmark", "n", n, 1, INT64_MAX)) < 0 ||
+      int_arg(k_obj, "chain benchmark", "k", 1, DP_COMM_MAX_REPLICAS, &w.k) < 0 ||
+      int_arg(iters_obj, "chain benchmark", "iters", 1, INT_MAX, &w.iters) < 0)
     return NULL;
-  }
   if (wait_args(w.timeout, "") < 0) return NULL;
   w.n = n;
   if (models_run_without_gil(NULL, 0, chain_bench_run, &w) < 0) return NULL;

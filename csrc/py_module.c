@@ -249,10 +249,13 @@ static dp_status benchmark_run(void *p) {
 
 /* allreduce_benchmark(k, n, iters) -> seconds for iters all-reduces of n floats */
 static PyObject *mod_allreduce_benchmark(PyObject *mod, PyObject *args) {
-  long long n;
+  PyObject *k_obj, *n_obj, *iters_obj;
   benchmark_work w = {0, 0, 0, 0.0};
-  if (!PyArg_ParseTuple(args, "iLi", &w.k, &n, &w.iters)) return NULL;
-  w.n = n;
+  if (!PyArg_ParseTuple(args, "OOO", &k_obj, &n_obj, &iters_obj) ||
+      int_arg(k_obj, "allreduce_benchmark", "k", 1, DP_COMM_MAX_REPLICAS, &w.k) < 0 ||
+      int64_arg(n_obj, "allreduce_benchmark", "n", &w.n) < 0 ||
+      int_arg(iters_obj, "allreduce_benchmark", "iters", 1, INT_MAX, &w.iters) < 0)
+    return NULL;
   if (models_run_without_gil(NULL, 0, benchmark_run, &w) < 0) return NULL;
   return PyFloat_FromDouble(w.seconds);
 }
@@ -261,7 +264,14 @@ static PyObject *mod_allreduce_benchmark(PyObject *mod, PyObject *args) {
 static PyObject *mod_cudnn_conv_output_dim(PyObject *mod, PyObject *args) {
   dp_conv_geom g = {0};
   int N;
-  if (!PyArg_ParseTuple(args, "iiiiiiiii", &N, &g.C, &g.H, &g.W, &g.O, &g.KH, &g.KW, &g.stride, &g.pad)) return NULL;
+  static const char *names[9] = {"N", "C", "H", "W", "O", "KH", "KW", "stride", "pad"};
+  int *const fields[9] = {&N, &g.C, &g.H, &g.W, &g.O, &g.KH, &g.KW, &g.stride, &g.pad};
+  PyObject *objs[9];
+  if (!PyArg_ParseTuple(args, "OOOOOOOOO", &objs[0], &objs[1], &objs[2], &objs[3], &objs[4], &objs[5], &objs[6],
+                        &objs[7], &objs[8]))
+    return NULL;
+  for (int i = 0; i < 9; ++i)
+    if (int_arg(objs[i], "cudnn_conv_output_dim", names[i], INT_MIN, INT_MAX, fields[i]) < 0) return NULL;
   int out[4] = {0, 0, 0, 0};
   dp_status st = dp_cudnn_conv_output_dim(&g, N, out);
   if (st != DP_OK) return raise_from_status(st);
@@ -270,13 +280,13 @@ static PyObject *mod_cudnn_conv_output_dim(PyObject *mod, PyObject *args) {
 
 /* shard_ranges(n, k) -> [(begin, end)]: the split the trainer uses. */
 static PyObject *mod_shard_ranges(PyObject *mod, PyObject *args) {
-  long long n;
+  PyObject *n_obj, *k_obj;
+  int64_t n;
   int k;
-  if (!PyArg_ParseTuple(args, "Li", &n, &k)) return NULL;
-  if (n < 0 || k < 1) {
-    PyErr_SetString(PyExc_ValueError, "shard_ranges needs n >= 0 and k >= 1");
+  if (!PyArg_ParseTuple(args, "OO", &n_obj, &k_obj) || int64_arg(n_obj, "shard_ranges", "n", &n) < 0 ||
+      check_status(dp_size_arg_check("shard_ranges", "n", n, 0, INT64_MAX)) < 0 ||
+      int_arg(k_obj, "shard_ranges", "k", 1, DP_MAX_CHANNELS, &k) < 0)
     return NULL;
-  }
   PyObject *out = PyList_New(k);
   if (!out) return NULL;
   for (int r = 0; r < k; ++r) {

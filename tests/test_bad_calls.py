@@ -360,6 +360,10 @@ BAD = [
     ("dp._core.Model((1, 28, 28), small, gpu=2**33)", V, "gpu"),
     ("dp._core.all_reduce([t], 2**70)", V, "op"),
     ("dp.checkpoint.save(None, 'x.safetensors')", T, "net"),
+    ("dp._core.shard_ranges(2**70, 2)", V, "n"),
+    ("dp._core.shard_ranges(4, 2**40)", V, "k"),
+    ("dp._core.Mirrored([net._model], bucket_bytes=2**70)", V, "bucket_bytes"),
+    ("dp._core.allreduce_benchmark(2, 4, 2**40)", V, "iters"),
     ("dp.checkpoint.read(None)", T, "path"),
 ]
 
