@@ -101,7 +101,9 @@ static dp_status entry_create(const dp_device_info *want, device_entry **out) {
 
 dp_status dp_device_get_index(dp_device_kind kind, int index, int nthreads, dp_device **out) {
   *out = NULL;
-  if (nthreads < 0) return DP_FAIL(DP_ERR_VALUE, "a device's thread count must be >= 0 (0: its share), got %d", nthreads);
+  if (nthreads < 0 || nthreads > DP_MAX_THREADS)
+    return DP_FAIL(DP_ERR_VALUE, "threads must be between 0 (the device's share) and %d, got %d", DP_MAX_THREADS,
+                   nthreads);
   if (nthreads > 0 && kind != DP_DEVICE_CPU)
     return DP_FAIL(DP_ERR_VALUE, "cuda:%d: a thread count is for CPU devices only", index);
   pthread_mutex_lock(&registry_mutex);

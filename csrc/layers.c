@@ -5,6 +5,7 @@
  * layer stores fits an int (its kernels index with ints) before it is stored.
  */
 #include "layers.h"
+#include "dp_limits.h"
 
 #include <limits.h>
 #include <stddef.h>
@@ -31,9 +32,9 @@ static dp_status infer_dense(dp_layer *l, const dp_layer_arg_value *a, const int
   const int64_t out = a[0].i;
   if (out < 1) return DP_FAIL(DP_ERR_VALUE, "%s: out_features must be >= 1, got %lld", what, (long long)out);
   /* before the product, which saturates and so would be misreported */
-  if (out > INT_MAX)
-    return DP_FAIL(DP_ERR_VALUE, "%s: out_features %lld is larger than the largest supported size %d", what,
-                   (long long)out, INT_MAX);
+  if (out > DP_MAX_FEATURES)
+    return DP_FAIL(DP_ERR_VALUE, "%s: out_features must be at most %d, got %lld", what, DP_MAX_FEATURES,
+                   (long long)out);
   if (l->in_h != 1 || l->in_w != 1)
     return DP_FAIL(DP_ERR_VALUE, "%s: input is (%d, %d, %d); add a flatten layer first", what, l->in_c, l->in_h,
                    l->in_w);

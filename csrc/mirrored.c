@@ -695,7 +695,7 @@ static dp_status run_step(dp_mirrored *m, const dp_batch *b, int evaluate_only, 
 
 dp_status dp_mirrored_train_step(dp_mirrored *m, const dp_batch *b, float lr, float momentum, float weight_decay,
                                  double *loss_sum, int64_t *correct) {
-  if (!(lr >= 0.0f)) return DP_FAIL(DP_ERR_VALUE, "learning rate must be >= 0, got %g", (double)lr);
+  DP_TRY(dp_sgd_args_check(lr, momentum, weight_decay)); /* before any replica starts */
   return run_step(m, b, 0, 1, lr, momentum, weight_decay, loss_sum, correct);
 }
 

@@ -1,4 +1,5 @@
 #include "model.h"
+#include "dp_limits.h"
 
 #include <limits.h>
 #include <math.h>
@@ -254,6 +255,9 @@ dp_status dp_model_finalize(dp_model *m) {
       off += (size + 15) & ~(int64_t)15;
     }
   }
+  if (off > DP_MAX_PARAMS || state > DP_MAX_PARAMS)
+    return DP_FAIL(DP_ERR_VALUE, "the model has %lld parameters and %lld running statistics; at most %d of each are "
+                   "supported", (long long)off, (long long)state, DP_MAX_PARAMS);
   m->nparams = off;
   m->nstate = state;
   /* a failure leaves no buffer behind, so that finalize may be called again */
@@ -637,6 +641,9 @@ dp_status dp_model_forward_backward_loaded(dp_model *m, int64_t n, float grad_sc
 dp_status dp_model_forward_backward(dp_model *m, const dp_batch *b, float grad_scale, double *loss_sum,
                                     int64_t *correct) {
   DP_TRY(require_finalized(m));
+  if (!isfinite(grad_scale))
+    return DP_FAIL(DP_ERR_VALUE, "grad_scale must be a finite number (within float32's range), got %g",
+                   (double)grad_scale);
   DP_TRY(dp_model_load(m, b, 1));
   return dp_model_forward_backward_loaded(m, b->n, grad_scale, NULL, loss_sum, correct);
 }
@@ -646,6 +653,20 @@ dp_status dp_model_read_metrics(dp_model *m, double *loss_sum, int64_t *correct)
 }
 
 static dp_status sgd_step_guarded(dp_model *m, float lr, float momentum, float weight_decay, const float *guard);
+
+/* !(x >= 0) is also true for NaN; a float argument from a double beyond
+ * FLT_MAX arrives as inf */
+dp_status dp_sgd_args_check(float lr, float momentum, float weight_decay) {
+  const struct {
+    const char *name;
+    float value;
+  } args[] = {{"lr", lr}, {"momentum", momentum}, {"weight_decay", weight_decay}};
+  for (size_t i = 0; i < sizeof args / sizeof args[0]; ++i)
+    if (!(args[i].value >= 0.0f) || isinf(args[i].value))
+      return DP_FAIL(DP_ERR_VALUE, "%s must be a finite number >= 0 (within float32's range), got %g", args[i].name,
+                     (double)args[i].value);
+  return DP_OK;
+}
 
 dp_status dp_model_train_step_loaded(dp_model *m, int64_t n, float lr, float momentum, float weight_decay,
                                      double *loss_sum, int64_t *correct) {
@@ -683,9 +704,7 @@ dp_status dp_model_guarded_step(dp_model *m, float lr, float momentum, float wei
 static dp_status sgd_step_guarded(dp_model *m, float lr, float momentum, float weight_decay,
                                         const float *guard) {
   DP_TRY(require_finalized(m));
-  if (!(lr >= 0.0f)) return DP_FAIL(DP_ERR_VALUE, "learning rate must be >= 0, got %g", (double)lr);
-  if (!(momentum >= 0.0f)) return DP_FAIL(DP_ERR_VALUE, "momentum must be >= 0, got %g", (double)momentum);
-  if (!(weight_decay >= 0.0f)) return DP_FAIL(DP_ERR_VALUE, "weight decay must be >= 0, got %g", (double)weight_decay);
+  DP_TRY(dp_sgd_args_check(lr, momentum, weight_decay));
   return m->dev->backend->sgd_update(m->dev, m->nparams, m->params, m->grads, m->velocity, lr, momentum, weight_decay,
                                      guard);
 }

@@ -13,6 +13,7 @@
 #include <string.h>
 
 #include "dist.h"
+#include "dp_limits.h"
 #include "dp_build_config.h"
 #ifdef DP_HAVE_CUDA
 #include "dp_cuda.h"
@@ -487,7 +488,12 @@ PyMODINIT_FUNC PyInit__core(void) {
       PyModule_AddObjectRef(m, "Model", (PyObject *)&ModelType) < 0 ||
       PyModule_AddObjectRef(m, "Tensor", (PyObject *)&TensorType) < 0 ||
       PyModule_AddObjectRef(m, "Mirrored", (PyObject *)&MirroredType) < 0 ||
-      PyModule_AddObjectRef(m, "Resident", (PyObject *)&ResidentType) < 0) {
+      PyModule_AddObjectRef(m, "Resident", (PyObject *)&ResidentType) < 0 ||
+      PyModule_AddIntConstant(m, "MAX_THREADS", DP_MAX_THREADS) < 0 ||
+      PyModule_AddIntConstant(m, "MAX_FEATURES", DP_MAX_FEATURES) < 0 ||
+      PyModule_AddIntConstant(m, "MAX_PARAMS", DP_MAX_PARAMS) < 0 ||
+      PyModule_AddIntConstant(m, "MAX_BATCH", DP_MAX_BATCH) < 0 ||
+      PyModule_AddIntConstant(m, "MAX_DEVICES", DP_DEVICES_MAX) < 0) {
     Py_DECREF(m);
     return NULL;
   }

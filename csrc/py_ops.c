@@ -292,6 +292,7 @@ static PyObject *op_sgd_update(PyObject *mod, PyObject *args) {
   PyObject *wo, *go, *vo;
   float lr, mu, wd;
   if (!PyArg_ParseTuple(args, "OOOfff", &wo, &go, &vo, &lr, &mu, &wd)) return NULL;
+  if (check_status(dp_sgd_args_check(lr, mu, wd)) < 0) return NULL;
   PyArrayObject *arrs[3] = {NULL, NULL, NULL};
   PyObject *objs[3] = {wo, go, vo};
   const char *names[3] = {"w", "g", "v"};

@@ -7,6 +7,7 @@
 #include <limits.h>
 
 #include "backend.h"
+#include "dp_limits.h"
 
 int64_t dp_size_mul(int64_t a, int64_t b) {
   if (a <= 0 || b <= 0) return 0;
@@ -32,8 +33,16 @@ static dp_status check_volume(const char *what, const char *name, int64_t c, int
   return DP_OK;
 }
 
+/* channels (or features) in [1, DP_MAX_FEATURES] */
+static dp_status check_features(const char *what, const char *name, int64_t value) {
+  DP_TRY(check_arg(what, name, value, 1));
+  if (value > DP_MAX_FEATURES)
+    return DP_FAIL(DP_ERR_VALUE, "%s: %s must be at most %d, got %lld", what, name, DP_MAX_FEATURES, (long long)value);
+  return DP_OK;
+}
+
 dp_status dp_input_shape_check(const char *what, int64_t C, int64_t H, int64_t W) {
-  DP_TRY(check_arg(what, "channels", C, 1));
+  DP_TRY(check_features(what, "channels", C));
   DP_TRY(check_arg(what, "height", H, 1));
   DP_TRY(check_arg(what, "width", W, 1));
   return check_volume(what, "input", C, H, W);
@@ -63,7 +72,7 @@ static dp_status window_out(const char *what, int64_t H, int64_t W, int64_t kh, 
 dp_status dp_conv_geom_make(const char *what, int64_t C, int64_t H, int64_t W, int64_t O, int64_t KH, int64_t KW,
                             int64_t stride, int64_t pad, dp_conv_geom *out) {
   DP_TRY(dp_input_shape_check(what, C, H, W));
-  DP_TRY(check_arg(what, "out_channels", O, 1));
+  DP_TRY(check_features(what, "out_channels", O));
   DP_TRY(check_window(what, KH, KW, stride, pad));
   int64_t OH = 0, OW = 0;
   DP_TRY(window_out(what, H, W, KH, KW, stride, pad, &OH, &OW));

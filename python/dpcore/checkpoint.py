@@ -533,12 +533,14 @@ def _read_exactly(f, offset, view, where):
 
 def load(path, devices=None, allow_nonfinite=False):
     """A model saved with ``net.save(path)``; see :func:`dpcore.models.load`."""
+    from . import _check
     from .devices import check_device
     from .models import _CLASSES, _SKIP_INIT, Sequential
 
-    where = os.fsdecode(path)  # a str for messages (a bytes path decodes reversibly)
+    where = _check.path("path", path)  # a str for messages (a bytes path decodes reversibly)
+    allow_nonfinite = _check.boolean("allow_nonfinite", allow_nonfinite)
     if devices is not None:  # so that the file is not blamed for a bad argument
-        devices = [check_device(d) for d in devices]
+        devices = [check_device(d) for d in _check.device_names("devices", devices)]
     with open(where, "rb") as f:
         file_bytes = os.fstat(f.fileno()).st_size
         n = _header_length(f.read(8), file_bytes, where)

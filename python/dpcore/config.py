@@ -9,15 +9,9 @@ it, existing ones take it before their next convolution or dense layer. On CPU
 devices the settings change nothing: the CPU backend is deterministic already
 (fixed summation orders) and never uses TF32.
 """
-from . import _core
+from . import _check, _core
 
 __all__ = ["get_allow_tf32", "get_deterministic", "set_allow_tf32", "set_deterministic"]
-
-
-def _require_bool(name, flag):
-    # bool only: 0/1, None or a NumPy scalar would be a silent guess at what was meant
-    if not isinstance(flag, bool):
-        raise TypeError(f"{name} must be True or False, got {type(flag).__name__} {flag!r}")
 
 
 def set_deterministic(flag=True):
@@ -28,7 +22,7 @@ def set_deterministic(flag=True):
     (sometimes faster) algorithms. No effect on CPU devices, which are always
     deterministic.
     """
-    _require_bool("flag", flag)
+    flag = _check.boolean("flag", flag)
     _core.set_cuda_options(flag, get_allow_tf32())
 
 
@@ -44,7 +38,7 @@ def set_allow_tf32(flag):
     bits (Ampere and newer GPUs), which is faster and less accurate than
     float32. Off by default. No effect on CPU devices, which never use TF32.
     """
-    _require_bool("flag", flag)
+    flag = _check.boolean("flag", flag)
     _core.set_cuda_options(get_deterministic(), flag)
 
 

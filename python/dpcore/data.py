@@ -23,7 +23,6 @@ from __future__ import annotations
 import errno
 import io
 import math
-import numbers
 import os
 import stat
 import struct
@@ -32,6 +31,7 @@ from typing import Callable, Dict, Iterator, Optional, Tuple, Union
 
 import numpy as np
 
+from . import _check
 from .errors import DataError
 
 __all__ = ["read_idx", "load_fashion_mnist", "from_arrays", "ArrayIterator", "FASHION_MNIST_LABELS",
@@ -114,7 +114,10 @@ def read_idx(path: PathLike, *, max_bytes: Optional[int] = IDX_MAX_BYTES) -> np.
             or not matching the data, a truncated or corrupt gzip stream, a
             gzip CRC mismatch, several gzip members, trailing bytes).
     """
-    return _read_idx_path(os.fspath(path), max_bytes, None)
+    path = _check.path("path", path)
+    if max_bytes is not None:
+        max_bytes = _check.integer("max_bytes", max_bytes, 1)
+    return _read_idx_path(path, max_bytes, None)
 
 
 def _read_idx_path(name: str, max_bytes: Optional[int], check_header: Optional[HeaderCheck]) -> np.ndarray:
@@ -474,8 +477,8 @@ class ArrayIterator:
                 f"X and y must have the same length; got {len(self.X)} examples "
                 f"and {len(self.y)} labels")
         self.batch_size = _check_batch_size(batch_size)
-        self.shuffle = bool(shuffle)
-        self.drop_last = bool(drop_last)
+        self.shuffle = _check.boolean("shuffle", shuffle)
+        self.drop_last = _check.boolean("drop_last", drop_last)
         # a drawn seed differs between the processes of a job: dp.train gives
         # them rank 0's (a seed the user chose is theirs to keep equal)
         self.seed_drawn = seed is None and self.shuffle
@@ -580,6 +583,8 @@ _FLOAT32_CONVERTED_DTYPES = (np.dtype(np.float16), np.dtype(np.float64))
 
 def _as_examples(X) -> np.ndarray:
     """Check the examples and return them as a C-contiguous (N, C, H, W) array."""
+    if X is None or isinstance(X, (str, bytes)):
+        raise TypeError(f"X must be an array of examples, got {type(X).__name__} {_check.shown(X)}")
     X = np.asarray(X)
     if X.dtype in _FLOAT32_CONVERTED_DTYPES:
         X = X.astype(np.float32)
@@ -596,6 +601,8 @@ def _as_examples(X) -> np.ndarray:
 
 def _as_labels(y) -> np.ndarray:
     """Check the labels and return them as a C-contiguous int64 (N,) array."""
+    if y is None or isinstance(y, (str, bytes)):
+        raise TypeError(f"y must be an array of integer labels, got {type(y).__name__} {_check.shown(y)}")
     y = np.asarray(y)
     if y.dtype.kind not in "iu":
         raise TypeError(f"y must have an integer dtype; got {y.dtype}")
@@ -605,31 +612,22 @@ def _as_labels(y) -> np.ndarray:
         negative = np.flatnonzero(y < 0)
         if negative.size:
             index = int(negative[0])
-            raise ValueError(f"labels must be non-negative; got {y[index]} at index {index}")
+            raise ValueError(f"y: labels must be non-negative; got {y[index]} at index {index}")
     elif y.dtype == np.uint64:
         # Checked before the int64 conversion, which would wrap these to negative.
         too_large = np.flatnonzero(y > np.iinfo(np.int64).max)
         if too_large.size:
             index = int(too_large[0])
-            raise ValueError(f"labels must fit in int64; got {y[index]} at index {index}")
+            raise ValueError(f"y: labels must fit in int64; got {y[index]} at index {index}")
     return np.ascontiguousarray(y, dtype=np.int64)
 
 
 def _check_batch_size(batch_size) -> int:
-    # bool is an int subclass, but batch_size=True is a mistake, not a 1.
-    if isinstance(batch_size, bool) or not isinstance(batch_size, numbers.Integral):
-        raise TypeError(f"batch_size must be an int; got {type(batch_size).__name__}")
-    if batch_size < 1:
-        raise ValueError(f"batch_size must be at least 1; got {batch_size}")
-    return int(batch_size)
+    return _check.integer("batch_size", batch_size, 1, _check.MAX_BATCH)
 
 
 def _check_seed(seed) -> int:
-    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
-        raise TypeError(f"seed must be an int or None; got {type(seed).__name__}")
-    if seed < 0:
-        raise ValueError(f"seed must be non-negative; got {seed}")
-    return int(seed)
+    return _check.integer("seed", seed, 0)
 
 
 # ---------------------------------------------------------------------------
@@ -694,6 +692,9 @@ def load_fashion_mnist(batch_size: int, root: Optional[PathLike] = None, *,
             and label counts that differ. The message names the file.
     """
     _check_batch_size(batch_size)
+    _check_seed(seed)
+    if root is not None:
+        root = _check.path("root", root)
     train_X, train_y, test_X, test_y = _load_fashion_mnist_arrays(root)
     train_iter = ArrayIterator(train_X, train_y, batch_size, shuffle=True, seed=seed)
     test_iter = ArrayIterator(test_X, test_y, batch_size, shuffle=False)

@@ -17,7 +17,7 @@ use and shared by every model and tensor on it. This module is its Python face.
 """
 import warnings
 
-from . import _core
+from . import _check, _core
 
 __all__ = ["list_devices", "set_logical_devices", "device_threads", "check_device"]
 
@@ -34,10 +34,8 @@ def set_logical_devices(kind, count):
     the cores or GPU those were made with) until they are released; models
     and tensors made afterwards get the new mapping.
     """
-    if kind not in ("cpu", "cuda"):
-        raise ValueError(f"logical devices can be set for 'cpu' or 'cuda', got {kind!r}")
-    if isinstance(count, bool) or not isinstance(count, int):
-        raise TypeError(f"count must be an int, got {type(count).__name__}")
+    kind = _check.one_of("kind", kind, ("cpu", "cuda"))
+    count = _check.integer("count", count, 1, _check.MAX_DEVICES)
     _core.set_logical_devices(kind, count)  # ValueError: a count out of range, or logical GPUs without a GPU
     if kind == "cpu" and count > _cores():
         warnings.warn(f"{count} logical CPU devices on {_cores()} cores: each gets one thread and they share cores",

@@ -48,12 +48,9 @@ _hooks_installed = False
 
 
 def _check_timeout(timeout):
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) and not hasattr(timeout, "__float__"):
-        raise TypeError(f"timeout must be a number of seconds, got {type(timeout).__name__}")
-    timeout = float(timeout)
-    if not timeout > 0 or timeout == float("inf"):
-        raise ValueError(f"timeout must be a finite number of seconds > 0, got {timeout}")
-    return timeout
+    from . import _check
+
+    return _check.real("timeout", timeout, 0.0, exclusive_minimum=True)
 
 
 def _launched_size():
@@ -170,8 +167,9 @@ def broadcast_object(obj, root=0, timeout=DEFAULT_TIMEOUT, what="dp.distributed.
     """Rank ``root``'s ``obj`` (pickled) on every process; the others' argument is ignored."""
     timeout = _check_timeout(timeout)
     info = _join()
-    if isinstance(root, bool) or not isinstance(root, int) or not 0 <= root < info["world_size"]:
-        raise ValueError(f"root must be a rank in [0, {info['world_size']}), got {root!r}")
+    from . import _check
+
+    root = _check.integer("root", root, 0, info["world_size"] - 1)
     if info["world_size"] == 1:
         return pickle.loads(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
     data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL) if info["rank"] == root else b""

@@ -70,17 +70,16 @@ def launch(fn, num_processes=2, args=(), kwargs=None, timeout=None, mpirun="mpir
     """
     import cloudpickle
 
-    if not callable(fn):
-        raise TypeError(f"fn must be callable, got {type(fn).__name__}")
-    if isinstance(num_processes, bool) or not isinstance(num_processes, int) or num_processes < 1:
-        raise ValueError(f"num_processes must be an int >= 1, got {num_processes!r}")
+    from . import _check
+
+    fn = _check.function("fn", fn)
+    num_processes = _check.integer("num_processes", num_processes, 1, 4096)
     if not isinstance(args, (tuple, list)):
         raise TypeError(f"args must be a tuple, got {type(args).__name__}")
     if kwargs is not None and not isinstance(kwargs, dict):
         raise TypeError(f"kwargs must be a dict, got {type(kwargs).__name__}")
-    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or
-                                not timeout > 0):
-        raise ValueError(f"timeout must be a number of seconds > 0 or None, got {timeout!r}")
+    if timeout is not None:
+        timeout = _check.real("timeout", timeout, 0.0, exclusive_minimum=True)
     if isinstance(mpirun_args, str):
         raise TypeError("mpirun_args must be a list of strings, e.g. ['--hostfile', 'hosts']")
     path = shutil.which(mpirun)

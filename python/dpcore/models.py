@@ -10,7 +10,7 @@ from collections import OrderedDict, namedtuple
 
 import numpy as np
 
-from . import _core, checkpoint
+from . import _check, _core, checkpoint
 from .batches import as_images, as_labels
 from .devices import check_device, device_gpu, device_index, device_kind, device_threads
 from .parallel import Tensor
@@ -81,16 +81,28 @@ class Sequential:
 
     def __init__(self, layers, input_shape=(1, 28, 28), init_std=0.01, seed=0, threads=0, devices=None,
                  sources=None, names=None, init="normal", sync_batchnorm=False, all_reduce=None, bucket_mb=None):
+        if not isinstance(layers, (list, tuple)) or not all(isinstance(spec, (list, tuple)) for spec in layers):
+            raise TypeError(f"layers must be a list of layer tuples like ('dense', 10), got {_check.shown(layers)}")
+        if not layers:
+            raise ValueError("layers must hold at least one layer, got []")
         self._specs = [tuple(spec) for spec in layers]
+        input_shape = _check.shape("input_shape", input_shape, 3)
         self._sources = None if sources is None else list(sources)
+        if self._sources is not None and len(self._sources) != len(self._specs):
+            raise ValueError(f"sources must have one entry per layer ({len(self._specs)}), got {len(self._sources)}")
         self._names = [str(i) for i in range(len(self._specs))] if names is None else list(names)
         if len(self._names) != len(self._specs):
             raise ValueError(f"names must have one entry per layer ({len(self._specs)}), got {len(self._names)}")
-        if init is not _SKIP_INIT and init not in _INIT_MODES:
-            raise ValueError(f"init must be one of {', '.join(map(repr, _INIT_MODES))}, got {init!r}")
+        if init is not _SKIP_INIT:
+            _check.one_of("init", init, _INIT_MODES)
+            init_std = _check.real("init_std", init_std, 0.0)
+            seed = _check.integer("seed", seed, 0)
+        threads = _check.integer("threads", threads, 0, _check.MAX_THREADS)
+        sync_batchnorm = _check.boolean("sync_batchnorm", sync_batchnorm)
         strategy = get_strategy()
         if devices is None:
             devices = strategy.devices if strategy is not None else ["cpu:0"]
+        devices = _check.device_names("devices", devices)
         if all_reduce is None:
             all_reduce = strategy.all_reduce if strategy is not None else "auto"
         if bucket_mb is None:
@@ -98,7 +110,7 @@ class Sequential:
         all_reduce, bucket_mb = check_all_reduce_options(all_reduce, bucket_mb)
         devices = [check_device(d) for d in devices]
         if len(set(devices)) != len(devices):
-            raise ValueError(f"a device appears twice in {devices}")
+            raise ValueError(f"devices must name each device once, got {devices}")
         # across the processes of an MPI job (MultiWorkerMirroredStrategy): the
         # seconds to wait for another process; 0 within one process
         self._timeout = strategy.timeout if strategy is not None and strategy._across else 0.0
@@ -268,11 +280,17 @@ class Sequential:
             out[name] = buffers[buffer][offset:offset + size].reshape(shape).copy()
         return out
 
-    def set_weights(self, weights):
+    def set_weights(self, weights, allow_nonfinite=False):
         """Load weights from a dict name -> array (every name of get_weights, exact
-        shapes; PyTorch's num_batches_tracked entries are ignored) or a list in order."""
+        shapes; PyTorch's num_batches_tracked entries are ignored) or a list in order.
+        Values are stored as float32: a value beyond float32's range is refused,
+        and so is NaN or inf unless ``allow_nonfinite=True``."""
+        allow_nonfinite = _check.boolean("allow_nonfinite", allow_nonfinite)
         entries = self._entries()
         names = [e[0] for e in entries]
+        if not isinstance(weights, (dict, list, tuple)):
+            raise TypeError(f"weights must be a dict name -> array (as get_weights returns) or a list of arrays, "
+                            f"got {type(weights).__name__} {_check.shown(weights)}")
         if isinstance(weights, dict):
             given = {k: v for k, v in weights.items() if not str(k).endswith("num_batches_tracked")}
             missing = [n for n in names if n not in given]
@@ -283,7 +301,7 @@ class Sequential:
         else:
             values = list(weights)
             if len(values) != len(names):
-                raise ValueError(f"expected {len(names)} arrays ({', '.join(names)}), got {len(values)}")
+                raise ValueError(f"weights must hold {len(names)} arrays ({', '.join(names)}), got {len(values)}")
         buffers = {"params": self._model.get_params(), "state": self._model.get_state()}
         for (name, buffer, offset, shape), value in zip(entries, values):
             a = np.asarray(value)
@@ -291,6 +309,14 @@ class Sequential:
                 raise TypeError(f"{name}: expected a real array, got dtype {a.dtype}")
             if tuple(a.shape) != tuple(shape):
                 raise ValueError(f"{name}: expected shape {tuple(shape)}, got {tuple(a.shape)}")
+            finite = np.isfinite(a)
+            if not allow_nonfinite and not finite.all():
+                raise ValueError(f"weights: {name} holds {int(a.size - finite.sum())} value(s) that are not finite; "
+                                 "pass allow_nonfinite=True to load them anyway")
+            big = finite & (np.abs(a.astype(np.float64)) > np.finfo(np.float32).max)
+            if big.any():
+                raise ValueError(f"weights: {name} holds {a[big].ravel()[0]!r}, beyond float32's range "
+                                 f"(+-{np.finfo(np.float32).max:.4g})")
             buffers[buffer][offset:offset + a.size] = a.astype(np.float32).ravel()
         self._load_buffers(buffers["params"], buffers["state"])
 
@@ -322,6 +348,7 @@ class Sequential:
         Across the processes of a job (MultiWorkerMirroredStrategy) it is
         collective: rank 0 writes (every replica holds the same bits) and the
         others wait until the file is complete."""
+        path = _check.path("path", path)
         if self._timeout:
             from . import distributed
 
@@ -339,15 +366,22 @@ class Sequential:
         if isinstance(data, np.ndarray):
             raise TypeError(f"{what} needs labels: pass an iterator of (images, labels) batches, e.g. "
                             f"dp.data.from_arrays(X, y, batch_size), not an array")
-        for batch in data:
-            if not (isinstance(batch, tuple) and len(batch) == 2):
-                raise TypeError(f"{what}: a data iterator must yield (images, labels) pairs")
+        try:
+            batches = iter(data)
+        except TypeError:
+            raise TypeError(f"{what} must be an iterable of (images, labels) batches, e.g. "
+                            f"dp.data.from_arrays(X, y, batch_size), got {type(data).__name__} "
+                            f"{_check.shown(data)}") from None
+        for batch in batches:
+            if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
+                raise TypeError(f"{what} must yield (images, labels) pairs, got {_check.shown(batch)}")
             X, y = batch
             X = as_images(X, self.input_shape)
             yield X, as_labels(y, len(X))
 
     def predict(self, X, batch_size=1024):
         """Logits (N, num_classes) as float32 for images (N, C, H, W) or (N, H, W)."""
+        batch_size = _check.integer("batch_size", batch_size, 1, _check.MAX_BATCH)
         X = as_images(X, self.input_shape)
         if len(X) == 0:
             return np.zeros((0, self.num_classes), dtype=np.float32)
@@ -356,13 +390,13 @@ class Sequential:
     def evaluate(self, data_iter):
         """Mean loss and accuracy over a dataset iterator: Metrics(loss, accuracy, num_examples)."""
         loss, correct, n = 0.0, 0, 0
-        for X, y in self._labelled_batches(data_iter, "evaluate"):
+        for X, y in self._labelled_batches(data_iter, "data_iter"):
             batch_loss, batch_correct = (self._mirrored or self._model).evaluate(X, y)
             loss += batch_loss
             correct += batch_correct
             n += len(y)
         if n == 0:
-            raise ValueError("evaluate: the dataset is empty")
+            raise ValueError("data_iter yielded no samples: evaluate needs at least one")
         return Metrics(loss / n, correct / n, n)
 
     def make_resident(self, X, y):
@@ -377,6 +411,22 @@ class Sequential:
     def train_step_rows(self, residents, rows, lr, momentum=0.0, weight_decay=0.0):
         """One SGD step on rows ``rows`` (int64 indices) of the dataset made
         resident by :meth:`make_resident`. Returns (loss_sum, correct)."""
+        lr, momentum, weight_decay = _check.sgd_arguments(lr, momentum, weight_decay, lr_zero=True)
+        if not isinstance(residents, (list, tuple)) or not all(isinstance(r, _core.Resident) for r in residents):
+            raise TypeError(f"residents must be the list net.make_resident(X, y) returned, got "
+                            f"{_check.shown(residents)}")
+        if len(residents) != len(self._replicas):
+            raise ValueError(f"residents must hold one resident dataset per replica ({len(self._replicas)}), got "
+                             f"{len(residents)}")
+        rows = np.asarray(rows)
+        if rows.dtype.kind not in "iu" or rows.ndim != 1:
+            raise TypeError(f"rows must be a 1-d array of integer sample indices, got {rows.dtype} array of shape "
+                            f"{rows.shape}")
+        samples = residents[0].num_samples
+        outside = np.flatnonzero((rows < 0) | (rows >= samples))
+        if len(outside):
+            raise ValueError(f"rows must be sample indices in [0, {samples}), got {rows[outside[0]]} at position "
+                             f"{outside[0]}")
         rows = np.ascontiguousarray(rows, dtype=np.int64)
         if self._mirrored is not None:
             return self._mirrored.train_step_rows(residents, rows, lr, momentum, weight_decay)
@@ -386,6 +436,7 @@ class Sequential:
         """One SGD step on a batch (mean loss). Returns (loss_sum, correct).
         A loss that is not finite on any replica raises FloatingPointError
         naming the replicas, and the step applies no update."""
+        lr, momentum, weight_decay = _check.sgd_arguments(lr, momentum, weight_decay, lr_zero=True)
         X = as_images(X, self.input_shape)
         return (self._mirrored or self._model).train_step(X, as_labels(y, len(X)), lr, momentum, weight_decay)
 
@@ -407,7 +458,8 @@ class LeNet(Sequential):
 
     def __init__(self, num_classes=10, in_channels=1, seed=0, threads=0, devices=None, all_reduce=None,
                  bucket_mb=None):
-        arch = self._architecture(num_classes, in_channels)
+        arch = self._architecture(_check.integer("num_classes", num_classes, 1, _check.MAX_FEATURES),
+                                  _check.integer("in_channels", in_channels, 1, _check.MAX_FEATURES))
         super().__init__(arch["layers"], input_shape=arch["input_shape"], init_std=0.01, seed=seed, threads=threads,
                          devices=devices, all_reduce=all_reduce, bucket_mb=bucket_mb)
 
@@ -440,7 +492,9 @@ class ResNet18(Sequential):
 
     def __init__(self, num_classes=10, in_channels=1, seed=0, threads=0, devices=None, sync_batchnorm=False,
                  input_size=28, all_reduce=None, bucket_mb=None):
-        arch = self._architecture(num_classes, in_channels, input_size)
+        arch = self._architecture(_check.integer("num_classes", num_classes, 1, _check.MAX_FEATURES),
+                                  _check.integer("in_channels", in_channels, 1, _check.MAX_FEATURES),
+                                  _check.integer("input_size", input_size, 1, 2**15))
         super().__init__(arch["layers"], input_shape=arch["input_shape"], seed=seed, threads=threads, devices=devices,
                          sources=arch["sources"], names=arch["names"], init="torch", sync_batchnorm=sync_batchnorm,
                          all_reduce=all_reduce, bucket_mb=bucket_mb)
@@ -523,12 +577,13 @@ class Replica:
     def forward_backward(self, X, y, grad_scale):
         """Forward and backward on a shard; the replica's gradient buffer becomes
         grad_scale * (sum of the shard's per-sample gradients). Returns (loss_sum, correct)."""
+        grad_scale = _check.real("grad_scale", grad_scale, float32=True)
         X = as_images(_host(X), self._net.input_shape)
         return self._model.forward_backward(X, as_labels(_host(y), len(X)), grad_scale)
 
     def sgd_step(self, lr, momentum=0.0, weight_decay=0.0):
         """One SGD step from this replica's gradient buffer."""
-        self._model.sgd_step(lr, momentum, weight_decay)
+        self._model.sgd_step(*_check.sgd_arguments(lr, momentum, weight_decay, lr_zero=True))
 
     def __repr__(self):
         return f"Replica(device='{self.device}')"

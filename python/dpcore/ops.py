@@ -7,7 +7,7 @@ PyTorch conventions (weights (O, C, KH, KW) and (O, I), biases (O,)).
 """
 import numpy as np
 
-from . import _core
+from . import _check, _core
 
 __all__ = [
     "conv2d", "conv2d_backward", "dense", "dense_backward", "relu", "relu_backward", "avg_pool2d",
@@ -15,26 +15,39 @@ __all__ = [
 ]
 
 
+_INT_MAX = 2**31 - 1
+
+
 def _f32(a, name):
+    if a is None:
+        raise TypeError(f"{name} must be a real numeric array, got None")
     a = np.asarray(a)
     if a.dtype.kind not in "fiu" or a.dtype == np.bool_:
         raise TypeError(f"{name} must be a real numeric array, got dtype {a.dtype}")
     return np.asarray(a, dtype=np.float32, order="C")
 
 
-def _stride(kernel_size, stride):
-    """PyTorch's pooling default: the stride is the kernel size unless given (0 is an error, not a default)."""
-    return kernel_size if stride is None else stride
+def _window(kernel_size, stride, padding):
+    """(kernel_size, stride, padding) checked; PyTorch's pooling default: the
+    stride is the kernel size unless given (0 is an error, not a default)."""
+    kernel_size = _check.integer("kernel_size", kernel_size, 1, _INT_MAX)
+    stride = kernel_size if stride is None else _check.integer("stride", stride, 1, _INT_MAX)
+    return kernel_size, stride, _check.integer("padding", padding, 0, _INT_MAX)
+
+
+def _conv_args(stride, padding):
+    return _check.integer("stride", stride, 1, _INT_MAX), _check.integer("padding", padding, 0, _INT_MAX)
 
 
 def conv2d(x, w, b=None, stride=1, padding=0):
     """y (N, O, OH, OW) = x (N, C, H, W) conv w (O, C, KH, KW) + b (O,)."""
-    return _core.conv2d_forward(_f32(x, "x"), _f32(w, "w"), None if b is None else _f32(b, "b"), stride, padding)
+    return _core.conv2d_forward(_f32(x, "x"), _f32(w, "w"), None if b is None else _f32(b, "b"),
+                                *_conv_args(stride, padding))
 
 
 def conv2d_backward(x, w, dy, stride=1, padding=0):
     """(dx, dw, db) of a convolution given dy (N, O, OH, OW)."""
-    return _core.conv2d_backward(_f32(x, "x"), _f32(w, "w"), _f32(dy, "dy"), stride, padding)
+    return _core.conv2d_backward(_f32(x, "x"), _f32(w, "w"), _f32(dy, "dy"), *_conv_args(stride, padding))
 
 
 def dense(x, w, b=None):
@@ -58,25 +71,24 @@ def relu_backward(y, dy):
 
 def avg_pool2d(x, kernel_size, stride=None, padding=0):
     """Average pooling (count_include_pad=True, as PyTorch's default)."""
-    return _core.avg_pool2d_forward(_f32(x, "x"), kernel_size, _stride(kernel_size, stride), padding)
+    return _core.avg_pool2d_forward(_f32(x, "x"), *_window(kernel_size, stride, padding))
 
 
 def avg_pool2d_backward(x, dy, kernel_size, stride=None, padding=0):
-    return _core.avg_pool2d_backward(_f32(x, "x"), _f32(dy, "dy"), kernel_size, _stride(kernel_size, stride), padding)
+    return _core.avg_pool2d_backward(_f32(x, "x"), _f32(dy, "dy"), *_window(kernel_size, stride, padding))
 
 
 def max_pool2d(x, kernel_size, stride=None, padding=0):
-    return _core.max_pool2d_forward(_f32(x, "x"), kernel_size, _stride(kernel_size, stride), padding)
+    return _core.max_pool2d_forward(_f32(x, "x"), *_window(kernel_size, stride, padding))
 
 
 def max_pool2d_backward(x, dy, kernel_size, stride=None, padding=0):
-    return _core.max_pool2d_backward(_f32(x, "x"), _f32(dy, "dy"), kernel_size, _stride(kernel_size, stride), padding)
+    return _core.max_pool2d_backward(_f32(x, "x"), _f32(dy, "dy"), *_window(kernel_size, stride, padding))
 
 
 def softmax_cross_entropy(logits, labels, reduction="mean"):
     """(loss, correct, dlogits): loss is the mean or sum over rows; dlogits is its gradient."""
-    if reduction not in ("mean", "sum"):
-        raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
+    reduction = _check.one_of("reduction", reduction, ("mean", "sum"))
     logits = _f32(logits, "logits")
     labels = np.asarray(labels)
     if labels.dtype.kind not in "iu":
@@ -90,4 +102,4 @@ def softmax_cross_entropy(logits, labels, reduction="mean"):
 
 def sgd_update(w, g, v, lr, momentum=0.0, weight_decay=0.0):
     """In place: v = momentum*v + g + weight_decay*w; w -= lr*v (torch.optim.SGD)."""
-    _core.sgd_update(w, g, v, lr, momentum, weight_decay)
+    _core.sgd_update(w, g, v, *_check.sgd_arguments(lr, momentum, weight_decay, lr_zero=True))

@@ -11,7 +11,7 @@ devices gives empty shards. dp.train splits every batch the same way.
 """
 import numpy as np
 
-from . import _core
+from . import _check, _core
 from .devices import check_device
 
 __all__ = ["Tensor", "tensor", "broadcast", "scatter", "split_batch", "gather", "all_reduce"]
@@ -22,7 +22,9 @@ Tensor = _core.Tensor
 def tensor(data, device="cpu:0"):
     """A copy of ``data`` on ``device``: float32 for real data, uint8 kept as uint8
     (images), other integers as int64 (labels)."""
-    device = check_device(device)
+    device = check_device(_check.string("device", device))
+    if data is None:
+        raise TypeError("data must be an array (or a list of numbers), got None")
     if isinstance(data, Tensor):
         data = data.numpy()
     a = np.asarray(data)
@@ -33,24 +35,23 @@ def tensor(data, device="cpu:0"):
     elif a.dtype.kind == "f":
         a = a.astype(np.float32)
     else:
-        raise TypeError(f"dp.tensor needs real or integer data, got dtype {a.dtype}")
+        raise TypeError(f"data must be real or integer, got dtype {a.dtype}")
     return Tensor(np.ascontiguousarray(a), device)
 
 
 def broadcast(t, devices):
     """A copy of ``t`` on each device."""
+    if t is None:
+        raise TypeError("t must be a dpcore tensor or an array, got None")
     src = t.numpy() if isinstance(t, Tensor) else t
     return [tensor(src, d) for d in _devices(devices)]
 
 
-def _devices(devices):
-    if isinstance(devices, str):
-        raise TypeError("devices must be a list of device names, e.g. ['cpu:0', 'cpu:1']")
-    names = [check_device(d) for d in devices]
-    if not names:
-        raise ValueError("need at least one device")
+def _devices(devices, name="devices"):
+    """The canonical names of a list of distinct devices (one name is a list of one)."""
+    names = [check_device(d) for d in _check.device_names(name, devices)]
     if len(set(names)) != len(names):
-        raise ValueError(f"a device appears twice in {names}")
+        raise ValueError(f"{name} must name each device once, got {names}")
     return names
 
 
@@ -59,7 +60,7 @@ def scatter(data, devices):
     names = _devices(devices)
     a = data.numpy() if isinstance(data, Tensor) else np.asarray(data)
     if a.ndim == 0:
-        raise ValueError("scatter needs an array with a first axis to split")
+        raise ValueError(f"data must be an array with a first axis to split, got {_check.shown(data)}")
     return [tensor(a[b:e], d) for (b, e), d in zip(_core.shard_ranges(len(a), len(names)), names)]
 
 
@@ -68,18 +69,16 @@ def split_batch(X, y, devices):
     X = X.numpy() if isinstance(X, Tensor) else np.asarray(X)
     y = y.numpy() if isinstance(y, Tensor) else np.asarray(y)
     if len(X) != len(y):
-        raise ValueError(f"X has {len(X)} samples but y has {len(y)}")
+        raise ValueError(f"y must have one label per sample of X ({len(X)}), got {len(y)}")
     return scatter(X, devices), scatter(y, devices)
 
 
 def gather(tensors, device):
     """Concatenate tensors along axis 0 onto one device."""
-    tensors = list(tensors)
-    if not tensors:
-        raise ValueError("gather needs at least one tensor")
+    tensors = _tensor_list(tensors)
     parts = [t.numpy() if isinstance(t, Tensor) else np.asarray(t) for t in tensors]
-    if len({p.shape[1:] for p in parts}) != 1:
-        raise ValueError(f"gather: shapes after the first axis differ: {[p.shape for p in parts]}")
+    if any(p.ndim == 0 for p in parts) or len({p.shape[1:] for p in parts}) != 1:
+        raise ValueError(f"tensors must have the same shape after the first axis, got {[p.shape for p in parts]}")
     return tensor(np.concatenate(parts), device)
 
 
@@ -87,8 +86,20 @@ def all_reduce(tensors, op="sum"):
     """Reduce float32 tensors on distinct devices in place: afterwards every one holds
     the sum (or mean) of all. Every replica thread reduces 1/k of the buffer; the
     result is the same bits every run."""
-    if op not in ("sum", "mean"):
-        raise ValueError(f"op must be 'sum' or 'mean', got {op!r}")
-    tensors = list(tensors)
+    op = _check.one_of("op", op, ("sum", "mean"))
+    tensors = _tensor_list(tensors)
+    for i, t in enumerate(tensors):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"tensors must be dpcore tensors (dp.tensor, replica.grads), got "
+                            f"{type(t).__name__} at position {i}")
     _core.all_reduce(tensors, 1 if op == "mean" else 0)
     return tensors
+
+
+def _tensor_list(tensors):
+    """A non-empty list from a list or tuple of tensors."""
+    if not isinstance(tensors, (list, tuple)):
+        raise TypeError(f"tensors must be a list of tensors, got {type(tensors).__name__} {_check.shown(tensors)}")
+    if not tensors:
+        raise ValueError("tensors must hold at least one tensor, got an empty list")
+    return list(tensors)

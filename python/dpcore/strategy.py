@@ -31,7 +31,7 @@ import contextlib
 import contextvars
 import warnings
 
-from . import _core
+from . import _check, _core
 from .devices import list_devices
 from .info import build_flags
 from .parallel import _devices
@@ -44,15 +44,9 @@ ALL_REDUCE_KINDS = ("auto", "host", "kernel", "nccl", "mpi")
 
 def check_all_reduce_options(all_reduce, bucket_mb):
     """Validated (all_reduce, bucket_mb)."""
-    if not isinstance(all_reduce, str):
-        raise TypeError(f"all_reduce must be one of {ALL_REDUCE_KINDS}, got {type(all_reduce).__name__}")
-    if all_reduce not in ALL_REDUCE_KINDS:
-        raise ValueError(f"all_reduce must be one of {ALL_REDUCE_KINDS}, got {all_reduce!r}")
-    if isinstance(bucket_mb, bool) or not isinstance(bucket_mb, (int, float)):
-        raise TypeError(f"bucket_mb must be a number of MiB, got {type(bucket_mb).__name__}")
-    if not bucket_mb >= 0 or bucket_mb * 2**20 > 2**62:
-        raise ValueError(f"bucket_mb must be >= 0 (and finite), got {bucket_mb!r}")
-    return all_reduce, bucket_mb
+    all_reduce = _check.one_of("all_reduce", all_reduce, ALL_REDUCE_KINDS)
+    # 0: the whole buffer at once, after the backward pass
+    return all_reduce, _check.real("bucket_mb", bucket_mb, 0.0, 2.0**40)
 
 _current = contextvars.ContextVar("dpcore_strategy", default=None)
 
@@ -73,7 +67,7 @@ class MirroredStrategy:
                 why = _core.runtime_info()["cuda_why"]
                 warnings.warn(f"MirroredStrategy: no usable CUDA device ({why}); using {devices}", RuntimeWarning,
                               stacklevel=2)
-        self._devices = _devices(devices)
+        self._devices = _devices(devices, "devices")
 
     @property
     def devices(self):

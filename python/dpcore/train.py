@@ -6,13 +6,12 @@ KeyboardInterrupt, leaving the model with the weights of the last whole step.
 A step whose loss is not finite applies no update and raises
 FloatingPointError naming the epoch, the step and the replicas.
 """
-import math
 import time
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from . import _core
+from . import _check, _core
 from .data import ArrayIterator
 from .models import Sequential
 
@@ -68,11 +67,12 @@ def _batches_or_none(it):
         return None
 
 
-def _check_hyper(name, value, allow_zero=True):
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be a number, got {type(value).__name__}")
-    if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
-        raise ValueError(f"{name} must be a finite number {'>= 0' if allow_zero else '> 0'}, got {value}")
+def _check_iterable(name, value):
+    """An iterable of batches (len() not needed), else TypeError naming the argument."""
+    if isinstance(value, (np.ndarray, str, bytes)) or not hasattr(value, "__iter__"):
+        raise TypeError(f"{name} must be an iterable of (images, labels) batches, e.g. dp.data.from_arrays(X, y, "
+                        f"batch_size), got {type(value).__name__} {_check.shown(value)}")
+    return value
 
 
 def _resident_by_default(net, train_iter):
@@ -164,11 +164,13 @@ def train(net, train_iter, test_iter=None, num_epochs=10, lr=0.1, momentum=0.0, 
     """
     if not isinstance(net, Sequential):
         raise TypeError(f"net must be a dpcore model (e.g. dp.models.LeNet()), got {type(net).__name__}")
-    if isinstance(num_epochs, bool) or not isinstance(num_epochs, int) or num_epochs < 0:
-        raise ValueError(f"num_epochs must be an int >= 0, got {num_epochs!r}")
-    _check_hyper("lr", lr, allow_zero=False)
-    _check_hyper("momentum", momentum)
-    _check_hyper("weight_decay", weight_decay)
+    _check_iterable("train_iter", train_iter)
+    if test_iter is not None:
+        _check_iterable("test_iter", test_iter)
+    num_epochs = _check.integer("num_epochs", num_epochs, 0)
+    lr, momentum, weight_decay = _check.sgd_arguments(lr, momentum, weight_decay)
+    verbose = _check.boolean("verbose", verbose)
+    check_numerics = _check.boolean("check_numerics", check_numerics)
     if resident is None:
         resident = _resident_by_default(net, train_iter)
     elif not isinstance(resident, bool):
@@ -199,8 +201,6 @@ def train(net, train_iter, test_iter=None, num_epochs=10, lr=0.1, momentum=0.0, 
     else:
         devices = list(net.devices)
     history = History(devices=devices)
-    if not isinstance(check_numerics, bool):
-        raise TypeError(f"check_numerics must be True or False, got {type(check_numerics).__name__}")
     residents = net.make_resident(train_iter.X, train_iter.y) if resident and num_epochs else None
     for epoch in range(num_epochs):
         loss_sum, correct, seen = 0.0, 0, 0
@@ -222,7 +222,7 @@ def train(net, train_iter, test_iter=None, num_epochs=10, lr=0.1, momentum=0.0, 
             seen += n
         seconds = time.perf_counter() - start
         if seen == 0:
-            raise ValueError("train_iter yielded no samples")
+            raise ValueError("train_iter yielded no samples: an epoch needs at least one batch")
         if multi:
             # the job's epoch lasts as long as its slowest process; every
             # process records the same History

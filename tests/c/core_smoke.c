@@ -11,6 +11,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "dp_limits.h"
 #include "backend.h"
 #include "model.h"
 #include "resident.h"
@@ -147,8 +148,8 @@ static void check_sizes(dp_device *dev) {
   CHECK(strstr(dp_error_message(), "output") != NULL);
   /* (2^30, 28, 28) values per sample */
   CHECK(value_error_naming(dp_model_add_conv2d(m, 1 << 30, 1, 1, 0), "conv2d (layer 0)"));
-  /* a (2^22, 1, 1) output, but 2^22 x 1 x 28 x 28 weights */
-  CHECK(value_error_naming(dp_model_add_conv2d(m, 1 << 22, 28, 1, 0), "weights"));
+  /* more channels than the documented limit (dp_limits.h) */
+  CHECK(value_error_naming(dp_model_add_conv2d(m, DP_MAX_FEATURES + 1, 28, 1, 0), "out_channels"));
   /* padding at most half the kernel, 2 * pad computed without overflow */
   CHECK(value_error_naming(dp_model_add_avgpool(m, 1 << 30, 1, 1 << 30), "avg_pool2d (layer 0)"));
   CHECK(value_error_naming(dp_model_add_maxpool(m, 3, 0, 1), "stride"));
@@ -156,9 +157,20 @@ static void check_sizes(dp_device *dev) {
   CHECK(dp_model_add_conv2d(m, 20, 3, 1, 0) == DP_OK); /* 26x26 */
   CHECK(dp_model_add_flatten(m) == DP_OK);              /* 13520 features */
   CHECK(value_error_naming(dp_model_add_dense(m, 1 << 20), "dense (layer 2)"));
-  CHECK(strstr(dp_error_message(), "weights") != NULL);
+  CHECK(strstr(dp_error_message(), "out_features") != NULL);
   CHECK(dp_model_add_dense(m, 10) == DP_OK);
   CHECK(m->nlayers == 3);
+  dp_model_destroy(m);
+  /* within the limits, but over INT_MAX weights: a (65536, 1, 1) output of 65536 x 64 x 28 x 28 weights, and a
+   * dense layer of 65536 x 2048^2 */
+  CHECK(dp_model_create(dev, 64, 28, 28, &m) == DP_OK);
+  if (!m) return;
+  CHECK(value_error_naming(dp_model_add_conv2d(m, DP_MAX_FEATURES, 28, 1, 0), "weights"));
+  dp_model_destroy(m);
+  CHECK(dp_model_create(dev, 1, 2048, 2048, &m) == DP_OK);
+  if (!m) return;
+  CHECK(dp_model_add_flatten(m) == DP_OK);
+  CHECK(value_error_naming(dp_model_add_dense(m, DP_MAX_FEATURES), "weights"));
   dp_model_destroy(m);
   /* pooling that grows the plane past INT_MAX values: 46340^2 fits, 46341^2 does not */
   CHECK(dp_model_create(dev, 1, 46340, 46340, &m) == DP_OK);
