@@ -811,6 +811,16 @@ dp_status dp_model_reset_velocity(dp_model *m) {
   return m->dev->backend->fill(m->dev, m->velocity, m->nparams, 0.0f);
 }
 
+dp_status dp_model_get_velocity(dp_model *m, float *host) {
+  DP_TRY(require_finalized(m));
+  return m->dev->backend->copy_to_host(m->dev, host, m->velocity, sizeof(float) * (size_t)m->nparams);
+}
+
+dp_status dp_model_set_velocity(dp_model *m, const float *host) {
+  DP_TRY(require_finalized(m));
+  return m->dev->backend->copy_to_device(m->dev, m->velocity, host, sizeof(float) * (size_t)m->nparams);
+}
+
 dp_status dp_model_get_state(dp_model *m, float *host) {
   DP_TRY(require_finalized(m));
   return m->dev->backend->copy_to_host(m->dev, host, m->state, sizeof(float) * (size_t)m->nstate);

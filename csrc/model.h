@@ -96,6 +96,10 @@ DP_MUST_CHECK dp_status dp_model_set_params(dp_model *m, const float *host);
 DP_MUST_CHECK dp_status dp_model_get_params(dp_model *m, float *host);
 DP_MUST_CHECK dp_status dp_model_get_grads(dp_model *m, float *host);
 DP_MUST_CHECK dp_status dp_model_reset_velocity(dp_model *m);
+/* The SGD momentum buffer (nparams floats, the parameters' layout): what a
+ * resumable training checkpoint saves beside the parameters. */
+DP_MUST_CHECK dp_status dp_model_get_velocity(dp_model *m, float *host);
+DP_MUST_CHECK dp_status dp_model_set_velocity(dp_model *m, const float *host);
 DP_MUST_CHECK dp_status dp_model_get_state(dp_model *m, float *host);
 DP_MUST_CHECK dp_status dp_model_set_state(dp_model *m, const float *host);
 

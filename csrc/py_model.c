@@ -317,6 +317,16 @@ static PyObject *Model_set_state(ModelObject *self, PyObject *arg) {
   return set_flat(self, arg, "state", self->model->nstate, dp_model_set_state);
 }
 
+static PyObject *Model_get_velocity(ModelObject *self, PyObject *unused) {
+  if (!model_ready(self)) return NULL;
+  return get_flat(self, self->model->nparams, dp_model_get_velocity);
+}
+
+static PyObject *Model_set_velocity(ModelObject *self, PyObject *arg) {
+  if (!model_ready(self)) return NULL;
+  return set_flat(self, arg, "velocity", self->model->nparams, dp_model_set_velocity);
+}
+
 static PyObject *Model_reset_velocity(ModelObject *self, PyObject *unused) {
   if (!model_ready(self)) return NULL;
   dp_status st = dp_model_reset_velocity(self->model);
@@ -524,6 +534,9 @@ static PyMethodDef Model_methods[] = {
     {"get_grads", (PyCFunction)Model_get_grads, METH_NOARGS, "a copy of the flat gradient buffer"},
     {"set_params", (PyCFunction)Model_set_params, METH_O, "replace the flat parameter buffer"},
     {"reset_velocity", (PyCFunction)Model_reset_velocity, METH_NOARGS, "zero the SGD momentum buffer"},
+    {"get_velocity", (PyCFunction)Model_get_velocity, METH_NOARGS,
+     "a copy of the SGD momentum buffer (the flat parameters' layout)"},
+    {"set_velocity", (PyCFunction)Model_set_velocity, METH_O, "replace the SGD momentum buffer"},
     {"train_step", (PyCFunction)(void (*)(void))Model_train_step, METH_VARARGS | METH_KEYWORDS,
      "train_step(images, labels, lr, momentum=0, weight_decay=0) -> (loss_sum, correct)"},
     {"find_nonfinite", (PyCFunction)(void (*)(void))Model_find_nonfinite, METH_VARARGS | METH_KEYWORDS,

@@ -348,17 +348,20 @@ class Sequential:
         Across the processes of a job (MultiWorkerMirroredStrategy) it is
         collective: rank 0 writes (every replica holds the same bits) and the
         others wait until the file is complete."""
-        path = _check.path("path", path)
+        self._write(_check.path("path", path))
+
+    def _write(self, path, training=None):
+        """save(path), with dp.train's training state when given (checkpoint.save)."""
         if self._timeout:
             from . import distributed
 
             if distributed.rank() == 0:
                 # a failure here ends the job (MPI_Abort) if nothing catches it,
                 # else the others give up waiting after the timeout
-                checkpoint.save(self, path)
+                checkpoint.save(self, path, training)
             distributed.barrier(self._timeout, f"net.save({os.fspath(path)!r}) by rank 0")
             return
-        checkpoint.save(self, path)
+        checkpoint.save(self, path, training)
 
     # ---- running -----------------------------------------------------------
     def _labelled_batches(self, data, what):
@@ -387,14 +390,29 @@ class Sequential:
             return np.zeros((0, self.num_classes), dtype=np.float32)
         return np.concatenate([self._model.predict(X[i:i + batch_size]) for i in range(0, len(X), batch_size)])
 
-    def evaluate(self, data_iter):
-        """Mean loss and accuracy over a dataset iterator: Metrics(loss, accuracy, num_examples)."""
+    def evaluate(self, data_iter, progress=None):
+        """Mean loss and accuracy over a dataset iterator: Metrics(loss, accuracy, num_examples).
+        progress: a bar as dp.train shows one (:mod:`dpcore.progress`); None:
+        for a set of at least ``EVALUATE_BAR_BATCHES`` batches (when its length is known)."""
+        from . import progress as _progress
+
+        try:
+            batches = len(data_iter)
+        except TypeError:
+            batches = None
+        if progress is None:
+            progress = batches is not None and batches >= EVALUATE_BAR_BATCHES
+        bar = _progress.bar(_check.boolean("progress", progress), batches, "evaluate", unit="batch")
         loss, correct, n = 0.0, 0, 0
-        for X, y in self._labelled_batches(data_iter, "data_iter"):
-            batch_loss, batch_correct = (self._mirrored or self._model).evaluate(X, y)
-            loss += batch_loss
-            correct += batch_correct
-            n += len(y)
+        try:
+            for X, y in self._labelled_batches(data_iter, "data_iter"):
+                batch_loss, batch_correct = (self._mirrored or self._model).evaluate(X, y)
+                loss += batch_loss
+                correct += batch_correct
+                n += len(y)
+                bar.update(1)
+        finally:
+            bar.close()
         if n == 0:
             raise ValueError("data_iter yielded no samples: evaluate needs at least one")
         return Metrics(loss / n, correct / n, n)
@@ -444,6 +462,10 @@ class Sequential:
 if Sequential.__doc__:  # None under python -OO
     Sequential.__doc__ = Sequential.__doc__.replace(
         "{layer_specs}", ",\n        ".join(_layer_spec_doc(name, info) for name, info in _LAYER_KINDS.items()))
+
+
+# evaluate() shows a progress bar by default from this many batches on
+EVALUATE_BAR_BATCHES = 50
 
 
 class LeNet(Sequential):
