@@ -419,6 +419,14 @@ def section_text(args, summaries, ratio_min, ratio_mean, load_before, load_after
     return "\n".join(lines)
 
 
+def publish(lines, title, write):
+    """Print a benchmark's section (a list of lines) and, with --write, put it into RESULTS.md."""
+    section = "\n".join(lines)
+    print(section)
+    if write:
+        replace_section(DEFAULT_RESULTS, title, section)
+
+
 def replace_section(path, title, section):
     """Replace (or append) the section headed `title` in RESULTS.md, keeping every other
     section; written atomically (temp file + os.replace). Every benchmark writes through this."""

@@ -142,10 +142,7 @@ def main():
                               "met on the best steps only" if ratio >= 1 else "not met"),
         "",
     ]
-    section = "\n".join(lines)
-    print(section)
-    if args.write:
-        common.replace_section(common.DEFAULT_RESULTS, SECTION_TITLE, section)
+    common.publish(lines, SECTION_TITLE, args.write)
 
 
 if __name__ == "__main__":

@@ -67,8 +67,15 @@ void dp_model_destroy(dp_model *m) {
   if (!m) return;
   free_activations(m);
   free_flat_buffers(m);
+  dp_trace_free(&m->trace);
   free(m->layers);
   free(m);
+}
+
+dp_status dp_model_set_profiling(dp_model *m, int on) {
+  DP_TRY(dp_trace_enable(&m->trace, on));
+  m->trace.sync_dev = m->dev->kind == DP_DEVICE_CUDA ? m->dev : NULL;
+  return DP_OK;
 }
 
 dp_status dp_model_set_source(dp_model *m, int64_t src) {
@@ -629,13 +636,18 @@ dp_status dp_model_forward_backward_loaded(dp_model *m, int64_t n, float grad_sc
   /* the running statistics this forward pass updates, to put back if its loss is not finite */
   if (m->nstate > 0)
     DP_TRY(be->copy_to_device(m->dev, m->state_before, m->state, sizeof(float) * (size_t)m->nstate));
+  const int64_t t0 = dp_trace_begin();
   DP_TRY(forward(m, n, coll));
   const int K = dp_model_num_classes(m);
   DP_TRY(be->softmax_xent(m->dev, n, K, logits_of(m), m->labels, grad_scale, m->dacts[m->nlayers - 1], loss_sum,
                           correct));
+  dp_trace_end(DP_PHASE_FORWARD, -1, 0, t0);
+  const int64_t t1 = dp_trace_begin();
   /* before the backward pass: it rides in the first gradient bucket */
   DP_TRY(be->loss_flag(m->dev, m->grads + m->nparams));
-  return backward(m, n, coll);
+  DP_TRY(backward(m, n, coll));
+  dp_trace_end(DP_PHASE_BACKWARD, -1, 0, t1);
+  return DP_OK;
 }
 
 dp_status dp_model_forward_backward(dp_model *m, const dp_batch *b, float grad_scale, double *loss_sum,
@@ -696,9 +708,13 @@ dp_status dp_model_check_loss(const dp_model *m, int replica, double loss_sum) {
 }
 
 dp_status dp_model_guarded_step(dp_model *m, float lr, float momentum, float weight_decay) {
+  const int64_t t0 = dp_trace_begin();
   DP_TRY(sgd_step_guarded(m, lr, momentum, weight_decay, m->grads + m->nparams));
-  if (m->nstate == 0) return DP_OK;
-  return m->dev->backend->restore_unless_allowed(m->dev, m->nstate, m->state, m->state_before, m->grads + m->nparams);
+  if (m->nstate > 0)
+    DP_TRY(m->dev->backend->restore_unless_allowed(m->dev, m->nstate, m->state, m->state_before,
+                                                   m->grads + m->nparams));
+  dp_trace_end(DP_PHASE_UPDATE, -1, 0, t0);
+  return DP_OK;
 }
 
 static dp_status sgd_step_guarded(dp_model *m, float lr, float momentum, float weight_decay,

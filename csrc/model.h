@@ -18,6 +18,7 @@
 #include "collective.h"
 #include "layers.h"
 #include "resident.h"
+#include "trace.h"
 
 #define DP_SRC_PREVIOUS (-2)
 
@@ -52,6 +53,7 @@ typedef struct dp_model {
   uint8_t *input_u8;        /* uint8 images staged before u8_to_unit, (act_batch * in size) */
   int32_t *labels;          /* (act_batch) */
   int32_t *rows;            /* (act_batch) the resident dataset's rows of the batch */
+  dp_trace trace;           /* the step timeline of this replica, when profiling (trace.h) */
 } dp_model;
 
 /* A batch as it comes from the host: images uint8 (scaled by 1/255) or float32,
@@ -99,6 +101,8 @@ DP_MUST_CHECK dp_status dp_model_reset_velocity(dp_model *m);
 /* The SGD momentum buffer (nparams floats, the parameters' layout): what a
  * resumable training checkpoint saves beside the parameters. */
 DP_MUST_CHECK dp_status dp_model_get_velocity(dp_model *m, float *host);
+/* Record this replica's step timeline (on) or stop (off); see trace.h. */
+DP_MUST_CHECK dp_status dp_model_set_profiling(dp_model *m, int on);
 DP_MUST_CHECK dp_status dp_model_set_velocity(dp_model *m, const float *host);
 DP_MUST_CHECK dp_status dp_model_get_state(dp_model *m, float *host);
 DP_MUST_CHECK dp_status dp_model_set_state(dp_model *m, const float *host);

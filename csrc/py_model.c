@@ -327,6 +327,42 @@ static PyObject *Model_set_velocity(ModelObject *self, PyObject *arg) {
   return set_flat(self, arg, "velocity", self->model->nparams, dp_model_set_velocity);
 }
 
+/* set_profiling(on): record this replica's step timeline, or stop */
+static PyObject *Model_set_profiling(ModelObject *self, PyObject *arg) {
+  if (!model_ready(self)) return NULL;
+  const int on = PyObject_IsTrue(arg);
+  if (on < 0) return NULL;
+  dp_status st = dp_model_set_profiling(self->model, on);
+  if (st != DP_OK) return raise_from_status(st);
+  Py_RETURN_NONE;
+}
+
+/* take_trace() -> (events, dropped): the events recorded since the last call,
+ * an int64 array (n, 6) of phase, bucket, bytes, step, t0 ns, t1 ns */
+static PyObject *Model_take_trace(ModelObject *self, PyObject *unused) {
+  if (!model_ready(self)) return NULL;
+  int64_t n = 0, dropped = 0;
+  dp_trace_event *events = dp_trace_take(&self->model->trace, &n, &dropped);
+  npy_intp dims[2] = {(npy_intp)n, 6};
+  PyObject *out = PyArray_SimpleNew(2, dims, NPY_INT64);
+  if (!out) {
+    free(events);
+    return NULL;
+  }
+  int64_t *row = PyArray_DATA((PyArrayObject *)out);
+  for (int64_t i = 0; i < n; ++i, row += 6) {
+    const dp_trace_event *e = &events[i];
+    row[0] = e->phase;
+    row[1] = e->bucket;
+    row[2] = e->bytes;
+    row[3] = e->step;
+    row[4] = e->t0;
+    row[5] = e->t1;
+  }
+  free(events);
+  return Py_BuildValue("(NL)", out, (long long)dropped);
+}
+
 static PyObject *Model_reset_velocity(ModelObject *self, PyObject *unused) {
   if (!model_ready(self)) return NULL;
   dp_status st = dp_model_reset_velocity(self->model);
@@ -375,8 +411,18 @@ static dp_status model_work_run(void *p) {
     case MODEL_TRAIN_STEP: break;
   }
   if (b->n == 0) return DP_OK; /* an empty batch changes nothing */
-  DP_TRY(b->resident ? dp_model_load_rows(m, b->resident[0], b->rows, b->n) : dp_model_load(m, b, 1));
-  return dp_model_train_step_loaded(m, b->n, w->lr, w->momentum, w->weight_decay, &w->loss, &w->correct);
+  /* one replica's step, recorded in its timeline when it profiles (trace.h) */
+  dp_trace_count_step(&m->trace);
+  dp_trace *previous = dp_trace_step_begin(&m->trace);
+  const int64_t t0 = dp_trace_begin();
+  dp_status st = b->resident ? dp_model_load_rows(m, b->resident[0], b->rows, b->n) : dp_model_load(m, b, 1);
+  if (st == DP_OK) {
+    dp_trace_end(DP_PHASE_SCATTER, -1, 0, t0);
+    st = dp_model_train_step_loaded(m, b->n, w->lr, w->momentum, w->weight_decay, &w->loss, &w->correct);
+  }
+  if (st == DP_OK) dp_trace_end(DP_PHASE_STEP, -1, 0, t0);
+  dp_trace_step_end(previous);
+  return st;
 }
 
 /* train_step / forward_backward / evaluate on a host batch: convert, run
@@ -537,6 +583,9 @@ static PyMethodDef Model_methods[] = {
     {"get_velocity", (PyCFunction)Model_get_velocity, METH_NOARGS,
      "a copy of the SGD momentum buffer (the flat parameters' layout)"},
     {"set_velocity", (PyCFunction)Model_set_velocity, METH_O, "replace the SGD momentum buffer"},
+    {"set_profiling", (PyCFunction)Model_set_profiling, METH_O, "record this replica's step timeline (True) or stop"},
+    {"take_trace", (PyCFunction)Model_take_trace, METH_NOARGS,
+     "take_trace() -> (int64 array (n, 6): phase, bucket, bytes, step, t0_ns, t1_ns; events dropped)"},
     {"train_step", (PyCFunction)(void (*)(void))Model_train_step, METH_VARARGS | METH_KEYWORDS,
      "train_step(images, labels, lr, momentum=0, weight_decay=0) -> (loss_sum, correct)"},
     {"find_nonfinite", (PyCFunction)(void (*)(void))Model_find_nonfinite, METH_VARARGS | METH_KEYWORDS,

@@ -9,7 +9,7 @@ FloatingPointError naming the epoch, the step and the replicas.
 import os
 import time
 import warnings
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -29,6 +29,12 @@ class History:
     test_acc: list = field(default_factory=list)
     epoch_seconds: list = field(default_factory=list)  # training pass only, evaluation excluded
     devices: list = field(default_factory=list)
+    # dp.train(..., profile=True): the step timeline (dpcore.timeline.Timeline); None otherwise
+    timeline: object = field(default=None, repr=False, compare=False)
+
+    def _record(self):
+        """The per-epoch lists, as a checkpoint stores them."""
+        return {k: list(getattr(self, k)) for k in ("train_loss", "train_acc", "test_acc", "epoch_seconds", "devices")}
 
     @property
     def num_epochs(self):
@@ -180,7 +186,8 @@ def _resume(net, path, train_iter, hyper, history):
 
 
 def train(net, train_iter, test_iter=None, num_epochs=10, lr=0.1, momentum=0.0, weight_decay=0.0, verbose=True,
-          resident=None, check_numerics=False, progress=True, plot=False, checkpoint=None, resume=False):
+          resident=None, check_numerics=False, progress=True, plot=False, checkpoint=None, resume=False,
+          profile=False):
     """Train ``net`` with minibatch SGD on the mean softmax cross-entropy.
 
     train_iter / test_iter: iterables of (images, labels) batches, e.g. from
@@ -221,6 +228,11 @@ def train(net, train_iter, test_iter=None, num_epochs=10, lr=0.1, momentum=0.0, 
     ``dp.data`` iterator the run continues bitwise as the interrupted one
     would have. The hyperparameters and the dataset's size and batch size
     must be the checkpoint's.
+
+    profile: record every replica's step timeline in C (staging, forward,
+    backward, each bucket's all-reduce, waiting, the update) into
+    ``history.timeline`` (:class:`dpcore.timeline.Timeline`: ``plot()``,
+    ``save('trace.json')`` for Perfetto, ``summary()``).
     """
     if not isinstance(net, Sequential):
         raise TypeError(f"net must be a dpcore model (e.g. dp.models.LeNet()), got {type(net).__name__}")
@@ -232,6 +244,7 @@ def train(net, train_iter, test_iter=None, num_epochs=10, lr=0.1, momentum=0.0, 
     verbose = _check.boolean("verbose", verbose)
     check_numerics = _check.boolean("check_numerics", check_numerics)
     progress = _check.boolean("progress", progress)
+    profile = _check.boolean("profile", profile)
     resume = _check.boolean("resume", resume)
     if checkpoint is not None:
         checkpoint = _check.path("checkpoint", checkpoint)
@@ -281,6 +294,26 @@ def train(net, train_iter, test_iter=None, num_epochs=10, lr=0.1, momentum=0.0, 
             print(f"resumed from {checkpoint} after epoch {first_epoch}", flush=True)
     show_progress = progress and (not multi or distributed.rank() == 0)
     residents = net.make_resident(train_iter.X, train_iter.y) if resident and num_epochs > first_epoch else None
+    if profile:
+        from . import timeline as _timeline
+
+        with _timeline.profile(net) as recorded:
+            _epochs(net, train_iter, test_iter, first_epoch, num_epochs, lr, momentum, weight_decay, residents,
+                    check_numerics, show_progress, verbose, checkpoint, hyper, history, live_plot, multi)
+        history.timeline = recorded.timeline
+    else:
+        _epochs(net, train_iter, test_iter, first_epoch, num_epochs, lr, momentum, weight_decay, residents,
+                check_numerics, show_progress, verbose, checkpoint, hyper, history, live_plot, multi)
+    if verbose and num_epochs:
+        print(history.summary(), flush=True)
+    return history
+
+
+def _epochs(net, train_iter, test_iter, first_epoch, num_epochs, lr, momentum, weight_decay, residents,  # noqa: C901
+            check_numerics, show_progress, verbose, checkpoint, hyper, history, live_plot, multi):
+    """dp.train's epochs from first_epoch (its arguments checked)."""
+    if multi:
+        from . import distributed
     for epoch in range(first_epoch, num_epochs):
         loss_sum, correct, seen = 0.0, 0, 0
         bar = _progress.bar(show_progress, _batches_or_none(train_iter), f"epoch {epoch + 1}/{num_epochs}")
@@ -329,9 +362,6 @@ def train(net, train_iter, test_iter=None, num_epochs=10, lr=0.1, momentum=0.0, 
             print(f"{line}, {seconds:.1f} sec", flush=True)
         if checkpoint is not None:
             net._write(checkpoint, training={"epoch": epoch + 1, "hyper": hyper, "data": _data_state(train_iter),
-                                             "history": asdict(history)})
+                                             "history": history._record()})
         if live_plot is not None:
             live_plot.update(history)
-    if verbose and num_epochs:
-        print(history.summary(), flush=True)
-    return history
