@@ -24,6 +24,20 @@ def _figure_png(figure):
     return buffer.getvalue()
 
 
+def show(figure):
+    """Display a pyplot-less matplotlib Figure in the notebook, as a PNG."""
+    from IPython.display import Image, display
+
+    display(Image(data=_figure_png(figure), format="png"))
+
+
+def show_in_notebook(figure, made_here):
+    """Display the figure when a plot method made it itself (no ``ax`` given)
+    inside a notebook: Jupyter does not show figures made without pyplot."""
+    if made_here and in_notebook():
+        show(figure)
+
+
 def draw(history, figure=None):
     """The training figure of a History (a new matplotlib Figure, or ``figure``
     cleared and redrawn)."""

@@ -97,12 +97,14 @@ class ScalingReport:
 
     def plot(self, ax=None):
         """Images/s against replicas, beside the ideal (linear) scaling; the
-        stacked shares of compute, all-reduce and waiting on a second axis."""
+        stacked shares of compute, all-reduce and waiting on a second axis.
+        In a notebook, without ``ax``, the figure is also displayed."""
         try:
             from matplotlib.figure import Figure
         except ImportError as e:  # optional dependency
             raise ImportError("ScalingReport.plot needs matplotlib: pip install matplotlib") from e
-        if ax is None:
+        made_here = ax is None
+        if made_here:
             ax = Figure(figsize=(8, 3.2)).subplots(1, 2)
         speed, shares = (ax[0], ax[1]) if isinstance(ax, (list, tuple, np.ndarray)) else (ax, None)
         k = [r["replicas"] for r in self.rows]
@@ -126,6 +128,9 @@ class ScalingReport:
             shares.set_xticks(k)
             shares.legend(fontsize="small")
         speed.figure.tight_layout()
+        from .plotting import show_in_notebook
+
+        show_in_notebook(speed.figure, made_here)
         return speed
 
 
@@ -216,7 +221,5 @@ def scaling_report(model_fn, train_iter, devices=None, steps=10, warmup=2, lr=0.
     from .progress import in_notebook
 
     if plot or (plot is None and in_notebook()):
-        from IPython.display import display
-
-        display(report.plot().figure)
+        report.plot()  # displayed in a notebook
     return report

@@ -175,7 +175,8 @@ class Timeline:
         """A Gantt chart of ``steps`` consecutive steps (from ``first``, default
         the last ones recorded), one row per replica, a colour per phase;
         nested events (all-reduces, waits) drawn as thinner bars on top.
-        Returns the matplotlib Axes."""
+        Returns the matplotlib Axes; in a notebook, without ``ax``, the
+        chart is also displayed."""
         steps = _check.integer("steps", steps, 1)
         try:
             from matplotlib.figure import Figure
@@ -188,7 +189,8 @@ class Timeline:
         start = recorded.index(first) if first in recorded else max(0, len(recorded) - steps)
         chosen = recorded[start:start + steps]
         events = self.events[np.isin(self.events["step"], chosen) & (self.events["phase"] != 0)]
-        if ax is None:
+        made_here = ax is None
+        if made_here:
             ax = Figure(figsize=(9, 1.2 + 0.6 * len(self.devices))).add_subplot(1, 1, 1)
         t_zero = events["t0"].min()
         for replica in range(len(self.devices)):
@@ -208,6 +210,9 @@ class Timeline:
         ax.legend(handles=[Patch(color=c, label=p) for p, c in _COLOURS.items()], ncol=6, fontsize="small",
                   loc="upper center", bbox_to_anchor=(0.5, -0.35 if len(self.devices) < 3 else -0.2), frameon=False)
         ax.figure.tight_layout()
+        from .plotting import show_in_notebook
+
+        show_in_notebook(ax.figure, made_here)
         return ax
 
 
