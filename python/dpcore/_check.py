@@ -151,6 +151,21 @@ def path(name, value):
     return text
 
 
+def writable_file(name, value):
+    """A path (see :func:`path`) that a file can be written to: its directory
+    exists and it is not itself a directory. Checked before work whose result
+    would go there, so that an hour of training does not end in a typo."""
+    text = path(name, value)
+    directory = os.path.dirname(os.path.abspath(text))
+    if not os.path.isdir(directory):
+        raise FileNotFoundError(f"{name}: the directory {directory!r} of {text!r} does not exist")
+    if os.path.isdir(text):
+        raise IsADirectoryError(f"{name}: {text!r} is a directory; give a file name")
+    if not os.access(directory, os.W_OK | os.X_OK):
+        raise PermissionError(f"{name}: cannot write files into {directory!r}")
+    return text
+
+
 def function(name, value):
     if not callable(value):
         raise _type_error(name, "callable", value)

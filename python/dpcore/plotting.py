@@ -64,7 +64,7 @@ class LivePlot:
         if target is True:
             self.path = None
         elif isinstance(target, (str, bytes, os.PathLike)):
-            self.path = _check.path("plot", target)
+            self.path = _check.writable_file("plot", target)
         else:
             raise TypeError(f"plot must be True, False or a path to write the figure to, got "
                             f"{type(target).__name__} {_check.shown(target)}")

@@ -165,7 +165,7 @@ class Timeline:
         """Write the Chrome trace (JSON) to path, atomically."""
         from .checkpoint import atomic_write
 
-        path = _check.path("path", path)
+        path = _check.writable_file("path", path)
         atomic_write(path, [json.dumps(self.chrome_trace()).encode("utf-8")])
         return path
 

@@ -222,7 +222,8 @@ def train(net, train_iter, test_iter=None, num_epochs=10, lr=0.1, momentum=0.0, 
 
     checkpoint: a path; after every epoch the weights, BatchNorm statistics,
     momentum buffers, epoch count, data order and History are written there
-    atomically (a safetensors file that ``dp.models.load`` also reads).
+    atomically (a safetensors file that ``dp.models.load`` also reads),
+    replacing what was there. Its directory is checked before training starts.
     resume: continue from that checkpoint when it exists (from scratch when
     it does not): the epochs it holds count toward ``num_epochs``, and with a
     ``dp.data`` iterator the run continues bitwise as the interrupted one
@@ -247,7 +248,7 @@ def train(net, train_iter, test_iter=None, num_epochs=10, lr=0.1, momentum=0.0, 
     profile = _check.boolean("profile", profile)
     resume = _check.boolean("resume", resume)
     if checkpoint is not None:
-        checkpoint = _check.path("checkpoint", checkpoint)
+        checkpoint = _check.writable_file("checkpoint", checkpoint)
     elif resume:
         raise ValueError("resume=True needs checkpoint=<path>: the file to resume from")
     live_plot = None
