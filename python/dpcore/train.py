@@ -364,5 +364,5 @@ def _epochs(net, train_iter, test_iter, first_epoch, num_epochs, lr, momentum, w
         if checkpoint is not None:
             net._write(checkpoint, training={"epoch": epoch + 1, "hyper": hyper, "data": _data_state(train_iter),
                                              "history": history._record()})
-        if live_plot is not None:
+        if live_plot is not None and (not multi or distributed.rank() == 0):  # one process draws
             live_plot.update(history)
