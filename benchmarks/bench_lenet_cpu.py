@@ -244,6 +244,12 @@ def child_dpcore(args):
         pass
     if getattr(history, "devices", None):
         info["devices"] = list(history.devices)
+    sys.path.insert(0, HERE)
+    import floor
+    gflops = floor.sgemm_gflops(threads=args.threads)
+    per_image = floor.training_flops_per_image(net)
+    log("  machine floor: SGEMM %.1f GFLOP/s with %d thread(s); %.4f GFLOP per image -> %.3f s per epoch" % (
+        gflops, args.threads, per_image / 1e9, floor.floor_seconds(per_image * (n_train or 60000), gflops)))
     return {
         "framework": "dpcore",
         "version": getattr(dp, "__version__", "?"),
@@ -251,6 +257,7 @@ def child_dpcore(args):
         "n_train": n_train,
         "epochs": epochs,
         "info": info,
+        "floor": {"sgemm_gflops": gflops, "flops_per_image": per_image},
     }
 
 
@@ -312,16 +319,30 @@ def summarise(runs):
         "train_acc": last["train_acc"],
         "test_acc": last["test_acc"],
         "info": runs[0].get("info", {}),
+        # the machine's best SGEMM rate over the rounds: the lowest (strictest) floor
+        "floor": max((r["floor"] for r in runs if r.get("floor")), key=lambda f: f["sgemm_gflops"], default=None),
     }
 
 
+def floor_seconds(summaries):
+    """The epoch's GEMM floor (benchmarks/floor.py), measured in dpcore's subprocesses, or None."""
+    measured = [s["floor"] for s in summaries if s.get("floor")]
+    if not measured:
+        return None
+    best = max(measured, key=lambda f: f["sgemm_gflops"])
+    n = next(s["n_train"] for s in summaries if s.get("floor"))
+    return best["flops_per_image"] * n / (best["sgemm_gflops"] * 1e9)
+
+
 def table(summaries):
+    floor_s = floor_seconds(summaries)
     rows = ["| framework | version | threads | epochs timed | min s | mean s | images/s (min) "
-            "| train loss | train acc | test acc |",
-            "|---|---|---|---|---|---|---|---|---|---|"]
+            "| floor s | min / floor | train loss | train acc | test acc |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for s in summaries:
-        rows.append("| %s | %s | %s | %d | %.3f | %.3f | %.0f | %s | %s | %s |" % (
+        rows.append("| %s | %s | %s | %d | %.3f | %.3f | %.0f | %s | %s | %s | %s | %s |" % (
             s["framework"], s["version"], s["threads"], len(s["times"]), s["min"], s["mean"], s["ips"],
+            fmt(floor_s, 3), fmt(floor_s and s["min"] / floor_s, 2),
             fmt(s["train_loss"], 4), fmt(s["train_acc"], 3), fmt(s["test_acc"], 3)))
     return "\n".join(rows)
 
@@ -381,6 +402,10 @@ def section_text(args, summaries, ratio_min, ratio_mean, load_before, load_after
         "a training pass only is timed" % (torch_s["n_train"], BATCH_SIZE, LR, args.rounds, args.epochs),
         "- fairness: PyTorch's float32 inputs (/255) are precomputed before timing; "
         "dpcore converts uint8 batches inside its timed loop",
+        "- floor (benchmarks/floor.py): the epoch's counted training FLOPs (conv and dense: forward, weight "
+        "and input gradients) at this machine's best %s GFLOP/s of a 2048^3 SGEMM through dpcore's OpenBLAS "
+        "with the same threads, measured in the dpcore subprocesses" % fmt(
+            max((s["floor"]["sgemm_gflops"] for s in summaries if s.get("floor")), default=None), 1),
         "",
         table(summaries),
         "",
@@ -392,6 +417,14 @@ def section_text(args, summaries, ratio_min, ratio_mean, load_before, load_after
         "",
     ]
     return "\n".join(lines)
+
+
+def publish(lines, title, write):
+    """Print a benchmark's section (a list of lines) and, with --write, put it into RESULTS.md."""
+    section = "\n".join(lines)
+    print(section)
+    if write:
+        replace_section(DEFAULT_RESULTS, title, section)
 
 
 def replace_section(path, title, section):

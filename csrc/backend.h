@@ -66,8 +66,6 @@ typedef struct dp_conv_geom {
  * DP_ERR_VALUE, their message starting with `what` ("conv2d (layer 3)") and
  * naming the argument or size at fault. */
 DP_MUST_CHECK dp_status dp_input_shape_check(const char *what, int64_t C, int64_t H, int64_t W);
-/* value in [lo, hi], or DP_ERR_VALUE naming `what` (the op or layer) and the argument */
-DP_MUST_CHECK dp_status dp_size_arg_check(const char *what, const char *name, int64_t value, int64_t lo, int64_t hi);
 /* input (C, H, W), O filters (KH, KW) */
 DP_MUST_CHECK dp_status dp_conv_geom_make(const char *what, int64_t C, int64_t H, int64_t W, int64_t O, int64_t KH,
                                           int64_t KW, int64_t stride, int64_t pad, dp_conv_geom *out);

@@ -4,6 +4,8 @@
 #include <stdatomic.h>
 #include <string.h>
 
+#include "trace.h"
+
 
 dp_status dp_barrier_init(dp_barrier *b, int count) {
   if (count < 1) return DP_FAIL(DP_ERR_VALUE, "barrier: count must be >= 1, got %d", count);
@@ -30,8 +32,18 @@ static dp_status barrier_broken(void) {
   return DP_FAIL(DP_ERR_ABORTED, "collective aborted: another replica failed");
 }
 
+static dp_status barrier_wait(dp_barrier *b);
+
+/* a barrier's wait is the timeline's "wait" (trace.h) */
 dp_status dp_barrier_wait(dp_barrier *b) {
   if (b->count == 1) return DP_OK;
+  const int64_t t0 = dp_trace_begin();
+  DP_TRY(barrier_wait(b));
+  dp_trace_end(DP_PHASE_WAIT, -1, 0, t0);
+  return DP_OK;
+}
+
+static dp_status barrier_wait(dp_barrier *b) {
   if (atomic_load_explicit(&b->broken, memory_order_acquire)) return barrier_broken();
   const unsigned gen = atomic_load_explicit(&b->generation, memory_order_acquire);
   if (atomic_fetch_add_explicit(&b->arrived, 1, memory_order_acq_rel) + 1 == b->count) {

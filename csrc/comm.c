@@ -39,6 +39,7 @@
 
 #include "cuda_check.h"
 #include "dist.h"
+#include "trace.h"
 
 #if defined(DP_HAVE_CUDA)
 #include "dp_cuda.h"
@@ -828,7 +829,10 @@ dp_status dp_comm_allreduce(dp_comm *c, int rank, float *const *bufs, int64_t n,
   DP_TRY(usable(c));
   if (c->total == 1 || n <= 0) return DP_OK;
   c->ranks[rank].issued++; /* counted before the call: a failing one may have queued work */
-  return c->ops->all_reduce(c, rank, bufs, n, op);
+  const int64_t t0 = dp_trace_begin();
+  DP_TRY(c->ops->all_reduce(c, rank, bufs, n, op));
+  dp_trace_end(DP_PHASE_ALLREDUCE, -1, n * (int64_t)sizeof(float), t0);
+  return DP_OK;
 }
 
 dp_status dp_comm_bucket_allreduce(dp_comm *c, int rank, float *const *bufs, int64_t begin, int64_t end,
@@ -838,13 +842,19 @@ dp_status dp_comm_bucket_allreduce(dp_comm *c, int rank, float *const *bufs, int
     return DP_FAIL(DP_ERR_VALUE, "all-reduce: bucket %d outside [0, %d)", bucket, DP_COMM_MAX_BUCKETS);
   if (c->total == 1 || end <= begin) return DP_OK;
   c->ranks[rank].issued++;
-  return c->ops->bucket_start(c, rank, bufs, begin, end, bucket);
+  const int64_t t0 = dp_trace_begin();
+  DP_TRY(c->ops->bucket_start(c, rank, bufs, begin, end, bucket));
+  dp_trace_end(DP_PHASE_ALLREDUCE, bucket, (end - begin) * (int64_t)sizeof(float), t0);
+  return DP_OK;
 }
 
 dp_status dp_comm_wait_buckets(dp_comm *c, int rank) {
   DP_TRY(usable(c));
   if (c->total == 1) return DP_OK;
-  return c->ops->bucket_wait(c, rank);
+  const int64_t t0 = dp_trace_begin();
+  DP_TRY(c->ops->bucket_wait(c, rank));
+  dp_trace_end(DP_PHASE_WAIT, -1, 0, t0);
+  return DP_OK;
 }
 
 /* ---- registered buffers and the collective interface ----------------------------- */

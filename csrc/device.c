@@ -62,8 +62,8 @@ static dp_status mapping_of(dp_device_kind kind, int index, dp_device_info *out)
     return DP_OK;
   }
   if (kind != DP_DEVICE_CUDA) return DP_FAIL(DP_ERR_VALUE, "unknown device kind %d", (int)kind);
-  if (index < 0 || index >= DP_MAX_DEVICES)
-    return DP_FAIL(DP_ERR_VALUE, "unknown device cuda:%d: a logical GPU index is in [0, %d)", index, DP_MAX_DEVICES);
+  if (index < 0 || index >= DP_DEVICES_MAX)
+    return DP_FAIL(DP_ERR_VALUE, "unknown device cuda:%d: a logical GPU index is in [0, %d)", index, DP_DEVICES_MAX);
   /* whether the GPU exists is dp_cuda_device_init's to say, with CUDA's reason */
   out->physical = index / cuda_per_gpu;
   out->nthreads = 1;
@@ -102,8 +102,8 @@ static dp_status entry_create(const dp_device_info *want, device_entry **out) {
 dp_status dp_device_get_index(dp_device_kind kind, int index, int nthreads, dp_device **out) {
   *out = NULL;
   if (nthreads < 0 || nthreads > DP_MAX_THREADS)
-    return DP_FAIL(DP_ERR_VALUE, "threads must be in [0, %d] (0: the device's share of the cores), got %d",
-                   DP_MAX_THREADS, nthreads);
+    return DP_FAIL(DP_ERR_VALUE, "threads must be between 0 (the device's share) and %d, got %d", DP_MAX_THREADS,
+                   nthreads);
   if (nthreads > 0 && kind != DP_DEVICE_CPU)
     return DP_FAIL(DP_ERR_VALUE, "cuda:%d: a thread count is for CPU devices only", index);
   pthread_mutex_lock(&registry_mutex);
@@ -133,7 +133,7 @@ static int name_index(const char *rest, int *index) {
   if (*rest != ':' || rest[1] == '\0') return -1;
   long v = 0;
   for (const char *c = rest + 1; *c; ++c) {
-    if (*c < '0' || *c > '9' || v >= DP_MAX_DEVICES) return -1;
+    if (*c < '0' || *c > '9' || v >= DP_DEVICES_MAX) return -1;
     v = v * 10 + (*c - '0');
   }
   *index = (int)v;
@@ -178,16 +178,16 @@ void dp_device_unlock(dp_device *dev) { pthread_mutex_unlock(&((device_entry *)d
 dp_status dp_devices_set_logical(dp_device_kind kind, int count) {
   if (kind != DP_DEVICE_CPU && kind != DP_DEVICE_CUDA)
     return DP_FAIL(DP_ERR_VALUE, "logical devices can be set for 'cpu' or 'cuda', got kind %d", (int)kind);
-  if (count < 1 || count > DP_MAX_DEVICES)
-    return DP_FAIL(DP_ERR_VALUE, "count must be between 1 and %d, got %d", DP_MAX_DEVICES, count);
+  if (count < 1 || count > DP_DEVICES_MAX)
+    return DP_FAIL(DP_ERR_VALUE, "count must be between 1 and %d, got %d", DP_DEVICES_MAX, count);
   if (kind == DP_DEVICE_CUDA) {
     char why[256] = "";
     const int gpus = dp_devices_gpu_count(why, sizeof why);
     if (gpus == 0)
       return DP_FAIL(DP_ERR_VALUE, "logical GPUs need a usable CUDA device; there is none here (%s)", why);
-    if (count * gpus > DP_MAX_DEVICES)
+    if (count * gpus > DP_DEVICES_MAX)
       return DP_FAIL(DP_ERR_VALUE, "%d logical GPUs on each of %d GPUs is more than %d devices", count, gpus,
-                     DP_MAX_DEVICES);
+                     DP_DEVICES_MAX);
   }
   pthread_mutex_lock(&registry_mutex);
   if (kind == DP_DEVICE_CPU)

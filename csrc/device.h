@@ -40,7 +40,7 @@
 #define DP_DEVICE_H
 
 #include "backend.h"
-#include "dp_limits.h" /* DP_MAX_DEVICES, DP_MAX_THREADS */
+#include "dp_limits.h" /* DP_DEVICES_MAX: the most devices of one kind (logical CPU devices, logical GPUs in all) */
 
 /* One entry of the listing: what a get of `name` makes now. */
 typedef struct dp_device_info {

@@ -1,35 +1,25 @@
-/* dp_limits.h — the documented limits of dpcore, in one place.
+/* dp_limits.h — the documented upper limits of dpcore, in one place.
  *
- * The C core refuses anything beyond them with DP_ERR_VALUE (a ValueError
- * naming the argument), never a crash; the binding exports each as a
- * constant of dpcore._core (MAX_THREADS, ...), so that python/dpcore checks
- * against the same numbers (python/dpcore/_check.py) and the README's
- * "Limits" paragraph states them.
+ * The Python package reads them from the extension (_core.MAX_*) and checks
+ * arguments against them first, with messages naming the argument; the core
+ * enforces the same limits itself (DP_ERR_VALUE), so that no caller, the
+ * binding's own included, can take it past them: a thread count of 100000
+ * used to reach libgomp and end the process.
  */
 #ifndef DP_LIMITS_H
 #define DP_LIMITS_H
 
 #include <limits.h>
 
-#include "dp_status.h"
-
-/* threads of one CPU device's replica (OpenMP's team): more is a libgomp
- * failure or a crash long before it is any faster */
+/* threads one device's replica may use (OpenMP team size) */
 #define DP_MAX_THREADS 256
-/* channels of a convolution's input or output, features of a dense layer's output */
-#define DP_MAX_CHANNELS 65536
-/* logical devices of one kind (CPU devices; logical GPUs in all) */
-#define DP_MAX_DEVICES 64
-/* trainable scalars of a model (its flat buffer, padding included), and
- * samples of one batch: fewer than 2**31 */
+/* channels of a convolution or an input, features of a dense layer */
+#define DP_MAX_FEATURES 65536
+/* parameters of one model: the flat buffer is indexed with an int */
 #define DP_MAX_PARAMS INT_MAX
+/* samples in one batch */
 #define DP_MAX_BATCH INT_MAX
-
-/* The SGD hyperparameters, checked in one place before any step: lr and
- * weight_decay finite and >= 0, momentum in [0, 1], each within float32's
- * range (the kernels take floats). DP_ERR_VALUE naming the argument. */
-DP_MUST_CHECK dp_status dp_sgd_args_check(double lr, double momentum, double weight_decay);
-/* A gradient scale: finite and within float32's range. */
-DP_MUST_CHECK dp_status dp_grad_scale_check(double grad_scale);
+/* logical devices of one kind (the device registry's table) */
+#define DP_DEVICES_MAX 64
 
 #endif

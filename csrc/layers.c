@@ -5,6 +5,7 @@
  * layer stores fits an int (its kernels index with ints) before it is stored.
  */
 #include "layers.h"
+#include "dp_limits.h"
 
 #include <limits.h>
 #include <stddef.h>
@@ -12,7 +13,6 @@
 #include <string.h>
 
 #include "backend.h"
-#include "dp_limits.h"
 
 /* ---- shape inference, per kind ---------------------------------------------- */
 
@@ -30,8 +30,11 @@ static dp_status infer_conv2d(dp_layer *l, const dp_layer_arg_value *a, const in
 
 static dp_status infer_dense(dp_layer *l, const dp_layer_arg_value *a, const int *in2, const char *what) {
   const int64_t out = a[0].i;
+  if (out < 1) return DP_FAIL(DP_ERR_VALUE, "%s: out_features must be >= 1, got %lld", what, (long long)out);
   /* before the product, which saturates and so would be misreported */
-  DP_TRY(dp_size_arg_check(what, "out_features", out, 1, DP_MAX_CHANNELS));
+  if (out > DP_MAX_FEATURES)
+    return DP_FAIL(DP_ERR_VALUE, "%s: out_features must be at most %d, got %lld", what, DP_MAX_FEATURES,
+                   (long long)out);
   if (l->in_h != 1 || l->in_w != 1)
     return DP_FAIL(DP_ERR_VALUE, "%s: input is (%d, %d, %d); add a flatten layer first", what, l->in_c, l->in_h,
                    l->in_w);

@@ -10,7 +10,7 @@
 #include <time.h>
 
 #include "dist.h"
-#include "dp_limits.h"
+#include "trace.h"
 
 void dp_shard_range(int64_t n, int k, int r, int64_t *begin, int64_t *end) {
   const int64_t base = n / k, extra = n % k;
@@ -354,11 +354,21 @@ static dp_batch shard_of(const step_task *t, int rank) {
 }
 
 /* Stage a shard (checked by dp_mirrored_check_batch already). */
+static dp_status stage_shard(step_task *t, int rank) {
+  dp_batch s = shard_of(t, rank);
+  dp_model *model = t->m->models[rank];
+  return s.rows ? dp_model_load_rows(model, s.resident[rank], s.rows, s.n) : dp_model_load(model, &s, 1);
+}
+
+/* ... in a step: the timeline's "scatter" */
 static dp_status load_shard(void *arg, int rank) {
   step_task *t = arg;
-  dp_batch s = shard_of(t, rank);
-  if (s.rows) return dp_model_load_rows(t->m->models[rank], s.resident[rank], s.rows, s.n);
-  return dp_model_load(t->m->models[rank], &s, 1);
+  dp_trace *previous = dp_trace_step_begin(t->evaluate_only ? NULL : &t->m->models[rank]->trace);
+  const int64_t t0 = dp_trace_begin();
+  const dp_status st = stage_shard(t, rank);
+  if (st == DP_OK) dp_trace_end(DP_PHASE_SCATTER, -1, 0, t0);
+  dp_trace_step_end(previous);
+  return st;
 }
 
 dp_status dp_mirrored_check_batch(const dp_mirrored *m, const dp_batch *b, int evaluate_only) {
@@ -413,7 +423,7 @@ static dp_status reduce_and_step(step_task *t, int rank, const dp_collective *co
 
 /* A replica's whole step: forward and backward on its shard, the gradient
  * buckets all-reduced as the backward pass produces them, and the step. */
-static dp_status run_shard(void *arg, int rank) {
+static dp_status run_shard_steps(void *arg, int rank) {
   step_task *t = arg;
   dp_mirrored *m = t->m;
   dp_model *model = m->models[rank];
@@ -431,6 +441,17 @@ static dp_status run_shard(void *arg, int rank) {
   return dp_model_read_metrics(model, &t->loss[rank], &t->correct[rank]);
 }
 
+/* ... recorded in the replica's timeline when it profiles (trace.h) */
+static dp_status run_shard(void *arg, int rank) {
+  step_task *t = arg;
+  dp_trace *previous = dp_trace_step_begin(t->evaluate_only ? NULL : &t->m->models[rank]->trace);
+  const int64_t t0 = dp_trace_begin();
+  const dp_status st = run_shard_steps(arg, rank);
+  if (st == DP_OK) dp_trace_end(DP_PHASE_STEP, -1, 0, t0);
+  dp_trace_step_end(previous);
+  return st;
+}
+
 /* Replica rank's warm-up for the step in t: its shard staged, forward and
  * backward with the collectives off, and the kernels the step launches after
  * its first collective (fill and scale of the BatchNorm statistics, the SGD
@@ -444,7 +465,7 @@ static dp_status warm_shard(void *arg, int rank) {
   dp_mirrored *m = t->m;
   dp_model *model = m->models[rank];
   dp_device *dev = model->dev;
-  DP_TRY(load_shard(arg, rank));
+  DP_TRY(stage_shard(t, rank));
   float *state = NULL;
   if (model->nstate > 0) {
     state = malloc(sizeof(float) * (size_t)model->nstate);
@@ -668,6 +689,7 @@ static dp_status run_step_here(dp_mirrored *m, const dp_batch *b, int evaluate_o
   } else {
     const dp_warm_key key = warm_key_of(b);
     DP_TRY(warm_up(m, &t, key));
+    for (int r = 0; r < m->k; ++r) dp_trace_count_step(&m->models[r]->trace);
     dp_comm_step_begin(m->comm);
     set_in_step(m, 1);
     st = stage_separately(m) ? dp_group_run(m->group, load_shard, &t) : DP_OK;
@@ -696,7 +718,7 @@ static dp_status run_step(dp_mirrored *m, const dp_batch *b, int evaluate_only, 
 
 dp_status dp_mirrored_train_step(dp_mirrored *m, const dp_batch *b, float lr, float momentum, float weight_decay,
                                  double *loss_sum, int64_t *correct) {
-  DP_TRY(dp_sgd_args_check(lr, momentum, weight_decay)); /* on every replica alike, before any work */
+  DP_TRY(dp_sgd_args_check(lr, momentum, weight_decay)); /* before any replica starts */
   return run_step(m, b, 0, 1, lr, momentum, weight_decay, loss_sum, correct);
 }
 

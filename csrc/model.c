@@ -1,5 +1,4 @@
 #include "model.h"
-
 #include "dp_limits.h"
 
 #include <limits.h>
@@ -68,8 +67,15 @@ void dp_model_destroy(dp_model *m) {
   if (!m) return;
   free_activations(m);
   free_flat_buffers(m);
+  dp_trace_free(&m->trace);
   free(m->layers);
   free(m);
+}
+
+dp_status dp_model_set_profiling(dp_model *m, int on) {
+  DP_TRY(dp_trace_enable(&m->trace, on));
+  m->trace.sync_dev = m->dev->kind == DP_DEVICE_CUDA ? m->dev : NULL;
+  return DP_OK;
 }
 
 dp_status dp_model_set_source(dp_model *m, int64_t src) {
@@ -257,8 +263,8 @@ dp_status dp_model_finalize(dp_model *m) {
     }
   }
   if (off > DP_MAX_PARAMS || state > DP_MAX_PARAMS)
-    return DP_FAIL(DP_ERR_VALUE, "the model has %lld parameters and %lld running statistics; fewer than 2**31 of "
-                   "each are supported", (long long)off, (long long)state);
+    return DP_FAIL(DP_ERR_VALUE, "the model has %lld parameters and %lld running statistics; at most %d of each are "
+                   "supported", (long long)off, (long long)state, DP_MAX_PARAMS);
   m->nparams = off;
   m->nstate = state;
   /* a failure leaves no buffer behind, so that finalize may be called again */
@@ -318,7 +324,7 @@ static dp_status ensure_batch(dp_model *m, int64_t n) {
 /* Stage the batch on the device; labels are checked against the class count. */
 dp_status dp_model_load(dp_model *m, const dp_batch *b, int need_labels) {
   DP_TRY(require_finalized(m));
-  DP_TRY(dp_size_arg_check("a batch", "the number of samples", b->n, 0, DP_MAX_BATCH));
+  if (b->n < 0) return DP_FAIL(DP_ERR_VALUE, "batch size must be >= 0, got %lld", (long long)b->n);
   DP_TRY(ensure_batch(m, b->n > 0 ? b->n : 1));
   const dp_backend *be = m->dev->backend;
   const int64_t nx = b->n * (int64_t)m->in_c * m->in_h * m->in_w;
@@ -358,7 +364,7 @@ dp_status dp_model_check_labels(const dp_model *m, const int64_t *y, int64_t n, 
 
 dp_status dp_model_check_rows(const dp_model *m, const dp_resident *d, const int64_t *rows, int64_t n,
                               int64_t first) {
-  DP_TRY(dp_size_arg_check("a batch", "the number of rows", n, 0, DP_MAX_BATCH));
+  if (n < 0) return DP_FAIL(DP_ERR_VALUE, "batch size must be >= 0, got %lld", (long long)n);
   if (!d) return DP_FAIL(DP_ERR_VALUE, "%s has no resident dataset", m->dev->name);
   if (d->dev != m->dev)
     return DP_FAIL(DP_ERR_VALUE, "the resident dataset is on %s, the model on %s", d->dev->name, m->dev->name);
@@ -623,7 +629,6 @@ dp_status dp_model_forward_backward_loaded(dp_model *m, int64_t n, float grad_sc
                                            double *loss_sum, int64_t *correct) {
   DP_TRY(require_finalized(m));
   if (n > m->act_batch) return DP_FAIL(DP_ERR_VALUE, "forward_backward: %lld samples were not loaded", (long long)n);
-  DP_TRY(dp_grad_scale_check(grad_scale));
   /* a synchronized BatchNorm counts the global batch; its runner checks that */
   if (!dp_collective_syncs_batchnorm(coll)) DP_TRY(dp_model_check_batchnorm_batch(m, n));
   m->training = 1;
@@ -631,18 +636,26 @@ dp_status dp_model_forward_backward_loaded(dp_model *m, int64_t n, float grad_sc
   /* the running statistics this forward pass updates, to put back if its loss is not finite */
   if (m->nstate > 0)
     DP_TRY(be->copy_to_device(m->dev, m->state_before, m->state, sizeof(float) * (size_t)m->nstate));
+  const int64_t t0 = dp_trace_begin();
   DP_TRY(forward(m, n, coll));
   const int K = dp_model_num_classes(m);
   DP_TRY(be->softmax_xent(m->dev, n, K, logits_of(m), m->labels, grad_scale, m->dacts[m->nlayers - 1], loss_sum,
                           correct));
+  dp_trace_end(DP_PHASE_FORWARD, -1, 0, t0);
+  const int64_t t1 = dp_trace_begin();
   /* before the backward pass: it rides in the first gradient bucket */
   DP_TRY(be->loss_flag(m->dev, m->grads + m->nparams));
-  return backward(m, n, coll);
+  DP_TRY(backward(m, n, coll));
+  dp_trace_end(DP_PHASE_BACKWARD, -1, 0, t1);
+  return DP_OK;
 }
 
 dp_status dp_model_forward_backward(dp_model *m, const dp_batch *b, float grad_scale, double *loss_sum,
                                     int64_t *correct) {
   DP_TRY(require_finalized(m));
+  if (!isfinite(grad_scale))
+    return DP_FAIL(DP_ERR_VALUE, "grad_scale must be a finite number (within float32's range), got %g",
+                   (double)grad_scale);
   DP_TRY(dp_model_load(m, b, 1));
   return dp_model_forward_backward_loaded(m, b->n, grad_scale, NULL, loss_sum, correct);
 }
@@ -652,6 +665,20 @@ dp_status dp_model_read_metrics(dp_model *m, double *loss_sum, int64_t *correct)
 }
 
 static dp_status sgd_step_guarded(dp_model *m, float lr, float momentum, float weight_decay, const float *guard);
+
+/* !(x >= 0) is also true for NaN; a float argument from a double beyond
+ * FLT_MAX arrives as inf */
+dp_status dp_sgd_args_check(float lr, float momentum, float weight_decay) {
+  const struct {
+    const char *name;
+    float value;
+  } args[] = {{"lr", lr}, {"momentum", momentum}, {"weight_decay", weight_decay}};
+  for (size_t i = 0; i < sizeof args / sizeof args[0]; ++i)
+    if (!(args[i].value >= 0.0f) || isinf(args[i].value))
+      return DP_FAIL(DP_ERR_VALUE, "%s must be a finite number >= 0 (within float32's range), got %g", args[i].name,
+                     (double)args[i].value);
+  return DP_OK;
+}
 
 dp_status dp_model_train_step_loaded(dp_model *m, int64_t n, float lr, float momentum, float weight_decay,
                                      double *loss_sum, int64_t *correct) {
@@ -681,9 +708,13 @@ dp_status dp_model_check_loss(const dp_model *m, int replica, double loss_sum) {
 }
 
 dp_status dp_model_guarded_step(dp_model *m, float lr, float momentum, float weight_decay) {
+  const int64_t t0 = dp_trace_begin();
   DP_TRY(sgd_step_guarded(m, lr, momentum, weight_decay, m->grads + m->nparams));
-  if (m->nstate == 0) return DP_OK;
-  return m->dev->backend->restore_unless_allowed(m->dev, m->nstate, m->state, m->state_before, m->grads + m->nparams);
+  if (m->nstate > 0)
+    DP_TRY(m->dev->backend->restore_unless_allowed(m->dev, m->nstate, m->state, m->state_before,
+                                                   m->grads + m->nparams));
+  dp_trace_end(DP_PHASE_UPDATE, -1, 0, t0);
+  return DP_OK;
 }
 
 static dp_status sgd_step_guarded(dp_model *m, float lr, float momentum, float weight_decay,
@@ -794,6 +825,16 @@ dp_status dp_model_get_grads(dp_model *m, float *host) {
 dp_status dp_model_reset_velocity(dp_model *m) {
   DP_TRY(require_finalized(m));
   return m->dev->backend->fill(m->dev, m->velocity, m->nparams, 0.0f);
+}
+
+dp_status dp_model_get_velocity(dp_model *m, float *host) {
+  DP_TRY(require_finalized(m));
+  return m->dev->backend->copy_to_host(m->dev, host, m->velocity, sizeof(float) * (size_t)m->nparams);
+}
+
+dp_status dp_model_set_velocity(dp_model *m, const float *host) {
+  DP_TRY(require_finalized(m));
+  return m->dev->backend->copy_to_device(m->dev, m->velocity, host, sizeof(float) * (size_t)m->nparams);
 }
 
 dp_status dp_model_get_state(dp_model *m, float *host) {

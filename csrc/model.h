@@ -18,6 +18,7 @@
 #include "collective.h"
 #include "layers.h"
 #include "resident.h"
+#include "trace.h"
 
 #define DP_SRC_PREVIOUS (-2)
 
@@ -52,6 +53,7 @@ typedef struct dp_model {
   uint8_t *input_u8;        /* uint8 images staged before u8_to_unit, (act_batch * in size) */
   int32_t *labels;          /* (act_batch) */
   int32_t *rows;            /* (act_batch) the resident dataset's rows of the batch */
+  dp_trace trace;           /* the step timeline of this replica, when profiling (trace.h) */
 } dp_model;
 
 /* A batch as it comes from the host: images uint8 (scaled by 1/255) or float32,
@@ -96,6 +98,12 @@ DP_MUST_CHECK dp_status dp_model_set_params(dp_model *m, const float *host);
 DP_MUST_CHECK dp_status dp_model_get_params(dp_model *m, float *host);
 DP_MUST_CHECK dp_status dp_model_get_grads(dp_model *m, float *host);
 DP_MUST_CHECK dp_status dp_model_reset_velocity(dp_model *m);
+/* The SGD momentum buffer (nparams floats, the parameters' layout): what a
+ * resumable training checkpoint saves beside the parameters. */
+DP_MUST_CHECK dp_status dp_model_get_velocity(dp_model *m, float *host);
+/* Record this replica's step timeline (on) or stop (off); see trace.h. */
+DP_MUST_CHECK dp_status dp_model_set_profiling(dp_model *m, int on);
+DP_MUST_CHECK dp_status dp_model_set_velocity(dp_model *m, const float *host);
 DP_MUST_CHECK dp_status dp_model_get_state(dp_model *m, float *host);
 DP_MUST_CHECK dp_status dp_model_set_state(dp_model *m, const float *host);
 
@@ -138,6 +146,9 @@ DP_MUST_CHECK dp_status dp_model_train_step_loaded(dp_model *m, int64_t n, float
                                                    double *loss_sum, int64_t *correct);
 /* w -= lr * (momentum-smoothed g + wd * w), over the flat buffer, one kernel. */
 DP_MUST_CHECK dp_status dp_model_sgd_step(dp_model *m, float lr, float momentum, float weight_decay);
+/* lr, momentum and weight_decay finite and >= 0, else DP_ERR_VALUE naming the argument: the one check of
+ * every SGD step's arguments (dp_model_sgd_step, the guarded steps, the mirrored runner) */
+DP_MUST_CHECK dp_status dp_sgd_args_check(float lr, float momentum, float weight_decay);
 /* The SGD step of a training step, after the gradient all-reduce: the kernel
  * reads the loss flag (grads[nparams]) on the device and applies nothing when
  * it is not finite, and BatchNorm's running statistics are put back to those

@@ -40,9 +40,9 @@ static PyObject *mod_set_logical_devices(PyObject *mod, PyObject *args) {
 
 /* list_devices() -> [(name, kind, index, physical, threads)]: what a get makes now. */
 static PyObject *mod_list_devices(PyObject *mod, PyObject *unused) {
-  dp_device_info infos[2 * DP_MAX_DEVICES];
-  int n = dp_devices_list(infos, 2 * DP_MAX_DEVICES);
-  if (n > 2 * DP_MAX_DEVICES) n = 2 * DP_MAX_DEVICES;
+  dp_device_info infos[2 * DP_DEVICES_MAX];
+  int n = dp_devices_list(infos, 2 * DP_DEVICES_MAX);
+  if (n > 2 * DP_DEVICES_MAX) n = 2 * DP_DEVICES_MAX;
   PyObject *out = PyList_New(n);
   for (int i = 0; out && i < n; ++i) {
     PyObject *t = device_info_tuple(&infos[i]);

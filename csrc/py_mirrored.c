@@ -52,19 +52,17 @@ static int Mirrored_init(MirroredObject *self, PyObject *args, PyObject *kwds) {
   PyObject *seq_obj;
   int sync_batchnorm = 0;
   const char *all_reduce = "auto";
-  int64_t bucket_bytes = 25ll << 20; /* PyTorch DDP's default bucket, 25 MiB */
-  double timeout = 0.0;              /* > 0: across the processes of the job (MPI) */
-  PyObject *bucket_obj = NULL;
-  if (!PyArg_ParseTupleAndKeywords(args, kwds, "O|psOd", kwlist, &seq_obj, &sync_batchnorm, &all_reduce,
-                                   &bucket_obj, &timeout) ||
-      (bucket_obj && int64_arg(bucket_obj, "Mirrored", "bucket_bytes", &bucket_bytes) < 0))
+  long long bucket_bytes = 25ll << 20; /* PyTorch DDP's default bucket, 25 MiB */
+  double timeout = 0.0;                /* > 0: across the processes of the job (MPI) */
+  if (!PyArg_ParseTupleAndKeywords(args, kwds, "O|psLd", kwlist, &seq_obj, &sync_batchnorm, &all_reduce,
+                                   &bucket_bytes, &timeout))
     return -1;
   mirrored_create_work w = {.sync_batchnorm = sync_batchnorm, .bucket_bytes = bucket_bytes, .timeout = timeout,
                             .across = timeout != 0.0};
   dp_status st = dp_comm_kind_parse(all_reduce, &w.kind);
   if (st != DP_OK) return raise_from_status(st), -1;
   if (bucket_bytes < 0) {
-    PyErr_Format(PyExc_ValueError, "bucket_bytes must be >= 0, got %lld", (long long)bucket_bytes);
+    PyErr_Format(PyExc_ValueError, "bucket_bytes must be >= 0, got %lld", bucket_bytes);
     return -1;
   }
   /* models is set before the communicators are made without the GIL, so that
@@ -158,9 +156,7 @@ static PyObject *Mirrored_train_step(MirroredObject *self, PyObject *args, PyObj
   static char *kwlist[] = {"images", "labels", "lr", "momentum", "weight_decay", NULL};
   PyObject *X, *Y;
   mirrored_work w = {.call = MIRRORED_TRAIN};
-  double sgd[3] = {0.0, 0.0, 0.0};
-  if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOd|dd", kwlist, &X, &Y, &sgd[0], &sgd[1], &sgd[2]) ||
-      sgd_args_narrow(sgd, &w.lr, &w.momentum, &w.weight_decay) < 0)
+  if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOf|ff", kwlist, &X, &Y, &w.lr, &w.momentum, &w.weight_decay))
     return NULL;
   return mirrored_batch(self, X, Y, &w);
 }
@@ -187,9 +183,8 @@ static PyObject *Mirrored_train_step_rows(MirroredObject *self, PyObject *args, 
   static char *kwlist[] = {"residents", "rows", "lr", "momentum", "weight_decay", NULL};
   PyObject *R, *rows_obj;
   mirrored_work w = {.call = MIRRORED_TRAIN};
-  double sgd[3] = {0.0, 0.0, 0.0};
-  if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOd|dd", kwlist, &R, &rows_obj, &sgd[0], &sgd[1], &sgd[2]) ||
-      sgd_args_narrow(sgd, &w.lr, &w.momentum, &w.weight_decay) < 0)
+  if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOf|ff", kwlist, &R, &rows_obj, &w.lr, &w.momentum,
+                                   &w.weight_decay))
     return NULL;
   if (!mirrored_ready(self)) return NULL;
   /* the step runs without the GIL: the tuple keeps every Resident (and its
@@ -220,10 +215,7 @@ done:
 
 static PyObject *Mirrored_broadcast(MirroredObject *self, PyObject *args) {
   mirrored_work w = {.call = MIRRORED_BROADCAST};
-  PyObject *root = NULL;
-  if (!PyArg_ParseTuple(args, "|O", &root) ||
-      (root && int_arg(root, "broadcast", "root", 0, DP_COMM_MAX_REPLICAS - 1, &w.root) < 0))
-    return NULL;
+  if (!PyArg_ParseTuple(args, "|i", &w.root)) return NULL;
   if (!mirrored_ready(self)) return NULL;
   w.mirrored = self->mirrored;
   if (mirrored_run_without_gil(self, mirrored_work_run, &w) < 0) return NULL;

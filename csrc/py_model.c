@@ -139,20 +139,19 @@ static int Model_init(ModelObject *self, PyObject *args, PyObject *kwds) {
   int threads = 0, index = 0, gpu = -1;
   int64_t shape[3];
   const char *kind = "cpu";
-  PyObject *shape_obj, *layers, *sources = Py_None, *threads_obj = NULL, *index_obj = NULL, *gpu_obj = NULL;
-  if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO|OOOsO", kwlist, &shape_obj, &layers, &threads_obj, &index_obj,
-                                   &sources, &kind, &gpu_obj))
-    return -1;
-  /* in 64 bits first, so that 2**32 + 1 is refused rather than wrapped to 1 */
-  if ((threads_obj && int_arg(threads_obj, "Model", "threads", 0, DP_MAX_THREADS, &threads) < 0) ||
-      (index_obj && int_arg(index_obj, "Model", "device_index", 0, DP_MAX_DEVICES - 1, &index) < 0) ||
-      (gpu_obj && int_arg(gpu_obj, "Model", "gpu", -1, DP_MAX_DEVICES - 1, &gpu) < 0))
+  PyObject *shape_obj, *layers, *sources = Py_None;
+  if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO|iiOsi", kwlist, &shape_obj, &layers, &threads, &index, &sources,
+                                   &kind, &gpu))
     return -1;
   if (input_shape_from(shape_obj, shape) < 0) return -1;
   /* busy: another thread's __init__ is creating the device right now */
   if (model_check_idle(self) < 0) return -1;
   if (self->model || self->device) {
     PyErr_SetString(PyExc_RuntimeError, "Model is already initialized");
+    return -1;
+  }
+  if (threads < 0) {
+    PyErr_Format(PyExc_ValueError, "threads must be >= 0, got %d", threads);
     return -1;
   }
   if (model_device_init(self, kind, index, threads, gpu) < 0) return -1;
@@ -318,6 +317,52 @@ static PyObject *Model_set_state(ModelObject *self, PyObject *arg) {
   return set_flat(self, arg, "state", self->model->nstate, dp_model_set_state);
 }
 
+static PyObject *Model_get_velocity(ModelObject *self, PyObject *unused) {
+  if (!model_ready(self)) return NULL;
+  return get_flat(self, self->model->nparams, dp_model_get_velocity);
+}
+
+static PyObject *Model_set_velocity(ModelObject *self, PyObject *arg) {
+  if (!model_ready(self)) return NULL;
+  return set_flat(self, arg, "velocity", self->model->nparams, dp_model_set_velocity);
+}
+
+/* set_profiling(on): record this replica's step timeline, or stop */
+static PyObject *Model_set_profiling(ModelObject *self, PyObject *arg) {
+  if (!model_ready(self)) return NULL;
+  const int on = PyObject_IsTrue(arg);
+  if (on < 0) return NULL;
+  dp_status st = dp_model_set_profiling(self->model, on);
+  if (st != DP_OK) return raise_from_status(st);
+  Py_RETURN_NONE;
+}
+
+/* take_trace() -> (events, dropped): the events recorded since the last call,
+ * an int64 array (n, 6) of phase, bucket, bytes, step, t0 ns, t1 ns */
+static PyObject *Model_take_trace(ModelObject *self, PyObject *unused) {
+  if (!model_ready(self)) return NULL;
+  int64_t n = 0, dropped = 0;
+  dp_trace_event *events = dp_trace_take(&self->model->trace, &n, &dropped);
+  npy_intp dims[2] = {(npy_intp)n, 6};
+  PyObject *out = PyArray_SimpleNew(2, dims, NPY_INT64);
+  if (!out) {
+    free(events);
+    return NULL;
+  }
+  int64_t *row = PyArray_DATA((PyArrayObject *)out);
+  for (int64_t i = 0; i < n; ++i, row += 6) {
+    const dp_trace_event *e = &events[i];
+    row[0] = e->phase;
+    row[1] = e->bucket;
+    row[2] = e->bytes;
+    row[3] = e->step;
+    row[4] = e->t0;
+    row[5] = e->t1;
+  }
+  free(events);
+  return Py_BuildValue("(NL)", out, (long long)dropped);
+}
+
 static PyObject *Model_reset_velocity(ModelObject *self, PyObject *unused) {
   if (!model_ready(self)) return NULL;
   dp_status st = dp_model_reset_velocity(self->model);
@@ -366,8 +411,18 @@ static dp_status model_work_run(void *p) {
     case MODEL_TRAIN_STEP: break;
   }
   if (b->n == 0) return DP_OK; /* an empty batch changes nothing */
-  DP_TRY(b->resident ? dp_model_load_rows(m, b->resident[0], b->rows, b->n) : dp_model_load(m, b, 1));
-  return dp_model_train_step_loaded(m, b->n, w->lr, w->momentum, w->weight_decay, &w->loss, &w->correct);
+  /* one replica's step, recorded in its timeline when it profiles (trace.h) */
+  dp_trace_count_step(&m->trace);
+  dp_trace *previous = dp_trace_step_begin(&m->trace);
+  const int64_t t0 = dp_trace_begin();
+  dp_status st = b->resident ? dp_model_load_rows(m, b->resident[0], b->rows, b->n) : dp_model_load(m, b, 1);
+  if (st == DP_OK) {
+    dp_trace_end(DP_PHASE_SCATTER, -1, 0, t0);
+    st = dp_model_train_step_loaded(m, b->n, w->lr, w->momentum, w->weight_decay, &w->loss, &w->correct);
+  }
+  if (st == DP_OK) dp_trace_end(DP_PHASE_STEP, -1, 0, t0);
+  dp_trace_step_end(previous);
+  return st;
 }
 
 /* train_step / forward_backward / evaluate on a host batch: convert, run
@@ -395,9 +450,7 @@ static PyObject *Model_train_step(ModelObject *self, PyObject *args, PyObject *k
   static char *kwlist[] = {"images", "labels", "lr", "momentum", "weight_decay", NULL};
   PyObject *X, *Y;
   model_work w = {.call = MODEL_TRAIN_STEP};
-  double sgd[3] = {0.0, 0.0, 0.0};
-  if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOd|dd", kwlist, &X, &Y, &sgd[0], &sgd[1], &sgd[2]) ||
-      sgd_args_narrow(sgd, &w.lr, &w.momentum, &w.weight_decay) < 0)
+  if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOf|ff", kwlist, &X, &Y, &w.lr, &w.momentum, &w.weight_decay))
     return NULL;
   return model_batch(self, X, Y, &w);
 }
@@ -406,11 +459,7 @@ static PyObject *Model_forward_backward(ModelObject *self, PyObject *args, PyObj
   static char *kwlist[] = {"images", "labels", "grad_scale", NULL};
   PyObject *X, *Y;
   model_work w = {.call = MODEL_FORWARD_BACKWARD};
-  double grad_scale;
-  if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOd", kwlist, &X, &Y, &grad_scale) ||
-      check_status(dp_grad_scale_check(grad_scale)) < 0)
-    return NULL;
-  w.grad_scale = (float)grad_scale;
+  if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOf", kwlist, &X, &Y, &w.grad_scale)) return NULL;
   return model_batch(self, X, Y, &w);
 }
 
@@ -433,10 +482,7 @@ static PyObject *Model_find_nonfinite(ModelObject *self, PyObject *args, PyObjec
 static PyObject *Model_sgd_step(ModelObject *self, PyObject *args, PyObject *kwds) {
   static char *kwlist[] = {"lr", "momentum", "weight_decay", NULL};
   model_work w = {.call = MODEL_SGD_STEP};
-  double sgd[3] = {0.0, 0.0, 0.0};
-  if (!PyArg_ParseTupleAndKeywords(args, kwds, "d|dd", kwlist, &sgd[0], &sgd[1], &sgd[2]) ||
-      sgd_args_narrow(sgd, &w.lr, &w.momentum, &w.weight_decay) < 0)
-    return NULL;
+  if (!PyArg_ParseTupleAndKeywords(args, kwds, "f|ff", kwlist, &w.lr, &w.momentum, &w.weight_decay)) return NULL;
   if (!model_ready(self)) return NULL;
   w.model = self->model;
   if (model_run_without_gil(self, model_work_run, &w) < 0) return NULL;
@@ -466,9 +512,8 @@ static PyObject *Model_train_step_rows(ModelObject *self, PyObject *args, PyObje
   static char *kwlist[] = {"resident", "rows", "lr", "momentum", "weight_decay", NULL};
   PyObject *R, *rows_obj;
   model_work w = {.call = MODEL_TRAIN_STEP};
-  double sgd[3] = {0.0, 0.0, 0.0};
-  if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOd|dd", kwlist, &R, &rows_obj, &sgd[0], &sgd[1], &sgd[2]) ||
-      sgd_args_narrow(sgd, &w.lr, &w.momentum, &w.weight_decay) < 0)
+  if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOf|ff", kwlist, &R, &rows_obj, &w.lr, &w.momentum,
+                                   &w.weight_decay))
     return NULL;
   if (!model_ready(self)) return NULL;
   /* R (held by the call's arguments) keeps the dataset alive */
@@ -535,6 +580,12 @@ static PyMethodDef Model_methods[] = {
     {"get_grads", (PyCFunction)Model_get_grads, METH_NOARGS, "a copy of the flat gradient buffer"},
     {"set_params", (PyCFunction)Model_set_params, METH_O, "replace the flat parameter buffer"},
     {"reset_velocity", (PyCFunction)Model_reset_velocity, METH_NOARGS, "zero the SGD momentum buffer"},
+    {"get_velocity", (PyCFunction)Model_get_velocity, METH_NOARGS,
+     "a copy of the SGD momentum buffer (the flat parameters' layout)"},
+    {"set_velocity", (PyCFunction)Model_set_velocity, METH_O, "replace the SGD momentum buffer"},
+    {"set_profiling", (PyCFunction)Model_set_profiling, METH_O, "record this replica's step timeline (True) or stop"},
+    {"take_trace", (PyCFunction)Model_take_trace, METH_NOARGS,
+     "take_trace() -> (int64 array (n, 6): phase, bucket, bytes, step, t0_ns, t1_ns; events dropped)"},
     {"train_step", (PyCFunction)(void (*)(void))Model_train_step, METH_VARARGS | METH_KEYWORDS,
      "train_step(images, labels, lr, momentum=0, weight_decay=0) -> (loss_sum, correct)"},
     {"find_nonfinite", (PyCFunction)(void (*)(void))Model_find_nonfinite, METH_VARARGS | METH_KEYWORDS,

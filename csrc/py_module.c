@@ -13,6 +13,7 @@
 #include <string.h>
 
 #include "dist.h"
+#include "dp_limits.h"
 #include "dp_build_config.h"
 #ifdef DP_HAVE_CUDA
 #include "dp_cuda.h"
@@ -183,8 +184,7 @@ PyObject *items_of(PyObject *obj, const char *what) {
 /* ---- arguments ------------------------------------------------------------- */
 
 int int64_arg(PyObject *obj, const char *what, const char *name, int64_t *out) {
-  /* True is an int to Python, but as a size it is a mistake, not a 1 */
-  if (!PyIndex_Check(obj) || PyBool_Check(obj)) {
+  if (!PyIndex_Check(obj)) {
     PyErr_Format(PyExc_TypeError, "%s: %s must be an integer, got %s", what, name, Py_TYPE(obj)->tp_name);
     return -1;
   }
@@ -199,18 +199,7 @@ int int64_arg(PyObject *obj, const char *what, const char *name, int64_t *out) {
   return 0;
 }
 
-int int_arg(PyObject *obj, const char *what, const char *name, int64_t lo, int64_t hi, int *out) {
-  int64_t v;
-  if (int64_arg(obj, what, name, &v) < 0 || check_status(dp_size_arg_check(what, name, v, lo, hi)) < 0) return -1;
-  *out = (int)v;
-  return 0;
-}
-
 int float64_arg(PyObject *obj, const char *what, const char *name, double *out) {
-  if (PyBool_Check(obj)) {
-    PyErr_Format(PyExc_TypeError, "%s: %s must be a real number, got bool", what, name);
-    return -1;
-  }
   double v = PyFloat_AsDouble(obj);
   if (v == -1.0 && PyErr_Occurred()) {
     if (PyErr_ExceptionMatches(PyExc_OverflowError)) { /* an int beyond a double's range */
@@ -223,14 +212,6 @@ int float64_arg(PyObject *obj, const char *what, const char *name, double *out) 
     return -1;
   }
   *out = v;
-  return 0;
-}
-
-int sgd_args_narrow(const double in[3], float *lr, float *momentum, float *weight_decay) {
-  if (check_status(dp_sgd_args_check(in[0], in[1], in[2])) < 0) return -1;
-  *lr = (float)in[0];
-  *momentum = (float)in[1];
-  *weight_decay = (float)in[2];
   return 0;
 }
 
@@ -249,13 +230,10 @@ static dp_status benchmark_run(void *p) {
 
 /* allreduce_benchmark(k, n, iters) -> seconds for iters all-reduces of n floats */
 static PyObject *mod_allreduce_benchmark(PyObject *mod, PyObject *args) {
-  PyObject *k_obj, *n_obj, *iters_obj;
+  long long n;
   benchmark_work w = {0, 0, 0, 0.0};
-  if (!PyArg_ParseTuple(args, "OOO", &k_obj, &n_obj, &iters_obj) ||
-      int_arg(k_obj, "allreduce_benchmark", "k", 1, DP_COMM_MAX_REPLICAS, &w.k) < 0 ||
-      int64_arg(n_obj, "allreduce_benchmark", "n", &w.n) < 0 ||
-      int_arg(iters_obj, "allreduce_benchmark", "iters", 1, INT_MAX, &w.iters) < 0)
-    return NULL;
+  if (!PyArg_ParseTuple(args, "iLi", &w.k, &n, &w.iters)) return NULL;
+  w.n = n;
   if (models_run_without_gil(NULL, 0, benchmark_run, &w) < 0) return NULL;
   return PyFloat_FromDouble(w.seconds);
 }
@@ -264,14 +242,7 @@ static PyObject *mod_allreduce_benchmark(PyObject *mod, PyObject *args) {
 static PyObject *mod_cudnn_conv_output_dim(PyObject *mod, PyObject *args) {
   dp_conv_geom g = {0};
   int N;
-  static const char *names[9] = {"N", "C", "H", "W", "O", "KH", "KW", "stride", "pad"};
-  int *const fields[9] = {&N, &g.C, &g.H, &g.W, &g.O, &g.KH, &g.KW, &g.stride, &g.pad};
-  PyObject *objs[9];
-  if (!PyArg_ParseTuple(args, "OOOOOOOOO", &objs[0], &objs[1], &objs[2], &objs[3], &objs[4], &objs[5], &objs[6],
-                        &objs[7], &objs[8]))
-    return NULL;
-  for (int i = 0; i < 9; ++i)
-    if (int_arg(objs[i], "cudnn_conv_output_dim", names[i], INT_MIN, INT_MAX, fields[i]) < 0) return NULL;
+  if (!PyArg_ParseTuple(args, "iiiiiiiii", &N, &g.C, &g.H, &g.W, &g.O, &g.KH, &g.KW, &g.stride, &g.pad)) return NULL;
   int out[4] = {0, 0, 0, 0};
   dp_status st = dp_cudnn_conv_output_dim(&g, N, out);
   if (st != DP_OK) return raise_from_status(st);
@@ -280,13 +251,13 @@ static PyObject *mod_cudnn_conv_output_dim(PyObject *mod, PyObject *args) {
 
 /* shard_ranges(n, k) -> [(begin, end)]: the split the trainer uses. */
 static PyObject *mod_shard_ranges(PyObject *mod, PyObject *args) {
-  PyObject *n_obj, *k_obj;
-  int64_t n;
+  long long n;
   int k;
-  if (!PyArg_ParseTuple(args, "OO", &n_obj, &k_obj) || int64_arg(n_obj, "shard_ranges", "n", &n) < 0 ||
-      check_status(dp_size_arg_check("shard_ranges", "n", n, 0, INT64_MAX)) < 0 ||
-      int_arg(k_obj, "shard_ranges", "k", 1, DP_MAX_CHANNELS, &k) < 0)
+  if (!PyArg_ParseTuple(args, "Li", &n, &k)) return NULL;
+  if (n < 0 || k < 1) {
+    PyErr_SetString(PyExc_ValueError, "shard_ranges needs n >= 0 and k >= 1");
     return NULL;
+  }
   PyObject *out = PyList_New(k);
   if (!out) return NULL;
   for (int r = 0; r < k; ++r) {
@@ -518,12 +489,11 @@ PyMODINIT_FUNC PyInit__core(void) {
       PyModule_AddObjectRef(m, "Tensor", (PyObject *)&TensorType) < 0 ||
       PyModule_AddObjectRef(m, "Mirrored", (PyObject *)&MirroredType) < 0 ||
       PyModule_AddObjectRef(m, "Resident", (PyObject *)&ResidentType) < 0 ||
-      /* the documented limits (csrc/dp_limits.h), for python/dpcore/_check.py */
       PyModule_AddIntConstant(m, "MAX_THREADS", DP_MAX_THREADS) < 0 ||
-      PyModule_AddIntConstant(m, "MAX_CHANNELS", DP_MAX_CHANNELS) < 0 ||
-      PyModule_AddIntConstant(m, "MAX_DEVICES", DP_MAX_DEVICES) < 0 ||
+      PyModule_AddIntConstant(m, "MAX_FEATURES", DP_MAX_FEATURES) < 0 ||
       PyModule_AddIntConstant(m, "MAX_PARAMS", DP_MAX_PARAMS) < 0 ||
-      PyModule_AddIntConstant(m, "MAX_BATCH", DP_MAX_BATCH) < 0) {
+      PyModule_AddIntConstant(m, "MAX_BATCH", DP_MAX_BATCH) < 0 ||
+      PyModule_AddIntConstant(m, "MAX_DEVICES", DP_DEVICES_MAX) < 0) {
     Py_DECREF(m);
     return NULL;
   }

@@ -290,11 +290,9 @@ done:
 /* sgd_update(w, g, v, lr, momentum, weight_decay): w and v updated in place */
 static PyObject *op_sgd_update(PyObject *mod, PyObject *args) {
   PyObject *wo, *go, *vo;
-  double sgd[3];
   float lr, mu, wd;
-  if (!PyArg_ParseTuple(args, "OOOddd", &wo, &go, &vo, &sgd[0], &sgd[1], &sgd[2]) ||
-      sgd_args_narrow(sgd, &lr, &mu, &wd) < 0)
-    return NULL;
+  if (!PyArg_ParseTuple(args, "OOOfff", &wo, &go, &vo, &lr, &mu, &wd)) return NULL;
+  if (check_status(dp_sgd_args_check(lr, mu, wd)) < 0) return NULL;
   PyArrayObject *arrs[3] = {NULL, NULL, NULL};
   PyObject *objs[3] = {wo, go, vo};
   const char *names[3] = {"w", "g", "v"};

@@ -34,7 +34,6 @@
 
 #include "backend.h"
 #include "device.h"
-#include "dp_limits.h"
 #include "mirrored.h"
 #include "model.h"
 
@@ -83,16 +82,8 @@ DP_PY_LOCAL PyObject *items_of(PyObject *obj, const char *what);
  * op or layer, "conv2d (layer 0)") and the argument's name ("padding"):
  * never OverflowError. */
 DP_PY_LOCAL int int64_arg(PyObject *obj, const char *what, const char *name, int64_t *out);
-/* An integer argument in [lo, hi] (both within an int), through int64_arg:
- * ValueError naming it when out of range, never OverflowError. */
-DP_PY_LOCAL int int_arg(PyObject *obj, const char *what, const char *name, int64_t lo, int64_t hi, int *out);
 /* A real-number argument as a double; TypeError naming it when it is not one. */
 DP_PY_LOCAL int float64_arg(PyObject *obj, const char *what, const char *name, double *out);
-/* The SGD hyperparameters {lr, momentum, weight_decay} as parsed (format
- * "d", so that a value beyond float32 is seen, not rounded to inf), checked
- * by the core's dp_sgd_args_check and narrowed to floats: 0, or -1 with
- * ValueError naming the bad one. */
-DP_PY_LOCAL int sgd_args_narrow(const double in[3], float *lr, float *momentum, float *weight_decay);
 
 /* ---- Model (py_model.c) ---------------------------------------------------- */
 

@@ -4,9 +4,7 @@
  * they overflow an int64_t. Past these checks every size the kernels index
  * with an int (backend_cpu.c, dp_kernels.h, cuDNN's and cuBLAS's int
  * arguments) is at most INT_MAX. */
-#include <float.h>
 #include <limits.h>
-#include <math.h>
 
 #include "backend.h"
 #include "dp_limits.h"
@@ -16,36 +14,15 @@ int64_t dp_size_mul(int64_t a, int64_t b) {
   return a > INT64_MAX / b ? INT64_MAX : a * b;
 }
 
-dp_status dp_size_arg_check(const char *what, const char *name, int64_t value, int64_t lo, int64_t hi) {
-  if (value < lo) return DP_FAIL(DP_ERR_VALUE, "%s: %s must be >= %lld, got %lld", what, name, (long long)lo,
-                                 (long long)value);
-  if (value > hi)
-    return DP_FAIL(DP_ERR_VALUE, "%s: %s %lld is larger than the largest supported %lld", what, name,
-                   (long long)value, (long long)hi);
-  return DP_OK;
-}
-
 /* value in [lo, INT_MAX], or DP_ERR_VALUE naming the argument */
 static dp_status check_arg(const char *what, const char *name, int64_t value, int64_t lo) {
-  return dp_size_arg_check(what, name, value, lo, INT_MAX);
-}
-
-/* a real argument: finite, a float32 and in [lo, hi] */
-static dp_status check_real(const char *name, double value, double lo, double hi) {
-  if (!isfinite(value) || fabs(value) > FLT_MAX)
-    return DP_FAIL(DP_ERR_VALUE, "%s must be a finite number within float32's range, got %g", name, value);
-  if (value < lo) return DP_FAIL(DP_ERR_VALUE, "%s must be >= %g, got %g", name, lo, value);
-  if (value > hi) return DP_FAIL(DP_ERR_VALUE, "%s must be <= %g, got %g", name, hi, value);
+  if (value < lo) return DP_FAIL(DP_ERR_VALUE, "%s: %s must be >= %lld, got %lld", what, name, (long long)lo,
+                                 (long long)value);
+  if (value > INT_MAX)
+    return DP_FAIL(DP_ERR_VALUE, "%s: %s %lld is larger than the largest supported size %d", what, name,
+                   (long long)value, INT_MAX);
   return DP_OK;
 }
-
-dp_status dp_sgd_args_check(double lr, double momentum, double weight_decay) {
-  DP_TRY(check_real("lr", lr, 0.0, FLT_MAX));
-  DP_TRY(check_real("momentum", momentum, 0.0, 1.0));
-  return check_real("weight_decay", weight_decay, 0.0, FLT_MAX);
-}
-
-dp_status dp_grad_scale_check(double grad_scale) { return check_real("grad_scale", grad_scale, -FLT_MAX, FLT_MAX); }
 
 /* the c * h * w values of one sample of an input or output fit in an int */
 static dp_status check_volume(const char *what, const char *name, int64_t c, int64_t h, int64_t w) {
@@ -56,8 +33,16 @@ static dp_status check_volume(const char *what, const char *name, int64_t c, int
   return DP_OK;
 }
 
+/* channels (or features) in [1, DP_MAX_FEATURES] */
+static dp_status check_features(const char *what, const char *name, int64_t value) {
+  DP_TRY(check_arg(what, name, value, 1));
+  if (value > DP_MAX_FEATURES)
+    return DP_FAIL(DP_ERR_VALUE, "%s: %s must be at most %d, got %lld", what, name, DP_MAX_FEATURES, (long long)value);
+  return DP_OK;
+}
+
 dp_status dp_input_shape_check(const char *what, int64_t C, int64_t H, int64_t W) {
-  DP_TRY(dp_size_arg_check(what, "channels", C, 1, DP_MAX_CHANNELS));
+  DP_TRY(check_features(what, "channels", C));
   DP_TRY(check_arg(what, "height", H, 1));
   DP_TRY(check_arg(what, "width", W, 1));
   return check_volume(what, "input", C, H, W);
@@ -87,7 +72,7 @@ static dp_status window_out(const char *what, int64_t H, int64_t W, int64_t kh, 
 dp_status dp_conv_geom_make(const char *what, int64_t C, int64_t H, int64_t W, int64_t O, int64_t KH, int64_t KW,
                             int64_t stride, int64_t pad, dp_conv_geom *out) {
   DP_TRY(dp_input_shape_check(what, C, H, W));
-  DP_TRY(dp_size_arg_check(what, "out_channels", O, 1, DP_MAX_CHANNELS));
+  DP_TRY(check_features(what, "out_channels", O));
   DP_TRY(check_window(what, KH, KW, stride, pad));
   int64_t OH = 0, OW = 0;
   DP_TRY(window_out(what, H, W, KH, KW, stride, pad, &OH, &OW));

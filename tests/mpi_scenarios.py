@@ -86,6 +86,33 @@ def train(args):
     np.savez(os.path.join(args.out, f"rank{rank}.npz"), **out)
 
 
+def resume(args):
+    """dp.train across processes: profiled, and checkpointed then resumed
+    (rank 0 writes the checkpoint; every rank reads it back): the resumed run
+    must end with the bits of the straight one."""
+    strategy = strategy_for(args)
+    rank = dp.distributed.rank()
+    X, y = data(args.samples, 1)
+
+    def batches():
+        return dp.data.from_arrays(X, y, batch_size=args.batch, shuffle=True, seed=0)
+
+    kwargs = dict(lr=0.05, momentum=0.9, verbose=False)
+    straight = make_model(args, strategy)
+    history = dp.train(straight, batches(), num_epochs=2, profile=True, **kwargs)
+    path = os.path.join(args.out, "run.safetensors")
+    dp.train(make_model(args, strategy), batches(), num_epochs=1, checkpoint=path, **kwargs)
+    second = make_model(args, strategy)
+    second.set_weights({k: np.zeros_like(v) for k, v in second.get_weights().items()})  # resume must restore them
+    resumed = dp.train(second, batches(), num_epochs=2, checkpoint=path, resume=True, **kwargs)
+    timeline = history.timeline
+    np.savez(os.path.join(args.out, f"rank{rank}.npz"),
+             straight=np.array(straight.digest(), dtype=np.uint64), resumed=np.array(second.digest(), dtype=np.uint64),
+             losses=np.array([history.train_loss, resumed.train_loss]), timeline_rank=np.array(timeline.rank),
+             timeline_replicas=np.array(sorted(set(int(r) for r in timeline.events["replica"]))),
+             timeline_phases=np.array(sorted(set(int(p) for p in timeline.events["phase"]))))
+
+
 def fail(args):
     """Rank 1 goes wrong at step 3 of a LeNet run (timeout args.timeout)."""
     strategy = dp.MultiWorkerMirroredStrategy(timeout=args.timeout)
@@ -156,7 +183,7 @@ def fail(args):
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("scenario", choices=["train", "fail"])
+    p.add_argument("scenario", choices=["train", "fail", "resume"])
     p.add_argument("out")
     p.add_argument("--model", default="lenet", choices=["lenet", "resnet"])
     p.add_argument("--local", type=int, default=1)
@@ -177,7 +204,7 @@ def main():
     if args.case == "mpi4py":
         mpi4py_first(args)
         return
-    {"train": train, "fail": fail}[args.scenario](args)
+    {"train": train, "fail": fail, "resume": resume}[args.scenario](args)
 
 
 def mpi4py_first(args):

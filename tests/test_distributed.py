@@ -120,6 +120,21 @@ def test_lenet_bitwise_equal_to_one_process(tmp_path, processes, local, batch):
     assert all(p["total"] == processes * local for p in placement)
 
 
+def test_profiled_and_resumed_training_across_processes(tmp_path):
+    """2 processes x 2 replicas: dp.train(profile=True) records each process's
+    replicas under its rank; a run checkpointed after epoch 1 (rank 0 writes)
+    and resumed from zeroed weights ends with the straight run's bits on every
+    rank."""
+    proc, _ = mpirun(2, ["resume", str(tmp_path), "--local", "2", "--samples", "256", "--batch", "64"])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    ranks = results(tmp_path, 2)
+    for r, res in enumerate(ranks):
+        assert int(res["straight"]) == int(res["resumed"]) == int(ranks[0]["straight"]), f"rank {r}"
+        assert np.array_equal(res["losses"][0], res["losses"][1]), f"rank {r}: the History"
+        assert int(res["timeline_rank"]) == r and res["timeline_replicas"].tolist() == [0, 1]
+        assert res["timeline_phases"].tolist() == list(range(7)), res["timeline_phases"]
+
+
 def test_resident_datasets_bitwise_equal_to_one_process(tmp_path):
     """dp.train(resident=True): every process holds the dataset on its devices
     and a step moves rows; the same bits as one process's resident run."""
@@ -387,16 +402,16 @@ def test_multi_worker_strategy_in_one_process_matches_mirrored(tmp_path):
 
 @pytest.mark.any_build
 def test_bad_arguments_are_clear():
-    with pytest.raises(ValueError, match="timeout must be a finite real number > 0, got 0"):
+    with pytest.raises(ValueError, match="timeout must be a finite number > 0"):
         dp.MultiWorkerMirroredStrategy(timeout=0)
-    with pytest.raises(TypeError, match="timeout must be a finite real number > 0, got str '60'"):
+    with pytest.raises(TypeError, match="timeout must be a finite number"):
         dp.MultiWorkerMirroredStrategy(timeout="60")
     with pytest.raises(ValueError, match="all_reduce must be one of"):
         dp.MultiWorkerMirroredStrategy(all_reduce="tcp")
     with pytest.raises(ValueError, match="'mpi' is for replicas in several processes"):
         dp.models.LeNet(devices=["cpu:0", "cpu:1"] if len(dp.list_devices()) > 1 else None, all_reduce="mpi") \
             if False else dp._core.Mirrored([dp.models.LeNet()._model, _second_model()], all_reduce="mpi")
-    with pytest.raises(ValueError, match=r"root must be an int in \[0, 0\], got 1"):
+    with pytest.raises(ValueError, match="root must be an int >= 0"):
         dp.distributed.broadcast_object(1, root=1)
 
 

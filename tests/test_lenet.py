@@ -399,7 +399,7 @@ def test_set_weights_errors_leave_weights_unchanged():
     bad["7.weight"] = bad["7.weight"].T
     with pytest.raises(ValueError, match=r"7\.weight.*\(128, 800\)"):
         net.set_weights(bad)
-    with pytest.raises(ValueError, match="weights must be a list of 8 arrays"):
+    with pytest.raises(ValueError, match="must hold 8 arrays"):
         net.set_weights([W[n] for n in NAMES[:-1]])
     bad = OrderedDict(W)
     bad["0.bias"] = np.zeros(20, complex)

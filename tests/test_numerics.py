@@ -278,7 +278,7 @@ def test_nan_weight_raises_at_the_first_step(k, logical_cpus):
     net = dp.models.LeNet(devices=devices(k))
     w = net.get_weights()
     w["7.weight"][5, 17] = NAN
-    net.set_weights(w)
+    net.set_weights(w, allow_nonfinite=True)
     before = weights_bits(net)
     it = dp.data.from_arrays(X, y, batch_size=32, shuffle=False)
     with pytest.raises(FloatingPointError, match=r"epoch 1, step 1: .*replicas? 0 \(cpu:0") as e:

@@ -57,6 +57,8 @@ def compile_program(tmp_path, program, core_sources, sanitizers, link_flags=()):
         pytest.fail("the sanitizer build needs gcc and Debian's OpenBLAS (scripts/bootstrap.sh installs them)")
     inc, lib = paths
     exe = tmp_path / program
+    # trace.c: the step timeline's recorder, which the model, the collectives and the barrier call
+    core_sources = list(core_sources) + (["trace.c"] if {"model.c", "collective.c"} & set(core_sources) else [])
     sources = [os.path.join(ROOT, "tests", "c", program + ".c")] + [os.path.join(ROOT, "csrc", f) for f in core_sources]
     cmd = [cc, "-std=c11", "-O1", "-g", "-fno-omit-frame-pointer", *sanitizers, "-fopenmp", "-D_GNU_SOURCE", "-Wall",
            "-Wextra", "-Wno-unused-parameter", "-Werror", "-I", os.path.join(ROOT, "csrc"), "-I",

@@ -27,20 +27,32 @@ def test_conv_padding_that_overflows_int_is_a_value_error():
 
 
 def test_conv_output_over_int_max_values_per_sample_is_a_value_error():
-    # the most channels (65536) at 256x256: 2**32 values
+    # the most channels there may be (dp._check.MAX_FEATURES), on a 256x256 input: 2**32 values per sample
     with pytest.raises(ValueError, match=r"conv2d \(layer 0\): the output \(65536, 256, 256\)"):
         dp.models.Sequential([("conv2d", 65536, 1, 1, 0), ("flatten",), ("dense", 10)], input_shape=(1, 256, 256))
 
 
 def test_conv_weights_over_int_max_are_a_value_error():
-    # a (65536, 1, 1) output, but 65536 * 256 * 28 * 28 weights
-    with pytest.raises(ValueError, match=r"conv2d \(layer 0\): 13153337344 weights"):
-        dp.models.Sequential([("conv2d", 65536, 28, 1, 0), ("flatten",), ("dense", 10)], input_shape=(256, 28, 28))
+    # a (65536, 1, 1) output, but 65536 * 64 * 28 * 28 weights
+    with pytest.raises(ValueError, match=r"conv2d \(layer 0\): 3288334336 weights"):
+        dp.models.Sequential([("conv2d", 65536, 28, 1, 0), ("flatten",), ("dense", 10)], input_shape=(64, 28, 28))
 
 
 def test_dense_weights_over_int_max_are_a_value_error():
-    with pytest.raises(ValueError, match=r"dense \(layer 1\): 4294967296 weights \(65536 x 65536\)"):
-        dp.models.Sequential([("flatten",), ("dense", 65536)], input_shape=(1, 256, 256))
+    with pytest.raises(ValueError, match=r"dense \(layer 1\): 274877906944 weights \(65536 x 4194304\)"):
+        dp.models.Sequential([("flatten",), ("dense", 65536)], input_shape=(1, 2048, 2048))
+
+
+@pytest.mark.parametrize("spec, match", [
+    (("conv2d", 65537, 3, 1, 0), r"conv2d \(layer 0\): out_channels must be at most 65536, got 65537"),
+    (("dense", 65537), r"dense \(layer 1\): out_features must be at most 65536, got 65537"),
+])
+def test_layer_widths_beyond_the_documented_limit(spec, match):
+    layers = [spec, ("flatten",), ("dense", 10)] if spec[0] == "conv2d" else [("flatten",), spec]
+    with pytest.raises(ValueError, match=match):
+        dp.models.Sequential(layers)
+    with pytest.raises(ValueError, match=match):  # the core's own check, without Python's in front
+        dp._core.Model((1, 28, 28), layers)
 
 
 def test_model_input_over_int_max_values_is_a_value_error():
@@ -61,28 +73,12 @@ def test_pool_that_grows_past_int_max_is_a_value_error():
 
 
 def test_lenet_with_absurd_sizes():
-    with pytest.raises(ValueError, match=r"in_channels must be an int in \[1, 65536\], got 1073741824"):
+    with pytest.raises(ValueError, match="in_channels must be an int >= 1 and <= 65536, got 1073741824"):
         dp.models.LeNet(in_channels=2**30)
-    with pytest.raises(ValueError, match=r"num_classes must be an int in \[1, 65536\], got 1073741824"):
+    with pytest.raises(ValueError, match="num_classes must be an int >= 1 and <= 65536, got 1073741824"):
         dp.models.LeNet(num_classes=2**30)
-    # the C core's check under it
-    with pytest.raises(ValueError, match=r"dense \(layer \d+\): out_features 1073741824 is larger than the "
-                                         r"largest supported 65536"):
-        dp.models.Sequential(dp.models.LeNet._architecture(2**30, 1)["layers"])
-
-
-def test_the_channel_limit_is_65536():
-    """csrc/dp_limits.h: at most 65536 channels or output features per layer."""
-    assert dp._core.MAX_CHANNELS == 65536
-    net = dp.models.Sequential([("conv2d", 65536, 1, 1, 0), ("flatten",), ("dense", 2)], input_shape=(1, 1, 1))
-    assert net.num_params > 65536
-    with pytest.raises(ValueError, match=r"conv2d \(layer 0\): out_channels 65537 is larger than the largest "
-                                         r"supported 65536"):
-        dp.models.Sequential([("conv2d", 65537, 1, 1, 0), ("flatten",), ("dense", 2)], input_shape=(1, 1, 1))
-    with pytest.raises(ValueError, match=r"input_shape\[0\] \(channels\) must be an int in \[1, 65536\], got 65537"):
-        dp.models.Sequential([("flatten",), ("dense", 2)], input_shape=(65537, 1, 1))
-    with pytest.raises(ValueError, match=r"model input: channels 65537 is larger than the largest supported 65536"):
-        dp._core.Model((65537, 1, 1), [("flatten",), ("dense", 2)])
+    with pytest.raises(ValueError, match=r"model input: channels must be at most 65536"):
+        dp._core.Model((2**30, 28, 28), [("flatten",), ("dense", 10)])
 
 
 def test_largest_accepted_shapes_still_build():
@@ -100,7 +96,7 @@ def test_conv_padding_2_31_names_the_argument():
     (("conv2d", 1, 3, 1, 2**70), r"conv2d \(layer 0\): padding 1180591620717411303424 is out of range"),
     (("conv2d", -2**70, 3, 1, 0), r"conv2d \(layer 0\): out_channels -1180591620717411303424 is out of range"),
     (("maxpool", 2, 2**64, 0), r"max_pool2d \(layer 0\): stride 18446744073709551616 is out of range"),
-    (("dense", 2**62), r"dense \(layer 0\): out_features 4611686018427387904 is larger than"),
+    (("dense", 2**62), r"dense \(layer 0\): out_features must be at most 65536, got 4611686018427387904"),
     (("batchnorm", 10**400), r"batchnorm \(layer 0\): eps 1000.* is out of range"),
     (("add", -1, 2**40), r"add \(layer 0\): layer_b 1099511627776 is not an existing layer"),
 ])
@@ -110,10 +106,13 @@ def test_layer_arguments_beyond_any_size_name_the_argument(spec, match):
 
 
 def test_model_input_dimension_over_int_max_is_a_value_error():
-    with pytest.raises(ValueError, match="model input: height 2147483648 is larger than"):
+    with pytest.raises(ValueError, match=r"input_shape\[1\] must be an int >= 1 and <= 2147483647, got 2147483648"):
         dp.models.Sequential([("flatten",), ("dense", 10)], input_shape=(1, 2**31, 1))
+    # the binding's own checks, without Python's in front
+    with pytest.raises(ValueError, match="model input: height 2147483648 is larger than"):
+        dp._core.Model((1, 2**31, 1), [("flatten",), ("dense", 10)])
     with pytest.raises(ValueError, match="model input: width 1267650600228229401496703205376 is out of range"):
-        dp.models.Sequential([("flatten",), ("dense", 10)], input_shape=(1, 1, 2**100))
+        dp._core.Model((1, 1, 2**100), [("flatten",), ("dense", 10)])
 
 
 def test_a_source_beyond_64_bits_is_a_value_error():
@@ -135,8 +134,14 @@ def test_single_ops_accept_the_largest_int_stride():
     assert dp.ops.max_pool2d(X, 2, stride=INT_MAX).shape == (1, 1, 1, 1)
 
 
-# the C core's own checks, under dp.ops' (python/dpcore/_check.py; tests/test_bad_calls.py)
 @pytest.mark.parametrize("op, match", [
+    pytest.param(lambda: dp.ops.conv2d(X, W, stride=2**40), "stride must be an int >= 1 and <= 2147483647",
+                 id="ops.conv2d-stride-2**40"),
+    pytest.param(lambda: dp.ops.avg_pool2d(X, 2**40), "kernel_size must be an int >= 1 and <= 2147483647",
+                 id="ops.avg_pool2d-kernel-2**40"),
+    pytest.param(lambda: dp.ops.max_pool2d_backward(X, X, 2, padding=2**80), "padding must be an int >= 0",
+                 id="ops.max_pool2d_backward-padding-2**80"),
+    # the binding's own checks (dp._core), without Python's in front
     pytest.param(lambda: dp._core.conv2d_forward(X, W, None, 2**40, 0), "conv2d: stride 1099511627776 is larger than",
                  id="conv2d-stride-2**40"),
     pytest.param(lambda: dp._core.conv2d_forward(X, W, None, 1, 2**31), "conv2d: padding 2147483648 is larger than",
@@ -144,16 +149,14 @@ def test_single_ops_accept_the_largest_int_stride():
     # H + 2 * padding overflowed an int here once; the output is what is too large
     pytest.param(lambda: dp.ops.conv2d(X, W, padding=2**30), r"conv2d: the output \(2, 2147483654, 2147483654\)",
                  id="conv2d-padding-2**30"),
-    pytest.param(lambda: dp._core.avg_pool2d_forward(X, 2**40, 2**40, 0), "avg_pool2d: kernel 1099511627776 is larger "
-                 "than", id="avg_pool2d-kernel-2**40"),
+    pytest.param(lambda: dp._core.avg_pool2d_forward(X, 2**40, 2**40, 0),
+                 "avg_pool2d: kernel 1099511627776 is larger than", id="avg_pool2d-kernel-2**40"),
     pytest.param(lambda: dp._core.max_pool2d_forward(X, 2, 2**40, 0), "max_pool2d: stride 1099511627776 is larger than",
                  id="max_pool2d-stride-2**40"),
     pytest.param(lambda: dp._core.max_pool2d_backward(X, X, 2, 2, 2**80), "max_pool2d: padding .* is out of range",
                  id="max_pool2d_backward-padding-2**80"),
     pytest.param(lambda: dp._core.conv2d_backward(X, W, np.ones((1, 2, 6, 6), np.float32), -2**70, 0),
                  "conv2d: stride .* is out of range", id="conv2d_backward-stride--2**70"),
-    pytest.param(lambda: dp.ops.conv2d(X, W, stride=2**40), r"stride must be an int in \[1, 2147483647\], got "
-                 "1099511627776", id="ops.conv2d-stride-2**40"),
 ])
 def test_single_op_sizes_over_int_max_are_value_errors(op, match):
     with pytest.raises(ValueError, match=match):

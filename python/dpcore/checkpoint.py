@@ -65,7 +65,7 @@ from collections import OrderedDict, namedtuple
 
 import numpy as np
 
-from . import _check, _core
+from . import _core
 from .errors import DataError
 
 __all__ = ["FORMAT", "MAX_HEADER_BYTES", "save", "load", "read"]
@@ -89,7 +89,21 @@ _LAYER_KINDS = _core.layer_kinds()
 _Stored = namedtuple("_Stored", ["name", "shape", "begin", "end"])
 # what an architecture implies: the model's tensors, in the model's order
 _Planned = namedtuple("_Planned", ["name", "buffer", "shape"])
-_Header = namedtuple("_Header", ["arch", "tensors", "stored", "sha256", "data_bytes"])
+_Header = namedtuple("_Header", ["arch", "tensors", "stored", "sha256", "data_bytes", "training"],
+                     defaults=(None,))
+
+# The optional training section (dp.train(..., checkpoint=path)): the SGD
+# momentum buffer of every parameter tensor, as tensors named
+# _MOMENTUM_PREFIX + the parameter's name, and the training state as a JSON
+# object in the metadata, with its own SHA-256.
+TRAINING_FORMAT = "dpcore-training-1"
+_TRAINING_KEY = "dpcore_training"
+_TRAINING_SUM_KEY = "dpcore_training_sha256"
+_MOMENTUM_PREFIX = "__momentum__."
+_TRAINING_KEYS = ("format", "epoch", "hyper", "data", "history", "sha256")
+_HISTORY_KEYS = ("train_loss", "train_acc", "test_acc", "epoch_seconds", "devices")
+# a training section: its state (the JSON object) and its momentum tensors (name -> _Stored)
+_Training = namedtuple("_Training", ["state", "momentum"])
 
 
 def _fail(where, problem):
@@ -176,6 +190,9 @@ def _parse_header(raw, data_bytes, where):
     else:
         _fail(where, f"not a dpcore model file: unknown format {fmt!r} (dpcore reads {FORMAT!r} and "
                      f"{_LEGACY_FORMAT!r})")
+    training = None
+    if fmt == FORMAT and (_TRAINING_KEY in meta or _TRAINING_SUM_KEY in meta):
+        training = _training_section(meta.pop(_TRAINING_KEY, None), meta.pop(_TRAINING_SUM_KEY, None), where)
     if set(meta) != expected_meta:
         _fail(where, f"not a dpcore model file: format {fmt} has metadata keys {sorted(expected_meta)}, this file "
                      f"has {sorted(meta)}")
@@ -192,8 +209,66 @@ def _parse_header(raw, data_bytes, where):
         if set(sums) != {p.name for p in plan}:
             _fail(where, f"not a dpcore model file: 'sha256' names {sorted(sums)}, the architecture's tensors are "
                          f"{sorted(p.name for p in plan)}")
+    if training is not None:
+        stored, momentum = _match_momentum(plan, stored, training, where)
+        training = _Training(training, momentum)
     _match(plan, stored, where)
-    return _Header(arch, plan, {s.name: s for s in stored}, sums, data_bytes)
+    return _Header(arch, plan, {s.name: s for s in stored}, sums, data_bytes, training)
+
+
+def _training_section(text, digest, where):
+    """The checked training state of a training checkpoint's metadata."""
+    def bad(problem):
+        _fail(where, f"the training state is damaged: {problem}")
+
+    if text is None or digest is None:
+        bad(f"the metadata needs both {_TRAINING_KEY!r} and {_TRAINING_SUM_KEY!r}")
+    actual = hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
+    if actual != digest:
+        bad(f"its SHA-256 is {actual}, the file records {digest!r:.80}")
+    state = _json(text, where, "the training state")
+    if not isinstance(state, dict) or sorted(state) != sorted(_TRAINING_KEYS):
+        bad(f"expected an object with keys {list(_TRAINING_KEYS)}")
+    if state["format"] != TRAINING_FORMAT:
+        bad(f"unknown format {state['format']!r:.80} (dpcore reads {TRAINING_FORMAT!r})")
+    if not (_is_int(state["epoch"]) and state["epoch"] >= 1):
+        bad(f"epoch must be an integer >= 1, got {state['epoch']!r:.80}")
+    hyper, data, history = state["hyper"], state["data"], state["history"]
+    if not (isinstance(hyper, dict) and sorted(hyper) == ["lr", "momentum", "weight_decay"]
+            and all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+                    for v in hyper.values())):
+        bad("hyper must hold the finite numbers lr, momentum and weight_decay")
+    if not (isinstance(data, dict) and sorted(data) == ["batch_size", "epochs_started", "num_examples", "seed"]
+            and all(v is None or (_is_int(v) and v >= 0) for v in data.values())):
+        bad("data must hold seed, batch_size, num_examples and epochs_started, each an integer >= 0 or null")
+    if not (isinstance(history, dict) and sorted(history) == sorted(_HISTORY_KEYS)):
+        bad(f"history must hold {list(_HISTORY_KEYS)}")
+    for key in _HISTORY_KEYS:
+        values = history[key]
+        kinds = (str,) if key == "devices" else (int, float)
+        if not (isinstance(values, list) and all(isinstance(v, kinds) and not isinstance(v, bool) for v in values)):
+            bad(f"history[{key!r}] must be a list of {'strings' if key == 'devices' else 'numbers'}")
+    if not (len(history["train_loss"]) == len(history["train_acc"]) == len(history["epoch_seconds"])
+            == state["epoch"] and len(history["test_acc"]) in (0, state["epoch"])):
+        bad(f"the history does not hold {state['epoch']} epochs")
+    sums = state["sha256"]
+    if not (isinstance(sums, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in sums.items())):
+        bad("sha256 must map momentum tensor names to hex digests")
+    return state
+
+
+def _match_momentum(plan, stored, training, where):
+    """The model's tensors of `stored`, after checking that the rest are exactly
+    one momentum tensor per parameter tensor, of its shape, with a digest."""
+    params = {_MOMENTUM_PREFIX + p.name: p for p in plan if p.buffer == "params"}
+    momentum = {s.name: s for s in stored if s.name.startswith(_MOMENTUM_PREFIX)}
+    if set(momentum) != set(params) or set(training["sha256"]) != set(params):
+        _fail(where, f"the training state is damaged: the momentum tensors are {sorted(momentum)} with digests for "
+                     f"{sorted(training['sha256'])}, the parameters need {sorted(params)}")
+    for name, s in momentum.items():
+        if s.shape != params[name].shape:
+            _fail(where, f"tensor {name!r} has shape {list(s.shape)}, its parameter's is {list(params[name].shape)}")
+    return [s for s in stored if s.name not in momentum], momentum
 
 
 def _stored_tensor(name, entry, where):
@@ -514,8 +589,7 @@ def _parse(data, where="<bytes>", allow_nonfinite=False):
 def read(path, allow_nonfinite=False):
     """(architecture, OrderedDict name -> float32 array) of a checkpoint file,
     checked as :func:`load` checks it, without building a model."""
-    where = _check.path("path", path)  # a str for messages (a bytes path decodes reversibly)
-    allow_nonfinite = _check.boolean("allow_nonfinite", allow_nonfinite)
+    where = os.fsdecode(path)  # a str for messages (a bytes path decodes reversibly)
     with open(where, "rb") as f:
         data = f.read()
     return _parse(data, where, allow_nonfinite)
@@ -534,12 +608,14 @@ def _read_exactly(f, offset, view, where):
 
 def load(path, devices=None, allow_nonfinite=False):
     """A model saved with ``net.save(path)``; see :func:`dpcore.models.load`."""
+    from . import _check
+    from .devices import check_device
     from .models import _CLASSES, _SKIP_INIT, Sequential
 
     where = _check.path("path", path)  # a str for messages (a bytes path decodes reversibly)
     allow_nonfinite = _check.boolean("allow_nonfinite", allow_nonfinite)
     if devices is not None:  # so that the file is not blamed for a bad argument
-        devices = _check.devices("devices", devices)
+        devices = [check_device(d) for d in _check.device_names("devices", devices)]
     with open(where, "rb") as f:
         file_bytes = os.fstat(f.fileno()).st_size
         n = _header_length(f.read(8), file_bytes, where)
@@ -579,12 +655,24 @@ def load(path, devices=None, allow_nonfinite=False):
 
 # ---- writing ------------------------------------------------------------------------
 
-def _encode(arch, tensors):
-    """The header bytes (length prefix included) for arch and [(name, '<f4' array)]."""
-    arch = dict(arch, sha256={name: hashlib.sha256(memoryview(a).cast("B")).hexdigest() for name, a in tensors})
+def _sha256(a):
+    return hashlib.sha256(memoryview(a).cast("B")).hexdigest()
+
+
+def _encode(arch, tensors, training=None, momentum=()):
+    """The header bytes (length prefix included) for arch and [(name, '<f4' array)],
+    with a training section when `training` (the state without digests) and
+    `momentum` ([(tensor name, '<f4' array)]) are given."""
+    arch = dict(arch, sha256={name: _sha256(a) for name, a in tensors})
     arch_text = json.dumps(arch, separators=(",", ":"), allow_nan=False)
     header = {"__metadata__": {_ARCH_KEY: arch_text,
                                _ARCH_SUM_KEY: hashlib.sha256(arch_text.encode("utf-8")).hexdigest()}}
+    if training is not None:
+        text = json.dumps(dict(training, format=TRAINING_FORMAT, sha256={n: _sha256(a) for n, a in momentum}),
+                          separators=(",", ":"), allow_nan=False)
+        header["__metadata__"][_TRAINING_KEY] = text
+        header["__metadata__"][_TRAINING_SUM_KEY] = hashlib.sha256(text.encode("utf-8")).hexdigest()
+        tensors = list(tensors) + list(momentum)
     at = 0
     for name, a in tensors:
         header[name] = {"dtype": "F32", "shape": list(a.shape), "data_offsets": [at, at + a.nbytes]}
@@ -594,25 +682,69 @@ def _encode(arch, tensors):
     return len(raw).to_bytes(8, "little") + raw, at
 
 
-def save(net, path):
-    """Write net's architecture and tensors to path, atomically (see the module's docstring)."""
-    from .models import Sequential
-
-    if not isinstance(net, Sequential):
-        _check.fail(TypeError, "net", "a dpcore model (e.g. dp.models.LeNet())", net)
-    where = _check.path("path", path)  # a str for messages (a bytes path decodes reversibly)
+def save(net, path, training=None):
+    """Write net's architecture and tensors to path, atomically (see the module's
+    docstring); with ``training`` (a dict: epoch, hyper, data, history), also
+    the momentum buffers and that state: a checkpoint dp.train can resume from."""
+    where = os.fsdecode(path)  # a str for messages (a bytes path decodes reversibly)
     arch = architecture(net)
     try:
         _plan(dict(arch), where)  # what load would refuse is not written
     except DataError as e:
         raise ValueError(f"cannot save this model: {e}") from None
     tensors = [(name, np.ascontiguousarray(a, dtype="<f4")) for name, a in net.get_weights().items()]
-    head, data_bytes = _encode(arch, tensors)
+    momentum = []
+    if training is not None:
+        velocity = net._model.get_velocity()
+        momentum = [(_MOMENTUM_PREFIX + name, np.ascontiguousarray(
+                     velocity[offset:offset + int(np.prod(shape))].reshape(shape), dtype="<f4"))
+                    for name, buffer, offset, shape in net._entries() if buffer == "params"]
+    head, data_bytes = _encode(arch, tensors, training, momentum)
     if len(head) - 8 > MAX_HEADER_BYTES:
         raise ValueError(f"{where}: the model's header would take {len(head) - 8} bytes, over the limit of "
                          f"{MAX_HEADER_BYTES} that load accepts (too many layers)")
     _parse_header(head[8:], data_bytes, where)  # loadable, by the loader's own checks
-    atomic_write(where, [head] + [memoryview(a).cast("B") for _, a in tensors])
+    atomic_write(where, [head] + [memoryview(a).cast("B") for _, a in tensors + momentum])
+
+
+def load_training(net, path):
+    """Restore a training checkpoint written by ``save(net, path, training)``
+    into ``net`` (its architecture must be the file's): parameters, running
+    statistics and momentum buffers on every replica. Returns the training
+    state (epoch, hyper, data, history). Every check of :func:`load` is made;
+    a file without a training section, or of another architecture, raises
+    DataError."""
+    where = os.fsdecode(path)
+    with open(where, "rb") as f:
+        data = memoryview(f.read()).cast("B")
+    n = _header_length(data[:8], len(data), where)
+    header = _parse_header(data[8:8 + n], len(data) - 8 - n, where)
+    if header.training is None:
+        _fail(where, "not a training checkpoint: it holds a model but no training state (saved by net.save, not "
+                     "by dp.train(..., checkpoint=...))")
+    mine = architecture(net)
+    if {k: header.arch.get(k) for k in _ARCH_KEYS} != {k: mine.get(k) for k in _ARCH_KEYS}:
+        _fail(where, f"the checkpoint is of another model: {header.arch['class']} with {len(header.arch['layers'])} "
+                     f"layers and input {header.arch['input_shape']}; this model is {mine['class']} with "
+                     f"{len(mine['layers'])} layers and input {mine['input_shape']}")
+    start = 8 + n
+    buffers = {"params": np.zeros(net._model.nparams, dtype=np.float32),
+               "state": np.zeros(len(net._model.get_state()), dtype=np.float32),
+               "velocity": np.zeros(net._model.nparams, dtype=np.float32)}
+    state, momentum = header.training
+    for name, buffer, offset, shape in net._entries():
+        targets = [(name, buffer, header.stored[name], _digest(header, name))]
+        if buffer == "params":
+            tensor = _MOMENTUM_PREFIX + name
+            targets.append((tensor, "velocity", momentum[tensor], state["sha256"][tensor]))
+        for tensor, into, s, digest in targets:
+            raw = data[start + s.begin:start + s.end]
+            _check_tensor(where, tensor, raw, digest, False)
+            buffers[into][offset:offset + (s.end - s.begin) // 4] = np.frombuffer(raw, dtype="<f4")
+    net._load_buffers(buffers["params"], buffers["state"])
+    for replica in net._replicas:
+        replica.set_velocity(buffers["velocity"])
+    return {k: v for k, v in state.items() if k != "sha256"}
 
 
 _HOST = hashlib.sha256(socket.gethostname().encode("utf-8", "replace")).hexdigest()[:8]

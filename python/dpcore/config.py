@@ -22,7 +22,8 @@ def set_deterministic(flag=True):
     (sometimes faster) algorithms. No effect on CPU devices, which are always
     deterministic.
     """
-    _core.set_cuda_options(_check.boolean("flag", flag), get_allow_tf32())
+    flag = _check.boolean("flag", flag)
+    _core.set_cuda_options(flag, get_allow_tf32())
 
 
 def get_deterministic():
@@ -37,7 +38,8 @@ def set_allow_tf32(flag):
     bits (Ampere and newer GPUs), which is faster and less accurate than
     float32. Off by default. No effect on CPU devices, which never use TF32.
     """
-    _core.set_cuda_options(get_deterministic(), _check.boolean("flag", flag))
+    flag = _check.boolean("flag", flag)
+    _core.set_cuda_options(get_deterministic(), flag)
 
 
 def get_allow_tf32():

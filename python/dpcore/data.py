@@ -116,7 +116,7 @@ def read_idx(path: PathLike, *, max_bytes: Optional[int] = IDX_MAX_BYTES) -> np.
     """
     path = _check.path("path", path)
     if max_bytes is not None:
-        max_bytes = _check.integer("max_bytes", max_bytes, 0)
+        max_bytes = _check.integer("max_bytes", max_bytes, 1)
     return _read_idx_path(path, max_bytes, None)
 
 
@@ -560,7 +560,7 @@ def from_arrays(X, y, batch_size: int, shuffle: bool = False, seed: Optional[int
             (N, 1, H, W). dtype uint8 or float32 is kept; float16 and float64
             are converted to float32 once, here.
         y: labels, shape (N,), any integer dtype, non-negative; kept as int64.
-        batch_size: positive int, fewer than 2**31.
+        batch_size: positive int.
         shuffle: visit the examples in a new random order each epoch.
         seed: non-negative int seeding the shuffles; None draws one (stored in
             the iterator's ``seed``).
@@ -583,6 +583,8 @@ _FLOAT32_CONVERTED_DTYPES = (np.dtype(np.float16), np.dtype(np.float64))
 
 def _as_examples(X) -> np.ndarray:
     """Check the examples and return them as a C-contiguous (N, C, H, W) array."""
+    if X is None or isinstance(X, (str, bytes)):
+        raise TypeError(f"X must be an array of examples, got {type(X).__name__} {_check.shown(X)}")
     X = np.asarray(X)
     if X.dtype in _FLOAT32_CONVERTED_DTYPES:
         X = X.astype(np.float32)
@@ -599,6 +601,8 @@ def _as_examples(X) -> np.ndarray:
 
 def _as_labels(y) -> np.ndarray:
     """Check the labels and return them as a C-contiguous int64 (N,) array."""
+    if y is None or isinstance(y, (str, bytes)):
+        raise TypeError(f"y must be an array of integer labels, got {type(y).__name__} {_check.shown(y)}")
     y = np.asarray(y)
     if y.dtype.kind not in "iu":
         raise TypeError(f"y must have an integer dtype; got {y.dtype}")
@@ -608,18 +612,17 @@ def _as_labels(y) -> np.ndarray:
         negative = np.flatnonzero(y < 0)
         if negative.size:
             index = int(negative[0])
-            raise ValueError(f"labels must be non-negative; got {y[index]} at index {index}")
+            raise ValueError(f"y: labels must be non-negative; got {y[index]} at index {index}")
     elif y.dtype == np.uint64:
         # Checked before the int64 conversion, which would wrap these to negative.
         too_large = np.flatnonzero(y > np.iinfo(np.int64).max)
         if too_large.size:
             index = int(too_large[0])
-            raise ValueError(f"labels must fit in int64; got {y[index]} at index {index}")
+            raise ValueError(f"y: labels must fit in int64; got {y[index]} at index {index}")
     return np.ascontiguousarray(y, dtype=np.int64)
 
 
 def _check_batch_size(batch_size) -> int:
-    # bool is an int subclass, but batch_size=True is a mistake, not a 1.
     return _check.integer("batch_size", batch_size, 1, _check.MAX_BATCH)
 
 
@@ -691,7 +694,7 @@ def load_fashion_mnist(batch_size: int, root: Optional[PathLike] = None, *,
     _check_batch_size(batch_size)
     _check_seed(seed)
     if root is not None:
-        _check.path("root", root)
+        root = _check.path("root", root)
     train_X, train_y, test_X, test_y = _load_fashion_mnist_arrays(root)
     train_iter = ArrayIterator(train_X, train_y, batch_size, shuffle=True, seed=seed)
     test_iter = ArrayIterator(test_X, test_y, batch_size, shuffle=False)
@@ -721,7 +724,7 @@ def _load_fashion_mnist_arrays(root: Optional[PathLike]) -> Tuple[np.ndarray, ..
 def _resolve_fashion_mnist_root(root: Optional[PathLike]) -> Tuple[str, str]:
     """Return the data directory and where it came from (for error messages)."""
     if root is not None:
-        return _check.path("root", root), "the root= argument"
+        return os.fspath(root), "the root= argument"
     from_environment = os.environ.get("DPCORE_DATA")
     if from_environment:
         return from_environment, "the DPCORE_DATA environment variable"

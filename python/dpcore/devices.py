@@ -28,8 +28,7 @@ def _cores():
 
 def set_logical_devices(kind, count):
     """Split the CPU into ``count`` logical devices ``cpu:0 .. cpu:{count-1}``,
-    or (kind 'cuda') each physical GPU into ``count`` logical GPUs; at most 64
-    devices of a kind (README, "Limits").
+    or (kind 'cuda') each physical GPU into ``count`` logical GPUs.
 
     Models and tensors made before keep the devices they were made on (with
     the cores or GPU those were made with) until they are released; models
@@ -53,10 +52,15 @@ def list_devices():
     return [d[0] for d in _core.list_devices()]
 
 
-def check_device(name, argument="device"):
-    """The canonical name of a device ('cpu' means 'cpu:0'); ValueError naming
-    `argument` if unknown."""
-    return _check.device(argument, name)
+def check_device(name):
+    """The canonical name of a device ('cpu' means 'cpu:0'); ValueError if unknown."""
+    if not isinstance(name, str):
+        raise TypeError(f"a device is named by a string like 'cpu:0', got {type(name).__name__}")
+    canonical = name if ":" in name else name + ":0"
+    if canonical not in list_devices():
+        raise ValueError(f"unknown device {name!r}; the devices are {list_devices()} "
+                         f"(dp.set_logical_devices('cpu', k) makes more CPU devices)")
+    return canonical
 
 
 def device_index(name):

@@ -34,7 +34,7 @@ import sys
 import threading
 import traceback
 
-from . import _check, _core
+from . import _core
 from .errors import DistributedError
 
 __all__ = ["rank", "world_size", "local_rank", "local_size", "is_initialized", "barrier", "broadcast_object",
@@ -48,8 +48,9 @@ _hooks_installed = False
 
 
 def _check_timeout(timeout):
-    """timeout, seconds: a finite number > 0."""
-    return _check.real("timeout", timeout, 0, allow_minimum=False)
+    from . import _check
+
+    return _check.real("timeout", timeout, 0.0, exclusive_minimum=True)
 
 
 def _launched_size():
@@ -145,16 +146,13 @@ def local_size():
 
 def barrier(timeout=DEFAULT_TIMEOUT, what="dp.distributed.barrier()"):
     """Waits until every process has called it (DistributedError after timeout s)."""
-    timeout = _check_timeout(timeout)
-    what = _check.string("what", what)
     _join()
-    _core.dist_barrier(timeout, what)
+    _core.dist_barrier(_check_timeout(timeout), what)
 
 
 def allgather_object(obj, timeout=DEFAULT_TIMEOUT, what="dp.distributed.allgather_object()"):
     """Every process's ``obj`` (pickled), as a list in rank order."""
     timeout = _check_timeout(timeout)
-    what = _check.string("what", what)
     info = _join()
     data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
     if info["world_size"] == 1:
@@ -168,8 +166,9 @@ def allgather_object(obj, timeout=DEFAULT_TIMEOUT, what="dp.distributed.allgathe
 def broadcast_object(obj, root=0, timeout=DEFAULT_TIMEOUT, what="dp.distributed.broadcast_object()"):
     """Rank ``root``'s ``obj`` (pickled) on every process; the others' argument is ignored."""
     timeout = _check_timeout(timeout)
-    what = _check.string("what", what)
     info = _join()
+    from . import _check
+
     root = _check.integer("root", root, 0, info["world_size"] - 1)
     if info["world_size"] == 1:
         return pickle.loads(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))

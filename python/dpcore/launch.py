@@ -24,7 +24,6 @@ import sys
 import tempfile
 import threading
 
-from . import _check
 from .errors import DistributedError
 
 __all__ = ["launch"]
@@ -69,19 +68,20 @@ def launch(fn, num_processes=2, args=(), kwargs=None, timeout=None, mpirun="mpir
     cores (``--bind-to none``): dpcore sizes its threads for the cores they
     share.
     """
-    _check.callable_("fn", fn)
-    num_processes = _check.integer("num_processes", num_processes, 1)
-    args = _check.sequence("args", args, "a tuple or list")
-    if kwargs is not None and not isinstance(kwargs, dict):
-        _check.fail(TypeError, "kwargs", "a dict or None", kwargs)
-    if timeout is not None:
-        timeout = _check.real("timeout", timeout, 0, allow_minimum=False)
-    mpirun = _check.string("mpirun", mpirun)
-    mpirun_args = _check.sequence("mpirun_args", mpirun_args, "a list of strings, e.g. ['--hostfile', 'hosts']")
-    for i, a in enumerate(mpirun_args):
-        _check.string(f"mpirun_args[{i}]", a)
     import cloudpickle
 
+    from . import _check
+
+    fn = _check.function("fn", fn)
+    num_processes = _check.integer("num_processes", num_processes, 1, 4096)
+    if not isinstance(args, (tuple, list)):
+        raise TypeError(f"args must be a tuple, got {type(args).__name__}")
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise TypeError(f"kwargs must be a dict, got {type(kwargs).__name__}")
+    if timeout is not None:
+        timeout = _check.real("timeout", timeout, 0.0, exclusive_minimum=True)
+    if isinstance(mpirun_args, str):
+        raise TypeError("mpirun_args must be a list of strings, e.g. ['--hostfile', 'hosts']")
     path = shutil.which(mpirun)
     if path is None:
         raise DistributedError(f"dp.launch needs {mpirun!r} on PATH (Debian: apt-get install openmpi-bin)")

@@ -12,7 +12,7 @@ import numpy as np
 
 from . import _check, _core, checkpoint
 from .batches import as_images, as_labels
-from .devices import device_gpu, device_index, device_kind, device_threads
+from .devices import check_device, device_gpu, device_index, device_kind, device_threads
 from .parallel import Tensor
 from .strategy import DEFAULT_BUCKET_MB, check_all_reduce_options, get_strategy
 
@@ -69,45 +69,48 @@ class Sequential:
         LeNet); 'torch' is PyTorch's default (uniform in +-1/sqrt(fan_in) for
         weights and biases). BatchNorm starts at gamma 1, beta 0. Each tensor's
         rule per mode is in :func:`layer_kinds`.
-    devices: where the replicas live, a device name or a list of them; default:
-        the active strategy's devices (``with strategy.scope():``), else
-        ``['cpu:0']``. threads: cores per replica, at most 256 (default 0: the
-        device's share).
+    devices: where the replicas live; default: the active strategy's devices
+        (``with strategy.scope():``), else ``['cpu:0']``. threads: cores per
+        replica (default: the device's share).
     sync_batchnorm: with several replicas, normalise with the statistics of the
         whole global batch (SyncBatchNorm) instead of each replica's shard.
     all_reduce, bucket_mb: how the replicas' gradients are all-reduced; default:
         the active strategy's (see :class:`dpcore.MirroredStrategy`), else
         ``'auto'`` and 25.
-
-    Limits (README, "Limits"): at most 65536 channels or output features per
-    layer, fewer than 2**31 parameters, at most 64 devices.
     """
 
     def __init__(self, layers, input_shape=(1, 28, 28), init_std=0.01, seed=0, threads=0, devices=None,
                  sources=None, names=None, init="normal", sync_batchnorm=False, all_reduce=None, bucket_mb=None):
-        self._specs = self._check_layers(layers)
-        input_shape = _check.shape("input_shape", input_shape, ("channels", "height", "width"), (_check.MAX_CHANNELS,))
-        init_std = _check.real("init_std", init_std, 0)
-        seed = _check.integer("seed", seed, 0)
-        threads = _check.integer("threads", threads, 0, _check.MAX_THREADS)
-        self._sources = None if sources is None else _check.sequence("sources", sources, "a list with one entry per "
-                                                                     "layer", len(self._specs))
-        self._names = [str(i) for i in range(len(self._specs))] if names is None else \
-            _check.sequence("names", names, "a list of strings with one entry per layer", len(self._specs))
-        for i, name in enumerate(self._names):
-            _check.string(f"names[{i}]", name)
+        if not isinstance(layers, (list, tuple)) or not all(isinstance(spec, (list, tuple)) for spec in layers):
+            raise TypeError(f"layers must be a list of layer tuples like ('dense', 10), got {_check.shown(layers)}")
+        if not layers:
+            raise ValueError("layers must hold at least one layer, got []")
+        self._specs = [tuple(spec) for spec in layers]
+        input_shape = _check.shape("input_shape", input_shape, 3)
+        self._sources = None if sources is None else list(sources)
+        if self._sources is not None and len(self._sources) != len(self._specs):
+            raise ValueError(f"sources must have one entry per layer ({len(self._specs)}), got {len(self._sources)}")
+        self._names = [str(i) for i in range(len(self._specs))] if names is None else list(names)
+        if len(self._names) != len(self._specs):
+            raise ValueError(f"names must have one entry per layer ({len(self._specs)}), got {len(self._names)}")
         if init is not _SKIP_INIT:
             _check.one_of("init", init, _INIT_MODES)
+            init_std = _check.real("init_std", init_std, 0.0)
+            seed = _check.integer("seed", seed, 0)
+        threads = _check.integer("threads", threads, 0, _check.MAX_THREADS)
         sync_batchnorm = _check.boolean("sync_batchnorm", sync_batchnorm)
         strategy = get_strategy()
         if devices is None:
             devices = strategy.devices if strategy is not None else ["cpu:0"]
+        devices = _check.device_names("devices", devices)
         if all_reduce is None:
             all_reduce = strategy.all_reduce if strategy is not None else "auto"
         if bucket_mb is None:
             bucket_mb = strategy.bucket_mb if strategy is not None else DEFAULT_BUCKET_MB
         all_reduce, bucket_mb = check_all_reduce_options(all_reduce, bucket_mb)
-        devices = _check.devices("devices", devices)
+        devices = [check_device(d) for d in devices]
+        if len(set(devices)) != len(devices):
+            raise ValueError(f"devices must name each device once, got {devices}")
         # across the processes of an MPI job (MultiWorkerMirroredStrategy): the
         # seconds to wait for another process; 0 within one process
         self._timeout = strategy.timeout if strategy is not None and strategy._across else 0.0
@@ -119,7 +122,7 @@ class Sequential:
             for d in devices
         ]
         self._model = self._replicas[0]
-        self.sync_batchnorm = sync_batchnorm
+        self.sync_batchnorm = bool(sync_batchnorm)
         self._mirrored = (_core.Mirrored(self._replicas, self.sync_batchnorm, all_reduce, int(bucket_mb * 2**20),
                                          self._timeout)
                           if len(self._replicas) > 1 or self._timeout else None)
@@ -129,19 +132,6 @@ class Sequential:
             self._init_params(init, init_std, seed)
         if self._timeout:
             self._mirrored.broadcast_across()  # rank 0's parameters everywhere, checked
-
-    @staticmethod
-    def _check_layers(layers):
-        """The layer specs as tuples ('kind', args...); the arguments are the C
-        core's to check (it names the layer and the argument)."""
-        specs = _check.sequence("layers", layers, "a non-empty list of layer tuples like ('dense', 10)")
-        if not specs:
-            raise ValueError("layers must be a non-empty list of layer tuples like ('dense', 10), got []")
-        for i, spec in enumerate(specs):
-            if not isinstance(spec, (tuple, list)) or not spec:
-                _check.fail(TypeError, f"layers[{i}]", "a tuple like ('dense', 10)", spec)
-            _check.one_of(f"layers[{i}][0] (the layer kind)", spec[0], tuple(_LAYER_KINDS))
-        return [tuple(spec) for spec in specs]
 
     def _init_params(self, init, init_std, seed):
         """Each parameter tensor by its kind's rule for this init mode, drawn
@@ -290,13 +280,17 @@ class Sequential:
             out[name] = buffers[buffer][offset:offset + size].reshape(shape).copy()
         return out
 
-    def set_weights(self, weights):
+    def set_weights(self, weights, allow_nonfinite=False):
         """Load weights from a dict name -> array (every name of get_weights, exact
-        shapes; PyTorch's num_batches_tracked entries are ignored) or a list in order."""
+        shapes; PyTorch's num_batches_tracked entries are ignored) or a list in order.
+        Values are stored as float32: a value beyond float32's range is refused,
+        and so is NaN or inf unless ``allow_nonfinite=True``."""
+        allow_nonfinite = _check.boolean("allow_nonfinite", allow_nonfinite)
         entries = self._entries()
         names = [e[0] for e in entries]
         if not isinstance(weights, (dict, list, tuple)):
-            _check.fail(TypeError, "weights", "a dict name -> array or a list of arrays", weights)
+            raise TypeError(f"weights must be a dict name -> array (as get_weights returns) or a list of arrays, "
+                            f"got {type(weights).__name__} {_check.shown(weights)}")
         if isinstance(weights, dict):
             given = {k: v for k, v in weights.items() if not str(k).endswith("num_batches_tracked")}
             missing = [n for n in names if n not in given]
@@ -307,14 +301,23 @@ class Sequential:
         else:
             values = list(weights)
             if len(values) != len(names):
-                raise ValueError(f"weights must be a list of {len(names)} arrays ({', '.join(names)}), "
-                                 f"got {len(values)}")
+                raise ValueError(f"weights must hold {len(names)} arrays ({', '.join(names)}), got {len(values)}")
         buffers = {"params": self._model.get_params(), "state": self._model.get_state()}
         for (name, buffer, offset, shape), value in zip(entries, values):
-            a = _check.array(f"weights[{name!r}]", value)
+            a = np.asarray(value)
+            if a.dtype.kind not in "fiu":
+                raise TypeError(f"{name}: expected a real array, got dtype {a.dtype}")
             if tuple(a.shape) != tuple(shape):
-                raise ValueError(f"weights[{name!r}] must have shape {tuple(shape)}, got {tuple(a.shape)}")
-            buffers[buffer][offset:offset + a.size] = _check.float32_values(f"weights[{name!r}]", a).ravel()
+                raise ValueError(f"{name}: expected shape {tuple(shape)}, got {tuple(a.shape)}")
+            finite = np.isfinite(a)
+            if not allow_nonfinite and not finite.all():
+                raise ValueError(f"weights: {name} holds {int(a.size - finite.sum())} value(s) that are not finite; "
+                                 "pass allow_nonfinite=True to load them anyway")
+            big = finite & (np.abs(a.astype(np.float64)) > np.finfo(np.float32).max)
+            if big.any():
+                raise ValueError(f"weights: {name} holds {a[big].ravel()[0]!r}, beyond float32's range "
+                                 f"(+-{np.finfo(np.float32).max:.4g})")
+            buffers[buffer][offset:offset + a.size] = a.astype(np.float32).ravel()
         self._load_buffers(buffers["params"], buffers["state"])
 
     def _load_buffers(self, params, state):
@@ -345,51 +348,73 @@ class Sequential:
         Across the processes of a job (MultiWorkerMirroredStrategy) it is
         collective: rank 0 writes (every replica holds the same bits) and the
         others wait until the file is complete."""
+        self._write(_check.path("path", path))
+
+    def _write(self, path, training=None):
+        """save(path), with dp.train's training state when given (checkpoint.save)."""
         if self._timeout:
             from . import distributed
 
             if distributed.rank() == 0:
                 # a failure here ends the job (MPI_Abort) if nothing catches it,
                 # else the others give up waiting after the timeout
-                checkpoint.save(self, path)
+                checkpoint.save(self, path, training)
             distributed.barrier(self._timeout, f"net.save({os.fspath(path)!r}) by rank 0")
             return
-        checkpoint.save(self, path)
+        checkpoint.save(self, path, training)
 
     # ---- running -----------------------------------------------------------
     def _labelled_batches(self, data, what):
         """The (images, labels) batches of a dataset iterator, checked and converted."""
         if isinstance(data, np.ndarray):
+            raise TypeError(f"{what} needs labels: pass an iterator of (images, labels) batches, e.g. "
+                            f"dp.data.from_arrays(X, y, batch_size), not an array")
+        try:
+            batches = iter(data)
+        except TypeError:
             raise TypeError(f"{what} must be an iterable of (images, labels) batches, e.g. "
-                            f"dp.data.from_arrays(X, y, batch_size), got an array (it has no labels)")
-        _check.iterable(what, data, "an iterable of (images, labels) batches, e.g. dp.data.from_arrays(X, y, "
-                                    "batch_size)")
-        for batch in data:
-            if not (isinstance(batch, tuple) and len(batch) == 2):
-                raise TypeError(f"{what}: a data iterator must yield (images, labels) pairs")
+                            f"dp.data.from_arrays(X, y, batch_size), got {type(data).__name__} "
+                            f"{_check.shown(data)}") from None
+        for batch in batches:
+            if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
+                raise TypeError(f"{what} must yield (images, labels) pairs, got {_check.shown(batch)}")
             X, y = batch
-            X = as_images(X, self.input_shape, what)
-            yield X, as_labels(y, len(X), what)
+            X = as_images(X, self.input_shape)
+            yield X, as_labels(y, len(X))
 
     def predict(self, X, batch_size=1024):
-        """Logits (N, num_classes) as float32 for images (N, C, H, W) or (N, H, W),
-        batch_size (at most 2**31 - 1) images at a time."""
+        """Logits (N, num_classes) as float32 for images (N, C, H, W) or (N, H, W)."""
         batch_size = _check.integer("batch_size", batch_size, 1, _check.MAX_BATCH)
         X = as_images(X, self.input_shape)
         if len(X) == 0:
             return np.zeros((0, self.num_classes), dtype=np.float32)
         return np.concatenate([self._model.predict(X[i:i + batch_size]) for i in range(0, len(X), batch_size)])
 
-    def evaluate(self, data_iter):
-        """Mean loss and accuracy over a dataset iterator: Metrics(loss, accuracy, num_examples)."""
+    def evaluate(self, data_iter, progress=None):
+        """Mean loss and accuracy over a dataset iterator: Metrics(loss, accuracy, num_examples).
+        progress: a bar as dp.train shows one (:mod:`dpcore.progress`); None:
+        for a set of at least ``EVALUATE_BAR_BATCHES`` batches (when its length is known)."""
+        from . import progress as _progress
+
+        try:
+            batches = len(data_iter)
+        except TypeError:
+            batches = None
+        if progress is None:
+            progress = batches is not None and batches >= EVALUATE_BAR_BATCHES
+        bar = _progress.bar(_check.boolean("progress", progress), batches, "evaluate", unit="batch")
         loss, correct, n = 0.0, 0, 0
-        for X, y in self._labelled_batches(data_iter, "data_iter"):
-            batch_loss, batch_correct = (self._mirrored or self._model).evaluate(X, y)
-            loss += batch_loss
-            correct += batch_correct
-            n += len(y)
+        try:
+            for X, y in self._labelled_batches(data_iter, "data_iter"):
+                batch_loss, batch_correct = (self._mirrored or self._model).evaluate(X, y)
+                loss += batch_loss
+                correct += batch_correct
+                n += len(y)
+                bar.update(1)
+        finally:
+            bar.close()
         if n == 0:
-            raise ValueError("data_iter must yield at least one sample, got an empty dataset")
+            raise ValueError("data_iter yielded no samples: evaluate needs at least one")
         return Metrics(loss / n, correct / n, n)
 
     def make_resident(self, X, y):
@@ -404,22 +429,32 @@ class Sequential:
     def train_step_rows(self, residents, rows, lr, momentum=0.0, weight_decay=0.0):
         """One SGD step on rows ``rows`` (int64 indices) of the dataset made
         resident by :meth:`make_resident`. Returns (loss_sum, correct)."""
-        residents = _check.sequence("residents", residents, "the list make_resident returned")
+        lr, momentum, weight_decay = _check.sgd_arguments(lr, momentum, weight_decay, lr_zero=True)
+        if not isinstance(residents, (list, tuple)) or not all(isinstance(r, _core.Resident) for r in residents):
+            raise TypeError(f"residents must be the list net.make_resident(X, y) returned, got "
+                            f"{_check.shown(residents)}")
         if len(residents) != len(self._replicas):
-            raise ValueError(f"residents must be the list make_resident returned, one per replica "
-                             f"({len(self._replicas)}), got {len(residents)}")
-        rows = np.ascontiguousarray(_check.array("rows", rows, kinds="iu", ndim=1), dtype=np.int64)
-        lr, momentum, weight_decay = _check.sgd(lr, momentum, weight_decay)
+            raise ValueError(f"residents must hold one resident dataset per replica ({len(self._replicas)}), got "
+                             f"{len(residents)}")
+        rows = np.asarray(rows)
+        if rows.dtype.kind not in "iu" or rows.ndim != 1:
+            raise TypeError(f"rows must be a 1-d array of integer sample indices, got {rows.dtype} array of shape "
+                            f"{rows.shape}")
+        samples = residents[0].num_samples
+        outside = np.flatnonzero((rows < 0) | (rows >= samples))
+        if len(outside):
+            raise ValueError(f"rows must be sample indices in [0, {samples}), got {rows[outside[0]]} at position "
+                             f"{outside[0]}")
+        rows = np.ascontiguousarray(rows, dtype=np.int64)
         if self._mirrored is not None:
             return self._mirrored.train_step_rows(residents, rows, lr, momentum, weight_decay)
         return self._model.train_step_rows(residents[0], rows, lr, momentum, weight_decay)
 
     def train_step(self, X, y, lr, momentum=0.0, weight_decay=0.0):
         """One SGD step on a batch (mean loss). Returns (loss_sum, correct).
-        lr and weight_decay >= 0, momentum in [0, 1], all finite and within
-        float32's range. A loss that is not finite on any replica raises
-        FloatingPointError naming the replicas, and the step applies no update."""
-        lr, momentum, weight_decay = _check.sgd(lr, momentum, weight_decay)
+        A loss that is not finite on any replica raises FloatingPointError
+        naming the replicas, and the step applies no update."""
+        lr, momentum, weight_decay = _check.sgd_arguments(lr, momentum, weight_decay, lr_zero=True)
         X = as_images(X, self.input_shape)
         return (self._mirrored or self._model).train_step(X, as_labels(y, len(X)), lr, momentum, weight_decay)
 
@@ -429,9 +464,12 @@ if Sequential.__doc__:  # None under python -OO
         "{layer_specs}", ",\n        ".join(_layer_spec_doc(name, info) for name, info in _LAYER_KINDS.items()))
 
 
+# evaluate() shows a progress bar by default from this many batches on
+EVALUATE_BAR_BATCHES = 50
+
+
 class LeNet(Sequential):
-    """The LeNet of *Dive into Deep Learning* 12.5 for 28x28 images
-    (num_classes and in_channels: ints in [1, 65536]).
+    """The LeNet of *Dive into Deep Learning* 12.5 for 28x28 images.
 
     conv 3x3 in->20, ReLU, avg-pool 2; conv 5x5 20->50, ReLU, avg-pool 2;
     flatten; dense 800->128, ReLU; dense 128->num_classes. Weights N(0, 0.01),
@@ -442,9 +480,8 @@ class LeNet(Sequential):
 
     def __init__(self, num_classes=10, in_channels=1, seed=0, threads=0, devices=None, all_reduce=None,
                  bucket_mb=None):
-        num_classes = _check.integer("num_classes", num_classes, 1, _check.MAX_CHANNELS)
-        in_channels = _check.integer("in_channels", in_channels, 1, _check.MAX_CHANNELS)
-        arch = self._architecture(num_classes, in_channels)
+        arch = self._architecture(_check.integer("num_classes", num_classes, 1, _check.MAX_FEATURES),
+                                  _check.integer("in_channels", in_channels, 1, _check.MAX_FEATURES))
         super().__init__(arch["layers"], input_shape=arch["input_shape"], init_std=0.01, seed=seed, threads=threads,
                          devices=devices, all_reduce=all_reduce, bucket_mb=bucket_mb)
 
@@ -477,10 +514,9 @@ class ResNet18(Sequential):
 
     def __init__(self, num_classes=10, in_channels=1, seed=0, threads=0, devices=None, sync_batchnorm=False,
                  input_size=28, all_reduce=None, bucket_mb=None):
-        num_classes = _check.integer("num_classes", num_classes, 1, _check.MAX_CHANNELS)
-        in_channels = _check.integer("in_channels", in_channels, 1, _check.MAX_CHANNELS)
-        input_size = _check.integer("input_size", input_size, 1, _check.MAX_INT)
-        arch = self._architecture(num_classes, in_channels, input_size)
+        arch = self._architecture(_check.integer("num_classes", num_classes, 1, _check.MAX_FEATURES),
+                                  _check.integer("in_channels", in_channels, 1, _check.MAX_FEATURES),
+                                  _check.integer("input_size", input_size, 1, 2**15))
         super().__init__(arch["layers"], input_shape=arch["input_shape"], seed=seed, threads=threads, devices=devices,
                          sources=arch["sources"], names=arch["names"], init="torch", sync_batchnorm=sync_batchnorm,
                          all_reduce=all_reduce, bucket_mb=bucket_mb)
@@ -562,16 +598,14 @@ class Replica:
 
     def forward_backward(self, X, y, grad_scale):
         """Forward and backward on a shard; the replica's gradient buffer becomes
-        grad_scale * (sum of the shard's per-sample gradients); grad_scale must
-        be finite and within float32's range. Returns (loss_sum, correct)."""
+        grad_scale * (sum of the shard's per-sample gradients). Returns (loss_sum, correct)."""
         grad_scale = _check.real("grad_scale", grad_scale, float32=True)
         X = as_images(_host(X), self._net.input_shape)
         return self._model.forward_backward(X, as_labels(_host(y), len(X)), grad_scale)
 
     def sgd_step(self, lr, momentum=0.0, weight_decay=0.0):
-        """One SGD step from this replica's gradient buffer (the ranges of
-        :meth:`Sequential.train_step`)."""
-        self._model.sgd_step(*_check.sgd(lr, momentum, weight_decay))
+        """One SGD step from this replica's gradient buffer."""
+        self._model.sgd_step(*_check.sgd_arguments(lr, momentum, weight_decay, lr_zero=True))
 
     def __repr__(self):
         return f"Replica(device='{self.device}')"

@@ -15,32 +15,39 @@ __all__ = [
 ]
 
 
+_INT_MAX = 2**31 - 1
+
+
 def _f32(a, name):
-    return np.asarray(_check.float32_values(name, _check.array(name, a)), order="C")  # a 0-d array stays 0-d
-
-
-def _size(name, value, minimum):
-    """A stride, padding or kernel size: an int in [minimum, 2**31 - 1]."""
-    return _check.integer(name, value, minimum, _check.MAX_INT)
+    if a is None:
+        raise TypeError(f"{name} must be a real numeric array, got None")
+    a = np.asarray(a)
+    if a.dtype.kind not in "fiu" or a.dtype == np.bool_:
+        raise TypeError(f"{name} must be a real numeric array, got dtype {a.dtype}")
+    return np.asarray(a, dtype=np.float32, order="C")
 
 
 def _window(kernel_size, stride, padding):
-    """(kernel_size, stride, padding), checked; PyTorch's pooling default: the
+    """(kernel_size, stride, padding) checked; PyTorch's pooling default: the
     stride is the kernel size unless given (0 is an error, not a default)."""
-    kernel_size = _size("kernel_size", kernel_size, 1)
-    return kernel_size, kernel_size if stride is None else _size("stride", stride, 1), _size("padding", padding, 0)
+    kernel_size = _check.integer("kernel_size", kernel_size, 1, _INT_MAX)
+    stride = kernel_size if stride is None else _check.integer("stride", stride, 1, _INT_MAX)
+    return kernel_size, stride, _check.integer("padding", padding, 0, _INT_MAX)
+
+
+def _conv_args(stride, padding):
+    return _check.integer("stride", stride, 1, _INT_MAX), _check.integer("padding", padding, 0, _INT_MAX)
 
 
 def conv2d(x, w, b=None, stride=1, padding=0):
     """y (N, O, OH, OW) = x (N, C, H, W) conv w (O, C, KH, KW) + b (O,)."""
     return _core.conv2d_forward(_f32(x, "x"), _f32(w, "w"), None if b is None else _f32(b, "b"),
-                                _size("stride", stride, 1), _size("padding", padding, 0))
+                                *_conv_args(stride, padding))
 
 
 def conv2d_backward(x, w, dy, stride=1, padding=0):
     """(dx, dw, db) of a convolution given dy (N, O, OH, OW)."""
-    return _core.conv2d_backward(_f32(x, "x"), _f32(w, "w"), _f32(dy, "dy"), _size("stride", stride, 1),
-                                 _size("padding", padding, 0))
+    return _core.conv2d_backward(_f32(x, "x"), _f32(w, "w"), _f32(dy, "dy"), *_conv_args(stride, padding))
 
 
 def dense(x, w, b=None):
@@ -83,7 +90,10 @@ def softmax_cross_entropy(logits, labels, reduction="mean"):
     """(loss, correct, dlogits): loss is the mean or sum over rows; dlogits is its gradient."""
     reduction = _check.one_of("reduction", reduction, ("mean", "sum"))
     logits = _f32(logits, "logits")
-    labels = np.ascontiguousarray(_check.array("labels", labels, kinds="iu"), dtype=np.int64)
+    labels = np.asarray(labels)
+    if labels.dtype.kind not in "iu":
+        raise TypeError(f"labels must be integers, got dtype {labels.dtype}")
+    labels = np.ascontiguousarray(labels, dtype=np.int64)
     n = logits.shape[0] if logits.ndim == 2 else 0
     scale = 1.0 / n if (reduction == "mean" and n) else 1.0
     loss_sum, correct, dlogits = _core.softmax_cross_entropy(logits, labels, scale)
@@ -91,9 +101,5 @@ def softmax_cross_entropy(logits, labels, reduction="mean"):
 
 
 def sgd_update(w, g, v, lr, momentum=0.0, weight_decay=0.0):
-    """In place: v = momentum*v + g + weight_decay*w; w -= lr*v (torch.optim.SGD).
-    w, g, v: C-contiguous float32 arrays of one shape (w and v are written)."""
-    for name, a in (("w", w), ("g", g), ("v", v)):
-        if not isinstance(a, np.ndarray):
-            _check.fail(TypeError, name, "a float32 NumPy array (updated in place)", a)
-    _core.sgd_update(w, g, v, *_check.sgd(lr, momentum, weight_decay))
+    """In place: v = momentum*v + g + weight_decay*w; w -= lr*v (torch.optim.SGD)."""
+    _core.sgd_update(w, g, v, *_check.sgd_arguments(lr, momentum, weight_decay, lr_zero=True))

@@ -12,6 +12,7 @@ devices gives empty shards. dp.train splits every batch the same way.
 import numpy as np
 
 from . import _check, _core
+from .devices import check_device
 
 __all__ = ["Tensor", "tensor", "broadcast", "scatter", "split_batch", "gather", "all_reduce"]
 
@@ -21,54 +22,63 @@ Tensor = _core.Tensor
 def tensor(data, device="cpu:0"):
     """A copy of ``data`` on ``device``: float32 for real data, uint8 kept as uint8
     (images), other integers as int64 (labels)."""
-    device = _check.device("device", device)
-    a = _check.array("data", data.numpy() if isinstance(data, Tensor) else data)
+    device = check_device(_check.string("device", device))
+    if data is None:
+        raise TypeError("data must be an array (or a list of numbers), got None")
+    if isinstance(data, Tensor):
+        data = data.numpy()
+    a = np.asarray(data)
     if a.dtype == np.uint8:
         pass
     elif a.dtype.kind in "iu":
         a = a.astype(np.int64)
+    elif a.dtype.kind == "f":
+        a = a.astype(np.float32)
     else:
-        a = _check.float32_values("data", a)
+        raise TypeError(f"data must be real or integer, got dtype {a.dtype}")
     return Tensor(np.ascontiguousarray(a), device)
 
 
 def broadcast(t, devices):
-    """A copy of ``t`` on each device (a device name, or a list of them)."""
-    names = _check.devices("devices", devices)
-    src = _check.array("t", t.numpy() if isinstance(t, Tensor) else t)
-    return [tensor(src, d) for d in names]
+    """A copy of ``t`` on each device."""
+    if t is None:
+        raise TypeError("t must be a dpcore tensor or an array, got None")
+    src = t.numpy() if isinstance(t, Tensor) else t
+    return [tensor(src, d) for d in _devices(devices)]
+
+
+def _devices(devices, name="devices"):
+    """The canonical names of a list of distinct devices (one name is a list of one)."""
+    names = [check_device(d) for d in _check.device_names(name, devices)]
+    if len(set(names)) != len(names):
+        raise ValueError(f"{name} must name each device once, got {names}")
+    return names
 
 
 def scatter(data, devices):
     """Split ``data`` along axis 0 into one shard per device (sizes differ by at most one)."""
-    names = _check.devices("devices", devices)
-    a = _check.array("data", data.numpy() if isinstance(data, Tensor) else data)
+    names = _devices(devices)
+    a = data.numpy() if isinstance(data, Tensor) else np.asarray(data)
     if a.ndim == 0:
-        raise ValueError("data must be an array with a first axis to split, got a 0-d array")
+        raise ValueError(f"data must be an array with a first axis to split, got {_check.shown(data)}")
     return [tensor(a[b:e], d) for (b, e), d in zip(_core.shard_ranges(len(a), len(names)), names)]
 
 
 def split_batch(X, y, devices):
     """(X shards, y shards) on the devices, split the same way (d2l's split_batch)."""
-    X = _check.array("X", X.numpy() if isinstance(X, Tensor) else X)
-    y = _check.array("y", y.numpy() if isinstance(y, Tensor) else y, kinds="iu")
-    if X.ndim == 0 or y.ndim == 0:
-        raise ValueError(f"X and y must be arrays with a first axis (samples), got shapes {X.shape} and {y.shape}")
+    X = X.numpy() if isinstance(X, Tensor) else np.asarray(X)
+    y = y.numpy() if isinstance(y, Tensor) else np.asarray(y)
     if len(X) != len(y):
-        raise ValueError(f"X has {len(X)} samples but y has {len(y)}: X and y must have the same number of samples")
+        raise ValueError(f"y must have one label per sample of X ({len(X)}), got {len(y)}")
     return scatter(X, devices), scatter(y, devices)
 
 
 def gather(tensors, device):
     """Concatenate tensors along axis 0 onto one device."""
-    device = _check.device("device", device)
-    tensors = _check.sequence("tensors", tensors, "a list of tensors or arrays")
-    if not tensors:
-        raise ValueError("tensors must be a list of at least one tensor, got []")
-    parts = [_check.array(f"tensors[{i}]", t.numpy() if isinstance(t, Tensor) else t) for i, t in enumerate(tensors)]
+    tensors = _tensor_list(tensors)
+    parts = [t.numpy() if isinstance(t, Tensor) else np.asarray(t) for t in tensors]
     if any(p.ndim == 0 for p in parts) or len({p.shape[1:] for p in parts}) != 1:
-        raise ValueError(f"tensors must have one shape after the first axis; their shapes after the first axis "
-                         f"differ: {[p.shape for p in parts]}")
+        raise ValueError(f"tensors must have the same shape after the first axis, got {[p.shape for p in parts]}")
     return tensor(np.concatenate(parts), device)
 
 
@@ -77,10 +87,19 @@ def all_reduce(tensors, op="sum"):
     the sum (or mean) of all. Every replica thread reduces 1/k of the buffer; the
     result is the same bits every run."""
     op = _check.one_of("op", op, ("sum", "mean"))
-    tensors = _check.sequence("tensors", tensors, "a list of dp.Tensor")
+    tensors = _tensor_list(tensors)
     for i, t in enumerate(tensors):
         if not isinstance(t, Tensor):
-            raise TypeError(f"tensors[{i}] is not a dpcore tensor: it must be a dp.Tensor (dp.tensor(data, device)), "
-                            f"got {type(t).__name__}")
+            raise TypeError(f"tensors must be dpcore tensors (dp.tensor, replica.grads), got "
+                            f"{type(t).__name__} at position {i}")
     _core.all_reduce(tensors, 1 if op == "mean" else 0)
     return tensors
+
+
+def _tensor_list(tensors):
+    """A non-empty list from a list or tuple of tensors."""
+    if not isinstance(tensors, (list, tuple)):
+        raise TypeError(f"tensors must be a list of tensors, got {type(tensors).__name__} {_check.shown(tensors)}")
+    if not tensors:
+        raise ValueError("tensors must hold at least one tensor, got an empty list")
+    return list(tensors)

@@ -34,6 +34,7 @@ import warnings
 from . import _check, _core
 from .devices import list_devices
 from .info import build_flags
+from .parallel import _devices
 
 __all__ = ["MirroredStrategy", "MultiWorkerMirroredStrategy", "get_strategy"]
 
@@ -42,18 +43,17 @@ ALL_REDUCE_KINDS = ("auto", "host", "kernel", "nccl", "mpi")
 
 
 def check_all_reduce_options(all_reduce, bucket_mb):
-    """Validated (all_reduce, bucket_mb): bucket_mb MiB in [0, 2**42] (2**62 bytes)."""
+    """Validated (all_reduce, bucket_mb)."""
     all_reduce = _check.one_of("all_reduce", all_reduce, ALL_REDUCE_KINDS)
-    bucket_mb = _check.real("bucket_mb", bucket_mb, 0, 2**42)
-    return all_reduce, bucket_mb
+    # 0: the whole buffer at once, after the backward pass
+    return all_reduce, _check.real("bucket_mb", bucket_mb, 0.0, 2.0**40)
 
 _current = contextvars.ContextVar("dpcore_strategy", default=None)
 
 
 class MirroredStrategy:
-    """One replica per device. devices: a device name or a list of them (at most
-    64); default every GPU (every logical GPU after
-    ``dp.set_logical_devices('cuda', k)``), else every logical CPU device.
+    """One replica per device. devices: default every GPU (every logical GPU
+    after ``dp.set_logical_devices('cuda', k)``), else every logical CPU device.
     all_reduce, bucket_mb: see the module's documentation."""
 
     def __init__(self, devices=None, all_reduce="auto", bucket_mb=DEFAULT_BUCKET_MB):
@@ -67,7 +67,7 @@ class MirroredStrategy:
                 why = _core.runtime_info()["cuda_why"]
                 warnings.warn(f"MirroredStrategy: no usable CUDA device ({why}); using {devices}", RuntimeWarning,
                               stacklevel=2)
-        self._devices = _check.devices("devices", devices)
+        self._devices = _devices(devices, "devices")
 
     @property
     def devices(self):

@@ -6,12 +6,14 @@ KeyboardInterrupt, leaving the model with the weights of the last whole step.
 A step whose loss is not finite applies no update and raises
 FloatingPointError naming the epoch, the step and the replicas.
 """
+import os
 import time
+import warnings
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from . import _check, _core
+from . import _check, _core, progress as _progress
 from .data import ArrayIterator
 from .models import Sequential
 
@@ -27,6 +29,12 @@ class History:
     test_acc: list = field(default_factory=list)
     epoch_seconds: list = field(default_factory=list)  # training pass only, evaluation excluded
     devices: list = field(default_factory=list)
+    # dp.train(..., profile=True): the step timeline (dpcore.timeline.Timeline); None otherwise
+    timeline: object = field(default=None, repr=False, compare=False)
+
+    def _record(self):
+        """The per-epoch lists, as a checkpoint stores them."""
+        return {k: list(getattr(self, k)) for k in ("train_loss", "train_acc", "test_acc", "epoch_seconds", "devices")}
 
     @property
     def num_epochs(self):
@@ -65,6 +73,14 @@ def _batches_or_none(it):
         return len(it)
     except TypeError:
         return None
+
+
+def _check_iterable(name, value):
+    """An iterable of batches (len() not needed), else TypeError naming the argument."""
+    if isinstance(value, (np.ndarray, str, bytes)) or not hasattr(value, "__iter__"):
+        raise TypeError(f"{name} must be an iterable of (images, labels) batches, e.g. dp.data.from_arrays(X, y, "
+                        f"batch_size), got {type(value).__name__} {_check.shown(value)}")
+    return value
 
 
 def _resident_by_default(net, train_iter):
@@ -129,18 +145,54 @@ def _diagnose(net, X, y):
     return "; ".join(lines)
 
 
+def _data_state(train_iter):
+    """What a checkpoint records of the data order (a dp.data iterator's; None otherwise)."""
+    if not isinstance(train_iter, ArrayIterator):
+        return {"seed": None, "batch_size": None, "num_examples": None, "epochs_started": None}
+    return {"seed": train_iter.seed if train_iter.shuffle else None, "batch_size": train_iter.batch_size,
+            "num_examples": train_iter.num_examples, "epochs_started": train_iter._epochs_started}
+
+
+def _resume(net, path, train_iter, hyper, history):
+    """Restore the checkpoint at path into net, train_iter and history; the
+    number of epochs it holds. Refuses a checkpoint of other hyperparameters
+    or another dataset: continuing it would not be the run it was."""
+    from . import checkpoint
+
+    state = checkpoint.load_training(net, path)
+    saved = state["hyper"]
+    differ = [f"{k} {saved[k]!r} (now {hyper[k]!r})" for k in ("lr", "momentum", "weight_decay") if saved[k] != hyper[k]]
+    if differ:
+        raise ValueError(f"resume: {path} was trained with other hyperparameters: {', '.join(differ)}; pass the same "
+                         "ones, or resume=False to start again")
+    data = state["data"]
+    if isinstance(train_iter, ArrayIterator) and data["num_examples"] is not None:
+        mine = _data_state(train_iter)
+        differ = [f"{k} {data[k]} (now {mine[k]})" for k in ("batch_size", "num_examples") if data[k] != mine[k]]
+        if differ:
+            raise ValueError(f"resume: {path} was trained on other data: {', '.join(differ)}")
+        if train_iter.shuffle and data["seed"] is not None:
+            train_iter.seed = data["seed"]
+            train_iter.seed_drawn = False
+        # the data order of the epochs to come: the iterator's epochs as the interrupted run counted them
+        train_iter._epochs_started = data["epochs_started"]
+    else:
+        warnings.warn("resume: train_iter is not a dp.data iterator, so its order cannot be restored: the resumed "
+                      "run sees the batches it yields now (not bitwise the run that was interrupted)",
+                      RuntimeWarning, stacklevel=3)
+    for key, values in state["history"].items():
+        getattr(history, key)[:] = values
+    return state["epoch"]
+
+
 def train(net, train_iter, test_iter=None, num_epochs=10, lr=0.1, momentum=0.0, weight_decay=0.0, verbose=True,
-          resident=None, check_numerics=False):
+          resident=None, check_numerics=False, progress=True, plot=False, checkpoint=None, resume=False,
+          profile=False):
     """Train ``net`` with minibatch SGD on the mean softmax cross-entropy.
 
     train_iter / test_iter: iterables of (images, labels) batches, e.g. from
     ``dp.data.load_fashion_mnist`` or ``dp.data.from_arrays``. Prints one line
     per epoch and the book's closing line when ``verbose``. Returns a History.
-
-    num_epochs: an int >= 0; lr > 0, weight_decay >= 0 and momentum in [0, 1],
-    finite and within float32's range (Python or NumPy numbers); verbose,
-    check_numerics: True or False. A bad argument is a TypeError or ValueError
-    naming it, raised before anything trains.
 
     resident: copy the whole training set to every replica's device once, so
     that a step moves only its samples' indices and the device gathers the
@@ -158,20 +210,56 @@ def train(net, train_iter, test_iter=None, num_epochs=10, lr=0.1, momentum=0.0, 
     name the first layer whose output or gradient stopped being finite and
     the input batch's non-finite values (costs a copy of every layer's
     output, only after a failure).
+
+    progress: a tqdm bar per epoch (steps, images/s, the running loss): a
+    widget in a notebook, a text bar when stderr is a terminal, nothing
+    otherwise (logs keep the per-epoch lines). See :mod:`dpcore.progress`.
+
+    plot: True draws the book's figure (train loss, train acc, test acc) in
+    the notebook and updates it in place each epoch (nothing outside a
+    notebook); a path writes the figure there as a PNG each epoch
+    (atomically). Needs matplotlib. See :mod:`dpcore.plotting`.
+
+    checkpoint: a path; after every epoch the weights, BatchNorm statistics,
+    momentum buffers, epoch count, data order and History are written there
+    atomically (a safetensors file that ``dp.models.load`` also reads),
+    replacing what was there. Its directory is checked before training starts.
+    resume: continue from that checkpoint when it exists (from scratch when
+    it does not): the epochs it holds count toward ``num_epochs``, and with a
+    ``dp.data`` iterator the run continues bitwise as the interrupted one
+    would have. The hyperparameters and the dataset's size and batch size
+    must be the checkpoint's.
+
+    profile: record every replica's step timeline in C (staging, forward,
+    backward, each bucket's all-reduce, waiting, the update) into
+    ``history.timeline`` (:class:`dpcore.timeline.Timeline`: ``plot()``,
+    ``save('trace.json')`` for Perfetto, ``summary()``).
     """
     if not isinstance(net, Sequential):
-        _check.fail(TypeError, "net", "a dpcore model (e.g. dp.models.LeNet())", net)
-    batches = "an iterable of (images, labels) batches, e.g. dp.data.from_arrays(X, y, batch_size)"
-    _check.iterable("train_iter", train_iter, batches)
+        raise TypeError(f"net must be a dpcore model (e.g. dp.models.LeNet()), got {type(net).__name__}")
+    _check_iterable("train_iter", train_iter)
     if test_iter is not None:
-        _check.iterable("test_iter", test_iter, batches + ", or None")
+        _check_iterable("test_iter", test_iter)
     num_epochs = _check.integer("num_epochs", num_epochs, 0)
-    lr, momentum, weight_decay = _check.sgd(lr, momentum, weight_decay, lr_zero=False)
+    lr, momentum, weight_decay = _check.sgd_arguments(lr, momentum, weight_decay)
     verbose = _check.boolean("verbose", verbose)
-    resident = _check.optional_boolean("resident", resident)
     check_numerics = _check.boolean("check_numerics", check_numerics)
+    progress = _check.boolean("progress", progress)
+    profile = _check.boolean("profile", profile)
+    resume = _check.boolean("resume", resume)
+    if checkpoint is not None:
+        checkpoint = _check.writable_file("checkpoint", checkpoint)
+    elif resume:
+        raise ValueError("resume=True needs checkpoint=<path>: the file to resume from")
+    live_plot = None
+    if plot is not False:
+        from .plotting import LivePlot
+
+        live_plot = LivePlot(plot)
     if resident is None:
         resident = _resident_by_default(net, train_iter)
+    elif not isinstance(resident, bool):
+        raise TypeError(f"resident must be True, False or None, got {type(resident).__name__}")
     elif resident and not isinstance(train_iter, ArrayIterator):
         raise TypeError("resident=True needs a dp.data iterator (dp.data.from_arrays or dp.data.load_fashion_mnist), "
                         f"whose arrays are copied to the devices; got {type(train_iter).__name__}")
@@ -198,28 +286,66 @@ def train(net, train_iter, test_iter=None, num_epochs=10, lr=0.1, momentum=0.0, 
     else:
         devices = list(net.devices)
     history = History(devices=devices)
-    residents = net.make_resident(train_iter.X, train_iter.y) if resident and num_epochs else None
-    for epoch in range(num_epochs):
+    hyper = {"lr": lr, "momentum": momentum, "weight_decay": weight_decay}
+    first_epoch = 0
+    if resume and os.path.exists(checkpoint):
+        first_epoch = min(_resume(net, checkpoint, train_iter, hyper, history), num_epochs)
+        history.devices = devices
+        if verbose:
+            print(f"resumed from {checkpoint} after epoch {first_epoch}", flush=True)
+    show_progress = progress and (not multi or distributed.rank() == 0)
+    residents = net.make_resident(train_iter.X, train_iter.y) if resident and num_epochs > first_epoch else None
+    if profile:
+        from . import timeline as _timeline
+
+        with _timeline.profile(net) as recorded:
+            _epochs(net, train_iter, test_iter, first_epoch, num_epochs, lr, momentum, weight_decay, residents,
+                    check_numerics, show_progress, verbose, checkpoint, hyper, history, live_plot, multi)
+        history.timeline = recorded.timeline
+    else:
+        _epochs(net, train_iter, test_iter, first_epoch, num_epochs, lr, momentum, weight_decay, residents,
+                check_numerics, show_progress, verbose, checkpoint, hyper, history, live_plot, multi)
+    if verbose and num_epochs:
+        print(history.summary(), flush=True)
+    return history
+
+
+def _epochs(net, train_iter, test_iter, first_epoch, num_epochs, lr, momentum, weight_decay, residents,  # noqa: C901
+            check_numerics, show_progress, verbose, checkpoint, hyper, history, live_plot, multi):
+    """dp.train's epochs from first_epoch (its arguments checked)."""
+    if multi:
+        from . import distributed
+    for epoch in range(first_epoch, num_epochs):
         loss_sum, correct, seen = 0.0, 0, 0
-        start = time.perf_counter()
-        steps = _epoch_steps(net, train_iter, residents, lr, momentum, weight_decay)
-        for step, (run, batch) in enumerate(steps, 1):
-            try:
-                batch_loss, batch_correct, n = run()
-            except FloatingPointError as e:
-                where = f"training stopped at epoch {epoch + 1}, step {step}: {e}"
-                if check_numerics:
-                    where += f". check_numerics: {_diagnose(net, *batch())}"
-                else:
-                    where += (f". Try a smaller learning rate (lr={lr}), or dp.train(..., check_numerics=True) to "
-                              "name the first non-finite layer and input values")
-                raise FloatingPointError(where) from None
-            loss_sum += batch_loss
-            correct += batch_correct
-            seen += n
+        bar = _progress.bar(show_progress, _batches_or_none(train_iter), f"epoch {epoch + 1}/{num_epochs}")
+        start = last_shown = time.perf_counter()
+        try:
+            steps = _epoch_steps(net, train_iter, residents, lr, momentum, weight_decay)
+            for step, (run, batch) in enumerate(steps, 1):
+                try:
+                    batch_loss, batch_correct, n = run()
+                except FloatingPointError as e:
+                    where = f"training stopped at epoch {epoch + 1}, step {step}: {e}"
+                    if check_numerics:
+                        where += f". check_numerics: {_diagnose(net, *batch())}"
+                    else:
+                        where += (f". Try a smaller learning rate (lr={lr}), or dp.train(..., check_numerics=True) "
+                                  "to name the first non-finite layer and input values")
+                    raise FloatingPointError(where) from None
+                loss_sum += batch_loss
+                correct += batch_correct
+                seen += n
+                bar.update(1)
+                now = time.perf_counter()
+                if now - last_shown >= _progress.MIN_INTERVAL_S:  # the text costs more than the bar's counter
+                    bar.set_postfix_str(f"loss {loss_sum / seen:.3f}, {seen / (now - start):.0f} images/s",
+                                        refresh=False)
+                    last_shown = now
+        finally:
+            bar.close()
         seconds = time.perf_counter() - start
         if seen == 0:
-            raise ValueError("train_iter yielded no samples")
+            raise ValueError("train_iter yielded no samples: an epoch needs at least one batch")
         if multi:
             # the job's epoch lasts as long as its slowest process; every
             # process records the same History
@@ -231,10 +357,12 @@ def train(net, train_iter, test_iter=None, num_epochs=10, lr=0.1, momentum=0.0, 
         line = (f"epoch {epoch + 1}/{num_epochs}: loss {history.train_loss[-1]:.3f}, "
                 f"train acc {history.train_acc[-1]:.3f}")
         if test_iter is not None:
-            history.test_acc.append(net.evaluate(test_iter).accuracy)
+            history.test_acc.append(net.evaluate(test_iter, progress=False).accuracy)
             line += f", test acc {history.test_acc[-1]:.3f}"
         if verbose:
             print(f"{line}, {seconds:.1f} sec", flush=True)
-    if verbose and num_epochs:
-        print(history.summary(), flush=True)
-    return history
+        if checkpoint is not None:
+            net._write(checkpoint, training={"epoch": epoch + 1, "hyper": hyper, "data": _data_state(train_iter),
+                                             "history": history._record()})
+        if live_plot is not None and (not multi or distributed.rank() == 0):  # one process draws
+            live_plot.update(history)

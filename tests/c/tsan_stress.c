@@ -276,6 +276,9 @@ static void *train_rounds(void *arg) {
     for (int r = 0; r < j->k && ok; ++r) ok = build(&j->devs[r], j->bn, &models[r]) == DP_OK;
     if (ok) ok = dp_mirrored_create(models, j->k, j->sync_batchnorm, DP_COMM_AUTO, j->bucket_bytes, &m) == DP_OK;
     if (ok) ok = dp_mirrored_broadcast(m, 0) == DP_OK;
+    /* odd rounds record the step timeline: written by the replica threads, taken here (trace.c) */
+    const int profiling = round % 2 == 1;
+    for (int r = 0; r < j->k && ok && profiling; ++r) ok = dp_model_set_profiling(models[r], 1) == DP_OK;
     for (int step = 0; step < STEPS && ok; ++step) {
       for (int i = 0; i < BATCH * SIDE * SIDE; ++i) {
         s = s * 1664525u + 1013904223u;
@@ -307,6 +310,15 @@ static void *train_rounds(void *arg) {
       }
     }
     if (ok) ok = !replicas_differ(models, j->k);
+    for (int r = 0; r < j->k && ok; ++r) {
+      int64_t n = 0, dropped = 0;
+      dp_trace_event *events = dp_trace_take(&models[r]->trace, &n, &dropped);
+      ok = profiling ? n > 0 && dropped == 0 : n == 0;
+      for (int64_t i = 0; i < n && ok; ++i)
+        ok = events[i].t1 >= events[i].t0 && events[i].step >= 1 && events[i].phase >= 0 &&
+             events[i].phase < DP_PHASE_COUNT;
+      free(events);
+    }
     if (ok) {
       double loss = 0;
       int64_t correct = 0;
