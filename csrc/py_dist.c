@@ -56,7 +56,10 @@ static dp_status abort_run(void *p) {
 /* dist_abort(code): MPI_Abort; returns only when MPI is not running. */
 static PyObject *mod_dist_abort(PyObject *m, PyObject *args) {
   int code = 1;
-  if (!PyArg_ParseTuple(args, "|i", &code)) return NULL;
+  PyObject *code_obj = NULL;
+  if (!PyArg_ParseTuple(args, "|O", &code_obj) ||
+      (code_obj && int_arg(code_obj, "dist_abort", "code", INT_MIN, INT_MAX, &code) < 0))
+    return NULL;
   /* without the GIL: mpirun may take a moment to end us */
   if (models_run_without_gil(NULL, 0, abort_run, &code) < 0) return NULL;
   Py_RETURN_NONE;
@@ -136,7 +139,10 @@ static PyObject *mod_dist_bcast(PyObject *m, PyObject *args) {
   PyObject *obj;
   coll_work w;
   memset(&w, 0, sizeof w);
-  if (!PyArg_ParseTuple(args, "Oids", &obj, &w.root, &w.timeout, &w.what)) return NULL;
+  PyObject *root;
+  if (!PyArg_ParseTuple(args, "OOds", &obj, &root, &w.timeout, &w.what) ||
+      int_arg(root, "dist_bcast", "root", 0, INT_MAX, &w.root) < 0)
+    return NULL;
   if (wait_args(w.timeout, w.what) < 0) return NULL;
   Py_buffer buf;
   if (PyObject_GetBuffer(obj, &buf, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) return NULL;
@@ -201,10 +207,15 @@ static dp_status chain_bench_run(void *p) {
 static PyObject *mod_dist_chain_benchmark(PyObject *m, PyObject *args) {
   chain_bench_work w;
   memset(&w, 0, sizeof w);
-  long long n;
-  if (!PyArg_ParseTuple(args, "Liid", &n, &w.k, &w.iters, &w.timeout)) return NULL;
-  if (n < 1 || w.k < 1 || w.k > DP_COMM_MAX_REPLICAS || w.iters < 1) {
-    PyErr_Format(PyExc_ValueError, "chain benchmark: need n >= 1, 1 <= k <= %d, iters >= 1", DP_COMM_MAX_REPLICAS);
+  PyObject *n_obj, *k_obj, *iters_obj;
+  int64_t n;
+  if (!PyArg_ParseTuple(args, "OOOd", &n_obj, &k_obj, &iters_obj, &w.timeout) ||
+      int64_arg(n_obj, "chain benchmark", "n", &n) < 0 ||
+      int_arg(k_obj, "chain benchmark", "k", 1, DP_COMM_MAX_REPLICAS, &w.k) < 0 ||
+      int_arg(iters_obj, "chain benchmark", "iters", 1, INT_MAX, &w.iters) < 0)
+    return NULL;
+  if (n < 1) {
+    PyErr_Format(PyExc_ValueError, "chain benchmark: n must be >= 1, got %lld", (long long)n);
     return NULL;
   }
   if (wait_args(w.timeout, "") < 0) return NULL;

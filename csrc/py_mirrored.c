@@ -52,17 +52,19 @@ static int Mirrored_init(MirroredObject *self, PyObject *args, PyObject *kwds) {
   PyObject *seq_obj;
   int sync_batchnorm = 0;
   const char *all_reduce = "auto";
-  long long bucket_bytes = 25ll << 20; /* PyTorch DDP's default bucket, 25 MiB */
-  double timeout = 0.0;                /* > 0: across the processes of the job (MPI) */
-  if (!PyArg_ParseTupleAndKeywords(args, kwds, "O|psLd", kwlist, &seq_obj, &sync_batchnorm, &all_reduce,
-                                   &bucket_bytes, &timeout))
+  int64_t bucket_bytes = 25ll << 20; /* PyTorch DDP's default bucket, 25 MiB */
+  double timeout = 0.0;              /* > 0: across the processes of the job (MPI) */
+  PyObject *bucket_obj = NULL;
+  if (!PyArg_ParseTupleAndKeywords(args, kwds, "O|psOd", kwlist, &seq_obj, &sync_batchnorm, &all_reduce,
+                                   &bucket_obj, &timeout) ||
+      (bucket_obj && int64_arg(bucket_obj, "Mirrored", "bucket_bytes", &bucket_bytes) < 0))
     return -1;
   mirrored_create_work w = {.sync_batchnorm = sync_batchnorm, .bucket_bytes = bucket_bytes, .timeout = timeout,
                             .across = timeout != 0.0};
   dp_status st = dp_comm_kind_parse(all_reduce, &w.kind);
   if (st != DP_OK) return raise_from_status(st), -1;
   if (bucket_bytes < 0) {
-    PyErr_Format(PyExc_ValueError, "bucket_bytes must be >= 0, got %lld", bucket_bytes);
+    PyErr_Format(PyExc_ValueError, "bucket_bytes must be >= 0, got %lld", (long long)bucket_bytes);
     return -1;
   }
   /* models is set before the communicators are made without the GIL, so that
@@ -215,7 +217,10 @@ done:
 
 static PyObject *Mirrored_broadcast(MirroredObject *self, PyObject *args) {
   mirrored_work w = {.call = MIRRORED_BROADCAST};
-  if (!PyArg_ParseTuple(args, "|i", &w.root)) return NULL;
+  PyObject *root = NULL;
+  if (!PyArg_ParseTuple(args, "|O", &root) ||
+      (root && int_arg(root, "broadcast", "root", 0, DP_COMM_MAX_REPLICAS - 1, &w.root) < 0))
+    return NULL;
   if (!mirrored_ready(self)) return NULL;
   w.mirrored = self->mirrored;
   if (mirrored_run_without_gil(self, mirrored_work_run, &w) < 0) return NULL;

@@ -139,19 +139,20 @@ static int Model_init(ModelObject *self, PyObject *args, PyObject *kwds) {
   int threads = 0, index = 0, gpu = -1;
   int64_t shape[3];
   const char *kind = "cpu";
-  PyObject *shape_obj, *layers, *sources = Py_None;
-  if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO|iiOsi", kwlist, &shape_obj, &layers, &threads, &index, &sources,
-                                   &kind, &gpu))
+  PyObject *shape_obj, *layers, *sources = Py_None, *threads_obj = NULL, *index_obj = NULL, *gpu_obj = NULL;
+  if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO|OOOsO", kwlist, &shape_obj, &layers, &threads_obj, &index_obj,
+                                   &sources, &kind, &gpu_obj))
+    return -1;
+  /* in 64 bits first: threads=2**40 is a ValueError naming it, not an OverflowError */
+  if ((threads_obj && int_arg(threads_obj, "Model", "threads", 0, DP_MAX_THREADS, &threads) < 0) ||
+      (index_obj && int_arg(index_obj, "Model", "device_index", 0, DP_DEVICES_MAX - 1, &index) < 0) ||
+      (gpu_obj && int_arg(gpu_obj, "Model", "gpu", -1, DP_DEVICES_MAX - 1, &gpu) < 0))
     return -1;
   if (input_shape_from(shape_obj, shape) < 0) return -1;
   /* busy: another thread's __init__ is creating the device right now */
   if (model_check_idle(self) < 0) return -1;
   if (self->model || self->device) {
     PyErr_SetString(PyExc_RuntimeError, "Model is already initialized");
-    return -1;
-  }
-  if (threads < 0) {
-    PyErr_Format(PyExc_ValueError, "threads must be >= 0, got %d", threads);
     return -1;
   }
   if (model_device_init(self, kind, index, threads, gpu) < 0) return -1;

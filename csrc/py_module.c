@@ -184,7 +184,8 @@ PyObject *items_of(PyObject *obj, const char *what) {
 /* ---- arguments ------------------------------------------------------------- */
 
 int int64_arg(PyObject *obj, const char *what, const char *name, int64_t *out) {
-  if (!PyIndex_Check(obj)) {
+  /* True is an int to Python, but as a size it is a mistake, not a 1 */
+  if (!PyIndex_Check(obj) || PyBool_Check(obj)) {
     PyErr_Format(PyExc_TypeError, "%s: %s must be an integer, got %s", what, name, Py_TYPE(obj)->tp_name);
     return -1;
   }
@@ -199,7 +200,23 @@ int int64_arg(PyObject *obj, const char *what, const char *name, int64_t *out) {
   return 0;
 }
 
+int int_arg(PyObject *obj, const char *what, const char *name, int64_t lo, int64_t hi, int *out) {
+  int64_t v;
+  if (int64_arg(obj, what, name, &v) < 0) return -1;
+  if (v < lo || v > hi) {
+    PyErr_Format(PyExc_ValueError, "%s: %s must be in [%lld, %lld], got %lld", what, name, (long long)lo,
+                 (long long)hi, (long long)v);
+    return -1;
+  }
+  *out = (int)v;
+  return 0;
+}
+
 int float64_arg(PyObject *obj, const char *what, const char *name, double *out) {
+  if (PyBool_Check(obj)) {
+    PyErr_Format(PyExc_TypeError, "%s: %s must be a real number, got bool", what, name);
+    return -1;
+  }
   double v = PyFloat_AsDouble(obj);
   if (v == -1.0 && PyErr_Occurred()) {
     if (PyErr_ExceptionMatches(PyExc_OverflowError)) { /* an int beyond a double's range */
@@ -230,10 +247,13 @@ static dp_status benchmark_run(void *p) {
 
 /* allreduce_benchmark(k, n, iters) -> seconds for iters all-reduces of n floats */
 static PyObject *mod_allreduce_benchmark(PyObject *mod, PyObject *args) {
-  long long n;
+  PyObject *k_obj, *n_obj, *iters_obj;
   benchmark_work w = {0, 0, 0, 0.0};
-  if (!PyArg_ParseTuple(args, "iLi", &w.k, &n, &w.iters)) return NULL;
-  w.n = n;
+  if (!PyArg_ParseTuple(args, "OOO", &k_obj, &n_obj, &iters_obj) ||
+      int_arg(k_obj, "allreduce_benchmark", "k", 1, DP_COMM_MAX_REPLICAS, &w.k) < 0 ||
+      int64_arg(n_obj, "allreduce_benchmark", "n", &w.n) < 0 ||
+      int_arg(iters_obj, "allreduce_benchmark", "iters", 1, INT_MAX, &w.iters) < 0)
+    return NULL;
   if (models_run_without_gil(NULL, 0, benchmark_run, &w) < 0) return NULL;
   return PyFloat_FromDouble(w.seconds);
 }
@@ -242,7 +262,14 @@ static PyObject *mod_allreduce_benchmark(PyObject *mod, PyObject *args) {
 static PyObject *mod_cudnn_conv_output_dim(PyObject *mod, PyObject *args) {
   dp_conv_geom g = {0};
   int N;
-  if (!PyArg_ParseTuple(args, "iiiiiiiii", &N, &g.C, &g.H, &g.W, &g.O, &g.KH, &g.KW, &g.stride, &g.pad)) return NULL;
+  static const char *names[9] = {"N", "C", "H", "W", "O", "KH", "KW", "stride", "pad"};
+  int *const fields[9] = {&N, &g.C, &g.H, &g.W, &g.O, &g.KH, &g.KW, &g.stride, &g.pad};
+  PyObject *objs[9];
+  if (!PyArg_ParseTuple(args, "OOOOOOOOO", &objs[0], &objs[1], &objs[2], &objs[3], &objs[4], &objs[5], &objs[6],
+                        &objs[7], &objs[8]))
+    return NULL;
+  for (int i = 0; i < 9; ++i)
+    if (int_arg(objs[i], "cudnn_conv_output_dim", names[i], INT_MIN, INT_MAX, fields[i]) < 0) return NULL;
   int out[4] = {0, 0, 0, 0};
   dp_status st = dp_cudnn_conv_output_dim(&g, N, out);
   if (st != DP_OK) return raise_from_status(st);
@@ -251,11 +278,14 @@ static PyObject *mod_cudnn_conv_output_dim(PyObject *mod, PyObject *args) {
 
 /* shard_ranges(n, k) -> [(begin, end)]: the split the trainer uses. */
 static PyObject *mod_shard_ranges(PyObject *mod, PyObject *args) {
-  long long n;
+  PyObject *n_obj, *k_obj;
+  int64_t n;
   int k;
-  if (!PyArg_ParseTuple(args, "Li", &n, &k)) return NULL;
-  if (n < 0 || k < 1) {
-    PyErr_SetString(PyExc_ValueError, "shard_ranges needs n >= 0 and k >= 1");
+  if (!PyArg_ParseTuple(args, "OO", &n_obj, &k_obj) || int64_arg(n_obj, "shard_ranges", "n", &n) < 0 ||
+      int_arg(k_obj, "shard_ranges", "k", 1, DP_MAX_FEATURES, &k) < 0)
+    return NULL;
+  if (n < 0) {
+    PyErr_Format(PyExc_ValueError, "shard_ranges: n must be >= 0, got %lld", (long long)n);
     return NULL;
   }
   PyObject *out = PyList_New(k);

@@ -82,6 +82,10 @@ DP_PY_LOCAL PyObject *items_of(PyObject *obj, const char *what);
  * op or layer, "conv2d (layer 0)") and the argument's name ("padding"):
  * never OverflowError. */
 DP_PY_LOCAL int int64_arg(PyObject *obj, const char *what, const char *name, int64_t *out);
+/* An integer argument in [lo, hi] (both within an int), through int64_arg:
+ * ValueError naming it when out of range, never OverflowError, nor a value
+ * wrapped to an int. */
+DP_PY_LOCAL int int_arg(PyObject *obj, const char *what, const char *name, int64_t lo, int64_t hi, int *out);
 /* A real-number argument as a double; TypeError naming it when it is not one. */
 DP_PY_LOCAL int float64_arg(PyObject *obj, const char *what, const char *name, double *out);
 

@@ -279,8 +279,10 @@ static dp_status allreduce_run(void *p) {
 /* all_reduce(tensors, op): in place; op 0 = sum, 1 = mean. */
 static PyObject *mod_all_reduce(PyObject *mod, PyObject *args) {
   PyObject *seq_obj;
+  PyObject *op_obj;
   int op;
-  if (!PyArg_ParseTuple(args, "Oi", &seq_obj, &op)) return NULL;
+  if (!PyArg_ParseTuple(args, "OO", &seq_obj, &op_obj) || int_arg(op_obj, "all_reduce", "op", 0, 1, &op) < 0)
+    return NULL;
   /* the reduction runs without the GIL: the tuple keeps every tensor, and
    * every model a view belongs to, alive whatever happens to the list */
   PyObject *items = items_of(seq_obj, "all_reduce needs a list of tensors");

@@ -94,9 +94,14 @@ def test_layer_tuples_are_refused_by_argument_name(spec, exc, match):
         dp.models.Sequential([spec, ("flatten",), ("dense", 10)])
 
 
-def test_numpy_integers_and_bools_are_integers_still():
-    net = dp.models.Sequential([("conv2d", np.int64(2), np.int32(3), True, 0), ("flatten",), ("dense", 3)])
+def test_numpy_integers_are_integers_and_bools_are_not():
+    net = dp.models.Sequential([("conv2d", np.int64(2), np.int32(3), np.uint8(1), 0), ("flatten",), ("dense", 3)])
     assert net._model.param_layout()[0][3] == (2, 1, 3, 3)
+    # stride=True is a mistake, not a 1 (issue 11: bool is refused where a number is expected)
+    with pytest.raises(TypeError, match=r"conv2d \(layer 0\): stride must be an integer, got bool"):
+        dp.models.Sequential([("conv2d", 2, 3, True, 0), ("flatten",), ("dense", 3)])
+    with pytest.raises(TypeError, match=r"batchnorm \(layer 0\): eps must be a real number, got bool"):
+        dp.models.Sequential([("batchnorm", True), ("flatten",), ("dense", 3)])
 
 
 def test_layer_kinds_is_a_fresh_copy():
