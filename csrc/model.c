@@ -1,6 +1,7 @@
 #include "model.h"
 #include "dp_limits.h"
 
+#include <float.h>
 #include <limits.h>
 #include <math.h>
 #include <stdio.h>
@@ -653,9 +654,7 @@ dp_status dp_model_forward_backward_loaded(dp_model *m, int64_t n, float grad_sc
 dp_status dp_model_forward_backward(dp_model *m, const dp_batch *b, float grad_scale, double *loss_sum,
                                     int64_t *correct) {
   DP_TRY(require_finalized(m));
-  if (!isfinite(grad_scale))
-    return DP_FAIL(DP_ERR_VALUE, "grad_scale must be a finite number (within float32's range), got %g",
-                   (double)grad_scale);
+  DP_TRY(dp_grad_scale_check(grad_scale));
   DP_TRY(dp_model_load(m, b, 1));
   return dp_model_forward_backward_loaded(m, b->n, grad_scale, NULL, loss_sum, correct);
 }
@@ -666,17 +665,23 @@ dp_status dp_model_read_metrics(dp_model *m, double *loss_sum, int64_t *correct)
 
 static dp_status sgd_step_guarded(dp_model *m, float lr, float momentum, float weight_decay, const float *guard);
 
-/* !(x >= 0) is also true for NaN; a float argument from a double beyond
- * FLT_MAX arrives as inf */
-dp_status dp_sgd_args_check(float lr, float momentum, float weight_decay) {
+/* !(x >= 0) and !(x <= FLT_MAX) are also true for NaN; a float argument
+ * from a double beyond FLT_MAX arrives as inf */
+dp_status dp_sgd_args_check(double lr, double momentum, double weight_decay) {
   const struct {
     const char *name;
-    float value;
+    double value;
   } args[] = {{"lr", lr}, {"momentum", momentum}, {"weight_decay", weight_decay}};
   for (size_t i = 0; i < sizeof args / sizeof args[0]; ++i)
-    if (!(args[i].value >= 0.0f) || isinf(args[i].value))
+    if (!(args[i].value >= 0.0) || !(args[i].value <= FLT_MAX))
       return DP_FAIL(DP_ERR_VALUE, "%s must be a finite number >= 0 (within float32's range), got %g", args[i].name,
-                     (double)args[i].value);
+                     args[i].value);
+  return DP_OK;
+}
+
+dp_status dp_grad_scale_check(double grad_scale) {
+  if (!(fabs(grad_scale) <= FLT_MAX))
+    return DP_FAIL(DP_ERR_VALUE, "grad_scale must be a finite number (within float32's range), got %g", grad_scale);
   return DP_OK;
 }
 

@@ -146,9 +146,12 @@ DP_MUST_CHECK dp_status dp_model_train_step_loaded(dp_model *m, int64_t n, float
                                                    double *loss_sum, int64_t *correct);
 /* w -= lr * (momentum-smoothed g + wd * w), over the flat buffer, one kernel. */
 DP_MUST_CHECK dp_status dp_model_sgd_step(dp_model *m, float lr, float momentum, float weight_decay);
-/* lr, momentum and weight_decay finite and >= 0, else DP_ERR_VALUE naming the argument: the one check of
- * every SGD step's arguments (dp_model_sgd_step, the guarded steps, the mirrored runner) */
-DP_MUST_CHECK dp_status dp_sgd_args_check(float lr, float momentum, float weight_decay);
+/* lr, momentum and weight_decay finite, >= 0 and within float32's range, else DP_ERR_VALUE naming the
+ * argument: the one check of every SGD step's arguments (dp_model_sgd_step, the guarded steps, the
+ * mirrored runner, and the binding, which passes the doubles it parsed so that 1e39 is not seen as inf) */
+DP_MUST_CHECK dp_status dp_sgd_args_check(double lr, double momentum, double weight_decay);
+/* A gradient scale: finite and within float32's range, else DP_ERR_VALUE naming grad_scale. */
+DP_MUST_CHECK dp_status dp_grad_scale_check(double grad_scale);
 /* The SGD step of a training step, after the gradient all-reduce: the kernel
  * reads the loss flag (grads[nparams]) on the device and applies nothing when
  * it is not finite, and BatchNorm's running statistics are put back to those

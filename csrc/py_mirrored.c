@@ -158,7 +158,9 @@ static PyObject *Mirrored_train_step(MirroredObject *self, PyObject *args, PyObj
   static char *kwlist[] = {"images", "labels", "lr", "momentum", "weight_decay", NULL};
   PyObject *X, *Y;
   mirrored_work w = {.call = MIRRORED_TRAIN};
-  if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOf|ff", kwlist, &X, &Y, &w.lr, &w.momentum, &w.weight_decay))
+  PyObject *lr, *momentum = NULL, *weight_decay = NULL;
+  if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOO|OO", kwlist, &X, &Y, &lr, &momentum, &weight_decay) ||
+      sgd_args_from("train_step", lr, momentum, weight_decay, &w.lr, &w.momentum, &w.weight_decay) < 0)
     return NULL;
   return mirrored_batch(self, X, Y, &w);
 }
@@ -185,8 +187,9 @@ static PyObject *Mirrored_train_step_rows(MirroredObject *self, PyObject *args, 
   static char *kwlist[] = {"residents", "rows", "lr", "momentum", "weight_decay", NULL};
   PyObject *R, *rows_obj;
   mirrored_work w = {.call = MIRRORED_TRAIN};
-  if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOf|ff", kwlist, &R, &rows_obj, &w.lr, &w.momentum,
-                                   &w.weight_decay))
+  PyObject *lr, *momentum = NULL, *weight_decay = NULL;
+  if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOO|OO", kwlist, &R, &rows_obj, &lr, &momentum, &weight_decay) ||
+      sgd_args_from("train_step_rows", lr, momentum, weight_decay, &w.lr, &w.momentum, &w.weight_decay) < 0)
     return NULL;
   if (!mirrored_ready(self)) return NULL;
   /* the step runs without the GIL: the tuple keeps every Resident (and its

@@ -451,7 +451,9 @@ static PyObject *Model_train_step(ModelObject *self, PyObject *args, PyObject *k
   static char *kwlist[] = {"images", "labels", "lr", "momentum", "weight_decay", NULL};
   PyObject *X, *Y;
   model_work w = {.call = MODEL_TRAIN_STEP};
-  if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOf|ff", kwlist, &X, &Y, &w.lr, &w.momentum, &w.weight_decay))
+  PyObject *lr, *momentum = NULL, *weight_decay = NULL;
+  if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOO|OO", kwlist, &X, &Y, &lr, &momentum, &weight_decay) ||
+      sgd_args_from("train_step", lr, momentum, weight_decay, &w.lr, &w.momentum, &w.weight_decay) < 0)
     return NULL;
   return model_batch(self, X, Y, &w);
 }
@@ -460,7 +462,10 @@ static PyObject *Model_forward_backward(ModelObject *self, PyObject *args, PyObj
   static char *kwlist[] = {"images", "labels", "grad_scale", NULL};
   PyObject *X, *Y;
   model_work w = {.call = MODEL_FORWARD_BACKWARD};
-  if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOf", kwlist, &X, &Y, &w.grad_scale)) return NULL;
+  PyObject *grad_scale;
+  if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOO", kwlist, &X, &Y, &grad_scale) ||
+      grad_scale_from("forward_backward", grad_scale, &w.grad_scale) < 0)
+    return NULL;
   return model_batch(self, X, Y, &w);
 }
 
@@ -483,7 +488,10 @@ static PyObject *Model_find_nonfinite(ModelObject *self, PyObject *args, PyObjec
 static PyObject *Model_sgd_step(ModelObject *self, PyObject *args, PyObject *kwds) {
   static char *kwlist[] = {"lr", "momentum", "weight_decay", NULL};
   model_work w = {.call = MODEL_SGD_STEP};
-  if (!PyArg_ParseTupleAndKeywords(args, kwds, "f|ff", kwlist, &w.lr, &w.momentum, &w.weight_decay)) return NULL;
+  PyObject *lr, *momentum = NULL, *weight_decay = NULL;
+  if (!PyArg_ParseTupleAndKeywords(args, kwds, "O|OO", kwlist, &lr, &momentum, &weight_decay) ||
+      sgd_args_from("sgd_step", lr, momentum, weight_decay, &w.lr, &w.momentum, &w.weight_decay) < 0)
+    return NULL;
   if (!model_ready(self)) return NULL;
   w.model = self->model;
   if (model_run_without_gil(self, model_work_run, &w) < 0) return NULL;
@@ -513,8 +521,9 @@ static PyObject *Model_train_step_rows(ModelObject *self, PyObject *args, PyObje
   static char *kwlist[] = {"resident", "rows", "lr", "momentum", "weight_decay", NULL};
   PyObject *R, *rows_obj;
   model_work w = {.call = MODEL_TRAIN_STEP};
-  if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOf|ff", kwlist, &R, &rows_obj, &w.lr, &w.momentum,
-                                   &w.weight_decay))
+  PyObject *lr, *momentum = NULL, *weight_decay = NULL;
+  if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOO|OO", kwlist, &R, &rows_obj, &lr, &momentum, &weight_decay) ||
+      sgd_args_from("train_step_rows", lr, momentum, weight_decay, &w.lr, &w.momentum, &w.weight_decay) < 0)
     return NULL;
   if (!model_ready(self)) return NULL;
   /* R (held by the call's arguments) keeps the dataset alive */

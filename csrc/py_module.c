@@ -232,6 +232,27 @@ int float64_arg(PyObject *obj, const char *what, const char *name, double *out) 
   return 0;
 }
 
+int sgd_args_from(const char *what, PyObject *lr, PyObject *momentum, PyObject *weight_decay, float *lr_out,
+                  float *momentum_out, float *weight_decay_out) {
+  PyObject *const objs[3] = {lr, momentum, weight_decay};
+  static const char *names[3] = {"lr", "momentum", "weight_decay"};
+  double v[3] = {0.0, 0.0, 0.0};
+  for (int i = 0; i < 3; ++i)
+    if (objs[i] && float64_arg(objs[i], what, names[i], &v[i]) < 0) return -1;
+  if (check_status(dp_sgd_args_check(v[0], v[1], v[2])) < 0) return -1;
+  *lr_out = (float)v[0];
+  *momentum_out = (float)v[1];
+  *weight_decay_out = (float)v[2];
+  return 0;
+}
+
+int grad_scale_from(const char *what, PyObject *obj, float *out) {
+  double v;
+  if (float64_arg(obj, what, "grad_scale", &v) < 0 || check_status(dp_grad_scale_check(v)) < 0) return -1;
+  *out = (float)v;
+  return 0;
+}
+
 /* ---- module functions ------------------------------------------------------- */
 
 typedef struct {

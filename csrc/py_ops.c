@@ -290,9 +290,11 @@ done:
 /* sgd_update(w, g, v, lr, momentum, weight_decay): w and v updated in place */
 static PyObject *op_sgd_update(PyObject *mod, PyObject *args) {
   PyObject *wo, *go, *vo;
+  PyObject *lr_obj, *mu_obj, *wd_obj;
   float lr, mu, wd;
-  if (!PyArg_ParseTuple(args, "OOOfff", &wo, &go, &vo, &lr, &mu, &wd)) return NULL;
-  if (check_status(dp_sgd_args_check(lr, mu, wd)) < 0) return NULL;
+  if (!PyArg_ParseTuple(args, "OOOOOO", &wo, &go, &vo, &lr_obj, &mu_obj, &wd_obj) ||
+      sgd_args_from("sgd_update", lr_obj, mu_obj, wd_obj, &lr, &mu, &wd) < 0)
+    return NULL;
   PyArrayObject *arrs[3] = {NULL, NULL, NULL};
   PyObject *objs[3] = {wo, go, vo};
   const char *names[3] = {"w", "g", "v"};

@@ -88,6 +88,14 @@ DP_PY_LOCAL int int64_arg(PyObject *obj, const char *what, const char *name, int
 DP_PY_LOCAL int int_arg(PyObject *obj, const char *what, const char *name, int64_t lo, int64_t hi, int *out);
 /* A real-number argument as a double; TypeError naming it when it is not one. */
 DP_PY_LOCAL int float64_arg(PyObject *obj, const char *what, const char *name, double *out);
+/* The SGD arguments lr, momentum, weight_decay (NULL: 0) as floats, read as
+ * doubles and checked by the core's dp_sgd_args_check first, so that 1e39 is
+ * refused as 1e39 rather than rounded to inf: 0, or -1 with TypeError or
+ * ValueError naming the argument. */
+DP_PY_LOCAL int sgd_args_from(const char *what, PyObject *lr, PyObject *momentum, PyObject *weight_decay,
+                              float *lr_out, float *momentum_out, float *weight_decay_out);
+/* A gradient scale, the same way (dp_grad_scale_check). */
+DP_PY_LOCAL int grad_scale_from(const char *what, PyObject *obj, float *out);
 
 /* ---- Model (py_model.c) ---------------------------------------------------- */
 

@@ -65,6 +65,14 @@ BAD_CALLS = [
     ("dp._core.cudnn_conv_output_dim(1, 1, 28, 28, 8, 3, 3, 2**40, 0)", V, "stride"),
     ("dp._core.dist_bcast(bytearray(8), 2**40, 1.0, 'x')", V, "root"),
     ("dp._core.dist_chain_benchmark(4, 2**40, 1, 1.0)", V, "k"),
+    # ---- and every real one as a double: 1e39 is refused as 1e39, not rounded to inf first ----
+    ("net._model.train_step(X, y, 1e39)", V, "lr must be a finite number >= 0 (within float32's range), got 1e+39"),
+    ("net._model.sgd_step(10**400)", V, "lr"),
+    ("net._model.sgd_step('0.1')", T, "lr"),
+    ("net._model.sgd_step(True)", T, "lr"),
+    ("net._model.forward_backward(X, y, 1e39)", V, "grad_scale"),
+    ("net._model.forward_backward(X, y, None)", T, "grad_scale"),
+    ("dp._core.sgd_update(w1, g1, v1, 0.1, 0.0, True)", T, "weight_decay"),
     # ---- models: construction -------------------------------------------------------------
     ("dp.models.LeNet(threads=-1)", V, "threads"),
     ("dp.models.LeNet(threads=1.5)", T, "threads"),

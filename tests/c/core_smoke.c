@@ -137,6 +137,21 @@ static int value_error_naming(dp_status status, const char *what) {
 /* Shapes whose sizes overflow an int are rejected where the layer is added,
  * naming the layer; the model stays as it was (nothing is allocated before
  * finalize, so none of these needs memory). */
+/* The SGD arguments and the gradient scale: finite, >= 0 (the SGD ones) and
+ * within float32's range, checked as the doubles the binding parsed. */
+static void check_sgd_args(void) {
+  CHECK(dp_sgd_args_check(0.1, 0.9, 5e-4) == DP_OK && dp_sgd_args_check(0.0, 0.0, 0.0) == DP_OK);
+  CHECK(value_error_naming(dp_sgd_args_check(NAN, 0.0, 0.0), "lr"));
+  CHECK(value_error_naming(dp_sgd_args_check(1e39, 0.0, 0.0), "lr"));
+  CHECK(strstr(dp_error_message(), "1e+39") != NULL);
+  CHECK(value_error_naming(dp_sgd_args_check(-0.1, 0.0, 0.0), "lr"));
+  CHECK(value_error_naming(dp_sgd_args_check(0.1, -INFINITY, 0.0), "momentum"));
+  CHECK(value_error_naming(dp_sgd_args_check(0.1, 0.0, INFINITY), "weight_decay"));
+  CHECK(dp_grad_scale_check(-0.25) == DP_OK);
+  CHECK(value_error_naming(dp_grad_scale_check(NAN), "grad_scale"));
+  CHECK(value_error_naming(dp_grad_scale_check(-1e39), "grad_scale"));
+}
+
 static void check_sizes(dp_device *dev) {
   dp_model *m = NULL;
   /* 2^15 x 2^16 values per sample */
@@ -262,6 +277,7 @@ int main(void) {
   CHECK(dp_model_finalize(m) == DP_ERR_VALUE);     /* no layers */
   dp_model_destroy(m);
   check_sizes(&dev);
+  check_sgd_args();
   check_layer_arguments(&dev);
   dp_device_destroy(&dev);
   if (failures) fprintf(stderr, "%d checks failed\n", failures);

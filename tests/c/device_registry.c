@@ -83,6 +83,9 @@ static void check_names(void) {
   CHECK((st == DP_ERR_UNSUPPORTED || st == DP_ERR_CUDA) && d == NULL);
   CHECK(strstr(dp_error_message(), "cuda:0") != NULL);
   CHECK(dp_device_get_index(DP_DEVICE_CPU, 0, -1, &d) == DP_ERR_VALUE && d == NULL);
+  /* DP_MAX_THREADS: 100000 threads once ended the process in libgomp */
+  CHECK(dp_device_get_index(DP_DEVICE_CPU, 0, DP_MAX_THREADS + 1, &d) == DP_ERR_VALUE && d == NULL);
+  CHECK(dp_device_get_index(DP_DEVICE_CPU, 0, 100000, &d) == DP_ERR_VALUE && d == NULL);
   CHECK(dp_device_get_index(DP_DEVICE_CUDA, 0, 2, &d) == DP_ERR_VALUE && d == NULL);
   CHECK(live_count() == 0);
 }
