@@ -266,10 +266,19 @@ def test_resume_refuses_other_hyperparameters_data_or_model(tmp_path):
     with pytest.raises(dp.DataError, match="another model"):
         dp.train(dp.models.LeNet(num_classes=5), it, num_epochs=2, lr=0.1, checkpoint=path, resume=True,
                  verbose=False)
+    shuffled = tmp_path / "shuffled.safetensors"
+    dp.train(dp.models.LeNet(), dp.data.from_arrays(X, y, 32, shuffle=True, seed=1), num_epochs=1, lr=0.1,
+             checkpoint=shuffled, verbose=False)
     plain = tmp_path / "plain.safetensors"
     dp.models.LeNet().save(plain)
     with pytest.raises(dp.DataError, match="not a training checkpoint"):
         dp.train(dp.models.LeNet(), it, num_epochs=2, lr=0.1, checkpoint=plain, resume=True, verbose=False)
+    with pytest.raises(ValueError, match="trained with the data order of seed 1, train_iter has seed 2"):
+        dp.train(dp.models.LeNet(), dp.data.from_arrays(X, y, 32, shuffle=True, seed=2), num_epochs=2, lr=0.1,
+                 checkpoint=shuffled, resume=True, verbose=False)
+    drawn = dp.data.from_arrays(X, y, 32, shuffle=True)  # a seed dpcore drew: the file's is taken
+    dp.train(dp.models.LeNet(), drawn, num_epochs=2, lr=0.1, checkpoint=shuffled, resume=True, verbose=False)
+    assert drawn.seed == 1
     with pytest.raises(ValueError, match="resume=True needs checkpoint"):
         dp.train(dp.models.LeNet(), it, num_epochs=1, resume=True)
 

@@ -153,7 +153,7 @@ def _data_state(train_iter):
             "num_examples": train_iter.num_examples, "epochs_started": train_iter._epochs_started}
 
 
-def _resume(net, path, train_iter, hyper, history):
+def _resume(net, path, train_iter, hyper, history, seed_drawn):
     """Restore the checkpoint at path into net, train_iter and history; the
     number of epochs it holds. Refuses a checkpoint of other hyperparameters
     or another dataset: continuing it would not be the run it was."""
@@ -171,8 +171,12 @@ def _resume(net, path, train_iter, hyper, history):
         differ = [f"{k} {data[k]} (now {mine[k]})" for k in ("batch_size", "num_examples") if data[k] != mine[k]]
         if differ:
             raise ValueError(f"resume: {path} was trained on other data: {', '.join(differ)}")
-        if train_iter.shuffle and data["seed"] is not None:
-            train_iter.seed = data["seed"]
+        if train_iter.shuffle and data["seed"] is not None and train_iter.seed != data["seed"]:
+            if not seed_drawn:  # a seed the user chose: theirs, and it is not the run's
+                raise ValueError(f"resume: {path} was trained with the data order of seed {data['seed']}, "
+                                 f"train_iter has seed {train_iter.seed}; pass seed={data['seed']} (or no seed) "
+                                 "to continue that run")
+            train_iter.seed = data["seed"]  # a seed dpcore drew for this process: the run's is the file's
             train_iter.seed_drawn = False
         # the data order of the epochs to come: the iterator's epochs as the interrupted run counted them
         train_iter._epochs_started = data["epochs_started"]
@@ -263,6 +267,8 @@ def train(net, train_iter, test_iter=None, num_epochs=10, lr=0.1, momentum=0.0, 
     elif resident and not isinstance(train_iter, ArrayIterator):
         raise TypeError("resident=True needs a dp.data iterator (dp.data.from_arrays or dp.data.load_fashion_mnist), "
                         f"whose arrays are copied to the devices; got {type(train_iter).__name__}")
+    # whether dpcore drew the shuffling seed (before the processes of a job agree on rank 0's)
+    seed_drawn = isinstance(train_iter, ArrayIterator) and train_iter.seed_drawn
     multi = net.multi_process
     if multi:
         from . import distributed
@@ -277,9 +283,10 @@ def train(net, train_iter, test_iter=None, num_epochs=10, lr=0.1, momentum=0.0, 
         # every process must make the same call: a difference found now is a
         # clear error on every process, not a wait at some later step
         distributed.agree("dp.train's arguments (num_epochs, lr, momentum, weight_decay, resident, "
-                          "the number of training batches, test_iter given)",
+                          "the number of training batches, test_iter given, checkpoint given, resume)",
                           (num_epochs, float(lr), float(momentum), float(weight_decay), bool(resident),
-                           _batches_or_none(train_iter), test_iter is None), net._timeout)
+                           _batches_or_none(train_iter), test_iter is None, checkpoint is None, resume),
+                          net._timeout)
         per_process = distributed.allgather_object(list(net.devices), net._timeout, "dp.train's device lists")
         devices = [f"rank{q}/{d}" for q, names in enumerate(per_process) for d in names]
         verbose = verbose and distributed.rank() == 0  # one process prints
@@ -289,7 +296,7 @@ def train(net, train_iter, test_iter=None, num_epochs=10, lr=0.1, momentum=0.0, 
     hyper = {"lr": lr, "momentum": momentum, "weight_decay": weight_decay}
     first_epoch = 0
     if resume and os.path.exists(checkpoint):
-        first_epoch = min(_resume(net, checkpoint, train_iter, hyper, history), num_epochs)
+        first_epoch = min(_resume(net, checkpoint, train_iter, hyper, history, seed_drawn), num_epochs)
         history.devices = devices
         if verbose:
             print(f"resumed from {checkpoint} after epoch {first_epoch}", flush=True)
