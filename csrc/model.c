@@ -8,6 +8,39 @@
 #include <stdlib.h>
 #include <string.h>
 
+/* One activation set (model.h: dp_model_use_slot): the per-micro-batch fields of a model. */
+struct dp_act_set {
+  int64_t act_batch, act_bytes;
+  float **acts, **dacts, *dscratch, *input, *dinput, *bn_saved, *bn_count;
+  int32_t **argmax;
+  unsigned char *dready;
+  uint8_t *input_u8;
+  int32_t *labels, *rows;
+};
+
+static void slot_save(const dp_model *m, struct dp_act_set *a) {
+  *a = (struct dp_act_set){m->act_batch, m->act_bytes, m->acts,     m->dacts,    m->dscratch, m->input,
+                           m->dinput,    m->bn_saved,  m->bn_count, m->argmax,   m->dready,   m->input_u8,
+                           m->labels,    m->rows};
+}
+
+static void slot_load(dp_model *m, const struct dp_act_set *a) {
+  m->act_batch = a->act_batch;
+  m->act_bytes = a->act_bytes;
+  m->acts = a->acts;
+  m->dacts = a->dacts;
+  m->dscratch = a->dscratch;
+  m->input = a->input;
+  m->dinput = a->dinput;
+  m->bn_saved = a->bn_saved;
+  m->bn_count = a->bn_count;
+  m->argmax = a->argmax;
+  m->dready = a->dready;
+  m->input_u8 = a->input_u8;
+  m->labels = a->labels;
+  m->rows = a->rows;
+}
+
 static int64_t layer_in_size(const dp_layer *l) { return (int64_t)l->in_c * l->in_h * l->in_w; }
 static int64_t layer_out_size(const dp_layer *l) { return (int64_t)l->out_c * l->out_h * l->out_w; }
 
@@ -44,6 +77,9 @@ static void free_activations(dp_model *m) {
   dp_device_free(m->dev, m->input_u8);
   dp_device_free(m->dev, m->labels);
   dp_device_free(m->dev, m->rows);
+  dp_device_free(m->dev, m->dinput);
+  m->dinput = NULL;
+  m->act_bytes = 0;
   m->dscratch = m->input = NULL;
   m->input_u8 = NULL;
   m->labels = NULL;
@@ -66,6 +102,25 @@ static void free_flat_buffers(dp_model *m) {
 
 void dp_model_destroy(dp_model *m) {
   if (!m) return;
+  if (m->slots) {
+    /* every activation set but the current one; free_activations and
+     * free_flat_buffers free the current one's */
+    const int keep = m->cur_slot;
+    for (int k = 0; k < m->nslots; ++k) {
+      if (k == keep) continue;
+      slot_save(m, &m->slots[m->cur_slot]);
+      slot_load(m, &m->slots[k]);
+      m->cur_slot = k;
+      free_activations(m);
+      dp_device_free(m->dev, m->bn_saved);
+      free(m->bn_count);
+      m->bn_saved = m->bn_count = NULL;
+    }
+    slot_save(m, &m->slots[m->cur_slot]);
+    slot_load(m, &m->slots[keep]);
+    free(m->slots);
+  }
+  dp_device_free(m->dev, m->grad_scratch);
   free_activations(m);
   free_flat_buffers(m);
   dp_trace_free(&m->trace);
@@ -241,7 +296,7 @@ dp_status dp_model_finalize(dp_model *m) {
   if (m->finalized) return DP_OK;
   if (m->nlayers == 0) return DP_FAIL(DP_ERR_VALUE, "a model needs at least one layer");
   const dp_layer *last = &m->layers[m->nlayers - 1];
-  if (last->out_h != 1 || last->out_w != 1)
+  if (!m->headless && (last->out_h != 1 || last->out_w != 1))
     return DP_FAIL(DP_ERR_VALUE, "the last layer must produce logits (N, classes); it produces (%d, %d, %d)",
                    last->out_c, last->out_h, last->out_w);
   /* the flat length: each layer's weights fit an int (checked when it was
@@ -301,23 +356,30 @@ static dp_status ensure_batch(dp_model *m, int64_t n) {
   m->dready = calloc(L, 1);
   if (!m->acts || !m->dacts || !m->argmax || !m->dready)
     return DP_FAIL(DP_ERR_MEMORY, "cannot allocate the activation table");
+#define ACT_ALLOC(bytes, ptr)                                  \
+  do {                                                         \
+    DP_TRY(dp_device_alloc(m->dev, (bytes), (void **)(ptr))); \
+    m->act_bytes += (int64_t)(bytes);                          \
+  } while (0)
   for (int i = 0; i < m->nlayers; ++i) {
     const dp_layer *l = &m->layers[i];
     const int64_t sz = layer_out_size(l);
     const size_t bytes = sizeof(float) * (size_t)(cap * sz);
-    DP_TRY(dp_device_alloc(m->dev, bytes, (void **)&m->dacts[i]));
+    ACT_ALLOC(bytes, &m->dacts[i]);
     if (l->kind == DP_LAYER_FLATTEN) continue; /* its output is a view of its source's, set in forward */
-    DP_TRY(dp_device_alloc(m->dev, bytes, (void **)&m->acts[i]));
-    if (l->kind == DP_LAYER_MAXPOOL)
-      DP_TRY(dp_device_alloc(m->dev, sizeof(int32_t) * (size_t)(cap * sz), (void **)&m->argmax[i]));
+    ACT_ALLOC(bytes, &m->acts[i]);
+    if (l->kind == DP_LAYER_MAXPOOL) ACT_ALLOC(sizeof(int32_t) * (size_t)(cap * sz), &m->argmax[i]);
   }
-  DP_TRY(dp_device_alloc(m->dev, sizeof(float) * (size_t)(cap * largest), (void **)&m->dscratch));
-  DP_TRY(dp_device_alloc(m->dev, sizeof(float) * (size_t)(cap * layer_in_size(&m->layers[0])), (void **)&m->input));
-  DP_TRY(dp_device_alloc(m->dev, sizeof(int32_t) * (size_t)cap, (void **)&m->labels));
+  const int64_t in_size = (int64_t)m->in_c * m->in_h * m->in_w;
+  ACT_ALLOC(sizeof(float) * (size_t)(cap * largest), &m->dscratch);
+  ACT_ALLOC(sizeof(float) * (size_t)(cap * in_size), &m->input);
+  ACT_ALLOC(sizeof(int32_t) * (size_t)cap, &m->labels);
   /* uint8 images staged on the device (a CPU device converts straight from
    * the caller's bytes, but gathers resident rows here) */
-  DP_TRY(dp_device_alloc(m->dev, (size_t)(cap * layer_in_size(&m->layers[0])), (void **)&m->input_u8));
-  DP_TRY(dp_device_alloc(m->dev, sizeof(int32_t) * (size_t)cap, (void **)&m->rows));
+  ACT_ALLOC((size_t)(cap * in_size), &m->input_u8);
+  ACT_ALLOC(sizeof(int32_t) * (size_t)cap, &m->rows);
+  if (m->input_grad) ACT_ALLOC(sizeof(float) * (size_t)(cap * in_size), &m->dinput);
+#undef ACT_ALLOC
   m->act_batch = cap;
   return DP_OK;
 }
@@ -505,12 +567,20 @@ static dp_status forward(dp_model *m, int64_t N, const dp_collective *coll) {
  * the first time, into the scratch (to be added) when another consumer has
  * written it already. NULL for the model input (never needed). */
 static float *gradient_target(dp_model *m, int src) {
-  if (src < 0) return NULL;
+  if (src < 0) return m->input_grad ? (m->dinput_ready ? m->dscratch : m->dinput) : NULL;
   return m->dready[src] ? m->dscratch : m->dacts[src];
 }
 
 static dp_status gradient_delivered(dp_model *m, int src, int64_t N) {
-  if (src < 0) return DP_OK;
+  if (src < 0) {
+    if (!m->input_grad) return DP_OK;
+    if (m->dinput_ready) {
+      const int64_t n = N * (int64_t)m->in_c * m->in_h * m->in_w;
+      DP_TRY(m->dev->backend->add(m->dev, n, m->dinput, m->dscratch, m->dinput));
+    }
+    m->dinput_ready = 1;
+    return DP_OK;
+  }
   if (m->dready[src]) {
     const int64_t n = N * layer_out_size(&m->layers[src]);
     DP_TRY(m->dev->backend->add(m->dev, n, m->dacts[src], m->dscratch, m->dacts[src]));
@@ -554,6 +624,7 @@ static dp_status backward(dp_model *m, int64_t N, const dp_collective *coll) {
   dp_device *dev = m->dev;
   memset(m->dready, 0, (size_t)m->nlayers);
   m->dready[m->nlayers - 1] = 1;
+  m->dinput_ready = 0;
   for (int i = m->nlayers - 1; i >= 0; --i) {
     dp_layer *l = &m->layers[i];
     const float *x = output_of(m, l->src);
@@ -850,4 +921,118 @@ dp_status dp_model_get_state(dp_model *m, float *host) {
 dp_status dp_model_set_state(dp_model *m, const float *host) {
   DP_TRY(require_finalized(m));
   return m->dev->backend->copy_to_device(m->dev, m->state, host, sizeof(float) * (size_t)m->nstate);
+}
+
+/* ---- pipeline stages ---------------------------------------------------------- */
+
+dp_status dp_model_set_stage(dp_model *m, int headless, int input_grad) {
+  if (m->finalized || m->nlayers > 0) return DP_FAIL(DP_ERR_VALUE, "a stage is chosen before any layer is added");
+  m->headless = headless != 0;
+  m->input_grad = input_grad != 0;
+  return DP_OK;
+}
+
+dp_status dp_model_use_slot(dp_model *m, int slot) {
+  DP_TRY(require_finalized(m));
+  if (slot < 0 || slot >= DP_MAX_SLOTS)
+    return DP_FAIL(DP_ERR_VALUE, "activation set %d is outside [0, %d)", slot, DP_MAX_SLOTS);
+  if (slot == m->cur_slot) return DP_OK;
+  if (slot >= m->nslots) {
+    const int n = slot + 1, old = m->nslots ? m->nslots : 1;
+    struct dp_act_set *p = realloc(m->slots, sizeof *p * (size_t)n);
+    if (!p) return DP_FAIL(DP_ERR_MEMORY, "cannot grow the activation sets to %d", n);
+    memset(p + old, 0, sizeof *p * (size_t)(n - old));
+    if (!m->slots) slot_save(m, &p[0]); /* the model's own set is set 0 */
+    m->slots = p;
+    m->nslots = n;
+  }
+  struct dp_act_set *next = &m->slots[slot];
+  /* a new set's BatchNorm batch statistics and counts, before anything moves */
+  if (!next->bn_count) {
+    next->bn_count = calloc((size_t)m->nlayers, sizeof *next->bn_count);
+    if (!next->bn_count) return DP_FAIL(DP_ERR_MEMORY, "cannot allocate the BatchNorm counts");
+    dp_status st = dp_device_alloc(m->dev, sizeof(float) * (size_t)(m->nstate ? m->nstate : 1),
+                                   (void **)&next->bn_saved);
+    if (st != DP_OK) {
+      free(next->bn_count);
+      next->bn_count = NULL;
+      return st;
+    }
+  }
+  slot_save(m, &m->slots[m->cur_slot]);
+  slot_load(m, next);
+  m->cur_slot = slot;
+  return DP_OK;
+}
+
+int64_t dp_model_activation_bytes(const dp_model *m) {
+  int64_t total = m->act_bytes;
+  for (int k = 0; k < m->nslots; ++k)
+    if (k != m->cur_slot) total += m->slots[k].act_bytes;
+  return total;
+}
+
+dp_status dp_model_stage_forward(dp_model *m, int slot, const dp_batch *b, int training, float grad_scale,
+                                 float *out_host, double *loss_sum, int64_t *correct) {
+  DP_TRY(require_finalized(m));
+  if (loss_sum) *loss_sum = 0.0;
+  if (correct) *correct = 0;
+  const int want_loss = !m->headless && b->y != NULL;
+  if (training) DP_TRY(dp_grad_scale_check(grad_scale));
+  if (b->n <= 0) return DP_FAIL(DP_ERR_VALUE, "a stage's micro-batch needs at least one sample, got %lld", (long long)b->n);
+  if (training) DP_TRY(dp_model_check_batchnorm_batch(m, b->n));
+  DP_TRY(dp_model_use_slot(m, slot));
+  DP_TRY(dp_model_load(m, b, want_loss));
+  m->training = training != 0;
+  const int64_t t0 = dp_trace_begin();
+  DP_TRY(forward(m, b->n, NULL));
+  const dp_backend *be = m->dev->backend;
+  const int last = m->nlayers - 1;
+  if (want_loss) {
+    double loss = 0.0;
+    int64_t hits = 0;
+    DP_TRY(be->softmax_xent(m->dev, b->n, dp_model_num_classes(m), m->acts[last], m->labels,
+                            training ? grad_scale : 0.0f, training ? m->dacts[last] : NULL, &loss, &hits));
+    if (loss_sum) *loss_sum = loss;
+    if (correct) *correct = hits;
+  }
+  if (out_host)
+    DP_TRY(be->copy_to_host(m->dev, out_host, m->acts[last],
+                            sizeof(float) * (size_t)(b->n * layer_out_size(&m->layers[last]))));
+  dp_trace_end(DP_PHASE_FORWARD, -1, 0, t0);
+  return DP_OK;
+}
+
+dp_status dp_model_stage_backward(dp_model *m, int slot, int64_t n, const float *dy_host, float *dx_host,
+                                  int accumulate) {
+  DP_TRY(require_finalized(m));
+  if (dx_host && !m->input_grad)
+    return DP_FAIL(DP_ERR_VALUE, "this stage was not made to compute its input's gradient");
+  if (!dy_host && m->headless)
+    return DP_FAIL(DP_ERR_VALUE, "a stage before the last needs the gradient of its output");
+  DP_TRY(dp_model_use_slot(m, slot));
+  if (n <= 0 || n > m->act_batch || !m->training)
+    return DP_FAIL(DP_ERR_VALUE, "activation set %d holds no training forward pass of %lld samples", slot,
+                   (long long)n);
+  const dp_backend *be = m->dev->backend;
+  const int last = m->nlayers - 1;
+  if (dy_host)
+    DP_TRY(be->copy_to_device(m->dev, m->dacts[last], dy_host,
+                              sizeof(float) * (size_t)(n * layer_out_size(&m->layers[last]))));
+  if (accumulate && !m->grad_scratch)
+    DP_TRY(dp_device_alloc(m->dev, sizeof(float) * (size_t)(m->nparams + 1), (void **)&m->grad_scratch));
+  const int64_t t0 = dp_trace_begin();
+  float *grads = m->grads;
+  if (accumulate) m->grads = m->grad_scratch; /* this micro-batch's, added below */
+  dp_status st = backward(m, n, NULL);
+  m->grads = grads;
+  if (st == DP_OK && accumulate) st = be->add(m->dev, m->nparams, m->grads, m->grad_scratch, m->grads);
+  DP_TRY(st);
+  if (dx_host) {
+    const int64_t in_size = (int64_t)m->in_c * m->in_h * m->in_w;
+    if (!m->dinput_ready) DP_TRY(be->fill(m->dev, m->dinput, n * in_size, 0.0f));
+    DP_TRY(be->copy_to_host(m->dev, dx_host, m->dinput, sizeof(float) * (size_t)(n * in_size)));
+  }
+  dp_trace_end(DP_PHASE_BACKWARD, -1, 0, t0);
+  return DP_OK;
 }

@@ -54,6 +54,18 @@ typedef struct dp_model {
   int32_t *labels;          /* (act_batch) */
   int32_t *rows;            /* (act_batch) the resident dataset's rows of the batch */
   dp_trace trace;           /* the step timeline of this replica, when profiling (trace.h) */
+  /* ---- a pipeline stage (dp_model_set_stage): a slice of a network ---- */
+  int headless;             /* the last layer's output goes to the next stage: it need not be logits */
+  int input_grad;           /* the backward pass also computes the gradient of the input (dinput) */
+  float *dinput;            /* (act_batch, in size) the gradient of the input, when input_grad */
+  int dinput_ready;         /* during backward: dinput holds a gradient already */
+  float *grad_scratch;      /* (nparams + 1) the gradients of a micro-batch being accumulated */
+  int64_t act_bytes;        /* device bytes of this activation set (activations, gradients, staging) */
+  /* activation sets: one per micro-batch in flight, sharing the parameters
+   * (dp_model_use_slot); the fields above act_batch..rows, dinput, bn_saved,
+   * bn_count and act_bytes are the current set's, the others wait in slots */
+  int nslots, cur_slot;
+  struct dp_act_set *slots;
 } dp_model;
 
 /* A batch as it comes from the host: images uint8 (scaled by 1/255) or float32,
@@ -176,6 +188,43 @@ const char *dp_loss_text(double loss, char *buf);
 enum { DP_NONFINITE_NONE = -1, DP_NONFINITE_LOSS = -2 };
 enum { DP_NONFINITE_OUTPUT = 0, DP_NONFINITE_OUTPUT_GRAD = 1, DP_NONFINITE_PARAM_GRAD = 2 };
 DP_MUST_CHECK dp_status dp_model_find_nonfinite(dp_model *m, const dp_batch *b, int *layer, int *what);
+/* ---- pipeline stages (a slice of a network on one device; python/dpcore/pipeline.py) ----
+ * Before any layer is added: headless (the last layer need not produce
+ * logits: its output is the next stage's input) and input_grad (the
+ * backward pass also computes the gradient of the model's input, which is
+ * the previous stage's output). */
+DP_MUST_CHECK dp_status dp_model_set_stage(dp_model *m, int headless, int input_grad);
+/* The most activation sets one model keeps (micro-batches in flight on a stage). */
+#define DP_MAX_SLOTS 4096
+/* Make activation set `slot` (0..DP_MAX_SLOTS-1) the current one: the
+ * activations, their gradients, the staged batch and BatchNorm's batch
+ * statistics of one micro-batch in flight; the parameters, gradients,
+ * momentum and running statistics are shared. A set is allocated the first
+ * time it is used and kept (dp_model_activation_bytes counts them all). */
+DP_MUST_CHECK dp_status dp_model_use_slot(dp_model *m, int slot);
+/* Device bytes of every activation set allocated so far: the peak activation
+ * memory of a schedule, since a set is allocated only when a micro-batch
+ * needs one while every earlier one is still in flight. */
+int64_t dp_model_activation_bytes(const dp_model *m);
+/* A stage's forward pass of b (images on the first stage, the previous
+ * stage's float activations after it) in activation set `slot`. training:
+ * batch statistics, activations kept for dp_model_stage_backward; else the
+ * running statistics. With labels (b->y) on a model that is not headless:
+ * the loss and accuracy sums, and in training the gradient of grad_scale *
+ * (sum of the losses) kept for the backward pass. out_host, when not NULL:
+ * the output (n, out size) copied there. */
+DP_MUST_CHECK dp_status dp_model_stage_forward(dp_model *m, int slot, const dp_batch *b, int training,
+                                               float grad_scale, float *out_host, double *loss_sum,
+                                               int64_t *correct);
+/* The backward pass of the training forward pass slot `slot` ran last, on its
+ * n samples: dy_host (n, out size) the gradient of the output (NULL on the
+ * last stage: the loss's, kept by its forward pass). dx_host, when not NULL
+ * (input_grad models): the gradient of the input copied there. accumulate:
+ * 0, the parameter gradients replace m->grads; 1, they are added to them
+ * (the micro-batches of one step). */
+DP_MUST_CHECK dp_status dp_model_stage_backward(dp_model *m, int slot, int64_t n, const float *dy_host,
+                                                float *dx_host, int accumulate);
+
 /* Forward only: loss and accuracy sums (labels required). */
 DP_MUST_CHECK dp_status dp_model_evaluate(dp_model *m, const dp_batch *b, double *loss_sum, int64_t *correct);
 /* Forward only: logits (n, num_classes) copied to host memory. */

@@ -135,13 +135,14 @@ static dp_status model_finalize_run(void *p) { return dp_model_finalize(p); }
  * threads 0: the device's share of the cores. gpu (-1: the mapping's) must be
  * the physical GPU of cuda:device_index. */
 static int Model_init(ModelObject *self, PyObject *args, PyObject *kwds) {
-  static char *kwlist[] = {"input_shape", "layers", "threads", "device_index", "sources", "device_kind", "gpu", NULL};
-  int threads = 0, index = 0, gpu = -1;
+  static char *kwlist[] = {"input_shape", "layers",  "threads",    "device_index", "sources",
+                           "device_kind", "gpu",     "headless",   "input_grad",   NULL};
+  int threads = 0, index = 0, gpu = -1, headless = 0, input_grad = 0;
   int64_t shape[3];
   const char *kind = "cpu";
   PyObject *shape_obj, *layers, *sources = Py_None, *threads_obj = NULL, *index_obj = NULL, *gpu_obj = NULL;
-  if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO|OOOsO", kwlist, &shape_obj, &layers, &threads_obj, &index_obj,
-                                   &sources, &kind, &gpu_obj))
+  if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO|OOOsOpp", kwlist, &shape_obj, &layers, &threads_obj, &index_obj,
+                                   &sources, &kind, &gpu_obj, &headless, &input_grad))
     return -1;
   /* in 64 bits first: threads=2**40 is a ValueError naming it, not an OverflowError */
   if ((threads_obj && int_arg(threads_obj, "Model", "threads", 0, DP_MAX_THREADS, &threads) < 0) ||
@@ -158,6 +159,8 @@ static int Model_init(ModelObject *self, PyObject *args, PyObject *kwds) {
   if (model_device_init(self, kind, index, threads, gpu) < 0) return -1;
   dp_status st = dp_model_create(self->device, shape[0], shape[1], shape[2], &self->model);
   if (st != DP_OK) return raise_from_status(st), -1;
+  if ((headless || input_grad) && (st = dp_model_set_stage(self->model, headless, input_grad)) != DP_OK)
+    return raise_from_status(st), -1;
   PyObject *seq = NULL, *srcs = NULL;
   int rc = -1;
   /* tuples: converting an item may run Python code, which could shrink a list */
@@ -540,6 +543,115 @@ static PyObject *Model_train_step_rows(ModelObject *self, PyObject *args, PyObje
   return ret;
 }
 
+/* ---- pipeline stages (python/dpcore/pipeline.py) ---------------------------- */
+
+typedef struct {
+  dp_model *model;
+  int slot, training, accumulate;
+  dp_batch batch;
+  float grad_scale;
+  float *out, *dx;
+  const float *dy;
+  int64_t n;
+  double loss;
+  int64_t correct;
+} stage_work;
+
+static dp_status stage_forward_run(void *p) {
+  stage_work *w = p;
+  return dp_model_stage_forward(w->model, w->slot, &w->batch, w->training, w->grad_scale, w->out, &w->loss,
+                                &w->correct);
+}
+
+static dp_status stage_backward_run(void *p) {
+  stage_work *w = p;
+  return dp_model_stage_backward(w->model, w->slot, w->n, w->dy, w->dx, w->accumulate);
+}
+
+static int64_t layer_output_size(const dp_model *m) {
+  const dp_layer *l = &m->layers[m->nlayers - 1];
+  return (int64_t)l->out_c * l->out_h * l->out_w;
+}
+
+/* stage_forward(slot, images, labels=None, training=True, grad_scale=0.0, output=True)
+ *   -> (output (N, C, H, W) float32 or None, loss_sum, correct) */
+static PyObject *Model_stage_forward(ModelObject *self, PyObject *args, PyObject *kwds) {
+  static char *kwlist[] = {"slot", "images", "labels", "training", "grad_scale", "output", NULL};
+  PyObject *slot_obj, *X, *Y = Py_None, *scale_obj = NULL;
+  int training = 1, output = 1;
+  stage_work w = {0};
+  if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO|OpOp", kwlist, &slot_obj, &X, &Y, &training, &scale_obj, &output))
+    return NULL;
+  if (int_arg(slot_obj, "stage_forward", "slot", 0, DP_MAX_SLOTS - 1, &w.slot) < 0) return NULL;
+  if (scale_obj && grad_scale_from("stage_forward", scale_obj, &w.grad_scale) < 0) return NULL;
+  if (!model_ready(self)) return NULL;
+  PyArrayObject *xa = NULL, *ya = NULL, *out = NULL;
+  PyObject *ret = NULL;
+  int is_u8 = 0;
+  if (convert_images(X, self->model, &xa, &is_u8) < 0) goto done;
+  if (Y != Py_None && convert_labels(Y, PyArray_DIM(xa, 0), &ya) < 0) goto done;
+  const dp_layer *last = &self->model->layers[self->model->nlayers - 1];
+  npy_intp dims[4] = {PyArray_DIM(xa, 0), last->out_c, last->out_h, last->out_w};
+  if (output && !(out = new_float32(4, dims))) goto done;
+  w.model = self->model;
+  w.training = training;
+  w.out = out ? (float *)PyArray_DATA(out) : NULL;
+  w.batch = (dp_batch){PyArray_DATA(xa), is_u8, ya ? (const int64_t *)PyArray_DATA(ya) : NULL,
+                       (int64_t)PyArray_DIM(xa, 0), NULL, NULL};
+  if (model_run_without_gil(self, stage_forward_run, &w) < 0) goto done;
+  ret = Py_BuildValue("(OdL)", out ? (PyObject *)out : Py_None, w.loss, (long long)w.correct);
+done:
+  Py_XDECREF(xa);
+  Py_XDECREF(ya);
+  Py_XDECREF(out);
+  return ret;
+}
+
+/* stage_backward(slot, n, dy=None, input_grad=False, accumulate=False)
+ *   -> the input's gradient (N, C, H, W) float32, or None */
+static PyObject *Model_stage_backward(ModelObject *self, PyObject *args, PyObject *kwds) {
+  static char *kwlist[] = {"slot", "n", "dy", "input_grad", "accumulate", NULL};
+  PyObject *slot_obj, *n_obj, *dy_obj = Py_None;
+  int want_dx = 0, accumulate = 0;
+  stage_work w = {0};
+  if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO|Opp", kwlist, &slot_obj, &n_obj, &dy_obj, &want_dx, &accumulate))
+    return NULL;
+  if (int_arg(slot_obj, "stage_backward", "slot", 0, DP_MAX_SLOTS - 1, &w.slot) < 0) return NULL;
+  int n = 0;
+  if (int_arg(n_obj, "stage_backward", "n", 1, DP_MAX_BATCH, &n) < 0) return NULL;
+  if (!model_ready(self)) return NULL;
+  PyArrayObject *dy = NULL, *dx = NULL;
+  PyObject *ret = NULL;
+  if (dy_obj != Py_None) {
+    if (!(dy = (PyArrayObject *)PyArray_FROM_OTF(dy_obj, NPY_FLOAT32, NPY_ARRAY_IN_ARRAY | NPY_ARRAY_NOTSWAPPED)))
+      goto done;
+    if ((int64_t)PyArray_SIZE(dy) != (int64_t)n * layer_output_size(self->model)) {
+      PyErr_Format(PyExc_ValueError, "stage_backward: dy must hold %lld values (%d samples of %lld), got %lld",
+                   (long long)n * layer_output_size(self->model), n, (long long)layer_output_size(self->model),
+                   (long long)PyArray_SIZE(dy));
+      goto done;
+    }
+  }
+  const dp_model *m = self->model;
+  npy_intp dims[4] = {n, m->in_c, m->in_h, m->in_w};
+  if (want_dx && !(dx = new_float32(4, dims))) goto done;
+  w.model = self->model;
+  w.n = n;
+  w.dy = dy ? (const float *)PyArray_DATA(dy) : NULL;
+  w.dx = dx ? (float *)PyArray_DATA(dx) : NULL;
+  w.accumulate = accumulate;
+  if (model_run_without_gil(self, stage_backward_run, &w) < 0) goto done;
+  ret = Py_NewRef(dx ? (PyObject *)dx : Py_None);
+done:
+  Py_XDECREF(dy);
+  Py_XDECREF(dx);
+  return ret;
+}
+
+static PyObject *Model_get_activation_bytes(ModelObject *self, void *c) {
+  return PyLong_FromLongLong(self->model ? dp_model_activation_bytes(self->model) : 0);
+}
+
 /* memory_stats() -> dict of the device arena's statistics (CUDA), None on a CPU device */
 static PyObject *Model_memory_stats(ModelObject *self, PyObject *unused) {
   if (!model_ready(self)) return NULL;
@@ -577,6 +689,11 @@ static PyMethodDef Model_methods[] = {
     {"train_step_rows", (PyCFunction)(void (*)(void))Model_train_step_rows, METH_VARARGS | METH_KEYWORDS,
      "train_step_rows(resident, rows, lr, momentum=0, weight_decay=0) -> (loss_sum, correct): a step on rows of "
      "a Resident dataset"},
+    {"stage_forward", (PyCFunction)(void (*)(void))Model_stage_forward, METH_VARARGS | METH_KEYWORDS,
+     "stage_forward(slot, images, labels=None, training=True, grad_scale=0.0, output=True) -> (output, loss_sum, "
+     "correct): a pipeline stage's forward pass in activation set slot"},
+    {"stage_backward", (PyCFunction)(void (*)(void))Model_stage_backward, METH_VARARGS | METH_KEYWORDS,
+     "stage_backward(slot, n, dy=None, input_grad=False, accumulate=False) -> input gradient or None"},
     {"grads_tensor", (PyCFunction)Model_grads_tensor, METH_NOARGS, "the flat gradient buffer as a Tensor (a view)"},
     {"params_tensor", (PyCFunction)Model_params_tensor, METH_NOARGS, "the flat parameter buffer as a Tensor (a view)"},
     {"param_layout", (PyCFunction)Model_param_layout, METH_NOARGS,
@@ -613,6 +730,8 @@ static PyMethodDef Model_methods[] = {
 
 static PyGetSetDef Model_getset[] = {
     {"nparams", (getter)Model_get_nparams, NULL, "length of the flat parameter buffer", NULL},
+    {"activation_bytes", (getter)Model_get_activation_bytes, NULL,
+     "device bytes of every activation set allocated (a pipeline stage keeps one per micro-batch in flight)", NULL},
     {"num_classes", (getter)Model_get_num_classes, NULL, "width of the logits", NULL},
     {"threads", (getter)Model_get_threads, NULL, "cores the model's device uses", NULL},
     {"device", (getter)Model_get_device, NULL, "device name", NULL},

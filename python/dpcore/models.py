@@ -14,7 +14,7 @@ from . import _check, _core, checkpoint
 from .batches import as_images, as_labels
 from .devices import check_device, device_gpu, device_index, device_kind, device_threads
 from .parallel import Tensor
-from .strategy import DEFAULT_BUCKET_MB, check_all_reduce_options, get_strategy
+from .strategy import DEFAULT_BUCKET_MB, PipelineStrategy, check_all_reduce_options, get_strategy
 
 __all__ = ["Sequential", "LeNet", "ResNet18", "Metrics", "Replica", "load", "layer_kinds"]
 
@@ -100,6 +100,10 @@ class Sequential:
         threads = _check.integer("threads", threads, 0, _check.MAX_THREADS)
         sync_batchnorm = _check.boolean("sync_batchnorm", sync_batchnorm)
         strategy = get_strategy()
+        self._pipeline = None
+        if isinstance(strategy, PipelineStrategy) and devices is None:
+            self._build_pipeline(strategy, input_shape, threads, sync_batchnorm, init, init_std, seed)
+            return
         if devices is None:
             devices = strategy.devices if strategy is not None else ["cpu:0"]
         devices = _check.device_names("devices", devices)
@@ -132,6 +136,40 @@ class Sequential:
             self._init_params(init, init_std, seed)
         if self._timeout:
             self._mirrored.broadcast_across()  # rank 0's parameters everywhere, checked
+
+    def _build_pipeline(self, strategy, input_shape, threads, sync_batchnorm, init, init_std, seed):
+        """The network cut into the stages of a PipelineStrategy (dpcore.pipeline)."""
+        from .pipeline import Pipeline
+
+        if sync_batchnorm:
+            raise ValueError("sync_batchnorm is not available with PipelineStrategy: BatchNorm normalises each "
+                             "micro-batch with its own statistics")
+        self._pipeline = Pipeline(self._specs, self._sources, input_shape, strategy, threads)
+        self._timeout = 0.0
+        self._replicas = [self._pipeline]
+        self._model = self._pipeline
+        self._mirrored = None
+        self.sync_batchnorm = False
+        self._layout = self._pipeline.param_layout()
+        self._state_layout = self._pipeline.state_layout()
+        if init is not _SKIP_INIT:
+            self._init_params(init, init_std, seed)
+
+    def pipeline_report(self):
+        """Per stage of a PipelineStrategy model: its layers and device, busy and idle
+        time per step, parameter and peak activation bytes, and the measured
+        bubble beside (p - 1) / (m + p - 1) (:class:`dpcore.pipeline.PipelineReport`;
+        ``.plot()`` draws the last step). Averaged over the steps since the
+        model was built or since ``pipeline_report(reset=True)``."""
+        if self._pipeline is None:
+            raise ValueError("pipeline_report: this model was not built under a PipelineStrategy's scope")
+        return self._pipeline.report()
+
+    def reset_pipeline_report(self):
+        """Start pipeline_report's averages afresh (after warm-up steps, say)."""
+        if self._pipeline is None:
+            raise ValueError("reset_pipeline_report: this model was not built under a PipelineStrategy's scope")
+        self._pipeline.reset_report()
 
     def _init_params(self, init, init_std, seed):
         """Each parameter tensor by its kind's rule for this init mode, drawn
@@ -193,6 +231,8 @@ class Sequential:
     @property
     def devices(self):
         """The devices holding a replica, e.g. ``['cpu:0', 'cpu:1']``."""
+        if self._pipeline is not None:
+            return self._pipeline.devices
         return [replica.device for replica in self._replicas]
 
     def memory_stats(self):

@@ -36,7 +36,7 @@ from .devices import list_devices
 from .info import build_flags
 from .parallel import _devices
 
-__all__ = ["MirroredStrategy", "MultiWorkerMirroredStrategy", "get_strategy"]
+__all__ = ["MirroredStrategy", "MultiWorkerMirroredStrategy", "PipelineStrategy", "get_strategy"]
 
 DEFAULT_BUCKET_MB = 25
 ALL_REDUCE_KINDS = ("auto", "host", "kernel", "nccl", "mpi")
@@ -162,6 +162,65 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
     def __repr__(self):
         return (f"MultiWorkerMirroredStrategy(rank {self._rank} of {self._world}, devices={self._devices}, "
                 f"all_reduce={self.all_reduce!r}, bucket_mb={self.bucket_mb}, timeout={self.timeout})")
+
+
+class PipelineStrategy(MirroredStrategy):
+    """Pipeline parallelism (the chapter's network partitioning), alone or
+    under data parallelism.
+
+        strategy = dp.PipelineStrategy(devices=['cpu:0', 'cpu:1'], micro_batches=4, schedule='1f1b')
+        with strategy.scope():
+            net = dp.models.ResNet18()        # 2 stages, balanced by measured cost
+        dp.train(net, train_iter, test_iter, num_epochs=10, lr=0.1)
+        print(net.pipeline_report())
+
+    devices: stage i of pipeline r on devices[r * p + i] (p = len(devices) /
+    replicas stages); default: every GPU, else every logical CPU device.
+    micro_batches: each (shard of a) minibatch is cut into this many (sizes
+    differ by at most one; fewer when the batch is smaller). schedule: '1f1b'
+    (a micro-batch's backward pass as early as possible: stage i keeps at most
+    p - i micro-batches' activations) or 'gpipe' (every forward pass, then every
+    backward pass: m micro-batches' activations). split: the layer indices
+    where the stages begin; without it the stages balance each layer's
+    training time measured alone on the first device (balance='measured':
+    a few passes of 8 samples when the model is built; the split can differ
+    between machines, the arithmetic does not) or its counted training FLOPs
+    (balance='flops': the same split everywhere).
+    replicas: pipelines side by side, each on 1/replicas of the batch, each
+    stage's gradients all-reduced among its copies. The step applies the
+    full-batch gradient; BatchNorm normalises each micro-batch with its own
+    statistics (as GPipe does). See :mod:`dpcore.pipeline`.
+    """
+
+    def __init__(self, devices=None, micro_batches=4, schedule="1f1b", split=None, replicas=1, balance="measured"):
+        super().__init__(devices)
+        from .pipeline import SCHEDULES
+
+        self.micro_batches = _check.integer("micro_batches", micro_batches, 1, 2**31 - 1)
+        self.schedule = _check.one_of("schedule", schedule.lower() if isinstance(schedule, str) else schedule,
+                                      SCHEDULES)
+        self.replicas = _check.integer("replicas", replicas, 1, len(self._devices))
+        if len(self._devices) % self.replicas:
+            raise ValueError(f"replicas={self.replicas} must divide the {len(self._devices)} devices "
+                             f"{self._devices} (each pipeline has the same number of stages)")
+        if split is not None and (isinstance(split, (str, bytes)) or not isinstance(split, (list, tuple))):
+            raise TypeError(f"split must be a list of the layer indices where stages begin, got "
+                            f"{_check.shown(split)}")
+        self.split = None if split is None else list(split)
+        self.balance = _check.one_of("balance", balance, ("measured", "flops"))
+
+    @property
+    def num_stages(self):
+        return len(self._devices) // self.replicas
+
+    @property
+    def num_replicas_in_sync(self):
+        return self.replicas
+
+    def __repr__(self):
+        return (f"PipelineStrategy(devices={self._devices}, micro_batches={self.micro_batches}, "
+                f"schedule={self.schedule!r}, split={self.split}, replicas={self.replicas}, "
+                f"balance={self.balance!r})")
 
 
 def get_strategy():

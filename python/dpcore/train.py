@@ -86,6 +86,8 @@ def _check_iterable(name, value):
 def _resident_by_default(net, train_iter):
     """On CUDA replicas, for a dp.data iterator whose arrays take at most a
     quarter of the smallest GPU's memory (the rest is the model's)."""
+    if getattr(net, "_pipeline", None) is not None:
+        return False  # a pipeline's first stage takes host batches
     if not isinstance(train_iter, ArrayIterator) or not any(d.startswith("cuda") for d in net.devices):
         return False
     gpus = _core.runtime_info()["cuda_devices"]
@@ -250,6 +252,9 @@ def train(net, train_iter, test_iter=None, num_epochs=10, lr=0.1, momentum=0.0, 
     check_numerics = _check.boolean("check_numerics", check_numerics)
     progress = _check.boolean("progress", progress)
     profile = _check.boolean("profile", profile)
+    if profile and getattr(net, "_pipeline", None) is not None:
+        raise ValueError("profile=True records the data-parallel step timeline; a PipelineStrategy model shows its "
+                         "stages' busy and idle time in net.pipeline_report() (and .plot())")
     resume = _check.boolean("resume", resume)
     if checkpoint is not None:
         checkpoint = _check.writable_file("checkpoint", checkpoint)
