@@ -12,28 +12,13 @@ rounding of the float32 weights the change is read from (w - w0: a few ulps of
 the largest weight).
 """
 import os
-import tempfile
 
 import numpy as np
 import pytest
 
 import dpcore as dp
+from split_common import GPUS, NO_GPU, RTOL, close, data, nan_weight_is_named, resnet, step_change
 from dpcore import pipeline
-
-RTOL = 1e-4
-
-
-def _data(n, shape=(1, 28, 28), classes=10, seed=0):
-    rng = np.random.default_rng(seed)
-    return rng.random((n,) + shape, dtype=np.float32), rng.integers(0, classes, n)
-
-
-def _close(got, want, what, w0):
-    for name in want:
-        scale = float(np.abs(want[name]).max())
-        ulps = 4 * float(np.spacing(np.float32(np.abs(w0[name]).max() + scale)))
-        err = float(np.abs(got[name] - want[name]).max())
-        assert err <= RTOL * scale + ulps, f"{what}: {name} differs by {err:.3g} (largest entry {scale:.3g})"
 
 
 def _pipeline_net(model_fn, devices, **kw):
@@ -41,27 +26,20 @@ def _pipeline_net(model_fn, devices, **kw):
         return model_fn()
 
 
-def _step_change(net, w0, X, y, steps=2):
-    net.set_weights(w0)
-    losses = [net.train_step(X, y, lr=0.1, momentum=0.9) for _ in range(steps)]
-    w = net.get_weights()
-    return {k: w[k] - w0[k] for k in w}, losses
-
-
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
 @pytest.mark.parametrize("stages", [2, 3])
 @pytest.mark.parametrize("micro_batches", [1, 2, 4, 7])
 def test_lenet_pipeline_equals_one_device(logical_cpus, schedule, stages, micro_batches):
     logical_cpus(4)
-    X, y = _data(257)  # 257 = uneven micro-batches for every m here but 1
+    X, y = data(257)  # 257 = uneven micro-batches for every m here but 1
     ref = dp.models.LeNet(devices=["cpu:0"])
     w0 = ref.get_weights()
-    want, want_losses = _step_change(ref, w0, X, y)
+    want, want_losses = step_change(ref, w0, X, y)
     net = _pipeline_net(dp.models.LeNet, [f"cpu:{i}" for i in range(stages)], micro_batches=micro_batches,
                         schedule=schedule)
     assert len(net._pipeline.models[0]) == stages and net.devices == [f"cpu:{i}" for i in range(stages)]
-    got, losses = _step_change(net, w0, X, y)
-    _close(got, want, f"{stages} stages, {micro_batches} micro-batches, {schedule}", w0)
+    got, losses = step_change(net, w0, X, y)
+    close(got, want, f"{stages} stages, {micro_batches} micro-batches, {schedule}", w0)
     for (l1, c1), (l2, c2) in zip(losses, want_losses):
         assert c1 == c2 and abs(l1 - l2) <= RTOL * abs(l2)
 
@@ -79,10 +57,6 @@ def test_stage_parameters_live_on_their_device_only(logical_cpus):
     np.testing.assert_array_equal(ref.get_weights()["7.weight"], net.get_weights()["7.weight"])
 
 
-def _resnet(**kw):
-    return dp.models.ResNet18(num_classes=10, input_size=12, **kw)
-
-
 @pytest.mark.parametrize("stages", [2, 3])
 @pytest.mark.parametrize("micro_batches", [1, 3])
 def test_resnet_pipeline_gradient_is_the_sum_of_its_micro_batches(logical_cpus, stages, micro_batches):
@@ -90,15 +64,15 @@ def test_resnet_pipeline_gradient_is_the_sum_of_its_micro_batches(logical_cpus, 
     device's gradient of each micro-batch (scaled by 1/N), summed: the full
     batch's for one micro-batch."""
     logical_cpus(3)
-    X, y = _data(7, (1, 12, 12), seed=1)
-    ref = _resnet(devices=["cpu:0"])
+    X, y = data(7, (1, 12, 12), seed=1)
+    ref = resnet(devices=["cpu:0"])
     w0 = ref.get_weights()
     grads = np.zeros(ref._model.nparams, np.float64)
     for rows in np.array_split(np.arange(len(y)), micro_batches):
         ref.replicas[0].forward_backward(X[rows], y[rows], grad_scale=1.0 / len(y))
         grads += ref._model.get_grads()
     state = ref._model.get_state()  # running statistics after the micro-batches, in order
-    net = _pipeline_net(_resnet, [f"cpu:{i}" for i in range(stages)], micro_batches=micro_batches)
+    net = _pipeline_net(resnet, [f"cpu:{i}" for i in range(stages)], micro_batches=micro_batches)
     net.set_weights(w0)
     net.train_step(X, y, lr=0.0)
     got = net._pipeline.get_grads()
@@ -112,16 +86,16 @@ def test_resnet_pipeline_gradient_is_the_sum_of_its_micro_batches(logical_cpus, 
 
 def test_data_parallel_over_pipelines_equals_one_device(logical_cpus):
     logical_cpus(4)
-    X, y = _data(130)
+    X, y = data(130)
     ref = dp.models.LeNet(devices=["cpu:0"])
     w0 = ref.get_weights()
-    want, _ = _step_change(ref, w0, X, y)
+    want, _ = step_change(ref, w0, X, y)
     for schedule in ("1f1b", "gpipe"):
         net = _pipeline_net(dp.models.LeNet, ["cpu:0", "cpu:1", "cpu:2", "cpu:3"], micro_batches=3, replicas=2,
                             schedule=schedule)
         assert [[m.device for m in row] for row in net._pipeline.models] == [["cpu:0", "cpu:1"], ["cpu:2", "cpu:3"]]
-        got, _ = _step_change(net, w0, X, y)
-        _close(got, want, f"2 pipelines x 2 stages, {schedule}", w0)
+        got, _ = step_change(net, w0, X, y)
+        close(got, want, f"2 pipelines x 2 stages, {schedule}", w0)
         assert net._pipeline.replicas_identical()
 
 
@@ -144,7 +118,7 @@ def test_schedules_run_every_micro_batch_once_in_order():
 def test_1f1b_keeps_fewer_activations_than_gpipe(logical_cpus):
     """Measured: the bytes of the activation sets each stage allocated."""
     logical_cpus(2)
-    X, y = _data(64)
+    X, y = data(64)
     held = {}
     for kind in ("gpipe", "1f1b"):
         net = _pipeline_net(dp.models.LeNet, ["cpu:0", "cpu:1"], micro_batches=8, schedule=kind)
@@ -157,7 +131,7 @@ def test_1f1b_keeps_fewer_activations_than_gpipe(logical_cpus):
 
 def test_pipeline_report_measures_the_bubble(logical_cpus):
     logical_cpus(2)
-    X, y = _data(64)
+    X, y = data(64)
     net = _pipeline_net(dp.models.LeNet, ["cpu:0", "cpu:1"], micro_batches=4)
     for _ in range(2):
         net.train_step(X, y, lr=0.1)
@@ -174,7 +148,7 @@ def test_pipeline_report_measures_the_bubble(logical_cpus):
 
 def test_train_evaluate_save_and_load(logical_cpus, tmp_path):
     logical_cpus(2)
-    X, y = _data(300)
+    X, y = data(300)
     it = dp.data.from_arrays(X, y, batch_size=64, shuffle=True, seed=0)
     net = _pipeline_net(dp.models.LeNet, ["cpu:0", "cpu:1"], micro_batches=2)
     history = dp.train(net, it, dp.data.from_arrays(X, y, batch_size=100), num_epochs=2, lr=0.5, verbose=False)
@@ -190,7 +164,7 @@ def test_train_evaluate_save_and_load(logical_cpus, tmp_path):
 
 def test_a_failing_stage_raises_and_changes_nothing(logical_cpus):
     logical_cpus(2)
-    X, y = _data(40)
+    X, y = data(40)
     net = _pipeline_net(dp.models.LeNet, ["cpu:0", "cpu:1"], micro_batches=4)
     before = net.get_weights()
     bad = y.copy()
@@ -200,6 +174,12 @@ def test_a_failing_stage_raises_and_changes_nothing(logical_cpus):
     after = net.get_weights()
     assert all(np.array_equal(before[k], after[k]) for k in before)
     net.train_step(X, y, lr=0.1)  # and the pipeline still works
+
+
+def test_check_numerics_names_the_layer(logical_cpus):
+    logical_cpus(2)
+    net = _pipeline_net(dp.models.LeNet, ["cpu:0", "cpu:1"], micro_batches=2, split=[0, 6])
+    nan_weight_is_named(net, 5)  # layer 7 is in stage 1
 
 
 @pytest.mark.parametrize("kwargs, error, match", [
@@ -232,7 +212,7 @@ def test_bad_pipelines(logical_cpus):
         with pytest.raises(ValueError, match="sync_batchnorm"):
             dp.models.ResNet18(input_size=12, sync_batchnorm=True)
         net = dp.models.LeNet()
-    X, y = _data(10)
+    X, y = data(10)
     with pytest.raises(ValueError, match="pipeline_report"):
         dp.train(net, dp.data.from_arrays(X, y, batch_size=5), num_epochs=1, profile=True, verbose=False)
     with pytest.raises(ValueError, match="PipelineStrategy"):
@@ -257,3 +237,26 @@ def test_valid_cuts_never_split_a_residual_block():
         assert (c in cuts) == (not crosses)
     # the block boundaries (after each block's ReLU) are cuts; 8 blocks
     assert sum(1 for c in cuts if arch["layers"][c - 1] == ("relu",) and arch["layers"][c][0] == "conv2d") >= 8
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(GPUS == 0, reason=NO_GPU)
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_pipeline_over_logical_gpus_matches_the_cpu(schedule):
+    """The GPU path: stages on logical GPUs (each its cuDNN/cuBLAS model),
+    activations and their gradients staged through host memory between them.
+    CPU twin: test_lenet_pipeline_equals_one_device."""
+    dp.set_logical_devices("cuda", 3)
+    try:
+        X, y = data(257)
+        ref = dp.models.LeNet(devices=["cpu:0"])
+        w0 = ref.get_weights()
+        want, want_losses = step_change(ref, w0, X, y)
+        net = _pipeline_net(dp.models.LeNet, ["cuda:0", "cuda:1", "cuda:2"], micro_batches=4, schedule=schedule)
+        got, losses = step_change(net, w0, X, y)
+        for name in want:  # cuDNN's algorithms: float32 sums in other orders, 10x the CPU's bound
+            scale = float(np.abs(want[name]).max())
+            assert np.abs(got[name] - want[name]).max() <= 10 * RTOL * scale + 1e-6, name
+        assert all(abs(c1 - c2) <= 1 for (_, c1), (_, c2) in zip(losses, want_losses))  # a near tie may flip
+    finally:
+        dp.set_logical_devices("cuda", 1)

@@ -18,14 +18,15 @@ from .devices import list_devices, set_logical_devices  # noqa: F401
 from .info import build_info  # noqa: F401
 from .launch import launch  # noqa: F401
 from .parallel import Tensor, all_reduce, broadcast, gather, scatter, split_batch, tensor  # noqa: F401
-from .strategy import MirroredStrategy, MultiWorkerMirroredStrategy, PipelineStrategy, get_strategy  # noqa: F401
+from .strategy import (MirroredStrategy, ModelParallelStrategy, MultiWorkerMirroredStrategy,  # noqa: F401
+                       PipelineStrategy, get_strategy)  # noqa: F401
 from .scaling import ScalingReport, scaling_report  # noqa: F401
 from .timeline import Timeline, profile  # noqa: F401
 from .train import History, train  # noqa: F401
 
 __all__ = [
     "DataError", "DeviceError", "DistributedError", "DpcoreError", "History", "MirroredStrategy",
-    "MultiWorkerMirroredStrategy", "PipelineStrategy", "Tensor", "all_reduce", "broadcast", "build_info", "data", "distributed", "gather", "get_allow_tf32", "get_deterministic", "get_strategy", "launch", "list_devices", "models",
+    "ModelParallelStrategy", "MultiWorkerMirroredStrategy", "PipelineStrategy", "Tensor", "all_reduce", "broadcast", "build_info", "data", "distributed", "gather", "get_allow_tf32", "get_deterministic", "get_strategy", "launch", "list_devices", "models",
     "ops", "scatter", "set_allow_tf32", "set_deterministic", "set_logical_devices", "split_batch", "tensor", "Timeline", "train",
     "profile", "scaling_report", "ScalingReport",
 ]

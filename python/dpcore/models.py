@@ -14,7 +14,8 @@ from . import _check, _core, checkpoint
 from .batches import as_images, as_labels
 from .devices import check_device, device_gpu, device_index, device_kind, device_threads
 from .parallel import Tensor
-from .strategy import DEFAULT_BUCKET_MB, PipelineStrategy, check_all_reduce_options, get_strategy
+from .strategy import (DEFAULT_BUCKET_MB, ModelParallelStrategy, PipelineStrategy, check_all_reduce_options,
+                       get_strategy)
 
 __all__ = ["Sequential", "LeNet", "ResNet18", "Metrics", "Replica", "load", "layer_kinds"]
 
@@ -101,7 +102,7 @@ class Sequential:
         sync_batchnorm = _check.boolean("sync_batchnorm", sync_batchnorm)
         strategy = get_strategy()
         self._pipeline = None
-        if isinstance(strategy, PipelineStrategy) and devices is None:
+        if isinstance(strategy, (PipelineStrategy, ModelParallelStrategy)) and devices is None:
             self._build_pipeline(strategy, input_shape, threads, sync_batchnorm, init, init_std, seed)
             return
         if devices is None:
@@ -138,13 +139,22 @@ class Sequential:
             self._mirrored.broadcast_across()  # rank 0's parameters everywhere, checked
 
     def _build_pipeline(self, strategy, input_shape, threads, sync_batchnorm, init, init_std, seed):
-        """The network cut into the stages of a PipelineStrategy (dpcore.pipeline)."""
-        from .pipeline import Pipeline
+        """The network cut into the stages of a PipelineStrategy (dpcore.pipeline), or
+        each layer split over the devices of a ModelParallelStrategy (dpcore.tensor_parallel)."""
+        if isinstance(strategy, ModelParallelStrategy):
+            from .tensor_parallel import TensorParallel
 
-        if sync_batchnorm:
-            raise ValueError("sync_batchnorm is not available with PipelineStrategy: BatchNorm normalises each "
-                             "micro-batch with its own statistics")
-        self._pipeline = Pipeline(self._specs, self._sources, input_shape, strategy, threads)
+            if sync_batchnorm:
+                raise ValueError("sync_batchnorm has no meaning with ModelParallelStrategy: each BatchNorm channel "
+                                 "already sees the whole batch")
+            self._pipeline = TensorParallel(self._specs, self._sources, input_shape, strategy.devices, threads)
+        else:
+            from .pipeline import Pipeline
+
+            if sync_batchnorm:
+                raise ValueError("sync_batchnorm is not available with PipelineStrategy: BatchNorm normalises each "
+                                 "micro-batch with its own statistics")
+            self._pipeline = Pipeline(self._specs, self._sources, input_shape, strategy, threads)
         self._timeout = 0.0
         self._replicas = [self._pipeline]
         self._model = self._pipeline
@@ -161,13 +171,24 @@ class Sequential:
         bubble beside (p - 1) / (m + p - 1) (:class:`dpcore.pipeline.PipelineReport`;
         ``.plot()`` draws the last step). Averaged over the steps since the
         model was built or since ``pipeline_report(reset=True)``."""
-        if self._pipeline is None:
+        from .pipeline import Pipeline
+
+        if not isinstance(self._pipeline, Pipeline):
             raise ValueError("pipeline_report: this model was not built under a PipelineStrategy's scope")
+        return self._pipeline.report()
+
+    def model_parallel_report(self):
+        """Parameter bytes per device of a ModelParallelStrategy model against the
+        whole model's (:class:`dpcore.tensor_parallel.ModelParallelReport`)."""
+        from .tensor_parallel import TensorParallel
+
+        if not isinstance(self._pipeline, TensorParallel):
+            raise ValueError("model_parallel_report: this model was not built under a ModelParallelStrategy's scope")
         return self._pipeline.report()
 
     def reset_pipeline_report(self):
         """Start pipeline_report's averages afresh (after warm-up steps, say)."""
-        if self._pipeline is None:
+        if not hasattr(self._pipeline, "reset_report"):
             raise ValueError("reset_pipeline_report: this model was not built under a PipelineStrategy's scope")
         self._pipeline.reset_report()
 

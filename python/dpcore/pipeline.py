@@ -317,7 +317,31 @@ class PipelineReport:
         return ax
 
 
-class Pipeline:
+class SplitModel:
+    """What a network spread over several ``_core.Model`` objects (``self.models``:
+    rows of them) does the same way whatever the split: momentum, memory, and
+    putting the BatchNorm statistics back after a failed step."""
+
+    def all_models(self):
+        return [m for row in self.models for m in row]
+
+    def reset_velocity(self):
+        for m in self.all_models():
+            m.reset_velocity()
+
+    def memory_stats(self):
+        return [m.memory_stats() for m in self.all_models()]
+
+    def _saved_state(self):
+        return [[m.get_state() for m in row] for row in self.models]
+
+    def _restore(self, states):
+        for row, saved in zip(self.models, states):
+            for m, st in zip(row, saved):
+                m.set_state(st)
+
+
+class Pipeline(SplitModel):
     """The stages of a network on their devices (``_core.Model`` per stage and
     replica), with the interface Sequential uses of a replica group: it trains,
     evaluates and predicts, and shows the whole network's flat buffers."""
@@ -360,6 +384,7 @@ class Pipeline:
                                        headless=s < p - 1, input_grad=s > 0))
             self.models.append(row)
         self._shapes = shapes
+        self._specs, self._sources = [tuple(t) for t in specs], sources
         # each stage's share of the whole network's flat buffers
         self._param_offsets = np.cumsum([0] + [m.nparams for m in self.models[0]]).tolist()
         self._state_offsets = np.cumsum([0] + [len(m.get_state()) for m in self.models[0]]).tolist()
@@ -435,14 +460,6 @@ class Pipeline:
     def set_velocity(self, flat):
         self._scatter("set_velocity", flat, self._param_offsets, "velocity")
 
-    def reset_velocity(self):
-        for row in self.models:
-            for m in row:
-                m.reset_velocity()
-
-    def memory_stats(self):
-        return [m.memory_stats() for row in self.models for m in row]
-
     def replicas_identical(self):
         first = [np.concatenate([m.get_params(), m.get_state()]).view(np.uint32) for m in self.models[0]]
         return all(np.array_equal(a, np.concatenate([m.get_params(), m.get_state()]).view(np.uint32))
@@ -470,8 +487,11 @@ class Pipeline:
         return logits.reshape(len(X), -1)
 
     def find_nonfinite(self, X, y):
-        raise ValueError("check_numerics is not available for a PipelineStrategy model yet: train it with "
-                         "check_numerics=False, or find the layer on one device (dp.models.load of a checkpoint)")
+        """check_numerics: the diagnostic re-run of the whole batch on one CPU
+        copy of the network (its parameters and statistics; BatchNorm over the
+        whole batch, not per micro-batch)."""
+        return find_nonfinite_on_cpu(self._specs, self._sources, self.input_shape, self.get_params(),
+                                     self.get_state(), X, y)
 
     # ---- training ----------------------------------------------------------
     def reset_report(self):
@@ -493,7 +513,7 @@ class Pipeline:
         for rows in shards:
             m = min(self.micro_batches, len(rows))
             work.append([mb for mb in np.array_split(rows, m) if len(mb)] if m else [])
-        states = [[m.get_state() for m in row] for row in self.models]
+        states = self._saved_state()
         abort = threading.Event()
         errors = []
         losses = [[0.0, 0] for _ in range(R)]
@@ -596,10 +616,6 @@ class Pipeline:
         self._last_ops = sorted(ops_log, key=lambda o: o[3])
         return loss_sum, correct
 
-    def _restore(self, states):
-        for row, saved in zip(self.models, states):
-            for m, st in zip(row, saved):
-                m.set_state(st)
 
 
 def _shapes(specs, sources, input_shape):
@@ -609,3 +625,13 @@ def _shapes(specs, sources, input_shape):
     shapes = probe.layers()
     del probe
     return shapes
+
+
+def find_nonfinite_on_cpu(specs, sources, input_shape, params, state, X, y):
+    """(layer, what) of the C core's find_nonfinite, run on a one-device CPU copy
+    of a network whose layers live on several devices: the same arithmetic, and
+    the devices' models are left as they are."""
+    copy = _core.Model(tuple(input_shape), [tuple(s) for s in specs], 0, 0, sources, "cpu", 0)
+    copy.set_params(params)
+    copy.set_state(state)
+    return copy.find_nonfinite(X, y)

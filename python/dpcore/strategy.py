@@ -36,7 +36,8 @@ from .devices import list_devices
 from .info import build_flags
 from .parallel import _devices
 
-__all__ = ["MirroredStrategy", "MultiWorkerMirroredStrategy", "PipelineStrategy", "get_strategy"]
+__all__ = ["MirroredStrategy", "ModelParallelStrategy", "MultiWorkerMirroredStrategy", "PipelineStrategy",
+           "get_strategy"]
 
 DEFAULT_BUCKET_MB = 25
 ALL_REDUCE_KINDS = ("auto", "host", "kernel", "nccl", "mpi")
@@ -221,6 +222,32 @@ class PipelineStrategy(MirroredStrategy):
         return (f"PipelineStrategy(devices={self._devices}, micro_batches={self.micro_batches}, "
                 f"schedule={self.schedule!r}, split={self.split}, replicas={self.replicas}, "
                 f"balance={self.balance!r})")
+
+
+class ModelParallelStrategy(MirroredStrategy):
+    """Layerwise (tensor) parallelism: every convolution's output channels and
+    every dense layer's output features split across the devices, so that each
+    device holds 1/k of every weight and computes 1/k of every layer.
+
+        strategy = dp.ModelParallelStrategy(devices=['cpu:0', 'cpu:1'])
+        with strategy.scope():
+            net = dp.models.LeNet()
+        dp.train(net, train_iter, test_iter, num_epochs=10, lr=0.2)
+        print(net.model_parallel_report())
+
+    devices: default every GPU, else every logical CPU device. See
+    :mod:`dpcore.tensor_parallel`.
+    """
+
+    def __init__(self, devices=None):
+        super().__init__(devices)
+
+    @property
+    def num_replicas_in_sync(self):
+        return 1
+
+    def __repr__(self):
+        return f"ModelParallelStrategy(devices={self._devices})"
 
 
 def get_strategy():

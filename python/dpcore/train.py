@@ -253,8 +253,9 @@ def train(net, train_iter, test_iter=None, num_epochs=10, lr=0.1, momentum=0.0, 
     progress = _check.boolean("progress", progress)
     profile = _check.boolean("profile", profile)
     if profile and getattr(net, "_pipeline", None) is not None:
-        raise ValueError("profile=True records the data-parallel step timeline; a PipelineStrategy model shows its "
-                         "stages' busy and idle time in net.pipeline_report() (and .plot())")
+        raise ValueError("profile=True records the data-parallel step timeline; a PipelineStrategy or "
+                         "ModelParallelStrategy model has its own reports (net.pipeline_report(), "
+                         "net.model_parallel_report())")
     resume = _check.boolean("resume", resume)
     if checkpoint is not None:
         checkpoint = _check.writable_file("checkpoint", checkpoint)
