@@ -204,6 +204,13 @@ def main():
                "s")
         report(f"dpcore ResNet-18 training, {args.logical} logical {kind} devices, global batch 64",
                dpcore_resnet_images_per_s(devices, args.resnet_steps, 64), "images/s")
+        # model parallelism over the same logical devices (stages hand over device tensors)
+        for name, strategy in ((f"pipeline of {args.logical} stages, 1F1B, 4 micro-batches",
+                                dp.PipelineStrategy(devices=devices, micro_batches=4)),
+                               (f"layerwise split over {args.logical}", dp.ModelParallelStrategy(devices=devices))):
+            with strategy.scope():
+                rate = dpcore_resnet_images_per_s(None, args.resnet_steps, 64)
+            report(f"dpcore ResNet-18 training, {name} logical {kind} devices, batch 64", rate, "images/s")
         dp.set_logical_devices(kind, 1)
     torch = import_torch() if kind == "cuda" else None
     ratios = []

@@ -10,8 +10,9 @@ micro-batches and both schedules. Per configuration: images/s (best round of
 --rounds), the ratio to one device, the measured bubble (idle / (stages x step
 time), from net.pipeline_report()) beside (p - 1) / (m + p - 1), each stage's
 share of the busy time, and the activation bytes each stage allocated (1F1B
-keeps at most p - i micro-batches' activations, GPipe m).
-With --write the table goes to benchmarks/RESULTS.md.
+keeps at most p - i micro-batches' activations, GPipe m). Then the layerwise
+split (ModelParallelStrategy) over the same 2 devices: images/s and parameter
+bytes per device. With --write the table goes to benchmarks/RESULTS.md.
 """
 import argparse
 import datetime
@@ -23,6 +24,7 @@ import warnings
 import numpy as np
 
 import dpcore as dp
+from dpcore import pipeline
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_lenet_cpu import command_line, machine_info, publish  # noqa: E402
@@ -43,7 +45,7 @@ def batches(model, batch, steps):
 def time_steps(net, data, rounds, lr):
     """Images/s of the best round (each round: every batch once), after one warm-up step."""
     net.train_step(*data[0], lr=lr)
-    if getattr(net, "_pipeline", None) is not None:
+    if isinstance(getattr(net, "_pipeline", None), pipeline.Pipeline):
         net.reset_pipeline_report()
     best = 0.0
     for _ in range(rounds):
@@ -80,7 +82,13 @@ def run(model_name, make, batch, steps, rounds, micro_batches, lr):
                          r.bubble_formula, shares, acts))
             print(f"{model_name} {schedule} m={m}: {rate:.0f} img/s, bubble {r.bubble:.1%} "
                   f"(formula {r.bubble_formula:.1%})", flush=True)
-    return rows
+    with dp.ModelParallelStrategy(devices=["cpu:0", "cpu:1"]).scope():
+        net = make(None)
+    rate = time_steps(net, data, rounds, lr)
+    r = net.model_parallel_report()
+    layerwise = (model_name, rate, rate / one, r.model_param_bytes, r.param_bytes, r.fraction)
+    print(f"{model_name} layerwise over 2: {rate:.0f} img/s, parameter fractions {r.fraction}", flush=True)
+    return rows, layerwise
 
 
 def main(argv=None):
@@ -93,10 +101,13 @@ def main(argv=None):
     args = ap.parse_args(argv)
     ms = [int(m) for m in args.micro_batches.split(",")]
     load_before = os.getloadavg()[0]
-    rows = run("LeNet", lambda d: dp.models.LeNet(devices=d), 256, args.steps, args.rounds, ms, 0.2)
+    rows, lw = run("LeNet", lambda d: dp.models.LeNet(devices=d), 256, args.steps, args.rounds, ms, 0.2)
+    layerwise = [lw]
     if args.resnet_steps:
-        rows += run("ResNet-18", lambda d: dp.models.ResNet18(devices=d), 64, args.resnet_steps,
-                    max(1, args.rounds - 1), ms, 0.05)
+        more, lw = run("ResNet-18", lambda d: dp.models.ResNet18(devices=d), 64, args.resnet_steps,
+                       max(1, args.rounds - 1), ms, 0.05)
+        rows += more
+        layerwise.append(lw)
     load_after = os.getloadavg()[0]
     lines = [SECTION_TITLE, "",
              f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
@@ -114,6 +125,14 @@ def main(argv=None):
         lines.append(f"| {name} | {conf} | {sched} | {m} | {rate:.0f} | {ratio:.2f}x | "
                      f"{'-' if bubble is None else f'{bubble:.1%}'} | {'-' if formula is None else f'{formula:.1%}'} | "
                      f"{shares or '-'} | {acts or '-'} |")
+    lines += ["", "Layerwise split (`ModelParallelStrategy`) over the same 2 logical devices, against the same one "
+              "device: parameter bytes per device counted from the C core's models on each (with the 64-byte "
+              "alignment of every tensor slice).", "",
+              "| model | images/s | vs one device | parameters, whole model | parameters per device | fraction |",
+              "|---|---|---|---|---|---|"]
+    for name, rate, ratio, whole, per, frac in layerwise:
+        lines.append(f"| {name} | {rate:.0f} | {ratio:.2f}x | {whole / 2**20:.2f} MB | "
+                     f"{' / '.join(f'{b / 2**20:.2f}' for b in per)} MB | {' / '.join(f'{f:.3f}' for f in frac)} |")
     publish(lines, SECTION_TITLE, args.write)
 
 

@@ -973,7 +973,7 @@ int64_t dp_model_activation_bytes(const dp_model *m) {
 }
 
 dp_status dp_model_stage_forward(dp_model *m, int slot, const dp_batch *b, int training, float grad_scale,
-                                 float *out_host, double *loss_sum, int64_t *correct) {
+                                 float *out, double *loss_sum, int64_t *correct) {
   DP_TRY(require_finalized(m));
   if (loss_sum) *loss_sum = 0.0;
   if (correct) *correct = 0;
@@ -996,19 +996,21 @@ dp_status dp_model_stage_forward(dp_model *m, int slot, const dp_batch *b, int t
     if (loss_sum) *loss_sum = loss;
     if (correct) *correct = hits;
   }
-  if (out_host)
-    DP_TRY(be->copy_to_host(m->dev, out_host, m->acts[last],
+  if (out)
+    DP_TRY(be->copy_to_host(m->dev, out, m->acts[last],
                             sizeof(float) * (size_t)(b->n * layer_out_size(&m->layers[last]))));
+  /* settled: the input may be freed and the output read by any device's stream */
+  DP_TRY(be->synchronize(m->dev));
   dp_trace_end(DP_PHASE_FORWARD, -1, 0, t0);
   return DP_OK;
 }
 
-dp_status dp_model_stage_backward(dp_model *m, int slot, int64_t n, const float *dy_host, float *dx_host,
+dp_status dp_model_stage_backward(dp_model *m, int slot, int64_t n, const float *dy, float *dx,
                                   int accumulate) {
   DP_TRY(require_finalized(m));
-  if (dx_host && !m->input_grad)
+  if (dx && !m->input_grad)
     return DP_FAIL(DP_ERR_VALUE, "this stage was not made to compute its input's gradient");
-  if (!dy_host && m->headless)
+  if (!dy && m->headless)
     return DP_FAIL(DP_ERR_VALUE, "a stage before the last needs the gradient of its output");
   DP_TRY(dp_model_use_slot(m, slot));
   if (n <= 0 || n > m->act_batch || !m->training)
@@ -1016,8 +1018,8 @@ dp_status dp_model_stage_backward(dp_model *m, int slot, int64_t n, const float 
                    (long long)n);
   const dp_backend *be = m->dev->backend;
   const int last = m->nlayers - 1;
-  if (dy_host)
-    DP_TRY(be->copy_to_device(m->dev, m->dacts[last], dy_host,
+  if (dy)
+    DP_TRY(be->copy_to_device(m->dev, m->dacts[last], dy,
                               sizeof(float) * (size_t)(n * layer_out_size(&m->layers[last]))));
   if (accumulate && !m->grad_scratch)
     DP_TRY(dp_device_alloc(m->dev, sizeof(float) * (size_t)(m->nparams + 1), (void **)&m->grad_scratch));
@@ -1028,11 +1030,12 @@ dp_status dp_model_stage_backward(dp_model *m, int slot, int64_t n, const float 
   m->grads = grads;
   if (st == DP_OK && accumulate) st = be->add(m->dev, m->nparams, m->grads, m->grad_scratch, m->grads);
   DP_TRY(st);
-  if (dx_host) {
+  if (dx) {
     const int64_t in_size = (int64_t)m->in_c * m->in_h * m->in_w;
     if (!m->dinput_ready) DP_TRY(be->fill(m->dev, m->dinput, n * in_size, 0.0f));
-    DP_TRY(be->copy_to_host(m->dev, dx_host, m->dinput, sizeof(float) * (size_t)(n * in_size)));
+    DP_TRY(be->copy_to_host(m->dev, dx, m->dinput, sizeof(float) * (size_t)(n * in_size)));
   }
+  DP_TRY(be->synchronize(m->dev)); /* dy may be freed, dx read by any device's stream */
   dp_trace_end(DP_PHASE_BACKWARD, -1, 0, t0);
   return DP_OK;
 }

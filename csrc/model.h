@@ -211,19 +211,27 @@ int64_t dp_model_activation_bytes(const dp_model *m);
  * batch statistics, activations kept for dp_model_stage_backward; else the
  * running statistics. With labels (b->y) on a model that is not headless:
  * the loss and accuracy sums, and in training the gradient of grad_scale *
- * (sum of the losses) kept for the backward pass. out_host, when not NULL:
- * the output (n, out size) copied there. */
+ * (sum of the losses) kept for the backward pass. out, when not NULL: the
+ * output (n, out size) copied there.
+ *
+ * Where the activations travel between stages: b->x (float) and out are host
+ * memory, or device memory the backend's copies reach: on a CPU device, the
+ * memory of any CPU device; on a CUDA device, the memory of any GPU (CUDA's
+ * unified addressing: a device-to-device or peer copy, never through the
+ * host). The call returns with m's device synchronized: b->x may be freed and
+ * out read by any device's stream. */
 DP_MUST_CHECK dp_status dp_model_stage_forward(dp_model *m, int slot, const dp_batch *b, int training,
-                                               float grad_scale, float *out_host, double *loss_sum,
+                                               float grad_scale, float *out, double *loss_sum,
                                                int64_t *correct);
 /* The backward pass of the training forward pass slot `slot` ran last, on its
- * n samples: dy_host (n, out size) the gradient of the output (NULL on the
- * last stage: the loss's, kept by its forward pass). dx_host, when not NULL
- * (input_grad models): the gradient of the input copied there. accumulate:
- * 0, the parameter gradients replace m->grads; 1, they are added to them
- * (the micro-batches of one step). */
-DP_MUST_CHECK dp_status dp_model_stage_backward(dp_model *m, int slot, int64_t n, const float *dy_host,
-                                                float *dx_host, int accumulate);
+ * n samples: dy (n, out size) the gradient of the output (NULL on the last
+ * stage: the loss's, kept by its forward pass). dx, when not NULL
+ * (input_grad models): the gradient of the input copied there. Both may be
+ * host or device memory as b->x and out of dp_model_stage_forward, and the
+ * call returns synchronized likewise. accumulate: 0, the parameter gradients
+ * replace m->grads; 1, they are added to them (the micro-batches of one step). */
+DP_MUST_CHECK dp_status dp_model_stage_backward(dp_model *m, int slot, int64_t n, const float *dy,
+                                                float *dx, int accumulate);
 
 /* Forward only: loss and accuracy sums (labels required). */
 DP_MUST_CHECK dp_status dp_model_evaluate(dp_model *m, const dp_batch *b, double *loss_sum, int64_t *correct);

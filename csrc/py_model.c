@@ -573,33 +573,85 @@ static int64_t layer_output_size(const dp_model *m) {
   return (int64_t)l->out_c * l->out_h * l->out_w;
 }
 
-/* stage_forward(slot, images, labels=None, training=True, grad_scale=0.0, output=True)
- *   -> (output (N, C, H, W) float32 or None, loss_sum, correct) */
+/* A Tensor of activations (or their gradient) for this model: on a device
+ * whose memory the model's device can copy from (CPU devices: a CPU device's;
+ * a GPU: any device's) and of n samples of `each` values. 1 with *data, *n; 0
+ * when obj is not a Tensor; -1 with the exception set. */
+static int stage_tensor_arg(ModelObject *self, PyObject *obj, const char *what, int64_t each, int64_t want_n,
+                            const float **data, int64_t *n) {
+  dp_device *dev = NULL;
+  void *p = NULL;
+  npy_intp first = 0;
+  int64_t size = 0;
+  int is = tensor_float32_data(obj, what, &dev, &p, &first, &size);
+  if (is <= 0) return is;
+  if (self->model->dev->kind == DP_DEVICE_CPU && dev->kind != DP_DEVICE_CPU) {
+    PyErr_Format(PyExc_ValueError, "%s: a model on %s cannot read a tensor on %s: pass tensor.numpy()", what,
+                 self->model->dev->name, dev->name);
+    return -1;
+  }
+  if (first < 1 || first > DP_MAX_BATCH || size != (int64_t)first * each || (want_n >= 0 && first != want_n)) {
+    if (want_n >= 0)
+      PyErr_Format(PyExc_ValueError, "%s: the tensor must hold %lld samples of %lld values, got %lld values in %lld "
+                   "rows", what, (long long)want_n, (long long)each, (long long)size, (long long)first);
+    else
+      PyErr_Format(PyExc_ValueError, "%s: the tensor must hold samples of %lld values, got %lld values in %lld rows",
+                   what, (long long)each, (long long)size, (long long)first);
+    return -1;
+  }
+  *data = p;
+  *n = first;
+  return 1;
+}
+
+/* What a stage call writes: a new NumPy array, or a new Tensor on the model's device (to_tensor). */
+static PyObject *stage_output(ModelObject *self, int to_tensor, const npy_intp dims[4], float **data) {
+  if (!to_tensor) {
+    PyArrayObject *a = new_float32(4, dims);
+    if (a) *data = PyArray_DATA(a);
+    return (PyObject *)a;
+  }
+  return tensor_empty_float32(self->device, 4, dims, data);
+}
+
+/* stage_forward(slot, images, labels=None, training=True, grad_scale=0.0, output=True, to_tensor=False)
+ *   -> (output (N, C, H, W) float32, or a Tensor on this model's device (to_tensor), or None; loss_sum, correct)
+ * images: NumPy images or activations, or a Tensor of activations (a previous
+ * stage's on any device this one can copy from: no host copy between GPUs). */
 static PyObject *Model_stage_forward(ModelObject *self, PyObject *args, PyObject *kwds) {
-  static char *kwlist[] = {"slot", "images", "labels", "training", "grad_scale", "output", NULL};
+  static char *kwlist[] = {"slot", "images", "labels", "training", "grad_scale", "output", "to_tensor", NULL};
   PyObject *slot_obj, *X, *Y = Py_None, *scale_obj = NULL;
-  int training = 1, output = 1;
+  int training = 1, output = 1, to_tensor = 0;
   stage_work w = {0};
-  if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO|OpOp", kwlist, &slot_obj, &X, &Y, &training, &scale_obj, &output))
+  if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO|OpOpp", kwlist, &slot_obj, &X, &Y, &training, &scale_obj, &output,
+                                   &to_tensor))
     return NULL;
   if (int_arg(slot_obj, "stage_forward", "slot", 0, DP_MAX_SLOTS - 1, &w.slot) < 0) return NULL;
   if (scale_obj && grad_scale_from("stage_forward", scale_obj, &w.grad_scale) < 0) return NULL;
   if (!model_ready(self)) return NULL;
-  PyArrayObject *xa = NULL, *ya = NULL, *out = NULL;
-  PyObject *ret = NULL;
+  PyArrayObject *xa = NULL, *ya = NULL;
+  PyObject *out = NULL, *ret = NULL;
   int is_u8 = 0;
-  if (convert_images(X, self->model, &xa, &is_u8) < 0) goto done;
-  if (Y != Py_None && convert_labels(Y, PyArray_DIM(xa, 0), &ya) < 0) goto done;
-  const dp_layer *last = &self->model->layers[self->model->nlayers - 1];
-  npy_intp dims[4] = {PyArray_DIM(xa, 0), last->out_c, last->out_h, last->out_w};
-  if (output && !(out = new_float32(4, dims))) goto done;
+  const dp_model *m = self->model;
+  const float *x_dev = NULL;
+  int64_t n = 0;
+  int is_tensor = stage_tensor_arg(self, X, "stage_forward: images", (int64_t)m->in_c * m->in_h * m->in_w, -1,
+                                   &x_dev, &n);
+  if (is_tensor < 0) return NULL;
+  if (!is_tensor) {
+    if (convert_images(X, self->model, &xa, &is_u8) < 0) goto done;
+    n = PyArray_DIM(xa, 0);
+  }
+  if (Y != Py_None && convert_labels(Y, (npy_intp)n, &ya) < 0) goto done;
+  const dp_layer *last = &m->layers[m->nlayers - 1];
+  npy_intp dims[4] = {(npy_intp)n, last->out_c, last->out_h, last->out_w};
+  if (output && !(out = stage_output(self, to_tensor, dims, &w.out))) goto done;
   w.model = self->model;
   w.training = training;
-  w.out = out ? (float *)PyArray_DATA(out) : NULL;
-  w.batch = (dp_batch){PyArray_DATA(xa), is_u8, ya ? (const int64_t *)PyArray_DATA(ya) : NULL,
-                       (int64_t)PyArray_DIM(xa, 0), NULL, NULL};
+  w.batch = (dp_batch){is_tensor ? (const void *)x_dev : PyArray_DATA(xa), is_u8,
+                       ya ? (const int64_t *)PyArray_DATA(ya) : NULL, n, NULL, NULL};
   if (model_run_without_gil(self, stage_forward_run, &w) < 0) goto done;
-  ret = Py_BuildValue("(OdL)", out ? (PyObject *)out : Py_None, w.loss, (long long)w.correct);
+  ret = Py_BuildValue("(OdL)", out ? out : Py_None, w.loss, (long long)w.correct);
 done:
   Py_XDECREF(xa);
   Py_XDECREF(ya);
@@ -607,22 +659,32 @@ done:
   return ret;
 }
 
-/* stage_backward(slot, n, dy=None, input_grad=False, accumulate=False)
- *   -> the input's gradient (N, C, H, W) float32, or None */
+/* stage_backward(slot, n, dy=None, input_grad=False, accumulate=False, to_tensor=False)
+ *   -> the input's gradient (N, C, H, W) float32 (a Tensor on this model's device: to_tensor), or None
+ * dy: NumPy, or a Tensor (the next stage's dx on any device this one can copy from). */
 static PyObject *Model_stage_backward(ModelObject *self, PyObject *args, PyObject *kwds) {
-  static char *kwlist[] = {"slot", "n", "dy", "input_grad", "accumulate", NULL};
+  static char *kwlist[] = {"slot", "n", "dy", "input_grad", "accumulate", "to_tensor", NULL};
   PyObject *slot_obj, *n_obj, *dy_obj = Py_None;
-  int want_dx = 0, accumulate = 0;
+  int want_dx = 0, accumulate = 0, to_tensor = 0;
   stage_work w = {0};
-  if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO|Opp", kwlist, &slot_obj, &n_obj, &dy_obj, &want_dx, &accumulate))
+  if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO|Oppp", kwlist, &slot_obj, &n_obj, &dy_obj, &want_dx, &accumulate,
+                                   &to_tensor))
     return NULL;
   if (int_arg(slot_obj, "stage_backward", "slot", 0, DP_MAX_SLOTS - 1, &w.slot) < 0) return NULL;
   int n = 0;
   if (int_arg(n_obj, "stage_backward", "n", 1, DP_MAX_BATCH, &n) < 0) return NULL;
   if (!model_ready(self)) return NULL;
-  PyArrayObject *dy = NULL, *dx = NULL;
-  PyObject *ret = NULL;
+  PyArrayObject *dy = NULL;
+  PyObject *dx = NULL, *ret = NULL;
+  const float *dy_dev = NULL;
+  int64_t dy_n = 0;
+  int is_tensor = 0;
   if (dy_obj != Py_None) {
+    is_tensor = stage_tensor_arg(self, dy_obj, "stage_backward: dy", layer_output_size(self->model), n, &dy_dev,
+                                 &dy_n);
+    if (is_tensor < 0) return NULL;
+  }
+  if (dy_obj != Py_None && !is_tensor) {
     if (!(dy = (PyArrayObject *)PyArray_FROM_OTF(dy_obj, NPY_FLOAT32, NPY_ARRAY_IN_ARRAY | NPY_ARRAY_NOTSWAPPED)))
       goto done;
     if ((int64_t)PyArray_SIZE(dy) != (int64_t)n * layer_output_size(self->model)) {
@@ -634,14 +696,13 @@ static PyObject *Model_stage_backward(ModelObject *self, PyObject *args, PyObjec
   }
   const dp_model *m = self->model;
   npy_intp dims[4] = {n, m->in_c, m->in_h, m->in_w};
-  if (want_dx && !(dx = new_float32(4, dims))) goto done;
+  if (want_dx && !(dx = stage_output(self, to_tensor, dims, &w.dx))) goto done;
   w.model = self->model;
   w.n = n;
-  w.dy = dy ? (const float *)PyArray_DATA(dy) : NULL;
-  w.dx = dx ? (float *)PyArray_DATA(dx) : NULL;
+  w.dy = is_tensor ? dy_dev : dy ? (const float *)PyArray_DATA(dy) : NULL;
   w.accumulate = accumulate;
   if (model_run_without_gil(self, stage_backward_run, &w) < 0) goto done;
-  ret = Py_NewRef(dx ? (PyObject *)dx : Py_None);
+  ret = Py_NewRef(dx ? dx : Py_None);
 done:
   Py_XDECREF(dy);
   Py_XDECREF(dx);

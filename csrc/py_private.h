@@ -149,6 +149,14 @@ DP_PY_LOCAL extern PyTypeObject TensorType;
  * data, which model `owner` holds (kept alive by the tensor, and with it the
  * device; the tensor refuses to be read while the model is busy). */
 DP_PY_LOCAL PyObject *tensor_view_of_model(ModelObject *owner, float *data, npy_intp n);
+/* obj a Tensor: 1, with its device, memory, first axis and element count;
+ * -1 with TypeError when it is not float32 with a batch axis (or RuntimeError:
+ * a view of a busy model); 0 when obj is not a Tensor. */
+DP_PY_LOCAL int tensor_float32_data(PyObject *obj, const char *what, dp_device **dev, void **data, npy_intp *first,
+                                    int64_t *size);
+/* A new float32 Tensor of `shape` on the device `like` (zero-filled), its memory in *data; NULL with the
+ * exception set. */
+DP_PY_LOCAL PyObject *tensor_empty_float32(dp_device *like, int ndim, const npy_intp *shape, float **data);
 DP_PY_LOCAL extern PyMethodDef tensor_functions[]; /* all_reduce */
 
 /* ---- the device registry (py_device.c) ------------------------------------- */

@@ -89,6 +89,49 @@ typedef struct {
   size_t bytes;
 } tensor_copy_work;
 
+/* ---- activations between pipeline stages (py_model.c) ------------------------ */
+
+int tensor_float32_data(PyObject *obj, const char *what, dp_device **dev, void **data, npy_intp *first,
+                        int64_t *size) {
+  if (!PyObject_TypeCheck(obj, &TensorType)) return 0;
+  TensorObject *t = (TensorObject *)obj;
+  if (t->dtype != NPY_FLOAT32 || t->ndim < 1) {
+    PyErr_Format(PyExc_TypeError, "%s: a tensor of float32 activations with a batch axis is needed, got a %d-D %s "
+                 "tensor", what, t->ndim, tensor_dtype_name(t));
+    return -1;
+  }
+  if (tensor_check_readable(t) < 0) return -1;
+  *dev = t->dev;
+  *data = t->data;
+  *first = t->shape[0];
+  *size = (int64_t)tensor_size(t);
+  return 1;
+}
+
+static dp_status tensor_alloc_run(void *p) {
+  tensor_copy_work *w = p;
+  return dp_device_alloc(w->dev, w->bytes, &w->data);
+}
+
+PyObject *tensor_empty_float32(dp_device *like, int ndim, const npy_intp *shape, float **data) {
+  TensorObject *t = (TensorObject *)TensorType.tp_alloc(&TensorType, 0);
+  if (!t) return NULL;
+  t->dtype = NPY_FLOAT32;
+  t->ndim = ndim;
+  for (int i = 0; i < ndim; ++i) t->shape[i] = shape[i];
+  tensor_device_work get = {like->name, NULL};
+  if (devices_run_without_gil(NULL, 0, NULL, 0, tensor_device_run, &get) < 0) goto fail;
+  t->dev = get.dev; /* a reference of the tensor's own, put by dealloc */
+  tensor_copy_work a = {t->dev, NULL, NULL, tensor_nbytes(t)};
+  if (devices_run_without_gil(NULL, 0, &t->dev, 1, tensor_alloc_run, &a) < 0) goto fail;
+  t->data = a.data;
+  *data = a.data;
+  return (PyObject *)t;
+fail:
+  Py_DECREF(t);
+  return NULL;
+}
+
 /* host to a new allocation (data) */
 static dp_status tensor_upload_run(void *p) {
   tensor_copy_work *w = p;

@@ -379,6 +379,26 @@ BAD_CALLS = [
     ("dp.distributed.broadcast_object(1, root=-1)", V, "root"),
     ("dp.distributed.broadcast_object(1, root=5)", V, "root"),
     ("dp.distributed.broadcast_object(1, root='0')", T, "root"),
+    # ---- model parallelism ------------------------------------------------------------------
+    ("dp.PipelineStrategy(devices=['cpu:0', 'cpu:0'])", V, "once"),
+    ("dp.PipelineStrategy(devices=['cpu:0'], micro_batches=0)", V, "micro_batches"),
+    ("dp.PipelineStrategy(devices=['cpu:0'], micro_batches=-3)", V, "micro_batches"),
+    ("dp.PipelineStrategy(devices=['cpu:0'], micro_batches=True)", T, "micro_batches"),
+    ("dp.PipelineStrategy(devices=['cpu:0'], micro_batches=2**70)", V, "micro_batches"),
+    ("dp.PipelineStrategy(devices=['cpu:0'], schedule=None)", T, "schedule"),
+    ("dp.PipelineStrategy(devices=['cpu:0'], replicas=0)", V, "replicas"),
+    ("dp.PipelineStrategy(devices=['cpu:0'], split=[0, -1])", V, "split"),
+    ("dp.PipelineStrategy(devices=['cpu:0'], balance='guess')", V, "balance"),
+    ("dp.ModelParallelStrategy(devices=['cpu:0', 'cpu:0'])", V, "devices"),
+    ("dp.ModelParallelStrategy(devices=[])", V, "devices"),
+    ("dp.ModelParallelStrategy(devices=3)", T, "devices"),
+    ("r._model.stage_forward(0, dp.tensor(np.zeros(3, np.int64), 'cpu:0'))", T, "float32"),
+    ("r._model.stage_forward(0, dp.tensor(np.zeros((4, 3), np.float32), 'cpu:0'))", V, "values"),
+    ("r._model.stage_forward(-1, X)", V, "slot"),
+    ("r._model.stage_forward(10**6, X)", V, "slot"),
+    ("r._model.stage_backward(0, 4, dp.tensor(np.zeros((3, 10), np.float32), 'cpu:0'))", V, "4 samples"),
+    ("r._model.stage_backward(0, 0)", V, "n"),
+    ("r._model.stage_backward(7, 4)", V, "activation set"),
 ]
 
 # Unusual but valid calls: each must succeed.

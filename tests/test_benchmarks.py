@@ -19,7 +19,20 @@ def test_gpu_benchmark_dry_run_on_cpu_devices():
     assert proc.returncode == 0, proc.stdout + proc.stderr
     for line in ("dpcore LeNet epoch, cpu:0, resident", "dpcore LeNet epoch, cpu:0, host batches",
                  "dpcore ResNet-18 training, cpu:0", "dpcore LeNet epoch, 2 logical cpu devices (host all-reduce)",
-                 "dpcore ResNet-18 training, 2 logical cpu devices"):
+                 "dpcore ResNet-18 training, 2 logical cpu devices",
+                 "dpcore ResNet-18 training, pipeline of 2 stages, 1F1B, 4 micro-batches logical cpu devices",
+                 "dpcore ResNet-18 training, layerwise split over 2 logical cpu devices"):
+        assert line in proc.stdout, proc.stdout
+
+
+def test_pipeline_benchmark_quick_run():
+    """bench_pipeline.py end to end on a few LeNet batches: every configuration's row, nothing written."""
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "bench_pipeline.py"), "--steps", "2", "--rounds", "1",
+           "--resnet-steps", "0", "--micro-batches", "1,2"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for line in ("| LeNet | one device, 2 cores |", "| LeNet | 2 replicas (MirroredStrategy) |", "| 1f1b | 2 |",
+                 "| gpipe | 1 |", "Layerwise split"):
         assert line in proc.stdout, proc.stdout
 
 

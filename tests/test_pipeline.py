@@ -260,3 +260,37 @@ def test_pipeline_over_logical_gpus_matches_the_cpu(schedule):
         assert all(abs(c1 - c2) <= 1 for (_, c1), (_, c2) in zip(losses, want_losses))  # a near tie may flip
     finally:
         dp.set_logical_devices("cuda", 1)
+
+
+def test_stages_hand_over_device_tensors(logical_cpus):
+    """Between stages the activations and their gradients travel as dp.Tensors
+    on the sender's device, which the receiver's model copies from directly
+    (the path GPUs take device to device); the same bits as host arrays."""
+    logical_cpus(2)
+    a = dp._core.Model((1, 28, 28), [("conv2d", 4, 3, 1, 1), ("relu",)], 1, 0, None, "cpu", 0, headless=True)
+    b = dp._core.Model((4, 28, 28), [("flatten",), ("dense", 10)], 1, 1, None, "cpu", 0, input_grad=True)
+    X, y = data(5)
+    t, _, _ = a.stage_forward(0, X, to_tensor=True)
+    h, _, _ = a.stage_forward(1, X)
+    assert isinstance(t, dp.Tensor) and t.device == "cpu:0" and t.shape == (5, 4, 28, 28)
+    np.testing.assert_array_equal(t.numpy(), h)
+    _, loss_t, _ = b.stage_forward(0, t, y, grad_scale=0.2, output=False)
+    _, loss_h, _ = b.stage_forward(1, h, y, grad_scale=0.2, output=False)
+    assert loss_t == loss_h
+    g = b.stage_backward(0, 5, None, input_grad=True, to_tensor=True)
+    gh = b.stage_backward(1, 5, None, input_grad=True)
+    assert g.device == "cpu:1"
+    np.testing.assert_array_equal(g.numpy(), gh)
+    assert a.stage_backward(0, 5, g) is None
+    with pytest.raises(ValueError, match="samples of 3136 values, got 12 values in 4 rows"):
+        b.stage_forward(0, dp.tensor(np.zeros((4, 3), np.float32), "cpu:0"))
+    with pytest.raises(TypeError, match="float32 activations"):
+        b.stage_forward(0, dp.tensor(np.zeros(3, np.int64), "cpu:0"))
+    with pytest.raises(ValueError, match="must hold 5 samples"):
+        a.stage_backward(0, 5, dp.tensor(np.zeros((4, 4, 28, 28), np.float32), "cpu:1"))
+    # who hands tensors to whom: everyone, except a GPU to a CPU stage (host arrays there)
+    assert pipeline.hand_over(["cpu:0", "cpu:1"]) == [(True, False), (False, True)]
+    assert pipeline.hand_over(["cuda:0", "cuda:1", "cpu:0"]) == [(True, False), (False, True), (False, True)]
+    assert pipeline.hand_over(["cpu:0", "cuda:0"]) == [(True, False), (False, False)]
+    net = _pipeline_net(dp.models.LeNet, ["cpu:0", "cpu:1"], micro_batches=2)
+    assert net._pipeline._hand_over == [[(True, False), (False, True)]]

@@ -383,6 +383,7 @@ class Pipeline(SplitModel):
                                        device_kind(d), device_gpu(d) if device_kind(d) == "cuda" else 0,
                                        headless=s < p - 1, input_grad=s > 0))
             self.models.append(row)
+        self._hand_over = [hand_over(row) for row in self.stage_devices]
         self._shapes = shapes
         self._specs, self._sources = [tuple(t) for t in specs], sources
         # each stage's share of the whole network's flat buffers
@@ -544,7 +545,8 @@ class Pipeline(SplitModel):
                         slot_of[k] = slot
                         t0 = time.perf_counter()
                         out, loss, correct = model.stage_forward(slot, x, y[mbs[k]] if last else None, training=True,
-                                                                 grad_scale=grad_scale, output=not last)
+                                                                 grad_scale=grad_scale, output=not last,
+                                                                 to_tensor=self._hand_over[r][s][0])
                         t1 = time.perf_counter()
                         if last:
                             losses[r][0] += loss
@@ -556,7 +558,7 @@ class Pipeline(SplitModel):
                         slot = slot_of.pop(k)
                         t0 = time.perf_counter()
                         dx = model.stage_backward(slot, len(mbs[k]), dy, input_grad=s > 0,
-                                                  accumulate=not first_backward)
+                                                  accumulate=not first_backward, to_tensor=self._hand_over[r][s][1])
                         t1 = time.perf_counter()
                         first_backward = False
                         free_slots.append(slot)
@@ -616,6 +618,22 @@ class Pipeline(SplitModel):
         self._last_ops = sorted(ops_log, key=lambda o: o[3])
         return loss_sum, correct
 
+
+
+def hand_over(devices):
+    """Per stage of a pipeline over `devices`: (forward, backward), whether it
+    hands its neighbour (the next stage its activations, the previous one their
+    gradient) a dp.Tensor on its own device, which the neighbour's model copies
+    from directly (GPU to GPU: a device-to-device or peer copy, no trip through
+    the host). A host array only from a GPU to a CPU stage, which cannot read
+    a GPU's memory, and nothing where there is no neighbour."""
+    p = len(devices)
+    kinds = [d.split(":")[0] for d in devices]  # names a strategy checked
+
+    def tensor_to(s, t):
+        return 0 <= t < p and not (kinds[s] == "cuda" and kinds[t] == "cpu")
+
+    return [(tensor_to(s, s + 1), tensor_to(s, s - 1)) for s in range(p)]
 
 
 def _shapes(specs, sources, input_shape):

@@ -207,7 +207,14 @@ class PipelineStrategy(MirroredStrategy):
         if split is not None and (isinstance(split, (str, bytes)) or not isinstance(split, (list, tuple))):
             raise TypeError(f"split must be a list of the layer indices where stages begin, got "
                             f"{_check.shown(split)}")
-        self.split = None if split is None else list(split)
+        if split is not None:
+            split = [_check.integer(f"split[{i}]", c, 0, 2**31 - 1) for i, c in enumerate(split)]
+            p = len(self._devices) // self.replicas
+            if len(split) not in (p, p - 1) or any(b <= a for a, b in zip(split, split[1:])) or (
+                    len(split) == p and split[0] != 0):
+                raise ValueError(f"split must be the {p} increasing layer indices where the stages begin (the "
+                                 f"first 0, which may be left out), got {split}")
+        self.split = split
         self.balance = _check.one_of("balance", balance, ("measured", "flops"))
 
     @property
