@@ -898,6 +898,11 @@ dp_status dp_model_get_grads(dp_model *m, float *host) {
   return m->dev->backend->copy_to_host(m->dev, host, m->grads, sizeof(float) * (size_t)m->nparams);
 }
 
+dp_status dp_model_zero_grads(dp_model *m) {
+  DP_TRY(require_finalized(m));
+  return m->dev->backend->fill(m->dev, m->grads, m->nparams, 0.0f);
+}
+
 dp_status dp_model_reset_velocity(dp_model *m) {
   DP_TRY(require_finalized(m));
   return m->dev->backend->fill(m->dev, m->velocity, m->nparams, 0.0f);

@@ -109,6 +109,9 @@ int dp_model_num_classes(const dp_model *m);
 DP_MUST_CHECK dp_status dp_model_set_params(dp_model *m, const float *host);
 DP_MUST_CHECK dp_status dp_model_get_params(dp_model *m, float *host);
 DP_MUST_CHECK dp_status dp_model_get_grads(dp_model *m, float *host);
+/* The gradient buffer zeroed: a copy of a split network that saw no samples
+ * this step adds nothing to its peers' all-reduce. */
+DP_MUST_CHECK dp_status dp_model_zero_grads(dp_model *m);
 DP_MUST_CHECK dp_status dp_model_reset_velocity(dp_model *m);
 /* The SGD momentum buffer (nparams floats, the parameters' layout): what a
  * resumable training checkpoint saves beside the parameters. */

@@ -374,6 +374,13 @@ static PyObject *Model_reset_velocity(ModelObject *self, PyObject *unused) {
   Py_RETURN_NONE;
 }
 
+static PyObject *Model_zero_grads(ModelObject *self, PyObject *unused) {
+  if (!model_ready(self)) return NULL;
+  dp_status st = dp_model_zero_grads(self->model);
+  if (st != DP_OK) return raise_from_status(st);
+  Py_RETURN_NONE;
+}
+
 /* The flat buffers as Tensors sharing their memory (device memory on a
  * CUDA model): the chapter-12.5 replica's grads and params that
  * dp.all_reduce works on. */
@@ -768,6 +775,7 @@ static PyMethodDef Model_methods[] = {
     {"get_grads", (PyCFunction)Model_get_grads, METH_NOARGS, "a copy of the flat gradient buffer"},
     {"set_params", (PyCFunction)Model_set_params, METH_O, "replace the flat parameter buffer"},
     {"reset_velocity", (PyCFunction)Model_reset_velocity, METH_NOARGS, "zero the SGD momentum buffer"},
+    {"zero_grads", (PyCFunction)Model_zero_grads, METH_NOARGS, "zero the flat gradient buffer"},
     {"get_velocity", (PyCFunction)Model_get_velocity, METH_NOARGS,
      "a copy of the SGD momentum buffer (the flat parameters' layout)"},
     {"set_velocity", (PyCFunction)Model_set_velocity, METH_O, "replace the SGD momentum buffer"},

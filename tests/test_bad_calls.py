@@ -392,6 +392,8 @@ BAD_CALLS = [
     ("dp.ModelParallelStrategy(devices=['cpu:0', 'cpu:0'])", V, "devices"),
     ("dp.ModelParallelStrategy(devices=[])", V, "devices"),
     ("dp.ModelParallelStrategy(devices=3)", T, "devices"),
+    ("dp.ModelParallelStrategy(devices=['cpu:0'], replicas=0)", V, "replicas"),
+    ("dp.ModelParallelStrategy(devices=['cpu:0'], replicas='2')", T, "replicas"),
     ("r._model.stage_forward(0, dp.tensor(np.zeros(3, np.int64), 'cpu:0'))", T, "float32"),
     ("r._model.stage_forward(0, dp.tensor(np.zeros((4, 3), np.float32), 'cpu:0'))", V, "values"),
     ("r._model.stage_forward(-1, X)", V, "slot"),

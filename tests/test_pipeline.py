@@ -97,6 +97,37 @@ def test_data_parallel_over_pipelines_equals_one_device(logical_cpus):
         got, _ = step_change(net, w0, X, y)
         close(got, want, f"2 pipelines x 2 stages, {schedule}", w0)
         assert net._pipeline.replicas_identical()
+        # one sample for two pipelines: the second adds nothing (not the gradient of its last step)
+        net.set_weights(w0)
+        net.train_step(X[:1], y[:1], lr=0.0)
+        ref.set_weights(w0)
+        ref.train_step(X[:1], y[:1], lr=0.0)
+        want1 = ref._model.get_grads()
+        assert np.abs(net._pipeline.get_grads() - want1).max() <= RTOL * np.abs(want1).max()
+
+
+def test_data_parallel_over_resnet_pipelines_averages_batchnorm(logical_cpus):
+    """2 pipelines x 2 stages of ResNet-18: each pipeline's shard normalised
+    alone (micro-batch statistics), the gradients summed over the pipelines and
+    the running statistics averaged, as MirroredStrategy does: the copies stay
+    identical, and equal to two one-pipeline runs of the shards."""
+    logical_cpus(4)
+    X, y = data(10, (1, 12, 12), seed=4)
+    net = _pipeline_net(resnet, ["cpu:0", "cpu:1", "cpu:2", "cpu:3"], micro_batches=2, replicas=2)
+    w0 = net.get_weights()
+    net.train_step(X, y, lr=0.0)
+    assert net._pipeline.replicas_identical()
+    grads, states = [], []
+    for rows in (slice(0, 5), slice(5, 10)):
+        one = _pipeline_net(resnet, ["cpu:0", "cpu:1"], micro_batches=2, split=net._pipeline.split)
+        one.set_weights(w0)
+        one.train_step(X[rows], y[rows], lr=0.0)
+        grads.append(one._pipeline.get_grads().astype(np.float64))
+        states.append(one._pipeline.get_state().astype(np.float64))
+    want = (grads[0] + grads[1]) / 2  # each shard's mean gradient: 5 of the 10 samples
+    assert np.abs(net._pipeline.get_grads() - want).max() <= RTOL * np.abs(want).max()
+    state = (states[0] + states[1]) / 2
+    np.testing.assert_allclose(net._pipeline.get_state(), state, rtol=RTOL, atol=RTOL * np.abs(state).max())
 
 
 def test_schedules_run_every_micro_batch_once_in_order():

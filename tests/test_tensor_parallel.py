@@ -26,8 +26,8 @@ from dpcore import tensor_parallel
 
 
 def _split_net(model_fn, devices, **kw):
-    with dp.ModelParallelStrategy(devices=devices).scope():
-        return model_fn(**kw)
+    with dp.ModelParallelStrategy(devices=devices, **kw).scope():
+        return model_fn()
 
 
 @pytest.mark.parametrize("k", [2, 3])
@@ -62,6 +62,53 @@ def test_resnet_split_gradient_and_batchnorm_equal_one_device(logical_cpus, k):
     assert abs(loss - loss_ref) <= RTOL * abs(loss_ref)
     assert np.abs(got - want).max() <= RTOL * np.abs(want).max()
     # the running statistics of every channel: one device's, from the same whole batch
+    np.testing.assert_allclose(net._pipeline.get_state(), state, rtol=RTOL, atol=RTOL * np.abs(state).max())
+
+
+def test_data_parallel_over_split_copies_equals_one_device(logical_cpus):
+    """2 copies x 2 devices: LeNet's step is one device's; ResNet-18's gradient is
+    the mean of its shards' (BatchNorm per copy, as MirroredStrategy without
+    sync_batchnorm) and the running statistics their mean; the copies stay
+    identical; a copy without samples adds nothing."""
+    logical_cpus(4)
+    devices = ["cpu:0", "cpu:1", "cpu:2", "cpu:3"]
+    X, y = data(130)
+    ref = dp.models.LeNet(devices=["cpu:0"])
+    w0 = ref.get_weights()
+    want, _ = step_change(ref, w0, X, y)
+    net = _split_net(dp.models.LeNet, devices, replicas=2)
+    tp = net._pipeline
+    assert tp.group_devices == [["cpu:0", "cpu:1"], ["cpu:2", "cpu:3"]] and net.devices == devices
+    assert [m.device for m in tp.groups[1][0]] == ["cpu:2", "cpu:3"]
+    got, _ = step_change(net, w0, X, y)
+    close(got, want, "2 copies x 2 devices", w0)
+    assert tp.replicas_identical()
+    report = net.model_parallel_report()
+    assert report.replicas == 2 and report.split == 2 and len(report.param_bytes) == 4
+    net.set_weights(w0)
+    net.train_step(X[:1], y[:1], lr=0.0)  # one sample: the second copy adds nothing
+    ref.set_weights(w0)
+    ref.train_step(X[:1], y[:1], lr=0.0)
+    g1 = ref._model.get_grads()
+    assert np.abs(tp.get_grads() - g1).max() <= RTOL * np.abs(g1).max()
+
+    Xr, yr = data(10, (1, 12, 12), seed=5)
+    net = _split_net(resnet, devices, replicas=2)
+    w0 = net.get_weights()
+    net.train_step(Xr, yr, lr=0.0)
+    assert net._pipeline.replicas_identical()
+    one = resnet(devices=["cpu:0"])
+    fresh = one._model.get_state()  # the running statistics before any step
+    grads, states = [], []
+    for rows in (slice(0, 5), slice(5, 10)):
+        one.set_weights(w0)
+        one._model.set_state(fresh)
+        one.replicas[0].forward_backward(Xr[rows], yr[rows], grad_scale=1.0 / 10)
+        grads.append(one._model.get_grads().astype(np.float64))
+        states.append(one._model.get_state().astype(np.float64))
+    want = grads[0] + grads[1]
+    assert np.abs(net._pipeline.get_grads() - want).max() <= RTOL * np.abs(want).max()
+    state = (states[0] + states[1]) / 2
     np.testing.assert_allclose(net._pipeline.get_state(), state, rtol=RTOL, atol=RTOL * np.abs(state).max())
 
 
@@ -161,6 +208,10 @@ def test_bad_configurations(logical_cpus):
         dp.ModelParallelStrategy(devices=["cpu:0", "cpu:0"])
     with pytest.raises(ValueError, match="cpu:9"):
         dp.ModelParallelStrategy(devices=["cpu:0", "cpu:9"])
+    with pytest.raises(ValueError, match="replicas=3 must divide the 4 devices"):
+        dp.ModelParallelStrategy(devices=["cpu:0", "cpu:1", "cpu:2", "cpu:3"], replicas=3)
+    with pytest.raises(TypeError, match="replicas"):
+        dp.ModelParallelStrategy(devices=["cpu:0", "cpu:1"], replicas=1.5)
     # a layer with fewer output channels than devices cannot be split over them
     with dp.ModelParallelStrategy(devices=["cpu:0", "cpu:1", "cpu:2"]).scope():
         with pytest.raises(ValueError, match="2 output channel.* fewer than the 3 devices"):

@@ -147,7 +147,8 @@ class Sequential:
             if sync_batchnorm:
                 raise ValueError("sync_batchnorm has no meaning with ModelParallelStrategy: each BatchNorm channel "
                                  "already sees the whole batch")
-            self._pipeline = TensorParallel(self._specs, self._sources, input_shape, strategy.devices, threads)
+            self._pipeline = TensorParallel(self._specs, self._sources, input_shape, strategy.devices, threads,
+                                            strategy.replicas)
         else:
             from .pipeline import Pipeline
 

@@ -322,8 +322,12 @@ class SplitModel:
     rows of them) does the same way whatever the split: momentum, memory, and
     putting the BatchNorm statistics back after a failed step."""
 
+    def _rows(self):
+        """Every row of models (all copies of the network)."""
+        return self.models
+
     def all_models(self):
-        return [m for row in self.models for m in row]
+        return [m for row in self._rows() for m in row]
 
     def reset_velocity(self):
         for m in self.all_models():
@@ -333,10 +337,10 @@ class SplitModel:
         return [m.memory_stats() for m in self.all_models()]
 
     def _saved_state(self):
-        return [[m.get_state() for m in row] for row in self.models]
+        return [[m.get_state() for m in row] for row in self._rows()]
 
     def _restore(self, states):
-        for row, saved in zip(self.models, states):
+        for row, saved in zip(self._rows(), states):
             for m, st in zip(row, saved):
                 m.set_state(st)
 
@@ -599,8 +603,13 @@ class Pipeline(SplitModel):
             # each stage's gradients summed over its copies (dp.all_reduce: data parallelism's collective)
             from .parallel import all_reduce
 
+            for r, rows in enumerate(shards):
+                if len(rows) == 0:  # fewer samples than pipelines: this copy adds nothing
+                    for m in self.models[r]:
+                        m.zero_grads()
             for s in range(p):
                 all_reduce([self.models[r][s].grads_tensor() for r in range(R)])
+            average_state(self.models, [len(rows) > 0 for rows in shards])
         loss_sum = float(sum(l for l, _ in losses))
         correct = int(sum(c for _, c in losses))
         if not np.isfinite(loss_sum):
@@ -618,6 +627,20 @@ class Pipeline(SplitModel):
         self._last_ops = sorted(ops_log, key=lambda o: o[3])
         return loss_sum, correct
 
+
+
+def average_state(groups, ran):
+    """Data parallelism over copies of a split network (rows of models, one row
+    per copy): BatchNorm's running statistics of each model become the mean over
+    the copies that saw samples this step (as MirroredStrategy's replicas do),
+    so that every copy holds the same."""
+    ran = [r for r, did in enumerate(ran) if did]
+    for i in range(len(groups[0])):
+        if not len(groups[0][i].state_layout()):
+            continue
+        mean = np.mean(np.stack([groups[r][i].get_state() for r in ran]), axis=0, dtype=np.float64)
+        for row in groups:
+            row[i].set_state(mean.astype(np.float32))
 
 
 def hand_over(devices):

@@ -242,19 +242,27 @@ class ModelParallelStrategy(MirroredStrategy):
         dp.train(net, train_iter, test_iter, num_epochs=10, lr=0.2)
         print(net.model_parallel_report())
 
-    devices: default every GPU, else every logical CPU device. See
-    :mod:`dpcore.tensor_parallel`.
+    devices: default every GPU, else every logical CPU device. replicas=R:
+    data parallelism over R copies of the split network, each over
+    len(devices) / R devices (the first copy on the first ones): each copy
+    trains on its shard of the batch, each slice's gradients are all-reduced
+    among its R copies and BatchNorm's running statistics averaged, as
+    MirroredStrategy does. See :mod:`dpcore.tensor_parallel`.
     """
 
-    def __init__(self, devices=None):
+    def __init__(self, devices=None, replicas=1):
         super().__init__(devices)
+        self.replicas = _check.integer("replicas", replicas, 1, len(self._devices))
+        if len(self._devices) % self.replicas:
+            raise ValueError(f"replicas={self.replicas} must divide the {len(self._devices)} devices "
+                             f"{self._devices} (each copy is split over the same number of devices)")
 
     @property
     def num_replicas_in_sync(self):
-        return 1
+        return self.replicas
 
     def __repr__(self):
-        return f"ModelParallelStrategy(devices={self._devices})"
+        return f"ModelParallelStrategy(devices={self._devices}, replicas={self.replicas})"
 
 
 def get_strategy():

@@ -28,18 +28,30 @@ How it works (the C core computes; this module moves activations between layers)
 - BatchNorm is exact: a channel's statistics are those of the whole batch on
   the device that holds the channel, so the result equals one device's within
   float32 rounding for every network here, ResNet-18 included.
+- ``replicas=R`` (data parallelism over copies): R copies of the split network
+  on R groups of devices, each on its shard of the batch; each slice's
+  gradients are all-reduced among its copies (``dp.all_reduce``) and the
+  running statistics averaged, as MirroredStrategy's replicas do.
 """
 import concurrent.futures
+import threading
 
 import numpy as np
 
 from . import _core
 from .devices import check_device, device_gpu, device_index, device_kind, device_threads
-from .pipeline import SplitModel, _shapes, find_nonfinite_on_cpu, layer_sources
+from .pipeline import SplitModel, _shapes, average_state, find_nonfinite_on_cpu, layer_sources
 
 SPLIT_OUT = ("conv2d", "dense")           # output channels / features split
 CHANNELWISE = ("batchnorm", "relu", "avgpool", "maxpool", "global_avgpool")   # each device its channel slice
 ON_HOST = ("add", "flatten")              # on the gathered activations
+
+
+def _model_on(dev, in_shape, layers, threads, **kw):
+    """A one-layer (or head) _core.Model on device dev."""
+    kind = device_kind(dev)
+    return _core.Model(tuple(in_shape), layers, threads or device_threads(dev), device_index(dev), [-1], kind,
+                       device_gpu(dev) if kind == "cuda" else 0, **kw)
 
 
 def _bounds(channels, k):
@@ -51,21 +63,26 @@ class ModelParallelReport:
     """Parameter bytes per device against the whole model's."""
 
     def __init__(self, tp):
-        self.devices = list(tp.devices)
-        self.param_bytes = [4 * sum(row[d].nparams for row in tp.models if row) for d in range(tp.k)]
+        self.devices = list(tp.devices)  # every copy's, copy after copy
+        self.split = tp.k
+        self.replicas = tp.num_replicas
+        self.param_bytes = [4 * sum(row[d].nparams for row in rows if row) for rows in tp.groups
+                            for d in range(tp.k)]
         self.model_param_bytes = 4 * tp.nparams
         self.fraction = [b / self.model_param_bytes for b in self.param_bytes]
 
     def as_dict(self):
-        return {"devices": self.devices, "param_bytes": self.param_bytes,
-                "model_param_bytes": self.model_param_bytes, "fraction": self.fraction}
+        return {"devices": self.devices, "split": self.split, "replicas": self.replicas,
+                "param_bytes": self.param_bytes, "model_param_bytes": self.model_param_bytes,
+                "fraction": self.fraction}
 
     def __str__(self):
-        lines = [f"layerwise split over {len(self.devices)} devices; the whole model: "
+        copies = f", {self.replicas} copies (data parallel)" if self.replicas > 1 else ""
+        lines = [f"layerwise split over {self.split} devices{copies}; the whole model: "
                  f"{self.model_param_bytes / 2**20:.2f} MB of parameters"]
         for d, b, f in zip(self.devices, self.param_bytes, self.fraction):
-            lines.append(f"  {d:<8} {b / 2**20:8.2f} MB  {f:.3f} of the model (1/{len(self.devices)} = "
-                         f"{1 / len(self.devices):.3f})")
+            lines.append(f"  {d:<8} {b / 2**20:8.2f} MB  {f:.3f} of the model (1/{self.split} = "
+                         f"{1 / self.split:.3f})")
         return "\n".join(lines)
 
     __repr__ = __str__
@@ -75,9 +92,12 @@ class TensorParallel(SplitModel):
     """A network whose every layer is split over devices, with the interface
     Sequential uses of a replica (see dpcore.pipeline.Pipeline)."""
 
-    def __init__(self, specs, sources, input_shape, devices, threads=0):
-        self.devices = [check_device(d) for d in devices]
-        self.k = k = len(self.devices)
+    def __init__(self, specs, sources, input_shape, devices, threads=0, replicas=1):
+        self.all_devices = [check_device(d) for d in devices]
+        self.num_replicas = R = replicas
+        self.k = k = len(self.all_devices) // R
+        self.group_devices = [self.all_devices[r * k:(r + 1) * k] for r in range(R)]
+        self.devices = self.all_devices
         self.specs = [tuple(s) for s in specs]
         self._sources = sources
         self.reads = layer_sources(self.specs, sources)
@@ -91,11 +111,9 @@ class TensorParallel(SplitModel):
         self._num_classes = probe.num_classes
         self._input_shape = probe.input_shape
         del probe
-        self.models = []   # per layer: one _core.Model per device ([] for a layer done on the host)
         self.bounds = []   # per layer: the channel slice of each device ((a, b) of the output channels)
         for j, (spec, (kind, ins, outs)) in enumerate(zip(self.specs, self._shapes)):
             if kind in ON_HOST:
-                self.models.append([])
                 self.bounds.append(None)
                 continue
             if kind not in SPLIT_OUT + CHANNELWISE:
@@ -104,38 +122,55 @@ class TensorParallel(SplitModel):
             if channels < k:
                 raise ValueError(f"ModelParallelStrategy: layer {j} ({kind}) has {channels} output channel(s), "
                                  f"fewer than the {k} devices to split them over")
-            bounds = _bounds(channels, k)
-            row = []
-            for d, (a, b) in enumerate(bounds):
-                if kind in SPLIT_OUT:
-                    layer = (spec[0], b - a) + tuple(spec[2:])
-                    in_shape = tuple(ins)
-                else:
-                    layer = tuple(spec)
-                    in_shape = (b - a,) + tuple(ins[1:])
-                dev = self.devices[d]
-                row.append(_core.Model(in_shape, [layer], threads or device_threads(dev), device_index(dev), [-1],
-                                       device_kind(dev), device_gpu(dev) if device_kind(dev) == "cuda" else 0,
-                                       headless=True, input_grad=self.reads[j] != [-1]))
-            self.models.append(row)
-            self.bounds.append(bounds)
-        # the loss on the first device: softmax cross-entropy of the gathered logits
-        d0 = self.devices[0]
-        self.head = _core.Model((self._num_classes, 1, 1), [("flatten",)], threads or device_threads(d0),
-                                device_index(d0), [-1], device_kind(d0),
-                                device_gpu(d0) if device_kind(d0) == "cuda" else 0, input_grad=True)
-        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=k, thread_name_prefix="dpcore-tp")
+            self.bounds.append(_bounds(channels, k))
+        # per copy of the split network (replicas > 1: data parallelism over copies): per layer one
+        # _core.Model per device ([] for a layer done on the host), the loss's model on its first device,
+        # and a thread pool that runs its devices at once
+        self.groups, self.heads, self._pools = [], [], []
+        for devs in self.group_devices:
+            rows = []
+            for j, (spec, (kind, ins, outs)) in enumerate(zip(self.specs, self._shapes)):
+                if kind in ON_HOST:
+                    rows.append([])
+                    continue
+                row = []
+                for dev, (a, b) in zip(devs, self.bounds[j]):
+                    if kind in SPLIT_OUT:
+                        layer = (spec[0], b - a) + tuple(spec[2:])
+                        in_shape = tuple(ins)
+                    else:
+                        layer = tuple(spec)
+                        in_shape = (b - a,) + tuple(ins[1:])
+                    row.append(_model_on(dev, in_shape, [layer], threads, headless=True,
+                                         input_grad=self.reads[j] != [-1]))
+                rows.append(row)
+            self.groups.append(rows)
+            # the loss on the copy's first device: softmax cross-entropy of the gathered logits
+            self.heads.append(_model_on(devs[0], (self._num_classes, 1, 1), [("flatten",)], threads,
+                                        input_grad=True))
+            self._pools.append(concurrent.futures.ThreadPoolExecutor(max_workers=k, thread_name_prefix="dpcore-tp"))
+
+    @property
+    def models(self):
+        """The first copy's models: per layer, one per device."""
+        return self.groups[0]
+
+    @property
+    def head(self):
+        return self.heads[0]
+
+    def _rows(self):
+        return [row for rows in self.groups for row in rows]
 
     def __del__(self):
-        pool = getattr(self, "_pool", None)
-        if pool is not None:
+        for pool in getattr(self, "_pools", []):
             pool.shutdown(wait=False)
 
-    def _each(self, fn, items):
-        """fn(d, item) for every device at once (the C core runs without the GIL)."""
+    def _each(self, g, fn, items):
+        """fn(d, item) for every device of copy g at once (the C core runs without the GIL)."""
         if self.k == 1:
             return [fn(0, items[0])]
-        return list(self._pool.map(fn, range(self.k), items))
+        return list(self._pools[g].map(fn, range(self.k), items))
 
     # ---- the interface of a replica -----------------------------------------
     @property
@@ -194,8 +229,9 @@ class TensorParallel(SplitModel):
         for j, d, (lo, hi), (g_lo, g_hi), shape, (a, b) in self._pieces(which):
             buf = parts.setdefault((j, d), getattr(self.models[j][d], getter)())
             buf[lo:hi] = flat[g_lo:g_hi].reshape(shape)[a:b].ravel()
-        for (j, d), buf in parts.items():
-            getattr(self.models[j][d], setter)(buf)
+        for rows in self.groups:  # every copy the same
+            for (j, d), buf in parts.items():
+                getattr(rows[j][d], setter)(buf)
 
     def get_params(self):
         return self._gather("get_params", "params", self._nparams)
@@ -219,7 +255,12 @@ class TensorParallel(SplitModel):
         self._scatter("set_velocity", "get_velocity", "params", flat, self._nparams, "velocity")
 
     def replicas_identical(self):
-        return True  # one copy of every parameter
+        """Every copy's parameters and running statistics bitwise those of the first."""
+        def bits(rows):
+            return [np.concatenate([m.get_params(), m.get_state()]).view(np.uint32) for row in rows for m in row]
+
+        first = bits(self.groups[0])
+        return all(all(np.array_equal(a, b) for a, b in zip(first, bits(rows))) for rows in self.groups[1:])
 
     def report(self):
         return ModelParallelReport(self)
@@ -230,11 +271,11 @@ class TensorParallel(SplitModel):
                                      self.get_state(), X, y)
 
     # ---- computing ----------------------------------------------------------
-    def _forward(self, X, training):
-        """The gathered output of every layer (host arrays); the devices keep what backward needs."""
+    def _forward(self, X, training, g=0):
+        """The gathered output of every layer (host arrays) on copy g; its devices keep what backward needs."""
         acts = {-1: X}
         N = len(X)
-        for j, (spec, row) in enumerate(zip(self.specs, self.models)):
+        for j, (spec, row) in enumerate(zip(self.specs, self.groups[g])):
             kind = spec[0]
             src = self.reads[j][0]
             if kind == "add":
@@ -247,7 +288,7 @@ class TensorParallel(SplitModel):
                     inputs = [x] * self.k
                 else:
                     inputs = [np.ascontiguousarray(x[:, a:b]) for a, b in self.in_bounds(j)]
-                outs = self._each(lambda d, xi: row[d].stage_forward(0, xi, training=training)[0], inputs)
+                outs = self._each(g, lambda d, xi: row[d].stage_forward(0, xi, training=training)[0], inputs)
                 acts[j] = np.concatenate(outs, axis=1)
         return acts
 
@@ -269,41 +310,75 @@ class TensorParallel(SplitModel):
         N = len(y)
         if N == 0:
             return 0.0, 0
+        R = self.num_replicas
+        shards = np.array_split(np.arange(N), R)
         states = self._saved_state()
-        try:
-            loss, correct = self._forward_backward(X, y)
-        except BaseException:
+        results = [None] * R
+        errors = []
+
+        def run(g):
+            rows = shards[g]
+            try:
+                if len(rows):
+                    results[g] = self._forward_backward(X[rows], y[rows], g, N)
+                else:  # fewer samples than copies: this copy adds nothing
+                    results[g] = (0.0, 0)
+                    for m in (m for row in self.groups[g] for m in row):
+                        m.zero_grads()
+            except BaseException as e:  # noqa: B902 - raised in the caller's thread below
+                errors.append((g, e))
+
+        threads = [threading.Thread(target=run, args=(g,), name=f"dpcore-tp-copy{g}", daemon=True)
+                   for g in range(1, R)]
+        for t in threads:
+            t.start()
+        run(0)
+        for t in threads:
+            t.join()
+        if errors:
             self._restore(states)
-            raise
+            raise min(errors, key=lambda e: e[0])[1]
+        loss = float(sum(r[0] for r in results))
+        correct = int(sum(r[1] for r in results))
         if not np.isfinite(loss):
             self._restore(states)
             raise FloatingPointError(f"the loss is not finite ({loss}) on a model split over {self.k} devices; the "
                                      f"step applied no update: the parameters, momentum and BatchNorm statistics are "
                                      f"those of the last finite step")
+        if R > 1:
+            # each slice's gradients summed over its copies (dp.all_reduce: data parallelism's collective),
+            # BatchNorm's running statistics averaged over the copies that saw samples
+            from .parallel import all_reduce
+
+            for j, row in enumerate(self.models):
+                for d in range(len(row)):
+                    all_reduce([rows[j][d].grads_tensor() for rows in self.groups])
+            average_state([[m for row in rows for m in row] for rows in self.groups], [len(r) > 0 for r in shards])
         for m in self.all_models():
             m.sgd_step(lr, momentum, weight_decay)
         return loss, correct
 
-    def _forward_backward(self, X, y):
+    def _forward_backward(self, X, y, g, total):
+        """Copy g's forward and backward pass of its shard (X, y), the loss scaled by 1 / total."""
         from .parallel import all_reduce, tensor
 
         N = len(y)
         L = len(self.specs)
-        acts = self._forward(X, True)
-        _, loss, correct = self.head.stage_forward(0, acts[L - 1], y, training=True, grad_scale=1.0 / N,
-                                                   output=False)
-        grads = {L - 1: self.head.stage_backward(0, N, None, input_grad=True)}
+        acts = self._forward(X, True, g)
+        head = self.heads[g]
+        _, loss, correct = head.stage_forward(0, acts[L - 1], y, training=True, grad_scale=1.0 / total, output=False)
+        grads = {L - 1: head.stage_backward(0, N, None, input_grad=True)}
         shapes = {j: a.shape for j, a in acts.items()}
         del acts
 
-        def deliver(src, g):
+        def deliver(src, grad):
             if src < 0:
                 return
-            grads[src] = grads[src] + g if src in grads else g
+            grads[src] = grads[src] + grad if src in grads else grad
 
         for j in reversed(range(L)):
             kind = self.specs[j][0]
-            row = self.models[j]
+            row = self.groups[g][j]
             dy = grads.pop(j, None)
             if dy is None:  # nothing reads this layer's output: its gradients are zero
                 dy = np.zeros(shapes[j], np.float32)
@@ -317,7 +392,7 @@ class TensorParallel(SplitModel):
                 continue
             want_dx = src >= 0
             slices = [np.ascontiguousarray(dy[:, a:b]) for a, b in self.bounds[j]]
-            dxs = self._each(lambda d, g: row[d].stage_backward(0, N, g, input_grad=want_dx), slices)
+            dxs = self._each(g, lambda d, dy_d: row[d].stage_backward(0, N, dy_d, input_grad=want_dx), slices)
             if not want_dx:
                 continue
             if kind in SPLIT_OUT:
@@ -325,7 +400,7 @@ class TensorParallel(SplitModel):
                     dx = dxs[0]
                 else:
                     # each device's partial gradient of the whole input, summed on every device
-                    parts = [tensor(g, dev) for g, dev in zip(dxs, self.devices)]
+                    parts = [tensor(part, dev) for part, dev in zip(dxs, self.group_devices[g])]
                     all_reduce(parts)
                     dx = parts[0].numpy().reshape(dxs[0].shape)
             else:
