@@ -58,13 +58,14 @@ def test_stage_parameters_live_on_their_device_only(logical_cpus):
 
 
 @pytest.mark.parametrize("stages", [2, 3])
-@pytest.mark.parametrize("micro_batches", [1, 3])
+@pytest.mark.parametrize("micro_batches", [1, 2, 4, 7])
 def test_resnet_pipeline_gradient_is_the_sum_of_its_micro_batches(logical_cpus, stages, micro_batches):
     """BatchNorm normalises each micro-batch alone, so the reference is one
     device's gradient of each micro-batch (scaled by 1/N), summed: the full
-    batch's for one micro-batch."""
+    batch's for one micro-batch. A batch of 15: uneven micro-batches for
+    m = 2, 4, 7, and at least 2 samples each (BatchNorm of the last 1x1 maps)."""
     logical_cpus(3)
-    X, y = data(7, (1, 12, 12), seed=1)
+    X, y = data(15, (1, 12, 12), seed=1)
     ref = resnet(devices=["cpu:0"])
     w0 = ref.get_weights()
     grads = np.zeros(ref._model.nparams, np.float64)
