@@ -36,6 +36,18 @@ def test_pipeline_benchmark_quick_run():
         assert line in proc.stdout, proc.stdout
 
 
+def test_layer_benchmark_quick_run():
+    """bench_layers.py on a small LeNet batch: a row per layer with its floor where it multiplies."""
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "bench_layers.py"), "--rounds", "1", "--lenet-batch", "8",
+           "--resnet-batch", "0", "--no-torch"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("| ") and line[2].isdigit()]
+    assert [r.split(" | ")[1] for r in rows] == [kind for kind, *_ in dp.models.LeNet()._model.layers()]
+    assert all(r.endswith("x |") for r in rows if " conv2d " in r or " dense " in r)
+    assert "step / floor" in proc.stdout and "GFLOP/s" in proc.stdout
+
+
 def test_gpu_benchmark_without_a_gpu_says_why():
     if dp._core.runtime_info()["cuda_device_count"] > 0 and dp.build_info().get("cuda_backend"):
         pytest.skip("a GPU is present: the benchmark measures (make bench-gpu)")
