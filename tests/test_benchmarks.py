@@ -48,6 +48,15 @@ def test_layer_benchmark_quick_run():
     assert "step / floor" in proc.stdout and "GFLOP/s" in proc.stdout
 
 
+def test_thread_placement_benchmark_quick_run():
+    """bench_threads.py: every OpenMP configuration's row, from fresh subprocesses."""
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "bench_threads.py"), "--steps", "1", "--rounds", "1"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for line in ("| default", "| OMP_WAIT_POLICY=passive |", "| OMP_WAIT_POLICY=active |", "| OMP_PROC_BIND=close"):
+        assert line in proc.stdout, proc.stdout
+
+
 def test_gpu_benchmark_without_a_gpu_says_why():
     if dp._core.runtime_info()["cuda_device_count"] > 0 and dp.build_info().get("cuda_backend"):
         pytest.skip("a GPU is present: the benchmark measures (make bench-gpu)")

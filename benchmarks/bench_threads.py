@@ -1,0 +1,112 @@
+"""Thread placement A/B (issue 14): does OpenMP's wait policy or binding change
+dpcore's CPU training speed, and do 2 replicas on 2 cores reach 1.8x one
+replica on one core by the median of rounds?
+
+    python benchmarks/bench_threads.py [--steps 15] [--rounds 3] [--write]
+
+Each configuration runs in fresh subprocesses (OpenMP reads its environment
+once, when the library loads), the configurations alternating round by round
+so that the machine's load falls on all of them alike. Per subprocess, LeNet on
+Fashion-MNIST batches of 256, --steps timed train_steps after 2 warm-up steps:
+
+- one device with every core (``set_logical_devices('cpu', 1)``);
+- one replica on one core (``set_logical_devices('cpu', 2)``, cpu:0 alone);
+- 2 replicas, one core each (MirroredStrategy over cpu:0 and cpu:1).
+
+Reported: the median step time over every timed step of every round, and the
+scaling 2 replicas / one replica on one core (images/s), by the medians.
+"""
+import argparse
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+import warnings
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_lenet_cpu import command_line, machine_info, publish  # noqa: E402
+
+SECTION_TITLE = "## Thread placement A/B: OpenMP wait policy and binding (LeNet, CPU)"
+
+CONFIGS = {
+    "default (libgomp's own: spin a while, then sleep; no binding)": {},
+    "OMP_WAIT_POLICY=passive": {"OMP_WAIT_POLICY": "passive"},
+    "OMP_WAIT_POLICY=active": {"OMP_WAIT_POLICY": "active"},
+    "OMP_PROC_BIND=close, OMP_PLACES=cores": {"OMP_PROC_BIND": "close", "OMP_PLACES": "cores"},
+}
+
+
+def child(steps):
+    import dpcore as dp
+
+    it = dp.data.load_fashion_mnist(batch_size=256)[0]
+    batches = []
+    for X, y in it:
+        batches.append((X, y))
+        if len(batches) == steps + 2:
+            break
+
+    def times(net):
+        out = []
+        for i, (X, y) in enumerate(batches):
+            t0 = time.perf_counter()
+            net.train_step(X, y, lr=0.1)
+            if i >= 2:
+                out.append(time.perf_counter() - t0)
+        return out
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        dp.set_logical_devices("cpu", 1)
+        result = {"one device": times(dp.models.LeNet(devices=["cpu:0"]))}
+        dp.set_logical_devices("cpu", 2)
+        result["one replica, one core"] = times(dp.models.LeNet(devices=["cpu:0"]))
+        result["2 replicas"] = times(dp.models.LeNet(devices=["cpu:0", "cpu:1"]))
+    print(json.dumps(result))
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=15)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--write", action="store_true")
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.child:
+        child(args.steps)
+        return
+    load_before = os.getloadavg()[0]
+    samples = {name: {} for name in CONFIGS}
+    for r in range(args.rounds):
+        order = list(CONFIGS) if r % 2 == 0 else list(reversed(CONFIGS))
+        for name in order:
+            env = {k: v for k, v in os.environ.items() if not k.startswith(("OMP_WAIT", "OMP_PROC", "OMP_PLACES"))}
+            env.update(CONFIGS[name])
+            out = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", "--steps", str(args.steps)],
+                                 env=env, capture_output=True, text=True, check=True)
+            for what, ts in json.loads(out.stdout.splitlines()[-1]).items():
+                samples[name].setdefault(what, []).extend(ts)
+            print(f"round {r + 1}: {name} done", flush=True)
+    whats = ["one device", "one replica, one core", "2 replicas"]
+    lines = [SECTION_TITLE, "",
+             f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
+             f"- machine: {machine_info()}; load average before / after: {load_before:.2f} / "
+             f"{os.getloadavg()[0]:.2f}",
+             f"- command (from the repository root): `{command_line()}`",
+             f"- setup: LeNet, Fashion-MNIST batches of 256, {args.steps} timed steps per subprocess after 2 warm-up "
+             f"steps, {args.rounds} rounds of fresh subprocesses (configurations alternating); median over all "
+             "timed steps", "",
+             "| OpenMP environment | one device (all cores), ms | one replica on one core, ms | 2 replicas, ms | "
+             "2 replicas / one replica on one core (images/s, medians) |", "|---|---|---|---|---|"]
+    for name in CONFIGS:
+        med = {w: statistics.median(samples[name][w]) for w in whats}
+        lines.append(f"| {name} | {med['one device'] * 1e3:.1f} | {med['one replica, one core'] * 1e3:.1f} | "
+                     f"{med['2 replicas'] * 1e3:.1f} | {med['one replica, one core'] / med['2 replicas']:.2f}x |")
+    publish(lines, SECTION_TITLE, args.write)
+
+
+if __name__ == "__main__":
+    main()
