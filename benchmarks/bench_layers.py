@@ -34,8 +34,17 @@ import time
 
 import numpy as np
 
-import dpcore as dp
-from dpcore import _core
+# PyTorch first: its CUDA build needs its own NCCL, which dpcore's (the system's) would shadow if loaded first
+try:
+    if "--no-torch" not in sys.argv:
+        import torch as _torch
+    else:
+        _torch = None
+except ImportError:
+    _torch = None
+
+import dpcore as dp  # noqa: E402
+from dpcore import _core  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import floor  # noqa: E402
@@ -162,13 +171,11 @@ def main(argv=None):
     threads = dp.build_info()["cpu_cores"]  # what one CPU device gets (set_logical_devices('cpu', 1))
     gflops = floor.sgemm_gflops(threads=threads)
     rng = np.random.default_rng(0)
-    torch = None
-    if not args.no_torch:
-        try:
-            import torch
-            torch.set_num_threads(threads)
-        except ImportError:
-            print("PyTorch is not installed (benchmarks/setup_bench_env.sh): no per-layer comparison", flush=True)
+    torch = None if args.no_torch else _torch
+    if torch is not None:
+        torch.set_num_threads(threads)
+    elif not args.no_torch:
+        print("PyTorch is not installed (benchmarks/setup_bench_env.sh): no per-layer comparison", flush=True)
     load_before = os.getloadavg()[0]
     body = table("LeNet", dp.models.LeNet(devices=["cpu:0"]), args.lenet_batch, args.rounds, gflops, rng, torch)
     if args.resnet_batch:
