@@ -1,6 +1,7 @@
-"""Thread placement A/B (issue 14): does OpenMP's wait policy or binding change
-dpcore's CPU training speed, and do 2 replicas on 2 cores reach 1.8x one
-replica on one core by the median of rounds?
+"""Thread placement A/B (issue 14): does pinning each replica's threads to its
+cores, or OpenMP's wait policy or binding, change dpcore's CPU training speed,
+and do 2 replicas on 2 cores reach 1.8x one replica on one core by the median
+of rounds?
 
     python benchmarks/bench_threads.py [--steps 15] [--rounds 3] [--write]
 
@@ -32,7 +33,8 @@ from bench_lenet_cpu import command_line, machine_info, publish  # noqa: E402
 SECTION_TITLE = "## Thread placement A/B: OpenMP wait policy and binding (LeNet, CPU)"
 
 CONFIGS = {
-    "default (libgomp's own: spin a while, then sleep; no binding)": {},
+    "default: no pinning, libgomp's own wait policy (spin a while, then sleep)": {},
+    "DPCORE_PIN_THREADS=1 (each replica's threads pinned to its device's cores)": {"DPCORE_PIN_THREADS": "1"},
     "OMP_WAIT_POLICY=passive": {"OMP_WAIT_POLICY": "passive"},
     "OMP_WAIT_POLICY=active": {"OMP_WAIT_POLICY": "active"},
     "OMP_PROC_BIND=close, OMP_PLACES=cores": {"OMP_PROC_BIND": "close", "OMP_PLACES": "cores"},
@@ -83,7 +85,8 @@ def main(argv=None):
     for r in range(args.rounds):
         order = list(CONFIGS) if r % 2 == 0 else list(reversed(CONFIGS))
         for name in order:
-            env = {k: v for k, v in os.environ.items() if not k.startswith(("OMP_WAIT", "OMP_PROC", "OMP_PLACES"))}
+            env = {k: v for k, v in os.environ.items()
+                   if not k.startswith(("OMP_WAIT", "OMP_PROC", "OMP_PLACES", "DPCORE_PIN"))}
             env.update(CONFIGS[name])
             out = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", "--steps", str(args.steps)],
                                  env=env, capture_output=True, text=True, check=True)

@@ -198,6 +198,8 @@ dp_status dp_devices_set_logical(dp_device_kind kind, int count) {
   return DP_OK;
 }
 
+int dp_cpu_device_share(int index) { return cpu_share(index, dp_devices_logical(DP_DEVICE_CPU)); }
+
 int dp_devices_logical(dp_device_kind kind) {
   pthread_mutex_lock(&registry_mutex);
   const int k = kind == DP_DEVICE_CPU ? cpu_logical : cuda_per_gpu;

@@ -77,6 +77,8 @@ void dp_device_unlock(dp_device *dev);
 DP_MUST_CHECK dp_status dp_devices_set_logical(dp_device_kind kind, int count);
 /* The logical devices per machine (cpu) or per physical GPU (cuda). */
 int dp_devices_logical(dp_device_kind kind);
+/* The threads cpu:index gets under the current configuration (its share of the cores). */
+int dp_cpu_device_share(int index);
 /* Physical GPUs the CUDA backend can use here; 0 (and why, when why_len > 0)
  * without the backend, a driver or a device. */
 int dp_devices_gpu_count(char *why, size_t why_len);

@@ -9,6 +9,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "device.h"
 #include "dist.h"
 #include "trace.h"
 
@@ -201,12 +202,20 @@ static dp_status create_impl(dp_model **models, int k, int sync_batchnorm, dp_co
   m->total = k;
   m->timeout = timeout;
   m->sync_batchnorm = sync_batchnorm;
+  /* CPU replicas on logical devices pinned to their devices' cores with
+   * DPCORE_PIN_THREADS=1, when each runs the device's own share of threads */
+  int *pin = malloc(sizeof(int) * (size_t)k);
   for (int r = 0; r < k; ++r) {
     m->models[r] = models[r];
     threads[r] = models[r]->dev->nthreads;
+    if (pin) pin[r] = k > 1 && dp_pin_threads_enabled() && models[r]->dev->kind == DP_DEVICE_CPU &&
+                              models[r]->dev->nthreads == dp_cpu_device_share(models[r]->dev->index)
+                          ? models[r]->dev->index
+                          : -1;
   }
   m->nbuckets = dp_plan_buckets(models[0], bucket_bytes / (int64_t)sizeof(float), m->buckets, DP_COMM_MAX_BUCKETS);
-  dp_status st = dp_group_create(k, threads, &m->group);
+  dp_status st = dp_group_create(k, threads, pin, &m->group);
+  free(pin);
   free(threads);
   if (st == DP_OK && across) st = join_processes(m, comm, bucket_bytes);
   /* the communicators are made now, so that a failure shows here and not in
@@ -779,7 +788,7 @@ static dp_status reduce_group_create(const char *key, const char *const *devices
     free(g);
     return DP_FAIL(DP_ERR_RUNTIME, "all_reduce: pthread_mutex_init failed");
   }
-  dp_status st = dp_group_create(k, threads, &g->group);
+  dp_status st = dp_group_create(k, threads, NULL, &g->group);
   if (st == DP_OK) st = dp_comm_create(devs, k, DP_COMM_HOST, dp_group_barrier(g->group), &g->comm);
   if (st != DP_OK) {
     reduce_group_destroy(g);
@@ -915,7 +924,7 @@ dp_status dp_allreduce_benchmark(int k, int64_t n, int iters, double *seconds) {
     for (int64_t i = 0; i < n; ++i) bufs[r][i] = 0.0f;
   }
   dp_group *g;
-  st = dp_group_create(k, threads, &g);
+  st = dp_group_create(k, threads, NULL, &g);
   if (st != DP_OK) goto done;
   bench_task warm = {bufs, k, 2, n, dp_group_barrier(g)};
   st = dp_group_run(g, run_bench, &warm); /* first touch and thread start-up */

@@ -1,7 +1,10 @@
 #include "replica.h"
 
+#include "device.h"
+
 #include <omp.h>
 #include <pthread.h>
+#include <sched.h>
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <stdio.h>
@@ -10,6 +13,8 @@
 typedef struct worker {
   dp_group *group;
   int rank, threads;
+  int pinned;     /* cores holds the worker's cores */
+  cpu_set_t cores;
   pthread_t thread;
   int started;
   dp_status status;
@@ -32,6 +37,11 @@ struct dp_group {
 static void *worker_main(void *p) {
   worker *w = p;
   dp_group *g = w->group;
+  /* before the first parallel region: the OpenMP threads this worker starts
+   * inherit its cores. A refusal (a container's narrower mask) leaves the
+   * worker where the scheduler puts it: pinning is a placement hint, never
+   * an error. */
+  if (w->pinned) (void)pthread_setaffinity_np(pthread_self(), sizeof w->cores, &w->cores);
   omp_set_num_threads(w->threads);
   unsigned long seen = 0;
   for (;;) {
@@ -64,7 +74,33 @@ static atomic_long groups_created;
 
 long dp_group_created_count(void) { return atomic_load(&groups_created); }
 
-dp_status dp_group_create(int k, const int *threads, dp_group **out) {
+int dp_pin_threads_enabled(void) {
+  const char *v = getenv("DPCORE_PIN_THREADS");
+  return v && v[0] == '1' && v[1] == '\0';
+}
+
+/* The cores of logical CPU device `index` of `count`: the index-th contiguous
+ * block of this process's allowed cores, blocks sized as the devices' thread
+ * shares (the first cores % count devices one core more). 0 when the mask
+ * cannot be read or the device would have no core of its own. */
+static int cpu_device_cores(int index, int count, cpu_set_t *out) {
+  cpu_set_t allowed;
+  if (count < 1 || index < 0 || index >= count || sched_getaffinity(0, sizeof allowed, &allowed) != 0) return 0;
+  const int cores = CPU_COUNT(&allowed);
+  if (cores < count) return 0;
+  int first = 0;
+  for (int i = 0; i < index; ++i) first += cores / count + (i < cores % count ? 1 : 0);
+  const int share = cores / count + (index < cores % count ? 1 : 0);
+  CPU_ZERO(out);
+  for (int cpu = 0, seen = 0; cpu < CPU_SETSIZE && seen < first + share; ++cpu) {
+    if (!CPU_ISSET(cpu, &allowed)) continue;
+    if (seen >= first) CPU_SET(cpu, out);
+    ++seen;
+  }
+  return 1;
+}
+
+dp_status dp_group_create(int k, const int *threads, const int *cpu_device, dp_group **out) {
   *out = NULL;
   atomic_fetch_add(&groups_created, 1);
   if (k < 1) return DP_FAIL(DP_ERR_VALUE, "a replica group needs at least one replica, got %d", k);
@@ -90,6 +126,8 @@ dp_status dp_group_create(int k, const int *threads, dp_group **out) {
     w->group = g;
     w->rank = r;
     w->threads = threads[r] > 0 ? threads[r] : 1;
+    if (cpu_device && cpu_device[r] >= 0)
+      w->pinned = cpu_device_cores(cpu_device[r], dp_devices_logical(DP_DEVICE_CPU), &w->cores);
     int err = pthread_create(&w->thread, NULL, worker_main, w);
     if (err != 0) {
       dp_group_destroy(g);

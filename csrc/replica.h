@@ -16,8 +16,16 @@
 typedef struct dp_group dp_group;
 typedef DP_MUST_CHECK dp_status (*dp_group_fn)(void *arg, int rank);
 
-/* threads[r]: OpenMP threads of worker r. */
-DP_MUST_CHECK dp_status dp_group_create(int k, const int *threads, dp_group **out);
+/* threads[r]: OpenMP threads of worker r. cpu_device (NULL: none): worker r
+ * is pinned, with the OpenMP threads it starts, to the cores of logical CPU
+ * device cpu_device[r] (-1: not pinned) of dp_devices_logical(CPU) devices
+ * (dp_cpu_device_cores): replicas on their own cores never share one. */
+DP_MUST_CHECK dp_status dp_group_create(int k, const int *threads, const int *cpu_device, dp_group **out);
+/* Whether mirrored CPU replicas are pinned to their cores: the environment
+ * variable DPCORE_PIN_THREADS="1" (default: not pinned; benchmarks/bench_threads.py
+ * measured no clear gain on a 2-vCPU machine, and a pinned replica cannot move
+ * off a core that another process is using). */
+int dp_pin_threads_enabled(void);
 void dp_group_destroy(dp_group *g);
 /* How many groups this process has made (a debug counter: tests check that
  * repeated collectives reuse their threads). */

@@ -53,7 +53,7 @@ def test_thread_placement_benchmark_quick_run():
     cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "bench_threads.py"), "--steps", "1", "--rounds", "1"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    for line in ("| default", "| OMP_WAIT_POLICY=passive |", "| OMP_WAIT_POLICY=active |", "| OMP_PROC_BIND=close"):
+    for line in ("| default", "| DPCORE_PIN_THREADS=1", "| OMP_WAIT_POLICY=passive |", "| OMP_WAIT_POLICY=active |", "| OMP_PROC_BIND=close"):
         assert line in proc.stdout, proc.stdout
 
 

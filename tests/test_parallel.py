@@ -676,3 +676,65 @@ def test_chapter12_5_example_script(tmp_path):
     assert "192 samples" in out  # 3 steps of 64
     last = out.strip().splitlines()[-1]
     assert re.fullmatch(r"test acc: \d\.\d\d, \d+\.\d sec/epoch on \['cpu:0', 'cpu:1'\]", last), last
+
+
+def _narrowed_threads():
+    """{thread id: its cores} of this process's threads confined to fewer cores than the process may use."""
+    process = os.sched_getaffinity(0)
+    out = {}
+    for task in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{task}/status") as f:
+                text = next(line.split()[1] for line in f if line.startswith("Cpus_allowed_list"))
+        except (OSError, StopIteration):
+            continue
+        cores = set()
+        for part in text.split(","):
+            lo, _, hi = part.partition("-")
+            cores.update(range(int(lo), int(hi or lo) + 1))
+        if cores < process:
+            out[int(task)] = cores
+    return out
+
+
+def test_pinned_replicas_run_on_their_own_cores_with_the_same_bits(logical_cpus, monkeypatch):
+    """DPCORE_PIN_THREADS=1: each CPU replica's worker (and the OpenMP threads
+    it starts) is pinned to its device's cores; without it nothing is pinned;
+    the arithmetic is the same either way."""
+    allowed = sorted(os.sched_getaffinity(0))
+    logical_cpus(2)
+    X = np.random.default_rng(0).random((64, 1, 28, 28), dtype=np.float32)
+    y = np.arange(64) % 10
+    weights = {}
+    for pin in ("0", "1"):
+        monkeypatch.setenv("DPCORE_PIN_THREADS", pin)
+        before = _narrowed_threads()
+        net = dp.models.LeNet(devices=["cpu:0", "cpu:1"], seed=3)
+        net.train_step(X, y, lr=0.1)
+        new = sorted(min(c) for t, c in _narrowed_threads().items() if t not in before and len(c) == 1)
+        weights[pin] = net.get_weights()
+        del net
+        if pin == "0" or len(allowed) < 2:  # one core: no device has a core of its own, nothing is pinned
+            assert new == [], new
+        else:  # cpu:0 the first half of the allowed cores, cpu:1 the rest: with 2 cores, one each
+            assert allowed[0] in new and allowed[-1] in new, (allowed, new)
+    for k in weights["0"]:
+        np.testing.assert_array_equal(weights["0"][k], weights["1"][k])
+
+
+def test_omp_proc_bind_is_named_when_logical_cpu_devices_are_made(monkeypatch):
+    """OMP_PROC_BIND binds every replica's OpenMP team to the same places
+    (measured: 2 replicas ~1.8x slower): splitting the CPU says so."""
+    import warnings
+
+    for value, warned in (("close", True), ("false", False), (None, False)):
+        if value is None:
+            monkeypatch.delenv("OMP_PROC_BIND", raising=False)
+        else:
+            monkeypatch.setenv("OMP_PROC_BIND", value)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            dp.set_logical_devices("cpu", 2)
+            dp.set_logical_devices("cpu", 1)
+        named = [w for w in caught if "OMP_PROC_BIND" in str(w.message)]
+        assert len(named) == (1 if warned else 0), [str(w.message) for w in caught]

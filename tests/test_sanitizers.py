@@ -42,7 +42,7 @@ def clean_env(**options):
 
 ASAN_UBSAN = ["-fsanitize=address,undefined", "-fno-sanitize-recover=undefined"]
 # the core of the replica threads (replicas, collectives, comm, mirrored runners), and the device registry's
-MIRRORED_CORE = ["backend_cpu.c", "backend_cuda.c", "collective.c", "comm.c", "dist.c", "mirrored.c", "layers.c",
+MIRRORED_CORE = ["backend_cpu.c", "backend_cuda.c", "collective.c", "comm.c", "device.c", "dist.c", "mirrored.c", "layers.c",
                  "model.c", "replica.c", "resident.c", "shapes.c", "status.c"]
 REGISTRY_CORE = ["backend_cpu.c", "backend_cuda.c", "device.c", "layers.c", "model.c", "resident.c", "shapes.c",
                  "status.c"]

@@ -15,6 +15,7 @@ The configuration, the listing and the devices themselves live in the C core's
 device registry (csrc/device.h): one refcounted device per name, made on first
 use and shared by every model and tensor on it. This module is its Python face.
 """
+import os
 import warnings
 
 from . import _check, _core
@@ -40,6 +41,11 @@ def set_logical_devices(kind, count):
     if kind == "cpu" and count > _cores():
         warnings.warn(f"{count} logical CPU devices on {_cores()} cores: each gets one thread and they share cores",
                       RuntimeWarning, stacklevel=2)
+    bind = os.environ.get("OMP_PROC_BIND", "").strip().lower()
+    if kind == "cpu" and count > 1 and bind not in ("", "false"):
+        warnings.warn(f"OMP_PROC_BIND={bind} binds every logical CPU device's OpenMP threads to the same places, so "
+                      f"the replicas share cores (benchmarks/bench_threads.py measured 2 replicas about 1.8x slower "
+                      f"with it): unset OMP_PROC_BIND before starting Python", RuntimeWarning, stacklevel=2)
 
 
 def _listing():

@@ -115,7 +115,7 @@ static void barriers_and_all_reduce(void) {
     int threads[MAX_K];
     for (int r = 0; r < k; ++r) threads[r] = 1;
     dp_group *g = NULL;
-    CHECK(dp_group_create(k, threads, &g) == DP_OK);
+    CHECK(dp_group_create(k, threads, NULL, &g) == DP_OK);
     if (!g) continue;
     for (size_t b = 0; b < sizeof ns / sizeof ns[0]; ++b)
       for (int op = 0; op < 2; ++op) {
@@ -192,7 +192,7 @@ static void failing_replicas(void) {
     for (int r = 0; r < k; ++r) threads[r] = 1;
     dp_group *g = NULL;
     dp_comm *comm = NULL;
-    CHECK(dp_group_create(k, threads, &g) == DP_OK);
+    CHECK(dp_group_create(k, threads, NULL, &g) == DP_OK);
     if (!g) continue;
     CHECK(dp_comm_create(ptrs, k, DP_COMM_HOST, dp_group_barrier(g), &comm) == DP_OK);
     float *bufs[MAX_K];
@@ -436,7 +436,7 @@ static dp_status race_rank(void *arg, int rank) {
 static int deliberate_race(void) {
   int threads[2] = {1, 1};
   dp_group *g = NULL;
-  if (dp_group_create(2, threads, &g) != DP_OK) return 2;
+  if (dp_group_create(2, threads, NULL, &g) != DP_OK) return 2;
   const dp_status st = dp_group_run(g, race_rank, g);
   dp_group_destroy(g);
   printf("tsan_stress race: ran (%d)\n", unguarded);
