@@ -74,6 +74,8 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=15)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--configs", default=None,
+                    help="comma-separated row numbers of the table to run (1-based; default: every row)")
     ap.add_argument("--write", action="store_true")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -81,9 +83,12 @@ def main(argv=None):
         child(args.steps)
         return
     load_before = os.getloadavg()[0]
-    samples = {name: {} for name in CONFIGS}
+    names = list(CONFIGS)
+    if args.configs:
+        names = [names[int(i) - 1] for i in args.configs.split(",")]
+    samples = {name: {} for name in names}
     for r in range(args.rounds):
-        order = list(CONFIGS) if r % 2 == 0 else list(reversed(CONFIGS))
+        order = names if r % 2 == 0 else list(reversed(names))
         for name in order:
             env = {k: v for k, v in os.environ.items()
                    if not k.startswith(("OMP_WAIT", "OMP_PROC", "OMP_PLACES", "DPCORE_PIN"))}
@@ -104,7 +109,7 @@ def main(argv=None):
              "timed steps", "",
              "| OpenMP environment | one device (all cores), ms | one replica on one core, ms | 2 replicas, ms | "
              "2 replicas / one replica on one core (images/s, medians) |", "|---|---|---|---|---|"]
-    for name in CONFIGS:
+    for name in names:
         med = {w: statistics.median(samples[name][w]) for w in whats}
         lines.append(f"| {name} | {med['one device'] * 1e3:.1f} | {med['one replica, one core'] * 1e3:.1f} | "
                      f"{med['2 replicas'] * 1e3:.1f} | {med['one replica, one core'] / med['2 replicas']:.2f}x |")

@@ -49,12 +49,14 @@ def test_layer_benchmark_quick_run():
 
 
 def test_thread_placement_benchmark_quick_run():
-    """bench_threads.py: every OpenMP configuration's row, from fresh subprocesses."""
-    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "bench_threads.py"), "--steps", "1", "--rounds", "1"]
+    """bench_threads.py end to end, from fresh subprocesses: the default's row and the pinned one's
+    (the OpenMP rows differ only in the environment the same code runs under)."""
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "bench_threads.py"), "--steps", "1", "--rounds", "1",
+           "--configs", "1,2"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    for line in ("| default", "| DPCORE_PIN_THREADS=1", "| OMP_WAIT_POLICY=passive |", "| OMP_WAIT_POLICY=active |", "| OMP_PROC_BIND=close"):
-        assert line in proc.stdout, proc.stdout
+    assert "| default" in proc.stdout and "| DPCORE_PIN_THREADS=1" in proc.stdout, proc.stdout
+    assert "OMP_WAIT_POLICY" not in proc.stdout
 
 
 def test_gpu_benchmark_without_a_gpu_says_why():
