@@ -600,16 +600,7 @@ class Pipeline(SplitModel):
             self._restore(states)
             raise e
         if R > 1:
-            # each stage's gradients summed over its copies (dp.all_reduce: data parallelism's collective)
-            from .parallel import all_reduce
-
-            for r, rows in enumerate(shards):
-                if len(rows) == 0:  # fewer samples than pipelines: this copy adds nothing
-                    for m in self.models[r]:
-                        m.zero_grads()
-            for s in range(p):
-                all_reduce([self.models[r][s].grads_tensor() for r in range(R)])
-            average_state(self.models, [len(rows) > 0 for rows in shards])
+            reduce_over_copies(self.models, [len(rows) > 0 for rows in shards])
         loss_sum = float(sum(l for l, _ in losses))
         correct = int(sum(c for _, c in losses))
         if not np.isfinite(loss_sum):
@@ -628,19 +619,26 @@ class Pipeline(SplitModel):
         return loss_sum, correct
 
 
+def reduce_over_copies(copies, ran):
+    """Data parallelism over copies of a split network (one list of models per
+    copy, in the same order): a copy that saw no samples this step adds nothing,
+    each model's gradients are summed over its copies (dp.all_reduce, data
+    parallelism's collective), and BatchNorm's running statistics become the
+    mean over the copies that saw samples (as MirroredStrategy's replicas do)."""
+    from .parallel import all_reduce
 
-def average_state(groups, ran):
-    """Data parallelism over copies of a split network (rows of models, one row
-    per copy): BatchNorm's running statistics of each model become the mean over
-    the copies that saw samples this step (as MirroredStrategy's replicas do),
-    so that every copy holds the same."""
+    for models, did in zip(copies, ran):
+        if not did:
+            for m in models:
+                m.zero_grads()
     ran = [r for r, did in enumerate(ran) if did]
-    for i in range(len(groups[0])):
-        if not len(groups[0][i].state_layout()):
+    for i in range(len(copies[0])):
+        all_reduce([models[i].grads_tensor() for models in copies])
+        if not len(copies[0][i].state_layout()):
             continue
-        mean = np.mean(np.stack([groups[r][i].get_state() for r in ran]), axis=0, dtype=np.float64)
-        for row in groups:
-            row[i].set_state(mean.astype(np.float32))
+        mean = np.mean(np.stack([copies[r][i].get_state() for r in ran]), axis=0, dtype=np.float64)
+        for models in copies:
+            models[i].set_state(mean.astype(np.float32))
 
 
 def hand_over(devices):

@@ -40,7 +40,7 @@ import numpy as np
 
 from . import _core
 from .devices import check_device, device_gpu, device_index, device_kind, device_threads
-from .pipeline import SplitModel, _shapes, average_state, find_nonfinite_on_cpu, layer_sources
+from .pipeline import SplitModel, _shapes, find_nonfinite_on_cpu, layer_sources, reduce_over_copies
 
 SPLIT_OUT = ("conv2d", "dense")           # output channels / features split
 CHANNELWISE = ("batchnorm", "relu", "avgpool", "maxpool", "global_avgpool")   # each device its channel slice
@@ -321,10 +321,8 @@ class TensorParallel(SplitModel):
             try:
                 if len(rows):
                     results[g] = self._forward_backward(X[rows], y[rows], g, N)
-                else:  # fewer samples than copies: this copy adds nothing
+                else:  # fewer samples than copies: reduce_over_copies zeroes its gradients
                     results[g] = (0.0, 0)
-                    for m in (m for row in self.groups[g] for m in row):
-                        m.zero_grads()
             except BaseException as e:  # noqa: B902 - raised in the caller's thread below
                 errors.append((g, e))
 
@@ -346,14 +344,8 @@ class TensorParallel(SplitModel):
                                      f"step applied no update: the parameters, momentum and BatchNorm statistics are "
                                      f"those of the last finite step")
         if R > 1:
-            # each slice's gradients summed over its copies (dp.all_reduce: data parallelism's collective),
-            # BatchNorm's running statistics averaged over the copies that saw samples
-            from .parallel import all_reduce
-
-            for j, row in enumerate(self.models):
-                for d in range(len(row)):
-                    all_reduce([rows[j][d].grads_tensor() for rows in self.groups])
-            average_state([[m for row in rows for m in row] for rows in self.groups], [len(r) > 0 for r in shards])
+            reduce_over_copies([[m for row in rows for m in row] for rows in self.groups],
+                               [len(r) > 0 for r in shards])
         for m in self.all_models():
             m.sgd_step(lr, momentum, weight_decay)
         return loss, correct
