@@ -1,7 +1,8 @@
-"""Thread placement A/B (issue 14): does pinning each replica's threads to its
+"""Environment A/B (issue 14): does pinning each replica's threads to its
 cores, or OpenMP's wait policy or binding, change dpcore's CPU training speed,
 and do 2 replicas on 2 cores reach 1.8x one replica on one core by the median
-of rounds?
+of rounds? The same harness times the fusion of ReLU and average pooling
+against the two ops run apart (DPCORE_FUSE=0).
 
     python benchmarks/bench_threads.py [--steps 15] [--rounds 3] [--write]
 
@@ -30,7 +31,7 @@ import warnings
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_lenet_cpu import command_line, machine_info, publish  # noqa: E402
 
-SECTION_TITLE = "## Thread placement A/B: OpenMP wait policy and binding (LeNet, CPU)"
+SECTION_TITLE = "## Environment A/B: thread placement, OpenMP wait policy and binding, ReLU + pooling fusion (LeNet, CPU)"
 
 CONFIGS = {
     "default: no pinning, libgomp's own wait policy (spin a while, then sleep)": {},
@@ -38,6 +39,7 @@ CONFIGS = {
     "OMP_WAIT_POLICY=passive": {"OMP_WAIT_POLICY": "passive"},
     "OMP_WAIT_POLICY=active": {"OMP_WAIT_POLICY": "active"},
     "OMP_PROC_BIND=close, OMP_PLACES=cores": {"OMP_PROC_BIND": "close", "OMP_PLACES": "cores"},
+    "DPCORE_FUSE=0 (ReLU and average pooling as two ops, not fused)": {"DPCORE_FUSE": "0"},
 }
 
 
@@ -91,7 +93,7 @@ def main(argv=None):
         order = names if r % 2 == 0 else list(reversed(names))
         for name in order:
             env = {k: v for k, v in os.environ.items()
-                   if not k.startswith(("OMP_WAIT", "OMP_PROC", "OMP_PLACES", "DPCORE_PIN"))}
+                   if not k.startswith(("OMP_WAIT", "OMP_PROC", "OMP_PLACES", "DPCORE_PIN", "DPCORE_FUSE"))}
             env.update(CONFIGS[name])
             out = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", "--steps", str(args.steps)],
                                  env=env, capture_output=True, text=True, check=True)
@@ -107,7 +109,7 @@ def main(argv=None):
              f"- setup: LeNet, Fashion-MNIST batches of 256, {args.steps} timed steps per subprocess after 2 warm-up "
              f"steps, {args.rounds} rounds of fresh subprocesses (configurations alternating); median over all "
              "timed steps", "",
-             "| OpenMP environment | one device (all cores), ms | one replica on one core, ms | 2 replicas, ms | "
+             "| environment | one device (all cores), ms | one replica on one core, ms | 2 replicas, ms | "
              "2 replicas / one replica on one core (images/s, medians) |", "|---|---|---|---|---|"]
     for name in names:
         med = {w: statistics.median(samples[name][w]) for w in whats}

@@ -107,6 +107,15 @@ struct dp_backend {
                                              float *y);
   DP_MUST_CHECK dp_status (*avgpool_backward)(dp_device *dev, const dp_pool_geom *g, int64_t N, const float *dy,
                                               float *dx);
+  /* A ReLU whose only reader is an average pooling, as one pass over each
+   * plane (the memory the two ops would move twice is read once while it is
+   * in cache): r (N,C,H,W) = relu(x), y = avgpool(r); then
+   * dx = relu_backward(r, avgpool_backward(dy)) without writing the ReLU's
+   * output gradient. The results are the separate ops' bit for bit. */
+  DP_MUST_CHECK dp_status (*relu_avgpool_forward)(dp_device *dev, const dp_pool_geom *g, int64_t N, const float *x,
+                                                  float *r, float *y);
+  DP_MUST_CHECK dp_status (*avgpool_relu_backward)(dp_device *dev, const dp_pool_geom *g, int64_t N, const float *r,
+                                                   const float *dy, float *dx);
   /* arg (N,C,OH,OW) receives the winner's offset within its input plane */
   DP_MUST_CHECK dp_status (*maxpool_forward)(dp_device *dev, const dp_pool_geom *g, int64_t N, const float *x, float *y,
                                              int32_t *arg);

@@ -799,6 +799,83 @@ static dp_status cpu_avgpool_backward(dp_device *dev, const dp_pool_geom *g, int
   return DP_OK;
 }
 
+/* ReLU + average pooling fused (backend.h): each plane's ReLU is written and
+ * then pooled while it is in cache, and backward writes dx from dy and the
+ * ReLU's output directly; the arithmetic is the separate ops', in their
+ * order, so the results are theirs bit for bit (tests/test_fusion.py). */
+static void relu_plane(int64_t n, const float *restrict x, float *restrict r) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) r[i] = dp_relu_forward_elem(x[i]);
+}
+
+static void avgpool_plane_forward(const dp_pool_geom *g, const float *x, float *y) {
+  if (pool_is_2x2(g)) {
+    avgpool_forward_2x2(g, x, y);
+    return;
+  }
+  for (int oh = 0; oh < g->OH; ++oh)
+    for (int ow = 0; ow < g->OW; ++ow) y[oh * g->OW + ow] = dp_avgpool_forward_at(x, g, oh, ow);
+}
+
+static dp_status cpu_relu_avgpool_forward(dp_device *dev, const dp_pool_geom *g, int64_t N, const float *x, float *r,
+                                          float *y) {
+  const int64_t planes = N * g->C, in_sz = (int64_t)g->H * g->W, out_sz = (int64_t)g->OH * g->OW;
+#pragma omp parallel for num_threads(dev->nthreads) schedule(static) if (planes * in_sz > 32768)
+  for (int64_t p = 0; p < planes; ++p) {
+    relu_plane(in_sz, x + p * in_sz, r + p * in_sz);
+    avgpool_plane_forward(g, r + p * in_sz, y + p * out_sz);
+  }
+  return DP_OK;
+}
+
+/* avgpool_backward_2x2 with each value passed through the ReLU's backward */
+static void avgpool_relu_backward_2x2(const dp_pool_geom *g, const float *restrict r, const float *restrict dy,
+                                      float *restrict dx) {
+  const float inv = 1.0f / (2.0f * 2.0f);
+  for (int oh = 0; oh < g->OH; ++oh) {
+    const float *src = dy + (int64_t)oh * g->OW;
+    const int64_t row = (int64_t)2 * oh * g->W;
+    const float *r0 = r + row, *r1 = r0 + g->W;
+    float *d0 = dx + row, *d1 = d0 + g->W;
+    for (int ow = 0; ow < g->OW; ++ow) {
+      const float v = (0.0f + src[ow]) * inv;
+      d0[2 * ow] = dp_relu_backward_elem(r0[2 * ow], v);
+      d0[2 * ow + 1] = dp_relu_backward_elem(r0[2 * ow + 1], v);
+      d1[2 * ow] = dp_relu_backward_elem(r1[2 * ow], v);
+      d1[2 * ow + 1] = dp_relu_backward_elem(r1[2 * ow + 1], v);
+    }
+    for (int w = 2 * g->OW; w < g->W; ++w) {
+      d0[w] = dp_relu_backward_elem(r0[w], 0.0f);
+      d1[w] = dp_relu_backward_elem(r1[w], 0.0f);
+    }
+  }
+  for (int64_t i = (int64_t)2 * g->OH * g->W; i < (int64_t)g->H * g->W; ++i) dx[i] = dp_relu_backward_elem(r[i], 0.0f);
+}
+
+static dp_status cpu_avgpool_relu_backward(dp_device *dev, const dp_pool_geom *g, int64_t N, const float *r,
+                                           const float *dy, float *dx) {
+  const int64_t planes = N * g->C, in_sz = (int64_t)g->H * g->W, out_sz = (int64_t)g->OH * g->OW;
+  if (pool_is_2x2(g)) {
+#pragma omp parallel for num_threads(dev->nthreads) schedule(static) if (planes * in_sz > 32768)
+    for (int64_t p = 0; p < planes; ++p) avgpool_relu_backward_2x2(g, r + p * in_sz, dy + p * out_sz, dx + p * in_sz);
+    return DP_OK;
+  }
+  pool_tables t;
+  DP_TRY(pool_tables_make(g, &t));
+#pragma omp parallel for num_threads(dev->nthreads) schedule(static) if (planes * in_sz > 32768)
+  for (int64_t p = 0; p < planes; ++p) {
+    const float *rp = r + p * in_sz;
+    float *dxp = dx + p * in_sz;
+    for (int h = 0; h < g->H; ++h)
+      for (int w = 0; w < g->W; ++w) {
+        const float v = dp_avgpool_backward_at(dy + p * out_sz, g, t.h_lo[h], t.h_hi[h], t.w_lo[w], t.w_hi[w]);
+        dxp[h * g->W + w] = dp_relu_backward_elem(rp[h * g->W + w], v);
+      }
+  }
+  pool_tables_free(&t);
+  return DP_OK;
+}
+
 static dp_status cpu_maxpool_forward(dp_device *dev, const dp_pool_geom *g, int64_t N, const float *x, float *y,
                                      int32_t *arg) {
   const int64_t planes = N * g->C, in_sz = (int64_t)g->H * g->W, out_sz = (int64_t)g->OH * g->OW;
@@ -1043,6 +1120,8 @@ static const dp_backend cpu_backend = {
     .relu_backward = cpu_relu_backward,
     .avgpool_forward = cpu_avgpool_forward,
     .avgpool_backward = cpu_avgpool_backward,
+    .relu_avgpool_forward = cpu_relu_avgpool_forward,
+    .avgpool_relu_backward = cpu_avgpool_relu_backward,
     .maxpool_forward = cpu_maxpool_forward,
     .maxpool_backward = cpu_maxpool_backward,
     .softmax_xent = cpu_softmax_xent,

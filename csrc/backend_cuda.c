@@ -634,6 +634,21 @@ static dp_status cuda_avgpool_backward(dp_device *dev, const dp_pool_geom *g, in
   return DP_OK;
 }
 
+/* The fused pair as the two kernels in turn: on a GPU both are launches on
+ * one stream and cuDNN-free, so this keeps the table's promise (the separate
+ * ops' results) without a kernel of its own; the pass it saves is the CPU's. */
+static dp_status cuda_relu_avgpool_forward(dp_device *dev, const dp_pool_geom *g, int64_t N, const float *x, float *r,
+                                           float *y) {
+  DP_TRY(cuda_relu_forward(dev, N * g->C * (int64_t)g->H * g->W, x, r));
+  return cuda_avgpool_forward(dev, g, N, r, y);
+}
+
+static dp_status cuda_avgpool_relu_backward(dp_device *dev, const dp_pool_geom *g, int64_t N, const float *r,
+                                            const float *dy, float *dx) {
+  DP_TRY(cuda_avgpool_backward(dev, g, N, dy, dx));
+  return cuda_relu_backward(dev, N * g->C * (int64_t)g->H * g->W, r, dx, dx); /* element-wise: in place is safe */
+}
+
 static dp_status cuda_maxpool_forward(dp_device *dev, const dp_pool_geom *g, int64_t N, const float *x, float *y,
                                       int32_t *arg) {
   CUDA_ENTER(dev, c);
@@ -944,6 +959,8 @@ static const dp_backend cuda_backend = {
     .relu_backward = cuda_relu_backward,
     .avgpool_forward = cuda_avgpool_forward,
     .avgpool_backward = cuda_avgpool_backward,
+    .relu_avgpool_forward = cuda_relu_avgpool_forward,
+    .avgpool_relu_backward = cuda_avgpool_relu_backward,
     .maxpool_forward = cuda_maxpool_forward,
     .maxpool_backward = cuda_maxpool_backward,
     .softmax_xent = cuda_softmax_xent,

@@ -45,6 +45,8 @@ typedef struct dp_layer {
   int64_t b_off, b_len;
   int64_t state_off;        /* batchnorm: running mean (C) then running var (C) in m->state */
   float eps, momentum;      /* batchnorm */
+  int fused;                /* set by dp_model_finalize: a relu whose one reader, the next layer, is an
+                             * avgpool; the two run as one op (backend.h: relu_avgpool_forward) */
 } dp_layer;
 
 #define DP_LAYER_MAX_ARGS 4

@@ -292,6 +292,25 @@ static dp_status alloc_flat_buffers(dp_model *m, int64_t max_state) {
   return DP_OK;
 }
 
+/* Marks each relu whose output only the next layer, an avgpool, reads: the
+ * two run as one op (backend.h), which writes the relu's output but not its
+ * output gradient. DPCORE_FUSE=0 in the environment turns this off (the
+ * A/B of benchmarks/bench_layers.py; tests/test_fusion.py). */
+static void mark_fusions(dp_model *m) {
+  const char *env = getenv("DPCORE_FUSE");
+  const int on = !(env && strcmp(env, "0") == 0);
+  for (int i = 0; i < m->nlayers; ++i) {
+    dp_layer *l = &m->layers[i];
+    l->fused = 0;
+    if (!on || l->kind != DP_LAYER_RELU || i + 1 >= m->nlayers) continue;
+    const dp_layer *next = &m->layers[i + 1];
+    if (next->kind != DP_LAYER_AVGPOOL || next->src != i) continue;
+    int readers = 0;
+    for (int j = 0; j < m->nlayers; ++j) readers += (m->layers[j].src == i) + (m->layers[j].src2 == i);
+    l->fused = readers == 1;
+  }
+}
+
 dp_status dp_model_finalize(dp_model *m) {
   if (m->finalized) return DP_OK;
   if (m->nlayers == 0) return DP_FAIL(DP_ERR_VALUE, "a model needs at least one layer");
@@ -323,6 +342,7 @@ dp_status dp_model_finalize(dp_model *m) {
                    "supported", (long long)off, (long long)state, DP_MAX_PARAMS);
   m->nparams = off;
   m->nstate = state;
+  mark_fusions(m);
   /* a failure leaves no buffer behind, so that finalize may be called again */
   dp_status st = alloc_flat_buffers(m, max_state);
   if (st != DP_OK) free_flat_buffers(m);
@@ -535,6 +555,12 @@ static dp_status forward(dp_model *m, int64_t N, const dp_collective *coll) {
         DP_TRY(be->dense_forward(dev, N, l->in_c, l->out_c, x, m->params + l->w_off, m->params + l->b_off, y));
         break;
       case DP_LAYER_RELU:
+        if (l->fused && !m->unfused) { /* and the avgpool after it */
+          const dp_pool_geom g = pool_geom(&m->layers[i + 1]);
+          DP_TRY(be->relu_avgpool_forward(dev, &g, N, x, y, m->acts[i + 1]));
+          ++i;
+          break;
+        }
         DP_TRY(be->relu_forward(dev, N * layer_out_size(l), x, y));
         break;
       case DP_LAYER_AVGPOOL:
@@ -651,6 +677,18 @@ static dp_status backward(dp_model *m, int64_t N, const dp_collective *coll) {
       case DP_LAYER_AVGPOOL:
       case DP_LAYER_MAXPOOL: {
         dp_pool_geom g = pool_geom(l);
+        const dp_layer *relu = i > 0 ? &m->layers[i - 1] : NULL;
+        if (relu && relu->fused && !m->unfused) {
+          /* straight to the relu's input: its output gradient is never written
+           * (dready stays 0, and its own turn below only reports it done) */
+          float *rdx = gradient_target(m, relu->src);
+          if (rdx) {
+            DP_TRY(be->avgpool_relu_backward(dev, &g, N, m->acts[i - 1], dy, rdx));
+            DP_TRY(gradient_delivered(m, relu->src, N));
+          }
+          DP_TRY(dp_collective_grad_ready(coll, i));
+          continue;
+        }
         if (!dx) break;
         if (l->kind == DP_LAYER_AVGPOOL)
           DP_TRY(be->avgpool_backward(dev, &g, N, dy, dx));
@@ -858,7 +896,9 @@ dp_status dp_model_find_nonfinite(dp_model *m, const dp_batch *b, int *layer, in
   if (!tmp) return DP_FAIL(DP_ERR_MEMORY, "check_numerics: cannot allocate %lld floats", (long long)most);
   float *state = tmp + most; /* the running statistics the diagnosis must not change */
   dp_status st = dp_model_get_state(m, state);
+  m->unfused = 1; /* every layer's output gradient written, for the scan */
   if (st == DP_OK) st = dp_model_forward_backward_loaded(m, b->n, 1.0f / (float)b->n, NULL, NULL, NULL);
+  m->unfused = 0;
   if (st == DP_OK) st = scan_nonfinite(m, b->n, tmp, layer, what);
   const dp_status restored = dp_model_set_state(m, state);
   free(tmp);

@@ -29,6 +29,7 @@ typedef struct dp_model {
   int in_c, in_h, in_w;
   int next_src;             /* source of the next layer added; DP_SRC_PREVIOUS by default */
   int finalized;
+  int unfused;              /* run every layer on its own (check_numerics: each layer's output gradient is kept) */
   int64_t nparams;
   float *params, *grads, *velocity;  /* flat, (nparams), device memory; grads has one float more: */
   /* grads[nparams] is the loss flag of the last training forward pass

@@ -738,6 +738,16 @@ static PyObject *Model_get_nparams(ModelObject *self, void *c) {
 static PyObject *Model_get_num_classes(ModelObject *self, void *c) {
   return self->model ? PyLong_FromLong(dp_model_num_classes(self->model)) : PyLong_FromLong(0);
 }
+static PyObject *Model_get_fused_layers(ModelObject *self, void *c) {
+  PyObject *out = PyList_New(0);
+  for (int i = 0; out && self->model && i < self->model->nlayers; ++i) {
+    if (!self->model->layers[i].fused) continue;
+    PyObject *pair = Py_BuildValue("(ii)", i, i + 1);
+    if (!pair || PyList_Append(out, pair) < 0) Py_CLEAR(out);
+    Py_XDECREF(pair);
+  }
+  return out;
+}
 static PyObject *Model_get_threads(ModelObject *self, void *c) {
   return PyLong_FromLong(self->device ? self->device->nthreads : 0);
 }
@@ -803,6 +813,8 @@ static PyGetSetDef Model_getset[] = {
      "device bytes of every activation set allocated (a pipeline stage keeps one per micro-batch in flight)", NULL},
     {"num_classes", (getter)Model_get_num_classes, NULL, "width of the logits", NULL},
     {"threads", (getter)Model_get_threads, NULL, "cores the model's device uses", NULL},
+    {"fused_layers", (getter)Model_get_fused_layers, NULL,
+     "[(relu, avgpool)]: the layer pairs run as one op (DPCORE_FUSE=0 when the model was built: none)", NULL},
     {"device", (getter)Model_get_device, NULL, "device name", NULL},
     {"input_shape", (getter)Model_get_input_shape, NULL, "(C, H, W)", NULL},
     {NULL, NULL, NULL, NULL, NULL}};
