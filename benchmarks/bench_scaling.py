@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Data-parallel scaling of LeNet training on the CPU, and the fixed cost of one step.
+"""Data-parallel scaling of LeNet (or ResNet-18) training on the CPU, and the fixed cost of one step.
 
 (a) Throughput (images/s) of LeNet training steps at the same per-replica batch B
     (default 128), each configuration in a fresh subprocess of this script
@@ -22,6 +22,15 @@
     process CPU time over the timed steps / wall time ("cores busy"), which shows
     whether a configuration really had the cores it was given on this shared machine.
     Goal: 2rep >= 1.8x 1rep-1core.
+
+    Each run also measures its floor (benchmarks/floor.py), after its timed steps and with
+    its own thread count: the network's counted training FLOPs per image over the SGEMM
+    rate of dpcore's BLAS on that many threads (the pair: the sum of its two one-thread
+    rates). "time / floor" = floor images/s over measured images/s: 1.0 would be every
+    multiply at the large-SGEMM rate.
+
+    --model resnet18 runs part (a) on ResNet-18 (28x28 inputs, default per-replica batch 16,
+    3 warm-up + 8 timed steps, 3 rounds) into a section of its own.
 
 (b) The fixed cost of a step: tiny batches (1 and 4 samples) on 1 replica (1 thread)
     and on 2 replicas (1 thread each), in one subprocess. Per call, best of --fixed-repeats
@@ -48,7 +57,9 @@ Usage (from the repository root):
 
     .venv/bin/python benchmarks/bench_scaling.py             # (a) and (b), print tables
     .venv/bin/python benchmarks/bench_scaling.py --write     # ... and update RESULTS.md
-    .venv/bin/python benchmarks/bench_scaling.py --quick     # smoke run: 1 round of 10 steps, short loops
+    .venv/bin/python benchmarks/bench_scaling.py --quick     # smoke run: 1 round of 10 steps, short loops, a
+                                                             # rough floor (a 512^3 SGEMM)
+    .venv/bin/python benchmarks/bench_scaling.py --model resnet18 --part a --write
     options: --part a|b|both  --batch B (per replica, default 128)  --steps S  --warmup W
              --rounds R  --min-seconds T (part b)  --data real|synthetic  --data-dir DIR
              --quiet-budget S  --results PATH
@@ -76,6 +87,8 @@ from bench_lenet_cpu import command_line, default_threads, import_dpcore_or_exit
 DEFAULT_RESULTS = os.path.join(HERE, "RESULTS.md")
 DEFAULT_DATA_DIR = "/usr/share/datasets/fashion-mnist"
 SECTION_TITLE = "## Scaling and fixed cost (LeNet, CPU)"
+RESNET_SECTION_TITLE = "## Scaling (ResNet-18, CPU)"
+MODEL_NAMES = {"lenet": "LeNet", "resnet18": "ResNet-18"}
 RESULT_MARKER = "BENCH_RESULT "
 EXIT_DPCORE_MISSING = 2
 LR = 0.2
@@ -145,7 +158,7 @@ def child_throughput(args):
     ndev, devices, mult = CONFIGS[args.config]
     dp.set_logical_devices("cpu", ndev)
     batch = args.batch * mult
-    net = dp.models.LeNet(seed=0, devices=devices)
+    net = (dp.models.ResNet18 if args.model == "resnet18" else dp.models.LeNet)(seed=0, devices=devices)
     threads = [r.threads for r in net._replicas]
     batches, source = make_batches(dp, batch, args.warmup + args.steps, args.data, args.data_dir)
     for X, y in batches[:args.warmup]:
@@ -166,7 +179,11 @@ def child_throughput(args):
     cpu = time.process_time() - c0
     others = window.measure()
     step_times.sort()
-    return {"config": args.config, "devices": devices, "threads": threads, "batch": batch,
+    import floor  # benchmarks/floor.py: this run's own thread count, after its timed steps
+    gflops = (floor.sgemm_gflops(threads=sum(threads), repeats=3) if not args.quick_floor else
+              floor.sgemm_gflops(n=512, threads=sum(threads), repeats=1, min_seconds=0.02))
+    floor_ips = gflops * 1e9 / floor.training_flops_per_image(net)
+    return {"config": args.config, "sgemm_gflops": gflops, "floor_ips": floor_ips, "devices": devices, "threads": threads, "batch": batch,
             "steps": len(timed), "seconds": wall, "ips": batch * len(timed) / wall, "cores_busy": cpu / wall,
             "median_step_ms": 1e3 * step_times[len(step_times) // 2], "data": source,
             "others_cores": None if others is None else others[0],
@@ -277,9 +294,10 @@ def run_child(args):
 
 def child_cmd(args, extra, waited=0.0):
     return [sys.executable, os.path.abspath(__file__)] + list(extra) + [
-        "--batch", str(args.batch), "--steps", str(args.steps), "--warmup", str(args.warmup),
+        "--model", args.model, "--batch", str(args.batch), "--steps", str(args.steps), "--warmup", str(args.warmup),
         "--data", args.data, "--data-dir", args.data_dir, "--min-seconds", str(args.min_seconds),
-        "--fixed-repeats", str(args.fixed_repeats), "--quiet-budget", str(max(0.0, args.quiet_budget - waited))]
+        "--fixed-repeats", str(args.fixed_repeats), "--quiet-budget", str(max(0.0, args.quiet_budget - waited))] + (
+        ["--quick-floor"] if args.quick else [])
 
 
 def parse_result(rc, stdout, extra):
@@ -316,6 +334,7 @@ def spawn_pair(args):
     a, b = res[0][0], res[1][0]
     return dict(a, config=PAIR, threads=a["threads"] + b["threads"], batch=a["batch"] + b["batch"],
                 ips=a["ips"] + b["ips"], seconds=max(a["seconds"], b["seconds"]),
+                sgemm_gflops=a["sgemm_gflops"] + b["sgemm_gflops"], floor_ips=a["floor_ips"] + b["floor_ips"],
                 cores_busy=a["cores_busy"] + b["cores_busy"],
                 median_step_ms=max(a["median_step_ms"], b["median_step_ms"]),
                 others_cores=None if others is None else others[0], procs=2), 0
@@ -362,16 +381,17 @@ def best_run(rs):
 def throughput_table(runs):
     base = best_run(runs["1rep-1core"])["ips"]
     rows = ["| configuration | replicas x threads | global batch | images/s (best) | vs 1rep-1core "
+            "| floor images/s (SGEMM GFLOP/s) | time / floor "
             "| cores busy (best run) | others' cores (best run) | median step ms (best run) "
             "| images/s, every round (others' cores; * = contended) |",
-            "|---|---|---|---|---|---|---|---|---|"]
+            "|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, rs in runs.items():
         b = best_run(rs)
         layout = ("2 procs x 1" if b.get("procs") else
                   "%d x %s" % (len(b["threads"]), "/".join(map(str, b["threads"]))))
-        rows.append("| %s | %s | %s | %.0f | %.2fx | %.2f | %s | %.1f | %s |" % (
+        rows.append("| %s | %s | %s | %.0f | %.2fx | %.0f (%.0f) | %.2fx | %.2f | %s | %.1f | %s |" % (
             name, layout, "2 x %d" % (b["batch"] // 2) if b.get("procs") else b["batch"], b["ips"], b["ips"] / base,
-            b["cores_busy"], fmt2(b["others_cores"]), b["median_step_ms"],
+            b["floor_ips"], b["sgemm_gflops"], b["floor_ips"] / b["ips"], b["cores_busy"], fmt2(b["others_cores"]), b["median_step_ms"],
             ", ".join("%.0f (%s)%s" % (r["ips"], fmt2(r["others_cores"]), "" if clean(r) else "*") for r in rs)))
     return "\n".join(rows)
 
@@ -463,9 +483,13 @@ def fmt_us(x):
     return "-" if x is None else "%.0f" % x
 
 
+def section_title(args):
+    return RESNET_SECTION_TITLE if args.model == "resnet18" else SECTION_TITLE
+
+
 def section_text(args, runs, fx, load_before, load_after, others, wall):
     lines = [
-        SECTION_TITLE,
+        section_title(args),
         "",
         "- date: %s" % datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "- machine: %s" % machine_info(),
@@ -481,14 +505,18 @@ def section_text(args, runs, fx, load_before, load_after, others, wall):
             "",
             "### (a) Throughput at the same per-replica batch (%d)" % args.batch,
             "",
-            "- LeNet, plain SGD lr %g, %s batches (uint8) prepared before timing; %d warm-up + %d timed "
+            "- %s, plain SGD lr %g, %s batches (uint8) prepared before timing; %d warm-up + %d timed "
             "`net.train_step(X, y, lr)` calls per run; each run a fresh subprocess (OMP_NUM_THREADS="
             "OPENBLAS_NUM_THREADS=%d in all; dpcore gives each replica thread its device's share); %d rounds, "
-            "order rotating" % (LR, data, args.warmup, args.steps, default_threads(), args.rounds),
-            "- 1rep-1core: `set_logical_devices('cpu', 2)`, `LeNet(devices=['cpu:0'])`; 2rep: the same 2 devices, "
+            "order rotating" % (MODEL_NAMES[args.model], LR, data, args.warmup, args.steps, default_threads(),
+                                args.rounds),
+            "- floor: the network's counted training FLOPs per image (benchmarks/floor.py) at the SGEMM rate of "
+            "dpcore's BLAS with the run's own threads, measured by each run after its timed steps; time / floor = "
+            "floor images/s / measured images/s",
+            "- 1rep-1core: `set_logical_devices('cpu', 2)`, `%s(devices=['cpu:0'])`; 2rep: the same 2 devices, "
             "both replicas; 1rep-2core: one device with both cores; 2procs-1core: two 1rep-1core processes at once "
             "(timed steps started together, images/s summed): no synchronisation at all, the machine's ceiling "
-            "for 2rep",
+            "for 2rep" % dict(lenet="LeNet", resnet18="ResNet18")[args.model],
             "- cores busy: the child's CPU time / wall time over the timed steps; others' cores: what other "
             "processes used meanwhile (/proc/stat busy time minus the child's); before each round the parent "
             "waited for < 0.2 others' cores (budget %.0f s in all); runs with others' cores >= %.2f are "
@@ -526,7 +554,6 @@ def section_text(args, runs, fx, load_before, load_after, others, wall):
 
 def run_parent(args):
     if args.quick:
-        args.steps, args.warmup, args.rounds = 10, 2, 1
         args.min_seconds, args.fixed_repeats, args.quiet_budget = 0.03, 1, 0.0
     from bench_allreduce import CpuWindow, QuietWaiter  # (sets OPENBLAS_NUM_THREADS=1 here; child_env() overrides)
     load_before = "%.2f" % os.getloadavg()[0]
@@ -535,7 +562,7 @@ def run_parent(args):
     t0 = time.perf_counter()
     runs = fx = None
     if args.part in ("a", "both"):
-        log("(a) LeNet throughput, per-replica batch %d, %d+%d steps, %d round(s)" % (
+        log("(a) " + MODEL_NAMES[args.model] + " throughput, per-replica batch %d, %d+%d steps, %d round(s)" % (
             args.batch, args.warmup, args.steps, args.rounds))
         runs, rc = run_throughput(args, quiet)
         if runs is None:
@@ -567,11 +594,11 @@ def run_parent(args):
         print()
     print("load average before / after: %s / %s; %s; %.0f s" % (load_before, load_after, others, wall))
     if args.write:
-        if args.part != "both":
+        if args.part != "both" and args.model == "lenet":
             log("--write needs --part both (the section holds both tables)")
             return 1
         from bench_lenet_cpu import replace_section
-        replace_section(args.results, SECTION_TITLE,
+        replace_section(args.results, section_title(args),
                         section_text(args, runs, fx, load_before, load_after, others, wall))
         print("updated %s" % args.results)
     return 0
@@ -581,10 +608,11 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     ap.add_argument("--part", choices=("a", "b", "both"), default="both")
-    ap.add_argument("--batch", type=int, default=128, help="per-replica batch (default 128)")
-    ap.add_argument("--steps", type=int, default=40, help="timed steps per run (default 40)")
-    ap.add_argument("--warmup", type=int, default=5, help="untimed steps first (default 5)")
-    ap.add_argument("--rounds", type=int, default=5, help="runs per configuration (default 5)")
+    ap.add_argument("--model", choices=tuple(MODEL_NAMES), default="lenet")
+    ap.add_argument("--batch", type=int, default=None, help="per-replica batch (default 128; resnet18: 16)")
+    ap.add_argument("--steps", type=int, default=None, help="timed steps per run (default 40; resnet18: 8)")
+    ap.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 5; resnet18: 3)")
+    ap.add_argument("--rounds", type=int, default=None, help="runs per configuration (default 5; resnet18: 3)")
     ap.add_argument("--min-seconds", type=float, default=0.05, help="part (b): seconds per loop (default 0.05)")
     ap.add_argument("--fixed-repeats", type=int, default=8, help="part (b): loops per number (default 8)")
     ap.add_argument("--data", choices=("real", "synthetic"), default="real")
@@ -598,7 +626,19 @@ def main(argv=None):
     ap.add_argument("--child", choices=("throughput", "fixed"), help=argparse.SUPPRESS)
     ap.add_argument("--config", choices=tuple(CONFIGS), help=argparse.SUPPRESS)
     ap.add_argument("--start-at", type=float, help=argparse.SUPPRESS)
+    ap.add_argument("--quick-floor", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    defaults = dict(batch=16, steps=8, warmup=3, rounds=3) if args.model == "resnet18" else \
+        dict(batch=128, steps=40, warmup=5, rounds=5)
+    if args.quick:  # what is not given explicitly
+        defaults.update(steps=10, warmup=2, rounds=1)
+    for k, v in defaults.items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    if args.model == "resnet18" and args.part != "a":
+        if args.part == "b":
+            ap.error("--part b (the fixed cost) is LeNet's")
+        args.part = "a"
     if min(args.batch, args.steps, args.rounds, args.fixed_repeats) < 1 or args.warmup < 0 or args.min_seconds <= 0:
         ap.error("--batch, --steps, --rounds, --fixed-repeats must be >= 1, --warmup >= 0, --min-seconds > 0")
     if args.child:

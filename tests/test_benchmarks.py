@@ -80,3 +80,20 @@ def test_mpi_benchmark_quick_smoke():
                  "2 processes x 1 replica / 1 process x 2 replicas:",
                  "the ranks' parameter digests agree after every run: True; parameters finite: True"):
         assert line in proc.stdout, proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("model", ["lenet", "resnet18"])
+def test_scaling_benchmark_quick_run(model):
+    """bench_scaling.py part (a) end to end on small synthetic batches: every configuration's row with
+    its floor (the network's counted FLOPs at the SGEMM rate of the run's own threads) and time / floor."""
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "bench_scaling.py"), "--quick", "--part", "a",
+           "--model", model, "--batch", "4", "--data", "synthetic", "--steps", "3", "--warmup", "1"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = {line.split(" | ")[0][2:]: line.split(" | ") for line in proc.stdout.splitlines()
+            if line.startswith("| ") and not line.startswith("| configuration")}
+    assert set(rows) == {"1rep-1core", "2rep", "1rep-2core", "2procs-1core"}, proc.stdout
+    for name, cells in rows.items():
+        floor_ips, gflops = cells[5].rstrip(")").split(" (")
+        assert float(floor_ips) > 0 and float(gflops) > 0, cells
+        assert cells[6].endswith("x") and float(cells[6][:-1]) > 0, cells
