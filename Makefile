@@ -59,6 +59,7 @@ ASAN_DESELECT := \
   --deselect tests/test_benchmarks.py::test_thread_placement_benchmark_quick_run \
   --deselect tests/test_benchmarks.py::test_pipeline_benchmark_quick_run \
   --deselect tests/test_benchmarks.py::test_scaling_benchmark_quick_run \
+  --deselect tests/test_winograd.py::test_benchmark_quick_run \
   --deselect "tests/test_pipeline.py::test_resnet_pipeline_gradient_is_the_sum_of_its_micro_batches[2-2]" \
   --deselect "tests/test_pipeline.py::test_resnet_pipeline_gradient_is_the_sum_of_its_micro_batches[2-3]" \
   --deselect "tests/test_pipeline.py::test_resnet_pipeline_gradient_is_the_sum_of_its_micro_batches[4-3]" \

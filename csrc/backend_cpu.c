@@ -20,6 +20,7 @@
 #include <string.h>
 
 #include "backend.h"
+#include "winograd.h"
 
 typedef struct cpu_ctx {
   float *scratch;        /* grows on demand; used only by the device's own thread */
@@ -503,6 +504,13 @@ static dp_status conv_direct_backward(dp_device *dev, const dp_conv_geom *g, int
 static dp_status cpu_conv2d_forward(dp_device *dev, const dp_conv_geom *g, int64_t N, const float *x, const float *w,
                                     const float *b, float *y) {
   cpu_enter(dev);
+  int winograd;
+  DP_TRY(dp_winograd_takes(g, &winograd));
+  if (winograd) {
+    float *wino;
+    DP_TRY(cpu_scratch(dev, dp_winograd_scratch_floats(g, N, dev->nthreads), &wino));
+    return dp_winograd_forward(g, N, x, w, b, y, dev->nthreads, wino);
+  }
   if (conv_is_direct(g)) return conv_direct_forward(dev, g, N, x, w, b, y);
   const int64_t K = (int64_t)g->C * g->KH * g->KW, P = (int64_t)g->OH * g->OW;
   const int64_t in_sz = (int64_t)g->C * g->H * g->W, out_sz = (int64_t)g->O * P;
@@ -561,6 +569,14 @@ static dp_conv_geom conv_dx_geom(const dp_conv_geom *g) {
 static dp_status cpu_conv2d_backward(dp_device *dev, const dp_conv_geom *g, int64_t N, const float *x, const float *w,
                                      const float *dy, float *dx, float *dw, float *db) {
   cpu_enter(dev);
+  int winograd;
+  DP_TRY(dp_winograd_takes(g, &winograd));
+  if (winograd) { /* csrc/winograd.h */
+    float *wino;
+    DP_TRY(cpu_scratch(dev, dp_winograd_scratch_floats(g, N, dev->nthreads), &wino));
+    if (dx) DP_TRY(dp_winograd_backward_dx(g, N, w, dy, dx, dev->nthreads, wino));
+    return dp_winograd_backward_dw(g, N, x, dy, dw, db, dev->nthreads, wino);
+  }
   if (conv_is_direct(g)) return conv_direct_backward(dev, g, N, x, w, dy, dx, dw, db);
   const int64_t KK = (int64_t)g->KH * g->KW, K = (int64_t)g->C * KK, P = (int64_t)g->OH * g->OW;
   const int64_t in_sz = (int64_t)g->C * g->H * g->W, out_sz = (int64_t)g->O * P;

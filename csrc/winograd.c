@@ -1,0 +1,384 @@
+/* winograd.c — Winograd F(2x2, 3x3) convolution on the CPU (see winograd.h).
+ *
+ * The transforms (Lavin and Gray, "Fast Algorithms for Convolutional Neural
+ * Networks", 2015), for a 4x4 input tile d, a 3x3 filter g, a 2x2 output y:
+ *
+ *   B^T = | 1  0 -1  0 |    G = | 1    0    0   |    A^T = | 1  1  1  0 |
+ *         | 0  1  1  0 |        | 1/2  1/2  1/2 |          | 0  1 -1 -1 |
+ *         | 0 -1  1  0 |        | 1/2 -1/2  1/2 |
+ *         | 0  1  0 -1 |        | 0    0    1   |
+ *
+ *   y = A^T [ (G g G^T) . (B^T d B) ] A   (cross-correlation, as conv2d computes)
+ *
+ * Layout: U (16, cout, cin) the transformed filter (dw: dU (16, O, C)); V
+ * (16, cin, cols) the transformed tiles of one sample or a chunk of samples
+ * (column = sample * tiles + tile row * tile columns + tile column), M (16,
+ * cout, cols) = the 16 products U_xi . V_xi (dw: W (16, O, cols) the
+ * transformed blocks of dy); a zero-bordered input plane per thread.
+ */
+#include <cblas.h>
+#include <omp.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "winograd.h"
+
+/* On or off when DPCORE_WINOGRAD is unset: the whole ResNet-18 training step's
+ * A/B (benchmarks/bench_winograd.py, benchmarks/RESULTS.md) decides. */
+#define DP_WINOGRAD_DEFAULT 1
+/* Fewer channels than this keep the GEMM path: at 32 channels in and out
+ * (batch 32, 28x28 to 7x7 planes) Winograd measured no faster than the GEMM
+ * path (the transforms' memory traffic eats the saved multiplies); at 64, 1.4x
+ * to 1.6x faster. */
+#define DP_WINOGRAD_MIN_CHANNELS 64
+/* Planes of fewer outputs than this are narrow: a chunk of samples per GEMM
+ * (backend_cpu.c's CONV_NARROW rule). */
+#define WINO_NARROW 64
+/* Narrow planes and dw: V and M (or W) of a chunk of samples at most this many
+ * floats (32 MiB; at least one sample). */
+#define WINO_CHUNK_FLOATS ((int64_t)1 << 23)
+/* The 16 matrices of U, V and M lie WINO_SKEW floats (64 bytes) further apart
+ * than their sizes: at a power-of-two distance (64 or 512 channels, 128 tile
+ * columns) the transforms' 16 streams fell in the same cache sets (that, with the
+ * planes taken sample-major, made the input transform of 256 channels at 7x7
+ * take 4.6 times as long). */
+#define WINO_SKEW 16
+
+dp_status dp_winograd_takes(const dp_conv_geom *g, int *takes) {
+  *takes = 0;
+  const char *env = getenv("DPCORE_WINOGRAD");
+  int on = DP_WINOGRAD_DEFAULT;
+  if (env && env[0]) {
+    if (strcmp(env, "1") == 0)
+      on = 1;
+    else if (strcmp(env, "0") == 0)
+      on = 0;
+    else
+      return DP_FAIL(DP_ERR_VALUE, "DPCORE_WINOGRAD must be \"0\", \"1\" or unset, got \"%.40s\"", env);
+  }
+  *takes = on && g->KH == 3 && g->KW == 3 && g->stride == 1 && g->pad == 1 && g->C >= DP_WINOGRAD_MIN_CHANNELS &&
+           g->O >= DP_WINOGRAD_MIN_CHANNELS;
+  return DP_OK;
+}
+
+/* One convolution as computed here: input (cin, h, w) -> output (cout, h, w)
+ * (3x3, stride 1, pad 1 keep the plane's size).
+ *
+ * Wide planes (h*w >= WINO_NARROW): thread t of nt takes the samples
+ * [N*t/nt, N*(t+1)/nt), one at a time, with V and M of its own (one sample
+ * per GEMM: its bits do not depend on the rest of the batch).
+ * Narrow planes: the threads together take the batch in chunks of at most
+ * `chunk` samples, all of a chunk's tiles side by side in each GEMM, the 16
+ * GEMMs dealt to the threads (each U_xi packed once, not once per thread, and
+ * 128 columns on ResNet-18's 4x4 stage at batch 32 instead of 64). */
+typedef struct wino_plan {
+  int cin, cout, h, w;
+  int th, tw, hp, wp;  /* the tile grid; the zero-bordered plane (2*th+2, 2*tw+2) */
+  int64_t tiles;       /* th*tw, one sample's */
+  int narrow;
+  int64_t chunk;       /* narrow, and dw: samples per chunk, at most */
+  int nt;              /* threads */
+  int64_t shared;      /* floats of a chunk's V and M (narrow) or V and W (dw), shared by the threads */
+  int64_t own;         /* floats of one sample's V and M (wide), a thread's own */
+  int64_t per_thread;  /* floats a thread has alone: V and M (wide), the plane; a multiple of 16 (64 bytes) */
+} wino_plan;
+
+static wino_plan wino_plan_make(int cin, int cout, int h, int w, int64_t N, int nthreads) {
+  wino_plan p;
+  p.cin = cin;
+  p.cout = cout;
+  p.h = h;
+  p.w = w;
+  p.th = (h + 1) / 2;
+  p.tw = (w + 1) / 2;
+  p.hp = 2 * p.th + 2;
+  p.wp = 2 * p.tw + 2;
+  p.tiles = (int64_t)p.th * p.tw;
+  p.nt = nthreads < 1 ? 1 : nthreads;
+  p.narrow = (int64_t)h * w < WINO_NARROW;
+  const int64_t per_sample = 16 * ((int64_t)cin + cout) * p.tiles; /* V and M, without the skews */
+  p.chunk = WINO_CHUNK_FLOATS / per_sample;
+  if (p.chunk < 1) p.chunk = 1;
+  if (p.chunk > N) p.chunk = N < 1 ? 1 : N;
+  p.shared = p.chunk * per_sample + 32 * WINO_SKEW;
+  p.own = per_sample + 32 * WINO_SKEW;
+  p.per_thread = ((p.narrow ? 0 : p.own) + (int64_t)p.hp * p.wp + 15) & ~(int64_t)15;
+  return p;
+}
+
+size_t dp_winograd_scratch_floats(const dp_conv_geom *g, int64_t N, int nthreads) {
+  if (N <= 0) return 0;
+  /* forward: C -> O; dx: O -> C; V + M hold 16*(C+O) floats a column either way */
+  const wino_plan p = wino_plan_make(g->C, g->O, g->OH, g->OW, N, nthreads);
+  return (size_t)(16 * ((int64_t)g->C * g->O + WINO_SKEW) + p.shared + p.nt * p.per_thread);
+}
+
+/* u (16) = G g G^T of the 3x3 filter g (row stride 3). */
+static void filter_tile(const float g[9], float u[16]) {
+  float t[4][3]; /* G g */
+  for (int j = 0; j < 3; ++j) {
+    t[0][j] = g[j];
+    t[1][j] = 0.5f * (g[j] + g[3 + j] + g[6 + j]);
+    t[2][j] = 0.5f * (g[j] - g[3 + j] + g[6 + j]);
+    t[3][j] = g[6 + j];
+  }
+  for (int i = 0; i < 4; ++i) {
+    u[4 * i + 0] = t[i][0];
+    u[4 * i + 1] = 0.5f * (t[i][0] + t[i][1] + t[i][2]);
+    u[4 * i + 2] = 0.5f * (t[i][0] - t[i][1] + t[i][2]);
+    u[4 * i + 3] = t[i][2];
+  }
+}
+
+/* U (16, cout, cin), matrix xi at U + xi * ustride, from w (O, C, 3, 3):
+ * forward, cout = O and cin = C; for dx (flip), cout = C and cin = O and the
+ * filter of (c, o) is w[o, c] rotated by 180 degrees. Written in U's order, a
+ * block of FILTER_BLOCK entries of each of the 16 matrices at a time (one
+ * entry of each at a time wrote 16 far-apart streams a float each). Called by
+ * every thread of a parallel region (a worksharing loop). */
+#define FILTER_BLOCK 64
+
+static void filter_transform(const float *w, int O, int C, int flip, float *U, int64_t ustride) {
+  const int64_t pairs = (int64_t)O * C, blocks = (pairs + FILTER_BLOCK - 1) / FILTER_BLOCK;
+#pragma omp for schedule(static)
+  for (int64_t blk = 0; blk < blocks; ++blk) {
+    const int64_t d0 = blk * FILTER_BLOCK, len = pairs - d0 < FILTER_BLOCK ? pairs - d0 : FILTER_BLOCK;
+    float u[16][FILTER_BLOCK];
+    for (int64_t j = 0; j < len; ++j) {
+      const int64_t d = d0 + j; /* U's column index: o*C + c, or c*O + o for dx */
+      const int64_t oc = flip ? (d % O) * C + d / O : d;
+      float g[9], t[16];
+      for (int k = 0; k < 9; ++k) g[k] = w[oc * 9 + (flip ? 8 - k : k)];
+      filter_tile(g, t);
+      for (int xi = 0; xi < 16; ++xi) u[xi][j] = t[xi];
+    }
+    for (int xi = 0; xi < 16; ++xi) memcpy(U + xi * ustride + d0, u[xi], sizeof(float) * (size_t)len);
+  }
+}
+
+/* v[xi*vstride + tile] = (B^T d B)[xi] for every tile d of one (h, w) plane
+ * src; plane: (hp, wp), its border zero (only the interior is written). */
+static void input_plane(const wino_plan *p, const float *src, float *plane, float *v, int64_t vstride) {
+  for (int i = 0; i < p->h; ++i)
+    memcpy(plane + (int64_t)(i + 1) * p->wp + 1, src + (int64_t)i * p->w, sizeof(float) * (size_t)p->w);
+  for (int ti = 0; ti < p->th; ++ti) {
+    const float *r0 = plane + (int64_t)2 * ti * p->wp, *r1 = r0 + p->wp, *r2 = r1 + p->wp, *r3 = r2 + p->wp;
+    float *vt = v + (int64_t)ti * p->tw;
+    for (int tj = 0; tj < p->tw; ++tj) {
+      const int j = 2 * tj;
+      float t[4][4]; /* B^T d: the rows combined */
+      for (int k = 0; k < 4; ++k) {
+        t[0][k] = r0[j + k] - r2[j + k];
+        t[1][k] = r1[j + k] + r2[j + k];
+        t[2][k] = r2[j + k] - r1[j + k];
+        t[3][k] = r1[j + k] - r3[j + k];
+      }
+      for (int i = 0; i < 4; ++i) {
+        vt[(4 * i + 0) * vstride + tj] = t[i][0] - t[i][2];
+        vt[(4 * i + 1) * vstride + tj] = t[i][1] + t[i][2];
+        vt[(4 * i + 2) * vstride + tj] = t[i][2] - t[i][1];
+        vt[(4 * i + 3) * vstride + tj] = t[i][1] - t[i][3];
+      }
+    }
+  }
+}
+
+/* One (h, w) output plane y = A^T m A + bias for its tiles, m[xi*mstride +
+ * tile]; outputs past the plane's edge dropped. */
+static void output_plane(const wino_plan *p, const float *m, int64_t mstride, float bias, float *y) {
+  for (int ti = 0; ti < p->th; ++ti)
+    for (int tj = 0; tj < p->tw; ++tj) {
+      const float *mt = m + (int64_t)ti * p->tw + tj;
+      float t[2][4]; /* A^T m: the rows combined */
+      for (int k = 0; k < 4; ++k) {
+        const float m0 = mt[k * mstride], m1 = mt[(4 + k) * mstride], m2 = mt[(8 + k) * mstride],
+                    m3 = mt[(12 + k) * mstride];
+        t[0][k] = m0 + m1 + m2;
+        t[1][k] = m1 - m2 - m3;
+      }
+      const int i0 = 2 * ti, j0 = 2 * tj;
+      for (int i = 0; i < 2 && i0 + i < p->h; ++i) {
+        float *row = y + (int64_t)(i0 + i) * p->w + j0;
+        row[0] = (t[i][0] + t[i][1] + t[i][2]) + bias;
+        if (j0 + 1 < p->w) row[1] = (t[i][1] - t[i][2] - t[i][3]) + bias;
+      }
+    }
+}
+
+/* M_xi (cout, cols) = U_xi (cout, cin) . V_xi (cin, cols); the matrices xi
+ * at U + xi*(cout*cin + WINO_SKEW), V + xi*(cin*cols + WINO_SKEW), M + xi*(cout*cols + WINO_SKEW) */
+static void wino_gemm(const wino_plan *p, int xi, const float *U, const float *V, float *M, int64_t cols) {
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, p->cout, (int)cols, p->cin, 1.0f,
+              U + xi * ((int64_t)p->cout * p->cin + WINO_SKEW), p->cin, V + xi * (p->cin * cols + WINO_SKEW),
+              (int)cols, 0.0f, M + xi * (p->cout * cols + WINO_SKEW), (int)cols);
+}
+
+/* out (N, cout, h, w) = the convolution of in (N, cin, h, w) with w (+ b). */
+static void wino_conv(const wino_plan *p, int64_t N, const float *in, const float *w, int flip, const float *b,
+                      float *out, float *scratch) {
+  const int64_t hw = (int64_t)p->h * p->w, in_sz = p->cin * hw, out_sz = p->cout * hw;
+  float *U = scratch;
+  const int64_t ustride = (int64_t)p->cin * p->cout + WINO_SKEW;
+  float *shared = U + 16 * ustride; /* narrow: V and M */
+  float *own = shared + p->shared;
+#pragma omp parallel num_threads(p->nt)
+  {
+    const int t = omp_get_thread_num();
+    /* O and C of the layer: forward cout = O; dx (flip) cout = C */
+    filter_transform(w, flip ? p->cin : p->cout, flip ? p->cout : p->cin, flip, U, ustride); /* ends in a barrier */
+    float *mine = own + t * p->per_thread;
+    float *plane = mine + (p->narrow ? 0 : p->own);
+    memset(plane, 0, sizeof(float) * (size_t)p->hp * (size_t)p->wp);
+    if (!p->narrow) {
+      const int64_t cols = p->tiles, vstride = p->cin * cols + WINO_SKEW, mstride = p->cout * cols + WINO_SKEW;
+      float *V = mine, *M = V + 16 * vstride;
+      for (int64_t n = N * t / p->nt; n < N * (t + 1) / p->nt; ++n) {
+        for (int c = 0; c < p->cin; ++c) input_plane(p, in + n * in_sz + c * hw, plane, V + c * cols, vstride);
+        for (int xi = 0; xi < 16; ++xi) wino_gemm(p, xi, U, V, M, cols);
+        for (int o = 0; o < p->cout; ++o)
+          output_plane(p, M + o * cols, mstride, b ? b[o] : 0.0f, out + n * out_sz + o * hw);
+      }
+    } else {
+      float *V = shared;
+      const int64_t nchunks = (N + p->chunk - 1) / p->chunk;
+      for (int64_t k = 0; k < nchunks; ++k) {
+        const int64_t n0 = N * k / nchunks, cnt = N * (k + 1) / nchunks - n0, cols = cnt * p->tiles;
+        const int64_t vstride = p->cin * cols + WINO_SKEW, mstride = p->cout * cols + WINO_SKEW;
+        float *M = V + 16 * vstride;
+        /* channel-major, so that consecutive planes fill V's rows front to back */
+#pragma omp for schedule(static)
+        for (int64_t cs = 0; cs < p->cin * cnt; ++cs) {
+          const int64_t c = cs / cnt, s = cs % cnt;
+          input_plane(p, in + (n0 + s) * in_sz + c * hw, plane, V + c * cols + s * p->tiles, vstride);
+        }
+#pragma omp for schedule(static)
+        for (int xi = 0; xi < 16; ++xi) wino_gemm(p, xi, U, V, M, cols);
+#pragma omp for schedule(static)
+        for (int64_t os = 0; os < p->cout * cnt; ++os) {
+          const int64_t o = os / cnt, s = os % cnt;
+          output_plane(p, M + o * cols + s * p->tiles, mstride, b ? b[o] : 0.0f, out + (n0 + s) * out_sz + o * hw);
+        }
+      }
+    }
+  }
+}
+
+/* w[xi*wstride + tile] = (A dY A^T)[xi] for every 2x2 block dY of one (h, w)
+ * plane of dy, zero past the plane's edge (the forward pass dropped those
+ * outputs): the gradient of the tile's M given its outputs' gradients. */
+static void dy_plane(const wino_plan *p, const float *src, float *wv, int64_t wstride) {
+  for (int ti = 0; ti < p->th; ++ti)
+    for (int tj = 0; tj < p->tw; ++tj) {
+      const int i0 = 2 * ti, j0 = 2 * tj;
+      float d[2][2];
+      for (int a = 0; a < 2; ++a)
+        for (int c = 0; c < 2; ++c)
+          d[a][c] = i0 + a < p->h && j0 + c < p->w ? src[(int64_t)(i0 + a) * p->w + j0 + c] : 0.0f;
+      float t[4][2]; /* A dY, A = A^T transposed */
+      for (int c = 0; c < 2; ++c) {
+        t[0][c] = d[0][c];
+        t[1][c] = d[0][c] + d[1][c];
+        t[2][c] = d[0][c] - d[1][c];
+        t[3][c] = -d[1][c];
+      }
+      float *wt = wv + (int64_t)ti * p->tw + tj;
+      for (int i = 0; i < 4; ++i) {
+        wt[(4 * i + 0) * wstride] = t[i][0];
+        wt[(4 * i + 1) * wstride] = t[i][0] + t[i][1];
+        wt[(4 * i + 2) * wstride] = t[i][0] - t[i][1];
+        wt[(4 * i + 3) * wstride] = -t[i][1];
+      }
+    }
+}
+
+/* dw (O, C, 3, 3) = G^T dU G of each (o, c), dU (16, O, C) at dU + xi * ustride.
+ * A worksharing loop of a parallel region. */
+static void filter_gradient(const float *dU, int64_t ustride, int64_t pairs, float *dw) {
+#pragma omp for schedule(static)
+  for (int64_t oc = 0; oc < pairs; ++oc) {
+    float u[4][4], t[3][4];
+    for (int xi = 0; xi < 16; ++xi) u[xi / 4][xi % 4] = dU[xi * ustride + oc];
+    for (int k = 0; k < 4; ++k) { /* G^T dU */
+      t[0][k] = u[0][k] + 0.5f * (u[1][k] + u[2][k]);
+      t[1][k] = 0.5f * (u[1][k] - u[2][k]);
+      t[2][k] = 0.5f * (u[1][k] + u[2][k]) + u[3][k];
+    }
+    float *g = dw + oc * 9;
+    for (int i = 0; i < 3; ++i) {
+      g[3 * i + 0] = t[i][0] + 0.5f * (t[i][1] + t[i][2]);
+      g[3 * i + 1] = 0.5f * (t[i][1] - t[i][2]);
+      g[3 * i + 2] = 0.5f * (t[i][1] + t[i][2]) + t[i][3];
+    }
+  }
+}
+
+dp_status dp_winograd_forward(const dp_conv_geom *g, int64_t N, const float *x, const float *w, const float *b,
+                              float *y, int nthreads, float *scratch) {
+  if (N <= 0) return DP_OK;
+  const wino_plan p = wino_plan_make(g->C, g->O, g->OH, g->OW, N, nthreads);
+  wino_conv(&p, N, x, w, 0, b, y, scratch);
+  return DP_OK;
+}
+
+dp_status dp_winograd_backward_dx(const dp_conv_geom *g, int64_t N, const float *w, const float *dy, float *dx,
+                                  int nthreads, float *scratch) {
+  if (N <= 0) return DP_OK;
+  const wino_plan p = wino_plan_make(g->O, g->C, g->OH, g->OW, N, nthreads);
+  wino_conv(&p, N, dy, w, 1, NULL, dx, scratch);
+  return DP_OK;
+}
+
+dp_status dp_winograd_backward_dw(const dp_conv_geom *g, int64_t N, const float *x, const float *dy, float *dw,
+                                  float *db, int nthreads, float *scratch) {
+  const int64_t pairs = (int64_t)g->O * g->C, P = (int64_t)g->OH * g->OW;
+  if (N <= 0) {
+    memset(dw, 0, sizeof(float) * (size_t)pairs * 9);
+    if (db) memset(db, 0, sizeof(float) * (size_t)g->O);
+    return DP_OK;
+  }
+  const wino_plan pl = wino_plan_make(g->C, g->O, g->OH, g->OW, N, nthreads);
+  const wino_plan *p = &pl;
+  const int64_t hw = (int64_t)p->h * p->w, in_sz = p->cin * hw, out_sz = p->cout * hw;
+  const int64_t ustride = pairs + WINO_SKEW;
+  float *dU = scratch, *V = dU + 16 * ustride, *own = V + p->shared;
+  const int64_t nchunks = (N + p->chunk - 1) / p->chunk;
+#pragma omp parallel num_threads(p->nt)
+  {
+    float *mine = own + omp_get_thread_num() * p->per_thread;
+    float *plane = mine + (p->narrow ? 0 : p->own);
+    memset(plane, 0, sizeof(float) * (size_t)p->hp * (size_t)p->wp);
+    for (int64_t k = 0; k < nchunks; ++k) {
+      const int64_t n0 = N * k / nchunks, cnt = N * (k + 1) / nchunks - n0, cols = cnt * p->tiles;
+      const int64_t vstride = p->cin * cols + WINO_SKEW, wstride = p->cout * cols + WINO_SKEW;
+      float *W = V + 16 * vstride;
+#pragma omp for schedule(static) nowait
+      for (int64_t cs = 0; cs < p->cin * cnt; ++cs) {
+        const int64_t c = cs / cnt, s = cs % cnt;
+        input_plane(p, x + (n0 + s) * in_sz + c * hw, plane, V + c * cols + s * p->tiles, vstride);
+      }
+#pragma omp for schedule(static)
+      for (int64_t os = 0; os < p->cout * cnt; ++os) {
+        const int64_t o = os / cnt, s = os % cnt;
+        dy_plane(p, dy + (n0 + s) * out_sz + o * hw, W + o * cols + s * p->tiles, wstride);
+      }
+      /* dU_xi (O, C) (+)= W_xi (O, cols) . V_xi^T (cols, C): the chunks in order, whatever the threads */
+#pragma omp for schedule(static)
+      for (int xi = 0; xi < 16; ++xi)
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, p->cout, p->cin, (int)cols, 1.0f, W + xi * wstride,
+                    (int)cols, V + xi * vstride, (int)cols, k == 0 ? 0.0f : 1.0f, dU + xi * ustride, p->cin);
+    }
+    filter_gradient(dU, ustride, pairs, dw);
+    if (db) {
+#pragma omp for schedule(static)
+      for (int o = 0; o < g->O; ++o) {
+        double sum = 0.0;
+        for (int64_t n = 0; n < N; ++n) {
+          const float *r = dy + n * out_sz + o * P;
+          for (int64_t i = 0; i < P; ++i) sum += r[i];
+        }
+        db[o] = (float)sum;
+      }
+    }
+  }
+  return DP_OK;
+}

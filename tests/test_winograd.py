@@ -1,0 +1,239 @@
+"""Winograd F(2x2, 3x3) for the CPU backend's 3x3 stride-1 pad-1 convolutions
+(csrc/winograd.c): the forward pass, dx and dw, against the float64 reference of
+tests/test_conv_cpu.py, whatever DPCORE_WINOGRAD's default is (each test sets
+the switch; the C side reads it at every call).
+
+The error bound. Every value the kernel computes is an exact expression of its
+float32 inputs whose terms each carry at most k rounding factors (1 + d_i),
+|d_i| <= u = 2^-24 (the multiplications by 1/2 in G are exact), so
+
+    |y_computed - y| <= gamma_k * S,   gamma_k = k u / (1 - k u),
+
+where S is the same expression with every coefficient and input replaced by its
+absolute value: per output, with g = w[o, c] and d the 4x4 tile of x[c],
+
+    S = |b[o]| + sum_c ( |A|^T [ (|G| |g| |G|^T) . (|B|^T |d| |B|) ] |A| )
+
+(|B|, |G|, |A|: the transforms' entries in absolute value: 0, 1/2 and 1).
+k counts the roundings on the longest path: the filter transform G g G^T adds 3
+terms twice (4), the input transform B^T d B 2 terms twice (2), the product
+U . V (1), the GEMM's sum over the C input channels (C - 1, in any order), the
+output transform A^T M A adds 3 terms twice (4), the bias (1): k = C + 11. dx is
+the same convolution of dy with the flipped, transposed filter (C <- O, no bias).
+
+dw is the transpose of the forward pass: dw[o, c] = G^T [ sum over the tiles t of
+the batch of (A dY_t A^T) . (B^T d_t B) ] G, dY_t the tile's 2x2 block of dy[o]
+(zero past the plane's edge), d_t its 4x4 tile of x[c]; the same argument gives
+|dw_computed - dw| <= gamma_k * S_dw, S_dw the expression in absolute values and
+k = 2 (A dY A^T) + 2 (B^T d B) + 1 (product) + (T - 1) (the sum over the T tiles
+of the batch) + 4 (G^T . G) = T + 8. db is the plain sum of dy.
+
+The bounds are the worst case (every rounding in the same direction); the errors
+measured are far below them, and also within the suite's relative tolerances
+(tests/test_conv_cpu.py's TOL_SHORT = 1e-5 for y and dx, TOL_LONG = 5e-5 for dw
+and db), which the tests assert too.
+"""
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from numpy.lib.stride_tricks import sliding_window_view
+
+import dpcore as dp
+from test_conv_cpu import TOL_LONG, TOL_SHORT, err, make, reference
+
+ops = dp.ops
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+U32 = 2.0 ** -24
+
+B_T = np.array([[1, 0, -1, 0], [0, 1, 1, 0], [0, -1, 1, 0], [0, 1, 0, -1]], dtype=np.float64)
+G = np.array([[1, 0, 0], [.5, .5, .5], [.5, -.5, .5], [0, 0, 1]], dtype=np.float64)
+A_T = np.array([[1, 1, 1, 0], [0, 1, -1, -1]], dtype=np.float64)
+
+
+def gamma(k):
+    return k * U32 / (1 - k * U32)
+
+
+def winograd_abs(x, w, b):
+    """S of the docstring, (N, O, H, W) in float64: the convolution computed by the
+    transforms with every entry, coefficient and input in absolute value."""
+    N, C, H, W = x.shape
+    th, tw = (H + 1) // 2, (W + 1) // 2
+    xp = np.zeros((N, C, 2 * th + 2, 2 * tw + 2))
+    xp[:, :, 1:H + 1, 1:W + 1] = np.abs(x.astype(np.float64))
+    d = sliding_window_view(xp, (4, 4), axis=(2, 3))[:, :, ::2, ::2]          # (N, C, th, tw, 4, 4)
+    Bt, Ga, At = np.abs(B_T), np.abs(G), np.abs(A_T)
+    V = np.einsum("ij,nctsjk,lk->nctsil", Bt, d, Bt, optimize=True)
+    U = np.einsum("ij,ocjk,lk->ocil", Ga, np.abs(w.astype(np.float64)), Ga, optimize=True)
+    M = np.einsum("ocil,nctsil->notsil", U, V, optimize=True)
+    Y = np.einsum("ij,notsjk,lk->notsil", At, M, At, optimize=True)           # (N, O, th, tw, 2, 2)
+    Y = Y.transpose(0, 1, 2, 4, 3, 5).reshape(N, w.shape[0], 2 * th, 2 * tw)[:, :, :H, :W]
+    return Y + (0.0 if b is None else np.abs(b.astype(np.float64))[None, :, None, None])
+
+
+def winograd_abs_dw(x, dy):
+    """S_dw of the docstring, (O, C, 3, 3) in float64."""
+    N, C, H, W = x.shape
+    th, tw = (H + 1) // 2, (W + 1) // 2
+    xp = np.zeros((N, C, 2 * th + 2, 2 * tw + 2))
+    xp[:, :, 1:H + 1, 1:W + 1] = np.abs(x.astype(np.float64))
+    d = sliding_window_view(xp, (4, 4), axis=(2, 3))[:, :, ::2, ::2]          # (N, C, th, tw, 4, 4)
+    dyp = np.zeros((N, dy.shape[1], 2 * th, 2 * tw))
+    dyp[:, :, :H, :W] = np.abs(dy.astype(np.float64))
+    dY = dyp.reshape(N, dy.shape[1], th, 2, tw, 2).transpose(0, 1, 2, 4, 3, 5)  # (N, O, th, tw, 2, 2)
+    Bt, Ga, At = np.abs(B_T), np.abs(G), np.abs(A_T)
+    V = np.einsum("ij,nctsjk,lk->nctsil", Bt, d, Bt, optimize=True)
+    Wt = np.einsum("ji,notsjk,kl->notsil", At, dY, At, optimize=True)          # |A| |dY| |A|^T
+    dU = np.einsum("notsil,nctsil->ocil", Wt, V, optimize=True)
+    return np.einsum("ji,ocjk,kl->ocil", Ga, dU, Ga, optimize=True)
+
+
+def flipped(w):
+    """The filter of dx as a convolution of dy: wt[c, o] = w[o, c] rotated by 180 degrees."""
+    return np.ascontiguousarray(w.transpose(1, 0, 2, 3)[:, :, ::-1, ::-1])
+
+
+def assert_within_bound(got, ref, S, k, what):
+    """|got - ref| <= gamma_k * S everywhere."""
+    bound = gamma(k) * S
+    excess = np.abs(got.astype(np.float64) - ref) - bound
+    worst = np.unravel_index(np.argmax(excess), excess.shape) if excess.size else None
+    assert excess.size == 0 or excess.max() <= 0, (
+        f"{what}: |error| {abs(float(got[worst]) - ref[worst]):.3g} > bound {bound[worst]:.3g} at {worst}")
+
+
+@pytest.fixture
+def winograd_on(monkeypatch):
+    monkeypatch.setenv("DPCORE_WINOGRAD", "1")
+
+
+def check(case, seed, use_bias=True):
+    """y, dx and dw within their bounds and the suite's tolerances."""
+    N, C, H, W, O = case
+    x, w, b, dy = make(N, C, H, W, O, 3, 1, 1, seed)
+    bias = b if use_bias else None
+    y = ops.conv2d(x, w, bias, stride=1, padding=1)
+    dx, dw, db = ops.conv2d_backward(x, w, dy, stride=1, padding=1)
+    y_ref, dx_ref, dw_ref, db_ref = reference(x, w, b if use_bias else np.zeros_like(b), dy, 1, 1)
+    assert y.shape == y_ref.shape and dx.shape == x.shape
+    assert_within_bound(y, y_ref, winograd_abs(x, w, bias), C + 11, f"{case} forward")
+    assert_within_bound(dx, dx_ref, winograd_abs(dy, flipped(w), None), O + 11, f"{case} dx")
+    assert err(y, y_ref) <= TOL_SHORT, f"{case} forward: {err(y, y_ref):.3g}"
+    assert err(dx, dx_ref) <= TOL_SHORT, f"{case} dx: {err(dx, dx_ref):.3g}"
+    tiles = N * ((H + 1) // 2) * ((W + 1) // 2)
+    assert_within_bound(dw, dw_ref, winograd_abs_dw(x, dy), tiles + 8, f"{case} dw")
+    assert err(dw, dw_ref) <= TOL_LONG, f"{case} dw: {err(dw, dw_ref):.3g}"
+    assert err(db, db_ref) <= TOL_LONG, f"{case} db: {err(db, db_ref):.3g}"
+    return y, dx
+
+
+# (N, C, H, W, O)
+RESNET_CASES = [
+    (3, 64, 28, 28, 64),     # stage 1: wide, one sample per GEMM
+    (3, 128, 14, 14, 128),   # stage 2
+    (5, 256, 7, 7, 256),     # stage 3: narrow, the batch's tiles side by side; odd plane: 4x4 tiles, 7x7 kept
+    (5, 512, 4, 4, 512),     # stage 4: 2x2 tiles a sample
+]
+ODD_CASES = [              # at least 64 channels in and out (DP_WINOGRAD_MIN_CHANNELS)
+    (1, 64, 7, 7, 72),       # batch 1, odd plane
+    (3, 80, 5, 3, 64),       # 5x3 rectangle: a tile row and column half outside
+    (7, 64, 3, 5, 96),       # odd batch, 3x5
+    (3, 64, 9, 13, 65),      # wide (117 outputs), odd sides, odd output channels
+    (2, 64, 1, 1, 64),       # a 1x1 plane: one tile, three quarters discarded
+    (9, 96, 2, 2, 64),       # 2x2 planes (ResNet-18's last stage at 16x16 inputs)
+    (5, 64, 64, 64, 64),     # dw over two chunks of samples (4 fit in WINO_CHUNK_FLOATS), summed by the GEMMs' beta
+]
+
+
+@pytest.mark.parametrize("case", RESNET_CASES + ODD_CASES, ids=lambda c: "N{}C{}H{}W{}O{}".format(*c))
+def test_forward_dx_dw_within_the_bounds(winograd_on, case):
+    check(case, seed=sum(case))
+
+
+def test_bias_none(winograd_on):
+    case = (3, 64, 6, 10, 64)
+    y, _ = check(case, seed=3, use_bias=False)
+    x, w, b, _ = make(*case[:4], case[4], 3, 1, 1, seed=3)
+    np.testing.assert_array_equal(y, ops.conv2d(x, w, np.zeros_like(b), stride=1, padding=1))
+
+
+def test_empty_batch(winograd_on):
+    x, w, b, dy = make(0, 64, 14, 14, 64, 3, 1, 1, seed=1)
+    y = ops.conv2d(x, w, b, stride=1, padding=1)
+    dx, dw, db = ops.conv2d_backward(x, w, dy, stride=1, padding=1)
+    assert y.shape == (0, 64, 14, 14) and dx.shape == x.shape
+    assert not dw.any() and not db.any()
+
+
+def test_the_switch_reaches_the_kernel(monkeypatch):
+    """On: other bits than the GEMM path (so the tests above did test Winograd);
+    below the channel threshold, or off, the GEMM path's bits."""
+    x, w, b, dy = make(2, 64, 10, 10, 64, 3, 1, 1, seed=4)
+    runs = {}
+    for v in ("0", "1"):
+        monkeypatch.setenv("DPCORE_WINOGRAD", v)
+        runs[v] = (ops.conv2d(x, w, b, stride=1, padding=1),) + ops.conv2d_backward(x, w, dy, stride=1, padding=1)[:2]
+    for gemm, winograd in zip(runs["0"], runs["1"]):   # y, dx, dw
+        assert not np.array_equal(gemm, winograd)
+    x, w, b, dy = make(2, 32, 10, 10, 64, 3, 1, 1, seed=4)   # 32 input channels: kept on the GEMM path
+    for v in ("0", "1"):
+        monkeypatch.setenv("DPCORE_WINOGRAD", v)
+        runs[v] = ops.conv2d(x, w, b, stride=1, padding=1), ops.conv2d_backward(x, w, dy, stride=1, padding=1)[0]
+    np.testing.assert_array_equal(runs["0"][0], runs["1"][0])
+    np.testing.assert_array_equal(runs["0"][1], runs["1"][1])
+
+
+def test_a_bad_switch_value_is_an_error(monkeypatch):
+    monkeypatch.setenv("DPCORE_WINOGRAD", "yes")
+    x, w, b, _ = make(1, 64, 4, 4, 64, 3, 1, 1, seed=1)
+    with pytest.raises(ValueError, match="DPCORE_WINOGRAD"):
+        ops.conv2d(x, w, b, stride=1, padding=1)
+
+
+@pytest.mark.parametrize("shape", [(5, 64, 16, 16, 64), (5, 64, 9, 13, 80)], ids=["16x16", "9x13"])
+def test_wide_plane_samples_do_not_depend_on_the_batch(winograd_on, shape):
+    """One sample per GEMM on wide planes, every GEMM single-threaded: each sample of
+    a batch of 5, computed alone or in any slice, gives the batch's bits (y and dx)."""
+    N, C, H, W, O = shape
+    x, w, b, dy = make(N, C, H, W, O, 3, 1, 1, seed=9)
+    y_all = ops.conv2d(x, w, b, stride=1, padding=1)
+    dx_all = ops.conv2d_backward(x, w, dy, stride=1, padding=1)[0]
+    for lo, hi in [(n, n + 1) for n in range(N)] + [(0, 3), (3, 5), (1, 4)]:
+        np.testing.assert_array_equal(ops.conv2d(x[lo:hi], w, b, stride=1, padding=1), y_all[lo:hi])
+        np.testing.assert_array_equal(ops.conv2d_backward(x[lo:hi], w, dy[lo:hi], stride=1, padding=1)[0],
+                                      dx_all[lo:hi])
+
+
+def test_repeatable_after_other_shapes(winograd_on):
+    """The scratch (the zero-bordered planes included) holds another geometry's numbers."""
+    x, w, b, dy = make(5, 64, 7, 7, 64, 3, 1, 1, seed=5)
+    first = ops.conv2d(x, w, b, stride=1, padding=1), ops.conv2d_backward(x, w, dy, stride=1, padding=1)[0]
+    check((2, 96, 11, 12, 64), seed=6)
+    again = ops.conv2d(x, w, b, stride=1, padding=1), ops.conv2d_backward(x, w, dy, stride=1, padding=1)[0]
+    np.testing.assert_array_equal(first[0], again[0])
+    np.testing.assert_array_equal(first[1], again[1])
+
+
+def test_under_openblas_sandybridge_kernels():
+    """OpenBLAS's AVX-only kernels (another GEMM than this machine's): the bound and the
+    per-sample bits hold there too. A subprocess: the core type is chosen when OpenBLAS loads."""
+    env = dict(os.environ, OPENBLAS_CORETYPE="Sandybridge")
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", os.path.abspath(__file__),
+           "-k", "within_the_bounds and (C64H28 or C512H4 or N3C80 or N5C64) or do_not_depend"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert " passed" in proc.stdout and "deselected" in proc.stdout
+
+
+def test_benchmark_quick_run():
+    """benchmarks/bench_winograd.py end to end on a tiny batch: every row, nothing written."""
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "bench_winograd.py"), "--rounds", "1", "--steps", "1",
+           "--layer-reps", "1", "--batch", "2"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for row in ("| 64x28x28 | forward |", "| 128x14x14 | backward |", "| 256x7x7 | forward |",
+                "| 512x4x4 | backward |", "whole ResNet-18 train_step", "GEMM / Winograd"):
+        assert row in proc.stdout, proc.stdout
