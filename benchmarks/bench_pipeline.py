@@ -27,6 +27,7 @@ import dpcore as dp
 from dpcore import pipeline
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import floor  # noqa: E402
 from bench_lenet_cpu import command_line, machine_info, publish  # noqa: E402
 
 SECTION_TITLE = "## Pipeline parallelism, CPU (2 stages on 2 cores vs one device)"
@@ -62,7 +63,11 @@ def run(model_name, make, batch, steps, rounds, micro_batches, lr):
         warnings.simplefilter("ignore", RuntimeWarning)
         dp.set_logical_devices("cpu", 1)
     data = batches(model_name, batch, steps)
-    one = time_steps(make(["cpu:0"]), data, rounds, lr)
+    one_net = make(["cpu:0"])
+    one = time_steps(one_net, data, rounds, lr)
+    # the floor (benchmarks/floor.py): the network's counted training FLOPs at the SGEMM rate of the
+    # machine's cores, measured now
+    fl = floor.machine_floor(one_net, len(os.sched_getaffinity(0)), quick=steps < 3)["images_per_s"]
     rows.append((model_name, "one device, 2 cores", "-", "-", one, 1.0, None, None, None, None))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
@@ -86,9 +91,9 @@ def run(model_name, make, batch, steps, rounds, micro_batches, lr):
         net = make(None)
     rate = time_steps(net, data, rounds, lr)
     r = net.model_parallel_report()
-    layerwise = (model_name, rate, rate / one, r.model_param_bytes, r.param_bytes, r.fraction)
+    layerwise = (model_name, rate, rate / one, r.model_param_bytes, r.param_bytes, r.fraction, fl / rate)
     print(f"{model_name} layerwise over 2: {rate:.0f} img/s, parameter fractions {r.fraction}", flush=True)
-    return rows, layerwise
+    return [row + (fl / row[4],) for row in rows], layerwise, fl
 
 
 def main(argv=None):
@@ -101,13 +106,15 @@ def main(argv=None):
     args = ap.parse_args(argv)
     ms = [int(m) for m in args.micro_batches.split(",")]
     load_before = os.getloadavg()[0]
-    rows, lw = run("LeNet", lambda d: dp.models.LeNet(devices=d), 256, args.steps, args.rounds, ms, 0.2)
+    rows, lw, fl = run("LeNet", lambda d: dp.models.LeNet(devices=d), 256, args.steps, args.rounds, ms, 0.2)
     layerwise = [lw]
+    floors = [("LeNet", fl)]
     if args.resnet_steps:
-        more, lw = run("ResNet-18", lambda d: dp.models.ResNet18(devices=d), 64, args.resnet_steps,
+        more, lw, fl = run("ResNet-18", lambda d: dp.models.ResNet18(devices=d), 64, args.resnet_steps,
                        max(1, args.rounds - 1), ms, 0.05)
         rows += more
         layerwise.append(lw)
+        floors.append(("ResNet-18", fl))
     load_after = os.getloadavg()[0]
     lines = [SECTION_TITLE, "",
              f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
@@ -118,20 +125,25 @@ def main(argv=None):
              f" (both cores), pipelines and replicas on 2 logical devices of one core each; stages balanced by "
              f"measured layer time (the default); bubble = idle / (stages x step time) from `net.pipeline_report()`",
              "",
-             "| model | configuration | schedule | m | images/s | vs one device | bubble measured | (p-1)/(m+p-1) "
-             "| busy share per stage | activations MB per stage |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
-    for name, conf, sched, m, rate, ratio, bubble, formula, shares, acts in rows:
-        lines.append(f"| {name} | {conf} | {sched} | {m} | {rate:.0f} | {ratio:.2f}x | "
+             "- floor (benchmarks/floor.py): the network's counted training FLOPs per image at the SGEMM rate of "
+             "dpcore's BLAS on the machine's cores, measured after the one-device run: "
+             + ", ".join(f"{name} {ips:.0f} images/s" for name, ips in floors) + "; time / floor = floor images/s / "
+             "measured images/s", "",
+             "| model | configuration | schedule | m | images/s | vs one device | time / floor | bubble measured "
+             "| (p-1)/(m+p-1) | busy share per stage | activations MB per stage |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for name, conf, sched, m, rate, ratio, bubble, formula, shares, acts, vs_floor in rows:
+        lines.append(f"| {name} | {conf} | {sched} | {m} | {rate:.0f} | {ratio:.2f}x | {vs_floor:.2f}x | "
                      f"{'-' if bubble is None else f'{bubble:.1%}'} | {'-' if formula is None else f'{formula:.1%}'} | "
                      f"{shares or '-'} | {acts or '-'} |")
     lines += ["", "Layerwise split (`ModelParallelStrategy`) over the same 2 logical devices, against the same one "
               "device: parameter bytes per device counted from the C core's models on each (with the 64-byte "
               "alignment of every tensor slice).", "",
-              "| model | images/s | vs one device | parameters, whole model | parameters per device | fraction |",
-              "|---|---|---|---|---|---|"]
-    for name, rate, ratio, whole, per, frac in layerwise:
-        lines.append(f"| {name} | {rate:.0f} | {ratio:.2f}x | {whole / 2**20:.2f} MB | "
+              "| model | images/s | vs one device | time / floor | parameters, whole model | parameters per device "
+              "| fraction |",
+              "|---|---|---|---|---|---|---|"]
+    for name, rate, ratio, whole, per, frac, vs_floor in layerwise:
+        lines.append(f"| {name} | {rate:.0f} | {ratio:.2f}x | {vs_floor:.2f}x | {whole / 2**20:.2f} MB | "
                      f"{' / '.join(f'{b / 2**20:.2f}' for b in per)} MB | {' / '.join(f'{f:.3f}' for f in frac)} |")
     publish(lines, SECTION_TITLE, args.write)
 

@@ -65,10 +65,15 @@ def child(steps):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
         dp.set_logical_devices("cpu", 1)
-        result = {"one device": times(dp.models.LeNet(devices=["cpu:0"]))}
+        net = dp.models.LeNet(devices=["cpu:0"])
+        result = {"one device": times(net)}
         dp.set_logical_devices("cpu", 2)
         result["one replica, one core"] = times(dp.models.LeNet(devices=["cpu:0"]))
         result["2 replicas"] = times(dp.models.LeNet(devices=["cpu:0", "cpu:1"]))
+    import floor  # benchmarks/floor.py: a 256-image step's floor at 2 threads (1 for one core), measured now
+    cores = len(os.sched_getaffinity(0))
+    result["floor"] = {threads: 256 / floor.machine_floor(net, threads, quick=steps < 3)["images_per_s"]
+                       for threads in sorted({1, cores})}
     print(json.dumps(result))
 
 
@@ -89,6 +94,7 @@ def main(argv=None):
     if args.configs:
         names = [names[int(i) - 1] for i in args.configs.split(",")]
     samples = {name: {} for name in names}
+    floors = []
     for r in range(args.rounds):
         order = names if r % 2 == 0 else list(reversed(names))
         for name in order:
@@ -97,10 +103,14 @@ def main(argv=None):
             env.update(CONFIGS[name])
             out = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", "--steps", str(args.steps)],
                                  env=env, capture_output=True, text=True, check=True)
-            for what, ts in json.loads(out.stdout.splitlines()[-1]).items():
+            result = json.loads(out.stdout.splitlines()[-1])
+            floors.append(result.pop("floor"))
+            for what, ts in result.items():
                 samples[name].setdefault(what, []).extend(ts)
             print(f"round {r + 1}: {name} done", flush=True)
     whats = ["one device", "one replica, one core", "2 replicas"]
+    fl = {int(t): min(f[t] for f in floors) for t in floors[0]}
+    many = max(fl)
     lines = [SECTION_TITLE, "",
              f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
              f"- machine: {machine_info()}; load average before / after: {load_before:.2f} / "
@@ -109,12 +119,18 @@ def main(argv=None):
              f"- setup: LeNet, Fashion-MNIST batches of 256, {args.steps} timed steps per subprocess after 2 warm-up "
              f"steps, {args.rounds} rounds of fresh subprocesses (configurations alternating); median over all "
              "timed steps", "",
+             f"- floor (benchmarks/floor.py): a step's counted training FLOPs at the SGEMM rate of dpcore's BLAS, "
+             f"measured in every subprocess after its steps, the best (lowest) of them: {fl[many] * 1e3:.1f} ms with "
+             f"{many} threads (one device, 2 replicas), {fl[1] * 1e3:.1f} ms with 1 (one replica on one core); "
+             f"(x.xx) = step / floor", "",
              "| environment | one device (all cores), ms | one replica on one core, ms | 2 replicas, ms | "
              "2 replicas / one replica on one core (images/s, medians) |", "|---|---|---|---|---|"]
     for name in names:
         med = {w: statistics.median(samples[name][w]) for w in whats}
-        lines.append(f"| {name} | {med['one device'] * 1e3:.1f} | {med['one replica, one core'] * 1e3:.1f} | "
-                     f"{med['2 replicas'] * 1e3:.1f} | {med['one replica, one core'] / med['2 replicas']:.2f}x |")
+        lines.append(f"| {name} | {med['one device'] * 1e3:.1f} ({med['one device'] / fl[many]:.2f}) | "
+                     f"{med['one replica, one core'] * 1e3:.1f} ({med['one replica, one core'] / fl[1]:.2f}) | "
+                     f"{med['2 replicas'] * 1e3:.1f} ({med['2 replicas'] / fl[many]:.2f}) | "
+                     f"{med['one replica, one core'] / med['2 replicas']:.2f}x |")
     publish(lines, SECTION_TITLE, args.write)
 
 

@@ -147,6 +147,17 @@ def training_flops_per_image(net):
     return sum(forward + weight + data for _, _, forward, weight, data in layer_flops(net))
 
 
+def machine_floor(net, threads, quick=False):
+    """The floor of training ``net`` with ``threads`` cores, measured now:
+    {"sgemm_gflops", "flops_per_image", "images_per_s"}; images_per_s is what a step
+    would reach with every counted multiply at the SGEMM rate. quick: a rough
+    rate (one 512^3 timing), for smoke runs."""
+    gflops = (sgemm_gflops(n=512, threads=threads, repeats=1, min_seconds=0.02) if quick else
+              sgemm_gflops(threads=threads, repeats=3))
+    per_image = training_flops_per_image(net)
+    return {"sgemm_gflops": gflops, "flops_per_image": per_image, "images_per_s": gflops * 1e9 / per_image}
+
+
 def floor_seconds(flops, gflops):
     """Seconds the counted FLOPs take at the measured rate."""
     return flops / (gflops * 1e9)
