@@ -329,6 +329,9 @@ def child_lenet(args):
         res["digests_agree"] = len({r["digest"] for r in every}) == 1
         if dp.distributed.rank() != 0:
             return
+    import floor  # benchmarks/floor.py: the cores this configuration used, measured after its steps
+    cores = sum(sum(x["threads"]) for x in res["ranks"]) if mpi else sum(res["threads"])
+    res["floor_ips"] = floor.machine_floor(net, cores, quick=args.steps < 5)["images_per_s"]
     emit(res)
 
 
@@ -558,14 +561,16 @@ def lenet_layout(res):
 def lenet_table(runs):
     ref = median([r["ips"] for r in clean_runs(runs["1p x 2r"])])
     out = ["| configuration | processes x replicas x threads | global batch | images/s (median of rounds) "
-           "| vs 1p x 2r | median step ms (median of rounds) | cores busy (median) "
+           "| vs 1p x 2r | floor images/s | time / floor | median step ms (median of rounds) | cores busy (median) "
            "| images/s, every round (others' cores; * = contended) |",
-           "|---|---|---|---|---|---|---|---|"]
+           "|---|---|---|---|---|---|---|---|---|---|"]
     for config, rs in runs.items():
         cr = clean_runs(rs)
         ips = median([r["ips"] for r in cr])
-        out.append("| %s | %s | %d | %.0f | %.2fx | %.1f | %.2f | %s |" % (
-            config, lenet_layout(rs[0]), rs[0]["batch"], ips, ips / ref, median([r["median_step_ms"] for r in cr]),
+        floor_ips = median([r["floor_ips"] for r in cr])
+        out.append("| %s | %s | %d | %.0f | %.2fx | %.0f | %.2fx | %.1f | %.2f | %s |" % (
+            config, lenet_layout(rs[0]), rs[0]["batch"], ips, ips / ref, floor_ips, floor_ips / ips,
+            median([r["median_step_ms"] for r in cr]),
             median([r["cores_busy"] for r in cr]),
             ", ".join("%.0f (%s)%s" % (r["ips"], fmt(r["others_cores"]), "" if clean(r) else "*") for r in rs)))
     return "\n".join(out)
@@ -756,6 +761,9 @@ def section_text(args, ar_part, lenet_part, load_before, load_after, others, wal
             "2p x 1r: `mpirun -np 2 --bind-to none`, `MultiWorkerMirroredStrategy()`, timed on rank 0 from a "
             "barrier after the warm-up; cores busy = CPU time / wall time over the timed steps (summed over the "
             "ranks); others' cores = what other processes used during the run (/proc/stat)",
+            "- floor (benchmarks/floor.py): LeNet's counted training FLOPs per image at the SGEMM rate of dpcore's "
+            "BLAS on the cores the configuration used, measured by each run after its steps; time / floor = floor "
+            "images/s / measured images/s",
             "",
             lenet_table(runs),
             "",
