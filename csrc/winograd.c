@@ -14,7 +14,8 @@
  * (16, cin, cols) the transformed tiles of one sample or a chunk of samples
  * (column = sample * tiles + tile row * tile columns + tile column), M (16,
  * cout, cols) = the 16 products U_xi . V_xi (dw: W (16, O, cols) the
- * transformed blocks of dy); a zero-bordered input plane per thread.
+ * transformed blocks of dy); per thread, a zero-bordered input plane
+ * (input_plane_bordered: narrow planes and dw) or input_plane's 4 rows (wide).
  */
 #include <cblas.h>
 #include <omp.h>
@@ -43,6 +44,12 @@
  * planes taken sample-major, made the input transform of 256 channels at 7x7
  * take 4.6 times as long). */
 #define WINO_SKEW 16
+/* Planes at least this wide take the row-at-a-time (vectorized) transforms:
+ * input_plane (reading the source in place) in the wide forward and dx
+ * passes, output_plane's output_row; narrower planes, and dw's input
+ * transform, the tile-at-a-time ones (measured faster there: 14x14 and
+ * smaller, and dw's chunked V). */
+#define WINO_ROW_MIN 16
 
 dp_status dp_winograd_takes(const dp_conv_geom *g, int *takes) {
   *takes = 0;
@@ -73,14 +80,15 @@ dp_status dp_winograd_takes(const dp_conv_geom *g, int *takes) {
  * 128 columns on ResNet-18's 4x4 stage at batch 32 instead of 64). */
 typedef struct wino_plan {
   int cin, cout, h, w;
-  int th, tw, hp, wp;  /* the tile grid; the zero-bordered plane (2*th+2, 2*tw+2) */
+  int th, tw, hp, wp;  /* the tile grid; the zero-bordered plane's size (2*th+2, 2*tw+2) */
   int64_t tiles;       /* th*tw, one sample's */
   int narrow;
   int64_t chunk;       /* narrow, and dw: samples per chunk, at most */
   int nt;              /* threads */
   int64_t shared;      /* floats of a chunk's V and M (narrow) or V and W (dw), shared by the threads */
   int64_t own;         /* floats of one sample's V and M (wide), a thread's own */
-  int64_t per_thread;  /* floats a thread has alone: V and M (wide), the plane; a multiple of 16 (64 bytes) */
+  int64_t per_thread;  /* floats a thread has alone: V and M (wide), the plane (input_plane's 4 rows, or
+                          input_plane_bordered's zero-bordered plane); a multiple of 16 (64 bytes) */
 } wino_plan;
 
 static wino_plan wino_plan_make(int cin, int cout, int h, int w, int64_t N, int nthreads) {
@@ -156,9 +164,77 @@ static void filter_transform(const float *w, int O, int C, int flip, float *U, i
   }
 }
 
+/* B^T d's rows over a row of the plane: o0 = r0 - r2, o1 = r1 + r2, o2 = r2 - r1, o3 = r1 - r3 (vectorized). */
+static void input_rows(const float *restrict r0, const float *restrict r1, const float *restrict r2,
+                       const float *restrict r3, int w, float *restrict o0, float *restrict o1, float *restrict o2,
+                       float *restrict o3) {
+  for (int j = 0; j < w; ++j) {
+    const float a = r0[j], b = r1[j], c = r2[j], d = r3[j];
+    o0[j] = a - c;
+    o1[j] = b + c;
+    o2[j] = c - b;
+    o3[j] = b - d;
+  }
+}
+
+/* input_rows at the plane's top or bottom edge: a NULL row is zero. */
+static void input_rows_edge(const float *r0, const float *r1, const float *r2, const float *r3, int w, float *o0,
+                            float *o1, float *o2, float *o3) {
+  for (int j = 0; j < w; ++j) {
+    const float a = r0 ? r0[j] : 0.0f, b = r1[j], c = r2 ? r2[j] : 0.0f, d = r3 ? r3[j] : 0.0f;
+    o0[j] = a - c;
+    o1[j] = b + c;
+    o2[j] = c - b;
+    o3[j] = b - d;
+  }
+}
+
+/* B^T d B's columns over a tile row: t the row-combined row (column j of the plane at j + 1), tw tiles. */
+static void input_cols(const float *restrict t, int tw, float *restrict v0, float *restrict v1, float *restrict v2,
+                       float *restrict v3) {
+  for (int tj = 0; tj < tw; ++tj) {
+    const float a = t[2 * tj], b = t[2 * tj + 1], c = t[2 * tj + 2], d = t[2 * tj + 3];
+    v0[tj] = a - c;
+    v1[tj] = b + c;
+    v2[tj] = c - b;
+    v3[tj] = b - d;
+  }
+}
+
 /* v[xi*vstride + tile] = (B^T d B)[xi] for every tile d of one (h, w) plane
- * src; plane: (hp, wp), its border zero (only the interior is written). */
-static void input_plane(const wino_plan *p, const float *src, float *plane, float *v, int64_t vstride) {
+ * src, read in place (the zero border handled at the edges, no copy): per
+ * tile row, the rows combined (B^T d) over the whole width into buf's four
+ * rows of wp floats (column j of the plane at j + 1, the border's columns
+ * zero), then the columns combined per tile. buf: 4 * wp floats, a thread's. */
+static void input_plane(const wino_plan *p, const float *src, float *buf, float *v, int64_t vstride) {
+  const int h = p->h, w = p->w, wp = p->wp;
+  float *t0 = buf, *t1 = t0 + wp, *t2 = t1 + wp, *t3 = t2 + wp;
+  for (int k = 0; k < 4; ++k) { /* the border columns: 0, and w + 1 to wp - 1 */
+    buf[k * wp] = 0.0f;
+    for (int j = w + 1; j < wp; ++j) buf[k * wp + j] = 0.0f;
+  }
+  for (int ti = 0; ti < p->th; ++ti) {
+    const int i0 = 2 * ti - 1; /* the tile's first row in the plane's coordinates */
+    const float *r0 = i0 >= 0 ? src + (int64_t)i0 * w : NULL;
+    const float *r1 = src + (int64_t)(i0 + 1) * w; /* i0 + 1 = 2 ti < h always */
+    const float *r2 = i0 + 2 < h ? src + (int64_t)(i0 + 2) * w : NULL;
+    const float *r3 = i0 + 3 < h ? src + (int64_t)(i0 + 3) * w : NULL;
+    if (r0 && r2 && r3)
+      input_rows(r0, r1, r2, r3, w, t0 + 1, t1 + 1, t2 + 1, t3 + 1);
+    else /* an edge row: the missing rows zero (0 - x and x - 0 as the bordered plane computed them) */
+      input_rows_edge(r0, r1, r2, r3, w, t0 + 1, t1 + 1, t2 + 1, t3 + 1);
+    float *vt = v + (int64_t)ti * p->tw;
+    const float *tr[4] = {t0, t1, t2, t3};
+    for (int i = 0; i < 4; ++i)
+      input_cols(tr[i], p->tw, vt + (4 * i + 0) * vstride, vt + (4 * i + 1) * vstride, vt + (4 * i + 2) * vstride,
+                 vt + (4 * i + 3) * vstride);
+  }
+}
+
+/* v[xi*vstride + tile] = (B^T d B)[xi] for every tile d of one (h, w) plane
+ * src, copied into plane (hp, wp), its border zero (only the interior is
+ * written): narrow planes and dw, where it measured faster than input_plane. */
+static void input_plane_bordered(const wino_plan *p, const float *src, float *plane, float *v, int64_t vstride) {
   for (int i = 0; i < p->h; ++i)
     memcpy(plane + (int64_t)(i + 1) * p->wp + 1, src + (int64_t)i * p->w, sizeof(float) * (size_t)p->w);
   for (int ti = 0; ti < p->th; ++ti) {
@@ -184,25 +260,78 @@ static void input_plane(const wino_plan *p, const float *src, float *plane, floa
 }
 
 /* One (h, w) output plane y = A^T m A + bias for its tiles, m[xi*mstride +
- * tile]; outputs past the plane's edge dropped. */
+ * tile]; outputs past the plane's edge dropped. A tile row at a time, the
+ * tiles of the row in the inner loop (the 16 streams of m read contiguously,
+ * vectorized); the last tile column apart when w is odd. */
+static inline void output_tile(const float *mt, int64_t mstride, float bias, float out[2][2]) {
+  float t[2][4]; /* A^T m: the rows combined */
+  for (int k = 0; k < 4; ++k) {
+    const float m0 = mt[k * mstride], m1 = mt[(4 + k) * mstride], m2 = mt[(8 + k) * mstride],
+                m3 = mt[(12 + k) * mstride];
+    t[0][k] = m0 + m1 + m2;
+    t[1][k] = m1 - m2 - m3;
+  }
+  for (int i = 0; i < 2; ++i) {
+    out[i][0] = (t[i][0] + t[i][1] + t[i][2]) + bias;
+    out[i][1] = (t[i][1] - t[i][2] - t[i][3]) + bias;
+  }
+}
+
+/* Two full output rows of n tile columns each (2n outputs a row): output_tile's
+ * arithmetic over the tile row, in a form the compiler vectorizes. */
+static void output_row(const float *restrict m, int64_t ms, int n, float bias, float *restrict y0,
+                       float *restrict y1) {
+  for (int tj = 0; tj < n; ++tj) {
+    const float *mt = m + tj;
+    const float a0 = mt[0] + mt[4 * ms] + mt[8 * ms], a1 = mt[ms] + mt[5 * ms] + mt[9 * ms],
+                a2 = mt[2 * ms] + mt[6 * ms] + mt[10 * ms], a3 = mt[3 * ms] + mt[7 * ms] + mt[11 * ms];
+    const float b0 = mt[4 * ms] - mt[8 * ms] - mt[12 * ms], b1 = mt[5 * ms] - mt[9 * ms] - mt[13 * ms],
+                b2 = mt[6 * ms] - mt[10 * ms] - mt[14 * ms], b3 = mt[7 * ms] - mt[11 * ms] - mt[15 * ms];
+    y0[2 * tj] = (a0 + a1 + a2) + bias;
+    y0[2 * tj + 1] = (a1 - a2 - a3) + bias;
+    y1[2 * tj] = (b0 + b1 + b2) + bias;
+    y1[2 * tj + 1] = (b1 - b2 - b3) + bias;
+  }
+}
+
 static void output_plane(const wino_plan *p, const float *m, int64_t mstride, float bias, float *y) {
-  for (int ti = 0; ti < p->th; ++ti)
-    for (int tj = 0; tj < p->tw; ++tj) {
-      const float *mt = m + (int64_t)ti * p->tw + tj;
-      float t[2][4]; /* A^T m: the rows combined */
-      for (int k = 0; k < 4; ++k) {
-        const float m0 = mt[k * mstride], m1 = mt[(4 + k) * mstride], m2 = mt[(8 + k) * mstride],
-                    m3 = mt[(12 + k) * mstride];
-        t[0][k] = m0 + m1 + m2;
-        t[1][k] = m1 - m2 - m3;
+  const int w = p->w, full = w / 2; /* tile columns with both outputs inside */
+  if (w < WINO_ROW_MIN) { /* short rows: a tile at a time (the row loops measured slower) */
+    for (int ti = 0; ti < p->th; ++ti)
+      for (int tj = 0; tj < p->tw; ++tj) {
+        float o[2][2];
+        output_tile(m + (int64_t)ti * p->tw + tj, mstride, bias, o);
+        const int i0 = 2 * ti, j0 = 2 * tj;
+        for (int i = 0; i < 2 && i0 + i < p->h; ++i) {
+          float *row = y + (int64_t)(i0 + i) * w + j0;
+          row[0] = o[i][0];
+          if (j0 + 1 < w) row[1] = o[i][1];
+        }
       }
-      const int i0 = 2 * ti, j0 = 2 * tj;
-      for (int i = 0; i < 2 && i0 + i < p->h; ++i) {
-        float *row = y + (int64_t)(i0 + i) * p->w + j0;
-        row[0] = (t[i][0] + t[i][1] + t[i][2]) + bias;
-        if (j0 + 1 < p->w) row[1] = (t[i][1] - t[i][2] - t[i][3]) + bias;
+    return;
+  }
+  for (int ti = 0; ti < p->th; ++ti) {
+    const int i0 = 2 * ti;
+    const float *mr = m + (int64_t)ti * p->tw;
+    float *y0 = y + (int64_t)i0 * w;
+    if (i0 + 1 < p->h) {
+      float *y1 = y0 + w;
+      output_row(mr, mstride, full, bias, y0, y1);
+      if (full < p->tw) {
+        float o[2][2];
+        output_tile(mr + full, mstride, bias, o);
+        y0[2 * full] = o[0][0];
+        y1[2 * full] = o[1][0];
+      }
+    } else {
+      for (int tj = 0; tj < p->tw; ++tj) {
+        float o[2][2];
+        output_tile(mr + tj, mstride, bias, o);
+        y0[2 * tj] = o[0][0];
+        if (2 * tj + 1 < w) y0[2 * tj + 1] = o[0][1];
       }
     }
+  }
 }
 
 /* M_xi (cout, cols) = U_xi (cout, cin) . V_xi (cin, cols); the matrices xi
@@ -228,12 +357,17 @@ static void wino_conv(const wino_plan *p, int64_t N, const float *in, const floa
     filter_transform(w, flip ? p->cin : p->cout, flip ? p->cout : p->cin, flip, U, ustride); /* ends in a barrier */
     float *mine = own + t * p->per_thread;
     float *plane = mine + (p->narrow ? 0 : p->own);
-    memset(plane, 0, sizeof(float) * (size_t)p->hp * (size_t)p->wp);
+    if (p->w < WINO_ROW_MIN) memset(plane, 0, sizeof(float) * (size_t)p->hp * (size_t)p->wp);
     if (!p->narrow) {
       const int64_t cols = p->tiles, vstride = p->cin * cols + WINO_SKEW, mstride = p->cout * cols + WINO_SKEW;
       float *V = mine, *M = V + 16 * vstride;
       for (int64_t n = N * t / p->nt; n < N * (t + 1) / p->nt; ++n) {
-        for (int c = 0; c < p->cin; ++c) input_plane(p, in + n * in_sz + c * hw, plane, V + c * cols, vstride);
+        for (int c = 0; c < p->cin; ++c) {
+          if (p->w >= WINO_ROW_MIN)
+            input_plane(p, in + n * in_sz + c * hw, plane, V + c * cols, vstride);
+          else
+            input_plane_bordered(p, in + n * in_sz + c * hw, plane, V + c * cols, vstride);
+        }
         for (int xi = 0; xi < 16; ++xi) wino_gemm(p, xi, U, V, M, cols);
         for (int o = 0; o < p->cout; ++o)
           output_plane(p, M + o * cols, mstride, b ? b[o] : 0.0f, out + n * out_sz + o * hw);
@@ -249,7 +383,7 @@ static void wino_conv(const wino_plan *p, int64_t N, const float *in, const floa
 #pragma omp for schedule(static)
         for (int64_t cs = 0; cs < p->cin * cnt; ++cs) {
           const int64_t c = cs / cnt, s = cs % cnt;
-          input_plane(p, in + (n0 + s) * in_sz + c * hw, plane, V + c * cols + s * p->tiles, vstride);
+          input_plane_bordered(p, in + (n0 + s) * in_sz + c * hw, plane, V + c * cols + s * p->tiles, vstride);
         }
 #pragma omp for schedule(static)
         for (int xi = 0; xi < 16; ++xi) wino_gemm(p, xi, U, V, M, cols);
@@ -354,7 +488,7 @@ dp_status dp_winograd_backward_dw(const dp_conv_geom *g, int64_t N, const float 
 #pragma omp for schedule(static) nowait
       for (int64_t cs = 0; cs < p->cin * cnt; ++cs) {
         const int64_t c = cs / cnt, s = cs % cnt;
-        input_plane(p, x + (n0 + s) * in_sz + c * hw, plane, V + c * cols + s * p->tiles, vstride);
+        input_plane_bordered(p, x + (n0 + s) * in_sz + c * hw, plane, V + c * cols + s * p->tiles, vstride);
       }
 #pragma omp for schedule(static)
       for (int64_t os = 0; os < p->cout * cnt; ++os) {

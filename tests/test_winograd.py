@@ -142,6 +142,7 @@ ODD_CASES = [              # at least 64 channels in and out (DP_WINOGRAD_MIN_CH
     (3, 80, 5, 3, 64),       # 5x3 rectangle: a tile row and column half outside
     (7, 64, 3, 5, 96),       # odd batch, 3x5
     (3, 64, 9, 13, 65),      # wide (117 outputs), odd sides, odd output channels
+    (2, 64, 17, 19, 64),     # rows of at least 16 (read straight from the input), odd sides: edge tiles
     (2, 64, 1, 1, 64),       # a 1x1 plane: one tile, three quarters discarded
     (9, 96, 2, 2, 64),       # 2x2 planes (ResNet-18's last stage at 16x16 inputs)
     (5, 64, 64, 64, 64),     # dw over two chunks of samples (4 fit in WINO_CHUNK_FLOATS), summed by the GEMMs' beta
