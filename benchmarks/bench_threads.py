@@ -71,7 +71,7 @@ def child(steps):
         result["one replica, one core"] = times(dp.models.LeNet(devices=["cpu:0"]))
         result["2 replicas"] = times(dp.models.LeNet(devices=["cpu:0", "cpu:1"]))
     import floor  # benchmarks/floor.py: a 256-image step's floor at 2 threads (1 for one core), measured now
-    cores = len(os.sched_getaffinity(0))
+    cores = int(os.environ["BENCH_CORES"])  # the parent's count: under OMP_PROC_BIND this process sees one core
     result["floor"] = {threads: 256 / floor.machine_floor(net, threads, quick=steps < 3)["images_per_s"]
                        for threads in sorted({1, cores})}
     print(json.dumps(result))
@@ -101,6 +101,7 @@ def main(argv=None):
             env = {k: v for k, v in os.environ.items()
                    if not k.startswith(("OMP_WAIT", "OMP_PROC", "OMP_PLACES", "DPCORE_PIN", "DPCORE_FUSE"))}
             env.update(CONFIGS[name])
+            env["BENCH_CORES"] = str(len(os.sched_getaffinity(0)))
             out = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", "--steps", str(args.steps)],
                                  env=env, capture_output=True, text=True, check=True)
             result = json.loads(out.stdout.splitlines()[-1])
@@ -109,7 +110,7 @@ def main(argv=None):
                 samples[name].setdefault(what, []).extend(ts)
             print(f"round {r + 1}: {name} done", flush=True)
     whats = ["one device", "one replica, one core", "2 replicas"]
-    fl = {int(t): min(f[t] for f in floors) for t in floors[0]}
+    fl = {int(t): min(f[t] for f in floors) for t in floors[0]}  # every child measured the same thread counts
     many = max(fl)
     lines = [SECTION_TITLE, "",
              f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
