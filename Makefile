@@ -31,7 +31,7 @@ test: setup
 # without the CUDA toolkit and Open MPI: every process is a world of one.
 test-cpu-only:
 	DPCORE_CUDA=0 DPCORE_MPI=0 VENV=.venv-cpu scripts/bootstrap.sh
-	.venv-cpu/bin/python -m pytest -q -ra -m "not slow" tests
+	.venv-cpu/bin/python -m pytest -q -ra -m "not slow" $(BENCH_SCRIPT_DESELECT) tests
 
 # The whole suite under AddressSanitizer + UndefinedBehaviorSanitizer (LeakSanitizer in pytest's
 # own process): the extension built with DPCORE_SANITIZE=1 into .venv-asan (CPU-only, with MPI),
@@ -47,19 +47,25 @@ test-cpu-only:
 # for the 55 MB Fashion-MNIST load), while the loads themselves run under ASan in the other tests
 # of those files. Also left out under ASan, to keep CI within its 45 minutes: the benchmark
 # scripts' end-to-end runs (tests/test_benchmarks.py: Python driving the C calls the suite's own
-# tests make; the other two suite runs run them) and four of the eight ResNet-18 pipeline
+# tests make; the plain run runs them, BENCH_SCRIPT_DESELECT) and four of the eight ResNet-18 pipeline
 # variants (the same stage code at other stage and micro-batch counts; the plain and CPU-only
 # runs keep all eight, ASan keeps 1, 4 and 7 micro-batches over 2 stages and 1 over 3).
 # Skipped with the reason, as in any CPU build: the GPU tests (a sanitized build
 # has no CUDA: ASan would see only the host side of nvcc's launchers) and the DPCORE_MPI=0 checks
 # (make test-cpu-only runs those). tests/test_sanitizers.py, in every suite run, builds the C
 # programs of tests/c with ASan/UBSan/LSan and tests/c/tsan_stress.c with ThreadSanitizer.
-ASAN_DESELECT := \
-  --deselect tests/test_benchmarks.py::test_gpu_benchmark_dry_run_on_cpu_devices \
+# The benchmark scripts' end-to-end runs (Python driving calls the suite's own tests make), and the
+# Winograd tests' own Sandybridge subprocess: the plain run keeps them, the CPU-only run (already on
+# Sandybridge kernels) and the ASan run leave them out, for CI's time.
+BENCH_SCRIPT_DESELECT := \
   --deselect tests/test_benchmarks.py::test_thread_placement_benchmark_quick_run \
   --deselect tests/test_benchmarks.py::test_pipeline_benchmark_quick_run \
   --deselect tests/test_benchmarks.py::test_scaling_benchmark_quick_run \
+  --deselect tests/test_benchmarks.py::test_layer_benchmark_quick_run \
   --deselect tests/test_winograd.py::test_benchmark_quick_run \
+  --deselect tests/test_winograd.py::test_under_openblas_sandybridge_kernels
+ASAN_DESELECT := $(BENCH_SCRIPT_DESELECT) \
+  --deselect tests/test_benchmarks.py::test_gpu_benchmark_dry_run_on_cpu_devices \
   --deselect "tests/test_pipeline.py::test_resnet_pipeline_gradient_is_the_sum_of_its_micro_batches[2-2]" \
   --deselect "tests/test_pipeline.py::test_resnet_pipeline_gradient_is_the_sum_of_its_micro_batches[2-3]" \
   --deselect "tests/test_pipeline.py::test_resnet_pipeline_gradient_is_the_sum_of_its_micro_batches[4-3]" \
