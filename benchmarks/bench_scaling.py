@@ -180,10 +180,8 @@ def child_throughput(args):
     others = window.measure()
     step_times.sort()
     import floor  # benchmarks/floor.py: this run's own thread count, after its timed steps
-    gflops = (floor.sgemm_gflops(threads=sum(threads), repeats=3) if not args.quick_floor else
-              floor.sgemm_gflops(n=512, threads=sum(threads), repeats=1, min_seconds=0.02))
-    floor_ips = gflops * 1e9 / floor.training_flops_per_image(net)
-    return {"config": args.config, "sgemm_gflops": gflops, "floor_ips": floor_ips, "devices": devices, "threads": threads, "batch": batch,
+    fl = floor.machine_floor(net, sum(threads), quick=args.quick_floor)
+    return {"config": args.config, "sgemm_gflops": fl["sgemm_gflops"], "floor_ips": fl["images_per_s"], "devices": devices, "threads": threads, "batch": batch,
             "steps": len(timed), "seconds": wall, "ips": batch * len(timed) / wall, "cores_busy": cpu / wall,
             "median_step_ms": 1e3 * step_times[len(step_times) // 2], "data": source,
             "others_cores": None if others is None else others[0],

@@ -781,18 +781,20 @@ static void avgpool_backward_2x2(const dp_pool_geom *g, const float *restrict dy
   for (int h = 2 * g->OH; h < g->H; ++h) memset(dx + (int64_t)h * g->W, 0, sizeof(float) * (size_t)g->W);
 }
 
+static void avgpool_plane_forward(const dp_pool_geom *g, const float *x, float *y) {
+  if (pool_is_2x2(g)) {
+    avgpool_forward_2x2(g, x, y);
+    return;
+  }
+  for (int oh = 0; oh < g->OH; ++oh)
+    for (int ow = 0; ow < g->OW; ++ow) y[oh * g->OW + ow] = dp_avgpool_forward_at(x, g, oh, ow);
+}
+
 /* Planes are spread over the threads; within a plane the loops are the bodies'. */
 static dp_status cpu_avgpool_forward(dp_device *dev, const dp_pool_geom *g, int64_t N, const float *x, float *y) {
   const int64_t planes = N * g->C, in_sz = (int64_t)g->H * g->W, out_sz = (int64_t)g->OH * g->OW;
-  if (pool_is_2x2(g)) {
 #pragma omp parallel for num_threads(dev->nthreads) schedule(static) if (planes * out_sz > 16384)
-    for (int64_t p = 0; p < planes; ++p) avgpool_forward_2x2(g, x + p * in_sz, y + p * out_sz);
-    return DP_OK;
-  }
-#pragma omp parallel for num_threads(dev->nthreads) schedule(static) if (planes * out_sz > 16384)
-  for (int64_t p = 0; p < planes; ++p)
-    for (int oh = 0; oh < g->OH; ++oh)
-      for (int ow = 0; ow < g->OW; ++ow) y[p * out_sz + oh * g->OW + ow] = dp_avgpool_forward_at(x + p * in_sz, g, oh, ow);
+  for (int64_t p = 0; p < planes; ++p) avgpool_plane_forward(g, x + p * in_sz, y + p * out_sz);
   return DP_OK;
 }
 
@@ -822,15 +824,6 @@ static dp_status cpu_avgpool_backward(dp_device *dev, const dp_pool_geom *g, int
 static void relu_plane(int64_t n, const float *restrict x, float *restrict r) {
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) r[i] = dp_relu_forward_elem(x[i]);
-}
-
-static void avgpool_plane_forward(const dp_pool_geom *g, const float *x, float *y) {
-  if (pool_is_2x2(g)) {
-    avgpool_forward_2x2(g, x, y);
-    return;
-  }
-  for (int oh = 0; oh < g->OH; ++oh)
-    for (int ow = 0; ow < g->OW; ++ow) y[oh * g->OW + ow] = dp_avgpool_forward_at(x, g, oh, ow);
 }
 
 static dp_status cpu_relu_avgpool_forward(dp_device *dev, const dp_pool_geom *g, int64_t N, const float *x, float *r,
