@@ -28,15 +28,18 @@ test: setup
 	$(PY) -m pytest -q -ra tests
 
 # The same suite on a CPU-only build without MPI (DPCORE_CUDA=0 DPCORE_MPI=0), as on a machine
-# without the CUDA toolkit and Open MPI: every process is a world of one.
+# without the CUDA toolkit and Open MPI: every process is a world of one. The fuzzers run 10 s per
+# harness here (the plain and ASan runs: 30 s), and the build-independent tests are left to the plain run.
 test-cpu-only:
 	DPCORE_CUDA=0 DPCORE_MPI=0 VENV=.venv-cpu scripts/bootstrap.sh
-	.venv-cpu/bin/python -m pytest -q -ra -m "not slow" $(BENCH_SCRIPT_DESELECT) tests
+	DPCORE_FUZZ_SECONDS=10 .venv-cpu/bin/python -m pytest -q -ra -m "not slow" $(BENCH_SCRIPT_DESELECT) \
+	  $(BUILD_INDEPENDENT_DESELECT) tests
 
 # The whole suite under AddressSanitizer + UndefinedBehaviorSanitizer (LeakSanitizer in pytest's
 # own process): the extension built with DPCORE_SANITIZE=1 into .venv-asan (CPU-only, with MPI),
 # pytest in a Python with GCC's sanitizer runtime preloaded; a report from any process of the run
-# fails it (scripts/sanitized-pytest.sh: the options, and why). Every test file runs, the
+# fails it (scripts/sanitized-pytest.sh: the options, and why). Every test file runs (but the two
+# build-independent ones, BUILD_INDEPENDENT_DESELECT, which build their own sanitized programs), the
 # multi-process ones (mpirun, dp.launch) included; mpirun itself runs without the runtime and
 # hands it to its ranks (Open MPI's launcher has a use-after-free of its own). Left out: the two
 # minutes-long experiments (-m "not slow": the book's LeNet for 10 epochs, ResNet-18 for 200
@@ -64,7 +67,15 @@ BENCH_SCRIPT_DESELECT := \
   --deselect tests/test_benchmarks.py::test_layer_benchmark_quick_run \
   --deselect tests/test_winograd.py::test_benchmark_quick_run \
   --deselect tests/test_winograd.py::test_under_openblas_sandybridge_kernels
-ASAN_DESELECT := $(BENCH_SCRIPT_DESELECT) \
+# Tests whose result does not depend on the extension build under test, which the plain run runs:
+# tests/test_sanitizers.py compiles the C programs of tests/c from csrc/ with its own sanitizer flags,
+# and test_core_compiles_warning_free compiles the core with -Werror in each configuration; the same
+# commands with the same sources would only repeat them in the ASan and CPU-only runs (2.5 minutes
+# each).
+BUILD_INDEPENDENT_DESELECT := \
+  --deselect tests/test_sanitizers.py \
+  --deselect tests/test_cuda_build.py::test_core_compiles_warning_free
+ASAN_DESELECT := $(BENCH_SCRIPT_DESELECT) $(BUILD_INDEPENDENT_DESELECT) \
   --deselect tests/test_benchmarks.py::test_gpu_benchmark_dry_run_on_cpu_devices \
   --deselect "tests/test_pipeline.py::test_resnet_pipeline_gradient_is_the_sum_of_its_micro_batches[2-2]" \
   --deselect "tests/test_pipeline.py::test_resnet_pipeline_gradient_is_the_sum_of_its_micro_batches[2-3]" \
