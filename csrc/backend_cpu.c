@@ -20,6 +20,7 @@
 #include <string.h>
 
 #include "backend.h"
+#include "implicit_gemm.h"
 #include "winograd.h"
 
 typedef struct cpu_ctx {
@@ -512,6 +513,13 @@ static dp_status cpu_conv2d_forward(dp_device *dev, const dp_conv_geom *g, int64
     return dp_winograd_forward(g, N, x, w, b, y, dev->nthreads, wino);
   }
   if (conv_is_direct(g)) return conv_direct_forward(dev, g, N, x, w, b, y);
+  int igemm;
+  DP_TRY(dp_igemm_takes(g, &igemm));
+  if (igemm) { /* csrc/implicit_gemm.h */
+    float *buf;
+    DP_TRY(cpu_scratch(dev, dp_igemm_scratch_floats(g, N, dev->nthreads, 0), &buf));
+    return dp_igemm_forward(g, N, x, w, b, y, dev->nthreads, buf);
+  }
   const int64_t K = (int64_t)g->C * g->KH * g->KW, P = (int64_t)g->OH * g->OW;
   const int64_t in_sz = (int64_t)g->C * g->H * g->W, out_sz = (int64_t)g->O * P;
   const conv_plan plan = conv_plan_make(g, N, dev->nthreads);
@@ -578,6 +586,16 @@ static dp_status cpu_conv2d_backward(dp_device *dev, const dp_conv_geom *g, int6
     return dp_winograd_backward_dw(g, N, x, dy, dw, db, dev->nthreads, wino);
   }
   if (conv_is_direct(g)) return conv_direct_backward(dev, g, N, x, w, dy, dx, dw, db);
+  /* the implicit GEMM's dw and db (csrc/implicit_gemm.h); dx, if wanted, below
+   * without the dw half (no im2col of x) */
+  int igemm;
+  DP_TRY(dp_igemm_takes(g, &igemm));
+  if (igemm) {
+    float *buf;
+    DP_TRY(cpu_scratch(dev, dp_igemm_scratch_floats(g, N, dev->nthreads, 1), &buf));
+    DP_TRY(dp_igemm_backward_dw(g, N, x, dy, dw, db, dev->nthreads, buf));
+    if (!dx) return DP_OK;
+  }
   const int64_t KK = (int64_t)g->KH * g->KW, K = (int64_t)g->C * KK, P = (int64_t)g->OH * g->OW;
   const int64_t in_sz = (int64_t)g->C * g->H * g->W, out_sz = (int64_t)g->O * P;
   const int64_t wsz = (int64_t)g->O * K;
@@ -628,7 +646,7 @@ static dp_status cpu_conv2d_backward(dp_device *dev, const dp_conv_geom *g, int6
       int64_t n0, cnt;
       conv_group(&plan, N, t, k, &n0, &cnt);
       const int64_t ld = cnt * P;
-      im2col(g, x + n0 * in_sz, in_sz, cnt, col, ld, buf);
+      if (!igemm) im2col(g, x + n0 * in_sz, in_sz, cnt, col, ld, buf);
       /* dyg row o = the samples' planes o side by side (written front to back,
        * as in im2col); a lone sample's dy is that already */
       const float *dys = dy + n0 * out_sz;
@@ -639,9 +657,10 @@ static dp_status cpu_conv2d_backward(dp_device *dev, const dp_conv_geom *g, int6
         dys = dyg;
       }
       /* pdw (O, K) (+)= dyg (O, cnt*P) . col^T (cnt*P, K) */
-      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, g->O, (int)K, (int)ld, 1.0f, dys, (int)ld, col, (int)ld,
-                  k == 0 ? 0.0f : 1.0f, pdw, (int)K);
-      for (int o = 0; o < g->O; ++o) {
+      if (!igemm)
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, g->O, (int)K, (int)ld, 1.0f, dys, (int)ld, col, (int)ld,
+                    k == 0 ? 0.0f : 1.0f, pdw, (int)K);
+      for (int o = 0; !igemm && o < g->O; ++o) {
         const float *r = dys + o * ld;
         float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
@@ -666,6 +685,7 @@ static dp_status cpu_conv2d_backward(dp_device *dev, const dp_conv_geom *g, int6
     }
   }
   /* dw, db = the threads' partials added in thread order */
+  if (igemm) return DP_OK;
 #pragma omp parallel for num_threads(dev->nthreads) schedule(static) if (acc_sz * nt > 65536)
   for (int64_t i = 0; i < acc_sz; ++i) {
     float s = 0.0f;

@@ -60,6 +60,11 @@ DP_MUST_CHECK dp_status dp_fail_at(dp_status code, const char *file, int line, c
  * on a parameter; every caller says why in a comment. */
 static inline void dp_status_ignore(dp_status s) { (void)s; }
 
+/* An on/off switch of the environment, read with getenv at every call (so a
+ * test may set it between calls in one process): *on = 1 for "1", 0 for "0",
+ * dflt when unset or empty; DP_ERR_VALUE naming the variable otherwise. */
+DP_MUST_CHECK dp_status dp_env_switch(const char *name, int dflt, int *on);
+
 /* The last error message recorded on this thread ("" if none). */
 const char *dp_error_message(void);
 /* Copy another thread's message into this thread's buffer (replica threads). */

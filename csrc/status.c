@@ -2,6 +2,7 @@
 
 #include <stdarg.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 static _Thread_local char error_buffer[1024];
@@ -45,4 +46,17 @@ const char *dp_status_name(dp_status s) {
     case DP_ERR_NUMERIC: return "non-finite loss";
   }
   return "unknown error";
+}
+
+dp_status dp_env_switch(const char *name, int dflt, int *on) {
+  const char *env = getenv(name);
+  *on = dflt;
+  if (!env || !env[0]) return DP_OK;
+  if (strcmp(env, "1") == 0)
+    *on = 1;
+  else if (strcmp(env, "0") == 0)
+    *on = 0;
+  else
+    return DP_FAIL(DP_ERR_VALUE, "%s must be \"0\", \"1\" or unset, got \"%.40s\"", name, env);
+  return DP_OK;
 }

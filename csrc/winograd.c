@@ -53,16 +53,8 @@
 
 dp_status dp_winograd_takes(const dp_conv_geom *g, int *takes) {
   *takes = 0;
-  const char *env = getenv("DPCORE_WINOGRAD");
-  int on = DP_WINOGRAD_DEFAULT;
-  if (env && env[0]) {
-    if (strcmp(env, "1") == 0)
-      on = 1;
-    else if (strcmp(env, "0") == 0)
-      on = 0;
-    else
-      return DP_FAIL(DP_ERR_VALUE, "DPCORE_WINOGRAD must be \"0\", \"1\" or unset, got \"%.40s\"", env);
-  }
+  int on;
+  DP_TRY(dp_env_switch("DPCORE_WINOGRAD", DP_WINOGRAD_DEFAULT, &on));
   *takes = on && g->KH == 3 && g->KW == 3 && g->stride == 1 && g->pad == 1 && g->C >= DP_WINOGRAD_MIN_CHANNELS &&
            g->O >= DP_WINOGRAD_MIN_CHANNELS;
   return DP_OK;

@@ -1,0 +1,347 @@
+/* implicit_gemm.c — the implicit-GEMM convolution on the CPU (see
+ * implicit_gemm.h).
+ *
+ * Scratch layout (floats, 64-byte aligned): shared, the packed filter wp
+ * (forward only: panels of 16 channels, each (taps, 16)), the offset tables
+ * off (rows: OH*OW per sample, a dw group's samples one after another) and
+ * toff (taps), as int32; then per thread a zero-bordered copy of its sample
+ * (or dw group) when the convolution pads, and for dw dy transposed in the
+ * same panels (group rows, 16), the partial sums (taps, opad) and (opad) for
+ * db, and the kernel's tile.
+ */
+#include <omp.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "implicit_gemm.h"
+
+#if defined(__AVX__)
+#include <immintrin.h>
+#endif
+
+/* On or off when DPCORE_IMPLICIT_GEMM is unset: the LeNet step's A/B
+ * (benchmarks/RESULTS.md) decides. */
+#define DP_IGEMM_DEFAULT 1
+/* More output channels than this keep the im2col + SGEMM path (see the header). */
+#define DP_IGEMM_MAX_OUT 64
+/* dw: at least this many output positions per kernel call (a group of samples
+ * side by side), so the kernel's set-up and the partial sums' update are small
+ * beside its sum. */
+#define DP_IGEMM_DW_ROWS 256
+/* The micro-kernel's rows. */
+#define ROWS 6
+
+dp_status dp_igemm_takes(const dp_conv_geom *g, int *takes) {
+  *takes = 0;
+  int on;
+  DP_TRY(dp_env_switch("DPCORE_IMPLICIT_GEMM", DP_IGEMM_DEFAULT, &on));
+  const int64_t hp = g->H + 2 * (int64_t)g->pad, wp = g->W + 2 * (int64_t)g->pad;
+  /* the offsets are int32: a dw group's padded planes must fit them */
+  const int64_t plane = (int64_t)g->C * hp * wp, P = (int64_t)g->OH * g->OW;
+  const int64_t group = P >= DP_IGEMM_DW_ROWS ? 1 : (DP_IGEMM_DW_ROWS + P - 1) / P;
+  *takes = on && g->C > 1 && g->O <= DP_IGEMM_MAX_OUT && P > 0 && plane * group < ((int64_t)1 << 30);
+  return DP_OK;
+}
+
+/* ---- geometry ------------------------------------------------------------ */
+
+typedef struct igeom {
+  int64_t hp, wp, plane; /* padded plane, and one sample's padded planes */
+  int64_t P, taps, opad; /* output positions, taps C*KH*KW, channels padded to 16 */
+  int64_t group;         /* dw: samples per kernel call */
+  int padded;            /* the input needs a zero-bordered copy */
+} igeom;
+
+static igeom igeom_make(const dp_conv_geom *g) {
+  igeom q;
+  q.hp = g->H + 2 * (int64_t)g->pad;
+  q.wp = g->W + 2 * (int64_t)g->pad;
+  q.plane = (int64_t)g->C * q.hp * q.wp;
+  q.P = (int64_t)g->OH * g->OW;
+  q.taps = (int64_t)g->C * g->KH * g->KW;
+  q.opad = ((int64_t)g->O + 15) / 16 * 16;
+  q.group = q.P >= DP_IGEMM_DW_ROWS ? 1 : (DP_IGEMM_DW_ROWS + q.P - 1) / q.P;
+  q.padded = g->pad > 0;
+  return q;
+}
+
+static int64_t round16(int64_t n) { return (n + 15) & ~(int64_t)15; }
+
+static int igemm_threads(int64_t N, int nthreads) { return N < nthreads ? (N < 1 ? 1 : (int)N) : nthreads; }
+
+/* off[s*P + p]: where output position p of the group's sample s starts its
+ * window; toff[t]: tap t = (c, ki, kj) within a window. */
+static void offset_tables(const dp_conv_geom *g, const igeom *q, int64_t samples, int32_t *off, int32_t *toff) {
+  for (int64_t s = 0; s < samples; ++s)
+    for (int oh = 0; oh < g->OH; ++oh)
+      for (int ow = 0; ow < g->OW; ++ow)
+        off[s * q->P + (int64_t)oh * g->OW + ow] =
+            (int32_t)(s * q->plane + (int64_t)oh * g->stride * q->wp + (int64_t)ow * g->stride);
+  for (int c = 0; c < g->C; ++c)
+    for (int ki = 0; ki < g->KH; ++ki)
+      for (int kj = 0; kj < g->KW; ++kj)
+        toff[((int64_t)c * g->KH + ki) * g->KW + kj] = (int32_t)(((int64_t)c * q->hp + ki) * q->wp + kj);
+}
+
+/* cnt samples of x (C, H, W each) into dst's zero-bordered planes (the
+ * borders zeroed once by the caller and never written). */
+static void pad_samples(const dp_conv_geom *g, const igeom *q, const float *x, int64_t cnt, float *dst) {
+  for (int64_t s = 0; s < cnt; ++s)
+    for (int c = 0; c < g->C; ++c)
+      for (int i = 0; i < g->H; ++i)
+        memcpy(dst + s * q->plane + ((int64_t)c * q->hp + i + g->pad) * q->wp + g->pad,
+               x + ((s * g->C + c) * g->H + i) * (int64_t)g->W, sizeof(float) * (size_t)g->W);
+}
+
+/* ---- the micro-kernel ----------------------------------------------------
+ * tile[r][j] = sum over k < K of xb[r][idx[k]] * B[k*ldb + j], r < ROWS,
+ * j < 8*NV: a sequential sum per output, in k order. */
+
+#if defined(__AVX__)
+typedef __m256 v8;
+#define V8_ZERO() _mm256_setzero_ps()
+#define V8_LOAD(p) _mm256_loadu_ps(p)
+#define V8_BCAST(p) _mm256_broadcast_ss(p)
+#define V8_STORE(p, v) _mm256_storeu_ps((p), (v))
+#if defined(__FMA__)
+#define V8_MADD(acc, a, b) _mm256_fmadd_ps((a), (b), (acc))
+#else
+#define V8_MADD(acc, a, b) _mm256_add_ps((acc), _mm256_mul_ps((a), (b)))
+#endif
+#else
+/* GCC's and Clang's vector extension elsewhere (two SSE registers, or scalar
+ * code); v8u, the unaligned and aliasing view of 8 floats, as immintrin.h's
+ * __m256_u (no function takes or returns a vector: without AVX that changes
+ * the ABI, and GCC warns) */
+typedef float v8 __attribute__((vector_size(32)));
+typedef float v8u __attribute__((vector_size(32), aligned(4), may_alias));
+#define V8_ZERO() ((v8){0})
+#define V8_LOAD(p) ((v8)(*(const v8u *)(const void *)(p)))
+#define V8_BCAST(p) ((v8){0} + *(p))
+#define V8_STORE(p, v) (*(v8u *)(void *)(p) = (v))
+#define V8_MADD(acc, a, b) ((acc) + (a) * (b))
+#endif
+
+static void kernel_16(int64_t K, const float *const *xb, const int32_t *restrict idx, const float *restrict B,
+                      int64_t ldb, float *restrict tile) {
+  const float *x0 = xb[0], *x1 = xb[1], *x2 = xb[2], *x3 = xb[3], *x4 = xb[4], *x5 = xb[5];
+  v8 a00 = V8_ZERO(), a01 = V8_ZERO(), a10 = V8_ZERO(), a11 = V8_ZERO(), a20 = V8_ZERO(), a21 = V8_ZERO();
+  v8 a30 = V8_ZERO(), a31 = V8_ZERO(), a40 = V8_ZERO(), a41 = V8_ZERO(), a50 = V8_ZERO(), a51 = V8_ZERO();
+  for (int64_t k = 0; k < K; ++k) {
+    const float *bk = B + k * ldb;
+    const v8 b0 = V8_LOAD(bk), b1 = V8_LOAD(bk + 8);
+    const int32_t i = idx[k];
+    v8 s = V8_BCAST(x0 + i);
+    a00 = V8_MADD(a00, s, b0);
+    a01 = V8_MADD(a01, s, b1);
+    s = V8_BCAST(x1 + i);
+    a10 = V8_MADD(a10, s, b0);
+    a11 = V8_MADD(a11, s, b1);
+    s = V8_BCAST(x2 + i);
+    a20 = V8_MADD(a20, s, b0);
+    a21 = V8_MADD(a21, s, b1);
+    s = V8_BCAST(x3 + i);
+    a30 = V8_MADD(a30, s, b0);
+    a31 = V8_MADD(a31, s, b1);
+    s = V8_BCAST(x4 + i);
+    a40 = V8_MADD(a40, s, b0);
+    a41 = V8_MADD(a41, s, b1);
+    s = V8_BCAST(x5 + i);
+    a50 = V8_MADD(a50, s, b0);
+    a51 = V8_MADD(a51, s, b1);
+  }
+  V8_STORE(tile + 0, a00);
+  V8_STORE(tile + 8, a01);
+  V8_STORE(tile + 16, a10);
+  V8_STORE(tile + 24, a11);
+  V8_STORE(tile + 32, a20);
+  V8_STORE(tile + 40, a21);
+  V8_STORE(tile + 48, a30);
+  V8_STORE(tile + 56, a31);
+  V8_STORE(tile + 64, a40);
+  V8_STORE(tile + 72, a41);
+  V8_STORE(tile + 80, a50);
+  V8_STORE(tile + 88, a51);
+}
+
+/* The same with 8 columns (the last 8 of a channel count that is not a
+ * multiple of 16); tile rows stay 16 floats apart. */
+static void kernel_8(int64_t K, const float *const *xb, const int32_t *restrict idx, const float *restrict B,
+                     int64_t ldb, float *restrict tile) {
+  const float *x0 = xb[0], *x1 = xb[1], *x2 = xb[2], *x3 = xb[3], *x4 = xb[4], *x5 = xb[5];
+  v8 a0 = V8_ZERO(), a1 = V8_ZERO(), a2 = V8_ZERO(), a3 = V8_ZERO(), a4 = V8_ZERO(), a5 = V8_ZERO();
+  for (int64_t k = 0; k < K; ++k) {
+    const v8 b0 = V8_LOAD(B + k * ldb);
+    const int32_t i = idx[k];
+    a0 = V8_MADD(a0, V8_BCAST(x0 + i), b0);
+    a1 = V8_MADD(a1, V8_BCAST(x1 + i), b0);
+    a2 = V8_MADD(a2, V8_BCAST(x2 + i), b0);
+    a3 = V8_MADD(a3, V8_BCAST(x3 + i), b0);
+    a4 = V8_MADD(a4, V8_BCAST(x4 + i), b0);
+    a5 = V8_MADD(a5, V8_BCAST(x5 + i), b0);
+  }
+  V8_STORE(tile + 0, a0);
+  V8_STORE(tile + 16, a1);
+  V8_STORE(tile + 32, a2);
+  V8_STORE(tile + 48, a3);
+  V8_STORE(tile + 64, a4);
+  V8_STORE(tile + 80, a5);
+}
+
+/* Rows [r0, r0 + ROWS) of a kernel call whose row r reads base + roff[r]; rows
+ * past nrows repeat the last one (their results are dropped). */
+static void row_bases(const float *base, const int32_t *roff, int64_t r0, int64_t nrows, const float **xb) {
+  for (int r = 0; r < ROWS; ++r) xb[r] = base + roff[r0 + r < nrows ? r0 + r : nrows - 1];
+}
+
+/* ---- scratch ------------------------------------------------------------- */
+
+static int64_t shared_floats(const igeom *q, int dw) {
+  return round16(dw ? 0 : q->taps * q->opad) + round16(q->group * q->P) + round16(q->taps);
+}
+
+static int64_t thread_floats(const igeom *q, int dw) {
+  const int64_t in = q->padded ? round16((dw ? q->group : 1) * q->plane) : 0;
+  if (!dw) return in + 16 * ROWS;
+  return in + round16(q->group * q->P * q->opad) + round16(q->taps * q->opad + q->opad) + 16 * ROWS;
+}
+
+size_t dp_igemm_scratch_floats(const dp_conv_geom *g, int64_t N, int nthreads, int dw) {
+  const igeom q = igeom_make(g);
+  return (size_t)(shared_floats(&q, dw) + igemm_threads(N, nthreads) * thread_floats(&q, dw));
+}
+
+/* ---- forward ------------------------------------------------------------- */
+
+dp_status dp_igemm_forward(const dp_conv_geom *g, int64_t N, const float *x, const float *w, const float *b, float *y,
+                           int nthreads, float *scratch) {
+  if (N <= 0) return DP_OK;
+  const igeom q = igeom_make(g);
+  const int nt = igemm_threads(N, nthreads);
+  float *wp = scratch;
+  int32_t *off = (int32_t *)(void *)(wp + round16(q.taps * q.opad));
+  int32_t *toff = off + round16(q.group * q.P);
+  float *per = (float *)(void *)(toff + round16(q.taps));
+  offset_tables(g, &q, 1, off, toff);
+  const int64_t in_sz = (int64_t)g->C * g->H * g->W, out_sz = (int64_t)g->O * q.P;
+#pragma omp parallel num_threads(nt)
+  {
+    /* the packed filter: panels of 16 channels, panel k's row t at wp +
+     * (k*taps + t)*16 holding w[16k + j, t] (zero past O), so that the
+     * kernel streams whole aligned cache lines */
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < q.taps; ++t)
+      for (int64_t o = 0; o < q.opad; ++o)
+        wp[((o / 16) * q.taps + t) * 16 + o % 16] = o < g->O ? w[o * q.taps + t] : 0.0f;
+    const int th = omp_get_thread_num();
+    float *mine = per + th * thread_floats(&q, 0);
+    float *xpad = mine, *tile = mine + (q.padded ? round16(q.plane) : 0);
+    if (q.padded) memset(xpad, 0, sizeof(float) * (size_t)q.plane);
+    for (int64_t n = N * th / nt; n < N * (th + 1) / nt; ++n) {
+      const float *src = x + n * in_sz;
+      if (q.padded) {
+        pad_samples(g, &q, src, 1, xpad);
+        src = xpad;
+      }
+      float *yn = y + n * out_sz;
+      /* panel by panel: one panel of the filter (taps x 16 floats) is read
+       * by all the sample's row blocks while it is in cache */
+      for (int64_t o0 = 0; o0 < q.opad; o0 += 16) {
+        const int64_t width = g->O - o0 > 8 ? 16 : 8;
+        for (int64_t p0 = 0; p0 < q.P; p0 += ROWS) {
+          const float *xb[ROWS];
+          row_bases(src, off, p0, q.P, xb);
+          const int64_t rows = q.P - p0 < ROWS ? q.P - p0 : ROWS;
+          if (width == 16)
+            kernel_16(q.taps, xb, toff, wp + o0 * q.taps, 16, tile);
+          else
+            kernel_8(q.taps, xb, toff, wp + o0 * q.taps, 16, tile);
+          for (int64_t j = 0; j < width && o0 + j < g->O; ++j) {
+            const float bias = b ? b[o0 + j] : 0.0f;
+            float *yo = yn + (o0 + j) * q.P + p0;
+            for (int64_t r = 0; r < rows; ++r) yo[r] = tile[r * 16 + j] + bias;
+          }
+        }
+      }
+    }
+  }
+  return DP_OK;
+}
+
+/* ---- weight gradient ----------------------------------------------------- */
+
+dp_status dp_igemm_backward_dw(const dp_conv_geom *g, int64_t N, const float *x, const float *dy, float *dw,
+                               float *db, int nthreads, float *scratch) {
+  const igeom q = igeom_make(g);
+  const int nt = igemm_threads(N, nthreads);
+  int32_t *off = (int32_t *)(void *)scratch;
+  int32_t *toff = off + round16(q.group * q.P);
+  float *per = (float *)(void *)(toff + round16(q.taps));
+  offset_tables(g, &q, q.group, off, toff);
+  const int64_t in_sz = (int64_t)g->C * g->H * g->W, out_sz = (int64_t)g->O * q.P;
+  const int64_t tf = thread_floats(&q, 1), acc_sz = q.taps * q.opad + q.opad;
+#pragma omp parallel num_threads(nt)
+  {
+    const int th = omp_get_thread_num();
+    float *mine = per + th * tf;
+    float *xpad = mine, *dyt = xpad + (q.padded ? round16(q.group * q.plane) : 0);
+    float *acc = dyt + round16(q.group * q.P * q.opad), *tile = acc + round16(acc_sz);
+    float *accb = acc + q.taps * q.opad;
+    if (q.padded) memset(xpad, 0, sizeof(float) * (size_t)(q.group * q.plane));
+    memset(dyt, 0, sizeof(float) * (size_t)(q.group * q.P * q.opad)); /* the lanes past O stay 0 */
+    memset(acc, 0, sizeof(float) * (size_t)acc_sz);
+    const int64_t end = N * (th + 1) / nt;
+    for (int64_t n0 = N * th / nt; n0 < end; n0 += q.group) {
+      const int64_t cnt = end - n0 < q.group ? end - n0 : q.group, rows = cnt * q.P;
+      const float *src = x + n0 * in_sz;
+      if (q.padded) {
+        pad_samples(g, &q, src, cnt, xpad);
+        src = xpad;
+      }
+      /* dy transposed in panels of 16 channels (as the forward pass's
+       * filter): dyt[((o/16)*group*P + s*P + p)*16 + o%16] = dy[n0 + s, o, p];
+       * db's sums per sample */
+      for (int64_t s = 0; s < cnt; ++s)
+        for (int o = 0; o < g->O; ++o) {
+          const float *d = dy + (n0 + s) * out_sz + o * q.P;
+          float *col = dyt + ((o / 16) * q.group * q.P + s * q.P) * 16 + o % 16, sum = 0.0f;
+          for (int64_t p = 0; p < q.P; ++p) {
+            col[p * 16] = d[p];
+            sum += d[p];
+          }
+          accb[o] += sum;
+        }
+      for (int64_t t0 = 0; t0 < q.taps; t0 += ROWS) {
+        const float *xb[ROWS];
+        row_bases(src, toff, t0, q.taps, xb);
+        const int64_t trows = q.taps - t0 < ROWS ? q.taps - t0 : ROWS;
+        for (int64_t o0 = 0; o0 < q.opad; o0 += 16) {
+          const int64_t width = g->O - o0 > 8 ? 16 : 8;
+          const float *panel = dyt + o0 * q.group * q.P;
+          if (width == 16)
+            kernel_16(rows, xb, off, panel, 16, tile);
+          else
+            kernel_8(rows, xb, off, panel, 16, tile);
+          for (int64_t r = 0; r < trows; ++r) {
+            float *a = acc + (t0 + r) * q.opad + o0;
+            for (int64_t j = 0; j < width; ++j) a[j] += tile[r * 16 + j];
+          }
+        }
+      }
+    }
+  }
+  /* dw[o, t], db[o] = the threads' partial sums, in thread order */
+  const int64_t wsz = (int64_t)g->O * q.taps;
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (wsz * nt > 65536)
+  for (int64_t i = 0; i < wsz + g->O; ++i) {
+    const int64_t at = i < wsz ? (i % q.taps) * q.opad + i / q.taps : q.taps * q.opad + (i - wsz);
+    float s = 0.0f;
+    for (int th = 0; th < nt; ++th) s += per[th * tf + (q.padded ? round16(q.group * q.plane) : 0) +
+                                             round16(q.group * q.P * q.opad) + at];
+    if (i < wsz)
+      dw[i] = s;
+    else if (db)
+      db[i - wsz] = s;
+  }
+  return DP_OK;
+}

@@ -1,0 +1,64 @@
+/* implicit_gemm.h — convolution on the CPU as a GEMM whose input operand is
+ * never written out: the forward pass and the weight gradient of the
+ * convolutions with few channels (LeNet's 20 -> 50, 5x5 on 13x13), where
+ * im2col + SGEMM spent a third of its time writing and reading the column
+ * matrix (a 5x5 kernel makes it 25 times the input) and OpenBLAS ran the
+ * small GEMMs (50 rows) at half its large-matrix rate.
+ *
+ * The product is the im2col GEMM's, y[o, p] = sum over taps t = (c, ki, kj)
+ * of w[o, t] * x[off[p] + toff[t]], where off[p] is where output position p's
+ * window starts in the (zero-padded) input and toff[t] where tap t lies in a
+ * window: a table of KH*KW*C offsets and one of OH*OW. The micro-kernel holds
+ * 6 rows by 16 output channels in registers, broadcasts each row's input
+ * value and multiplies it with 16 (or 8) channels of the packed filter
+ * (w transposed to (taps, channels), channels padded to a multiple of 8):
+ * forward, rows are output positions and the sum runs over the taps; for dw
+ * the same kernel with the roles swapped, rows are taps and the sum runs over
+ * a group of samples' output positions against dy transposed. db is the sums
+ * of dy.
+ *
+ * Threads: thread t of nt takes the samples [N*t/nt, N*(t+1)/nt); each
+ * sample's y depends on that sample alone (the same bits whatever else is in
+ * the batch); dw and db are each thread's partial sums (its samples in groups
+ * of DP_IGEMM_DW_GROUP, in order) added in thread order, as the GEMM path does.
+ *
+ * Sums: each output is one sequential sum over the taps in (c, ki, kj) order
+ * (fused multiply-adds where the CPU has FMA); dw a sequential sum per group
+ * of samples, added to the thread's running partial.
+ *
+ * The switch: DPCORE_IMPLICIT_GEMM, read with getenv at every call as
+ * DPCORE_WINOGRAD is: "1" on, "0" off, unset or empty the default
+ * (DP_IGEMM_DEFAULT, chosen by the LeNet step's A/B), any other value
+ * DP_ERR_VALUE. It takes the convolutions with more than one input channel
+ * and at most DP_IGEMM_MAX_OUT (64) output channels: measured on one core
+ * against im2col + SGEMM (forward), 1.25x faster on LeNet's 20 -> 50, 1.3x at
+ * 32 -> 32 (14x14), 1.1x at 64 -> 64 (28x28); at 128 channels about even, at
+ * 256 (7x7) slower. The Winograd and one-channel paths come first. dx stays on
+ * the GEMM path (w^T dy, then col2im), without its im2col of x.
+ */
+#ifndef DP_IMPLICIT_GEMM_H
+#define DP_IMPLICIT_GEMM_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "backend.h"
+
+/* *takes = 1 when the switch is on and g is one the implicit GEMM takes;
+ * DP_ERR_VALUE for a DPCORE_IMPLICIT_GEMM that is not "0", "1" or empty. */
+DP_MUST_CHECK dp_status dp_igemm_takes(const dp_conv_geom *g, int *takes);
+
+/* Floats of scratch (64-byte aligned) that the forward pass (dw = 0) or the
+ * weight gradient (dw = 1) needs for N samples on nthreads threads. */
+size_t dp_igemm_scratch_floats(const dp_conv_geom *g, int64_t N, int nthreads, int dw);
+
+/* y (N, O, OH, OW) = conv(x, w) + b (b may be NULL). */
+DP_MUST_CHECK dp_status dp_igemm_forward(const dp_conv_geom *g, int64_t N, const float *x, const float *w,
+                                         const float *b, float *y, int nthreads, float *scratch);
+
+/* dw (O, C, KH, KW) and db (O) (db may be NULL) of y = conv(x, w), from dy
+ * (N, O, OH, OW), over the batch. */
+DP_MUST_CHECK dp_status dp_igemm_backward_dw(const dp_conv_geom *g, int64_t N, const float *x, const float *dy,
+                                             float *dw, float *db, int nthreads, float *scratch);
+
+#endif

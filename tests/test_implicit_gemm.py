@@ -1,0 +1,180 @@
+"""The implicit-GEMM convolution of the CPU backend (csrc/implicit_gemm.c): the
+forward pass and dw of the convolutions with more than one input channel and at
+most 64 output channels (LeNet's second, and any such layer a user builds),
+against the float64 reference of tests/test_conv_cpu.py, whatever the switch
+DPCORE_IMPLICIT_GEMM's default is (each test sets it; the C side reads it at
+every call). dx of these layers stays on the GEMM path; it is checked here too,
+since the backward pass now skips that path's im2col.
+
+The error bound. Each output is a sum of products of float32 inputs: y[o, p] of
+the K = C*KH*KW products w[o, t] x[t, p] plus the bias, dw[o, t] of the N*OH*OW
+products dy[o, p] x[t, p] over the batch, db[o] of the N*OH*OW values of dy.
+However the sum is split (sequential in the kernel, then groups of samples, then
+threads), every term passes through at most n - 1 additions and one
+multiplication for n terms, each rounding by a factor (1 + d), |d| <= u = 2^-24
+(a fused multiply-add rounds once for both), so
+
+    |computed - exact| <= gamma_n * S,   gamma_n = n u / (1 - n u),
+
+S the same sum of the terms' absolute values (Higham, Accuracy and Stability of
+Numerical Algorithms, 2nd ed., section 3.1). n = K + 1 for y, N*OH*OW for dw
+and db. The tests assert it and the suite's relative tolerances.
+"""
+
+import numpy as np
+import pytest
+
+import dpcore as dp
+from test_conv_cpu import check as within_the_suite_tolerances
+from test_conv_cpu import make, reference, windows
+
+ops = dp.ops
+U32 = 2.0 ** -24
+
+
+def gamma(n):
+    return n * U32 / (1 - n * U32)
+
+
+def abs_sums(x, w, b, dy, stride, pad):
+    """S of the docstring for y (N, O, OH, OW) and dw (O, C, KH, KW), in float64."""
+    O, C, KH, KW = w.shape
+    cols = windows(np.abs(x.astype(np.float64)), KH, KW, stride, pad)    # (N, C, OH, OW, KH, KW)
+    aw = np.abs(w.astype(np.float64))
+    S_y = np.einsum("nchwkl,ockl->nohw", cols, aw, optimize=True) + np.abs(b.astype(np.float64))[None, :, None, None]
+    S_dw = np.einsum("nchwkl,nohw->ockl", cols, np.abs(dy.astype(np.float64)), optimize=True)
+    return S_y, S_dw
+
+
+def assert_within_bound(got, ref, S, n, what):
+    bound = gamma(n) * S
+    excess = np.abs(got.astype(np.float64) - ref) - bound
+    if excess.size:
+        worst = np.unravel_index(np.argmax(excess), excess.shape)
+        assert excess.max() <= 0, (
+            f"{what}: |error| {abs(float(got[worst]) - ref[worst]):.3g} > bound {bound[worst]:.3g} at {worst}")
+
+
+@pytest.fixture
+def igemm_on(monkeypatch):
+    monkeypatch.setenv("DPCORE_IMPLICIT_GEMM", "1")
+    monkeypatch.setenv("DPCORE_WINOGRAD", "0")   # the 64-channel 3x3 cases below, Winograd's otherwise
+
+
+def check(case, seed):
+    """y, dw and db within their bounds; y, dx, dw and db within the suite's
+    tolerances (tests/test_conv_cpu.py's check, dx included)."""
+    within_the_suite_tolerances(case, seed)
+    N, C, H, W, O, K, stride, pad = case
+    x, w, b, dy = make(N, C, H, W, O, K, stride, pad, seed)
+    y = ops.conv2d(x, w, b, stride=stride, padding=pad)
+    _, dw, db = ops.conv2d_backward(x, w, dy, stride=stride, padding=pad)
+    y_ref, _, dw_ref, db_ref = reference(x, w, b, dy, stride, pad)
+    S_y, S_dw = abs_sums(x, w, b, dy, stride, pad)
+    n = max(N * y.shape[2] * y.shape[3], 1)
+    assert_within_bound(y, y_ref, S_y, C * K * K + 1, f"{case} forward")
+    assert_within_bound(dw, dw_ref, S_dw, n, f"{case} dw")
+    assert_within_bound(db, db_ref, np.abs(dy.astype(np.float64)).sum(axis=(0, 2, 3)), n, f"{case} db")
+
+
+# (N, C, H, W, O, K, stride, pad)
+CASES = [
+    (5, 20, 13, 13, 50, 5, 1, 0),     # LeNet's second convolution: 3 panels of 16 channels and one of 8
+    (3, 6, 14, 14, 16, 5, 1, 0),      # the book's LeNet: one panel
+    (2, 3, 9, 9, 8, 3, 1, 1),         # padded: the zero-bordered copy; 8 channels, the 8-wide kernel alone
+    (3, 4, 11, 11, 24, 3, 2, 1),      # stride 2, odd plane
+    (4, 7, 5, 7, 3, 3, 1, 0),         # 3 channels out of an 8-wide panel, rectangle, 15 positions (rows past the end)
+    (2, 5, 6, 6, 17, 1, 1, 0),        # 1x1: 16 + 8 panels, one channel in the second
+    (1, 2, 4, 4, 1, 4, 1, 0),         # one output position, one channel, fewer samples than threads
+    (7, 3, 8, 8, 33, 3, 1, 1),        # dw over groups of samples (64 positions: 4 a group) and a partial one
+    (3, 64, 28, 28, 64, 3, 1, 1),     # the largest taken: 64 channels, 3x3 (Winograd's when that is on)
+    (3, 32, 14, 14, 32, 3, 2, 0),     # stride 2 without padding
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "N{}C{}H{}W{}O{}K{}s{}p{}".format(*c))
+def test_forward_and_gradients_within_the_bounds(igemm_on, case):
+    check(case, seed=sum(case))
+
+
+def test_bias_none(igemm_on):
+    x, w, b, _ = make(3, 20, 13, 13, 50, 5, 1, 0, seed=2)
+    np.testing.assert_array_equal(ops.conv2d(x, w, None, stride=1, padding=0),
+                                  ops.conv2d(x, w, np.zeros_like(b), stride=1, padding=0))
+
+
+def test_empty_batch(igemm_on):
+    x, w, b, dy = make(0, 20, 13, 13, 50, 5, 1, 0, seed=1)
+    y = ops.conv2d(x, w, b, stride=1, padding=0)
+    dx, dw, db = ops.conv2d_backward(x, w, dy, stride=1, padding=0)
+    assert y.shape == (0, 50, 9, 9) and dx.shape == x.shape
+    assert not dw.any() and not db.any()
+
+
+def test_the_switch_reaches_the_kernel(monkeypatch):
+    """On: other bits than im2col + SGEMM for y and dw (another summation order),
+    so the tests above did test the implicit GEMM; dx the same bits either way
+    (the GEMM path's in both); more than 64 output channels, the GEMM path's."""
+    x, w, b, dy = make(4, 20, 13, 13, 50, 5, 1, 0, seed=4)
+    runs = {}
+    for v in ("0", "1"):
+        monkeypatch.setenv("DPCORE_IMPLICIT_GEMM", v)
+        runs[v] = (ops.conv2d(x, w, b, stride=1, padding=0),) + ops.conv2d_backward(x, w, dy, stride=1, padding=0)
+    y0, dx0, dw0, _ = runs["0"]
+    y1, dx1, dw1, _ = runs["1"]
+    assert not np.array_equal(y0, y1) and not np.array_equal(dw0, dw1)
+    np.testing.assert_array_equal(dx0, dx1)
+    x, w, b, dy = make(2, 20, 9, 9, 72, 3, 1, 0, seed=4)    # 72 output channels: the GEMM path
+    for v in ("0", "1"):
+        monkeypatch.setenv("DPCORE_IMPLICIT_GEMM", v)
+        runs[v] = (ops.conv2d(x, w, b, stride=1, padding=0),) + ops.conv2d_backward(x, w, dy, stride=1, padding=0)
+    for a, c in zip(runs["0"], runs["1"]):
+        np.testing.assert_array_equal(a, c)
+
+
+def test_a_bad_switch_value_is_an_error(monkeypatch):
+    monkeypatch.setenv("DPCORE_IMPLICIT_GEMM", "on")
+    x, w, b, dy = make(1, 20, 13, 13, 50, 5, 1, 0, seed=1)
+    with pytest.raises(ValueError, match="DPCORE_IMPLICIT_GEMM"):
+        ops.conv2d(x, w, b, stride=1, padding=0)
+    with pytest.raises(ValueError, match="DPCORE_IMPLICIT_GEMM"):
+        ops.conv2d_backward(x, w, dy, stride=1, padding=0)
+
+
+@pytest.mark.parametrize("pad", [0, 1])
+def test_samples_do_not_depend_on_the_batch(igemm_on, pad):
+    """Each sample's y is computed alone: a replica holding a slice of the batch
+    computes its samples' bits as one device holding the whole batch does."""
+    x, w, b, _ = make(6, 20, 13, 13, 50, 5, 1, pad, seed=9)
+    y_all = ops.conv2d(x, w, b, stride=1, padding=pad)
+    for lo, hi in [(n, n + 1) for n in range(6)] + [(0, 3), (3, 6), (1, 4)]:
+        np.testing.assert_array_equal(ops.conv2d(x[lo:hi], w, b, stride=1, padding=pad), y_all[lo:hi])
+
+
+def test_repeatable_after_other_shapes(igemm_on):
+    """The scratch (zero borders, panels past the channels, offset tables) held
+    another geometry's numbers: the results do not change."""
+    x, w, b, dy = make(5, 20, 13, 13, 50, 5, 1, 0, seed=5)
+    first = (ops.conv2d(x, w, b, stride=1, padding=0),) + ops.conv2d_backward(x, w, dy, stride=1, padding=0)
+    check((3, 9, 17, 15, 61, 3, 1, 2), seed=6)
+    again = (ops.conv2d(x, w, b, stride=1, padding=0),) + ops.conv2d_backward(x, w, dy, stride=1, padding=0)
+    for a, c in zip(first, again):
+        np.testing.assert_array_equal(a, c)
+
+
+def test_lenet_trains_the_same_on_one_and_two_replicas(monkeypatch, logical_cpus):
+    """LeNet with the implicit GEMM on: two replicas' step is one device's within
+    float32 summation error (dw summed per replica, then all-reduced), and the
+    losses fall."""
+    monkeypatch.setenv("DPCORE_IMPLICIT_GEMM", "1")
+    logical_cpus(2)
+    rng = np.random.default_rng(0)
+    X = rng.standard_normal((64, 1, 28, 28)).astype(np.float32)
+    y = rng.integers(0, 10, 64).astype(np.int32)
+    nets = [dp.models.LeNet(devices=["cpu:0"], seed=3), dp.models.LeNet(devices=["cpu:0", "cpu:1"], seed=3)]
+    losses = [[], []]
+    for _ in range(5):
+        for i, net in enumerate(nets):
+            losses[i].append(float(net.train_step(X, y, lr=0.1)[0]))
+    np.testing.assert_allclose(losses[0], losses[1], rtol=1e-4)
+    assert losses[0][-1] < losses[0][0]
