@@ -2,7 +2,8 @@
 cores, or OpenMP's wait policy or binding, change dpcore's CPU training speed,
 and do 2 replicas on 2 cores reach 1.8x one replica on one core by the median
 of rounds? The same harness times the fusion of ReLU and average pooling
-against the two ops run apart (DPCORE_FUSE=0).
+against the two ops run apart (DPCORE_FUSE=0), and the implicit-GEMM
+convolution against im2col + SGEMM (DPCORE_IMPLICIT_GEMM=0).
 
     python benchmarks/bench_threads.py [--steps 15] [--rounds 3] [--write]
 
@@ -31,7 +32,8 @@ import warnings
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_lenet_cpu import command_line, machine_info, publish  # noqa: E402
 
-SECTION_TITLE = "## Environment A/B: thread placement, OpenMP wait policy and binding, ReLU + pooling fusion (LeNet, CPU)"
+SECTION_TITLE = ("## Environment A/B: thread placement, OpenMP wait policy and binding, ReLU + pooling fusion, "
+                 "implicit GEMM (LeNet, CPU)")
 
 CONFIGS = {
     "default: no pinning, libgomp's own wait policy (spin a while, then sleep)": {},
@@ -40,6 +42,8 @@ CONFIGS = {
     "OMP_WAIT_POLICY=active": {"OMP_WAIT_POLICY": "active"},
     "OMP_PROC_BIND=close, OMP_PLACES=cores": {"OMP_PROC_BIND": "close", "OMP_PLACES": "cores"},
     "DPCORE_FUSE=0 (ReLU and average pooling as two ops, not fused)": {"DPCORE_FUSE": "0"},
+    "DPCORE_IMPLICIT_GEMM=0 (the 20 -> 50 convolution on im2col + SGEMM, not the implicit GEMM)":
+        {"DPCORE_IMPLICIT_GEMM": "0"},
 }
 
 

@@ -81,6 +81,9 @@ def child(args):
 def spawn(arm, args):
     env = thread_env(args.threads)
     env["DPCORE_WINOGRAD"] = arm
+    # the GEMM arm's 64-channel layers on im2col + SGEMM, as before the implicit GEMM (which would
+    # take them with Winograd off): the A/B stays Winograd against the GEMM path
+    env["DPCORE_IMPLICIT_GEMM"] = "0"
     cmd = [sys.executable, os.path.abspath(__file__), "--child", "--batch", str(args.batch), "--steps",
            str(args.steps), "--layer-reps", str(args.layer_reps)]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True)
