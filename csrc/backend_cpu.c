@@ -517,7 +517,7 @@ static dp_status cpu_conv2d_forward(dp_device *dev, const dp_conv_geom *g, int64
   DP_TRY(dp_igemm_takes(g, &igemm));
   if (igemm) { /* csrc/implicit_gemm.h */
     float *buf;
-    DP_TRY(cpu_scratch(dev, dp_igemm_scratch_floats(g, N, dev->nthreads, 0), &buf));
+    DP_TRY(cpu_scratch(dev, dp_igemm_scratch_floats(g, N, dev->nthreads, DP_IGEMM_FORWARD), &buf));
     return dp_igemm_forward(g, N, x, w, b, y, dev->nthreads, buf);
   }
   const int64_t K = (int64_t)g->C * g->KH * g->KW, P = (int64_t)g->OH * g->OW;
@@ -586,15 +586,19 @@ static dp_status cpu_conv2d_backward(dp_device *dev, const dp_conv_geom *g, int6
     return dp_winograd_backward_dw(g, N, x, dy, dw, db, dev->nthreads, wino);
   }
   if (conv_is_direct(g)) return conv_direct_backward(dev, g, N, x, w, dy, dx, dw, db);
-  /* the implicit GEMM's dw and db (csrc/implicit_gemm.h); dx, if wanted, below
-   * without the dw half (no im2col of x) */
+  /* the implicit GEMM's dw and db (csrc/implicit_gemm.h), and its dx where it
+   * measured faster; otherwise dx below without the dw half (no im2col of x) */
   int igemm;
   DP_TRY(dp_igemm_takes(g, &igemm));
   if (igemm) {
     float *buf;
-    DP_TRY(cpu_scratch(dev, dp_igemm_scratch_floats(g, N, dev->nthreads, 1), &buf));
+    DP_TRY(cpu_scratch(dev, dp_igemm_scratch_floats(g, N, dev->nthreads, DP_IGEMM_DW), &buf));
     DP_TRY(dp_igemm_backward_dw(g, N, x, dy, dw, db, dev->nthreads, buf));
     if (!dx) return DP_OK;
+    if (!conv_dx_as_conv(g) && g->O >= DP_IGEMM_DX_MIN_OUT) {
+      DP_TRY(cpu_scratch(dev, dp_igemm_scratch_floats(g, N, dev->nthreads, DP_IGEMM_DX), &buf));
+      return dp_igemm_backward_dx(g, N, w, dy, dx, dev->nthreads, buf);
+    }
   }
   const int64_t KK = (int64_t)g->KH * g->KW, K = (int64_t)g->C * KK, P = (int64_t)g->OH * g->OW;
   const int64_t in_sz = (int64_t)g->C * g->H * g->W, out_sz = (int64_t)g->O * P;

@@ -49,6 +49,7 @@ typedef struct igeom {
   int64_t hp, wp, plane; /* padded plane, and one sample's padded planes */
   int64_t P, taps, opad; /* output positions, taps C*KH*KW, channels padded to 16 */
   int64_t group;         /* dw: samples per kernel call */
+  int64_t O;             /* output channels */
   int padded;            /* the input needs a zero-bordered copy */
 } igeom;
 
@@ -62,6 +63,7 @@ static igeom igeom_make(const dp_conv_geom *g) {
   q.opad = ((int64_t)g->O + 15) / 16 * 16;
   q.group = q.P >= DP_IGEMM_DW_ROWS ? 1 : (DP_IGEMM_DW_ROWS + q.P - 1) / q.P;
   q.padded = g->pad > 0;
+  q.O = g->O;
   return q;
 }
 
@@ -196,19 +198,24 @@ static void row_bases(const float *base, const int32_t *roff, int64_t r0, int64_
 
 /* ---- scratch ------------------------------------------------------------- */
 
-static int64_t shared_floats(const igeom *q, int dw) {
-  return round16(dw ? 0 : q->taps * q->opad) + round16(q->group * q->P) + round16(q->taps);
+/* Taps rounded up to whole 16-tap panels (dx's packed filter). */
+static int64_t taps16(const igeom *q) { return (q->taps + 15) / 16 * 16; }
+
+static int64_t shared_floats(const igeom *q, int pass) {
+  const int64_t packed = pass == DP_IGEMM_FORWARD ? q->taps * q->opad : pass == DP_IGEMM_DX ? taps16(q) * q->O : 0;
+  const int64_t rows = pass == DP_IGEMM_DW ? q->group * q->P : q->P;
+  return round16(packed) + round16(rows) + round16(q->taps) + (pass == DP_IGEMM_DX ? round16(q->O) : 0);
 }
 
-static int64_t thread_floats(const igeom *q, int dw) {
-  const int64_t in = q->padded ? round16((dw ? q->group : 1) * q->plane) : 0;
-  if (!dw) return in + 16 * ROWS;
+static int64_t thread_floats(const igeom *q, int pass) {
+  const int64_t in = q->padded ? round16((pass == DP_IGEMM_DW ? q->group : 1) * q->plane) : 0;
+  if (pass != DP_IGEMM_DW) return in + 16 * ROWS;
   return in + round16(q->group * q->P * q->opad) + round16(q->taps * q->opad + q->opad) + 16 * ROWS;
 }
 
-size_t dp_igemm_scratch_floats(const dp_conv_geom *g, int64_t N, int nthreads, int dw) {
+size_t dp_igemm_scratch_floats(const dp_conv_geom *g, int64_t N, int nthreads, int pass) {
   const igeom q = igeom_make(g);
-  return (size_t)(shared_floats(&q, dw) + igemm_threads(N, nthreads) * thread_floats(&q, dw));
+  return (size_t)(shared_floats(&q, pass) + igemm_threads(N, nthreads) * thread_floats(&q, pass));
 }
 
 /* ---- forward ------------------------------------------------------------- */
@@ -220,7 +227,7 @@ dp_status dp_igemm_forward(const dp_conv_geom *g, int64_t N, const float *x, con
   const int nt = igemm_threads(N, nthreads);
   float *wp = scratch;
   int32_t *off = (int32_t *)(void *)(wp + round16(q.taps * q.opad));
-  int32_t *toff = off + round16(q.group * q.P);
+  int32_t *toff = off + round16(q.P);
   float *per = (float *)(void *)(toff + round16(q.taps));
   offset_tables(g, &q, 1, off, toff);
   const int64_t in_sz = (int64_t)g->C * g->H * g->W, out_sz = (int64_t)g->O * q.P;
@@ -234,7 +241,7 @@ dp_status dp_igemm_forward(const dp_conv_geom *g, int64_t N, const float *x, con
       for (int64_t o = 0; o < q.opad; ++o)
         wp[((o / 16) * q.taps + t) * 16 + o % 16] = o < g->O ? w[o * q.taps + t] : 0.0f;
     const int th = omp_get_thread_num();
-    float *mine = per + th * thread_floats(&q, 0);
+    float *mine = per + th * thread_floats(&q, DP_IGEMM_FORWARD);
     float *xpad = mine, *tile = mine + (q.padded ? round16(q.plane) : 0);
     if (q.padded) memset(xpad, 0, sizeof(float) * (size_t)q.plane);
     for (int64_t n = N * th / nt; n < N * (th + 1) / nt; ++n) {
@@ -279,7 +286,7 @@ dp_status dp_igemm_backward_dw(const dp_conv_geom *g, int64_t N, const float *x,
   float *per = (float *)(void *)(toff + round16(q.taps));
   offset_tables(g, &q, q.group, off, toff);
   const int64_t in_sz = (int64_t)g->C * g->H * g->W, out_sz = (int64_t)g->O * q.P;
-  const int64_t tf = thread_floats(&q, 1), acc_sz = q.taps * q.opad + q.opad;
+  const int64_t tf = thread_floats(&q, DP_IGEMM_DW), acc_sz = q.taps * q.opad + q.opad;
 #pragma omp parallel num_threads(nt)
   {
     const int th = omp_get_thread_num();
@@ -342,6 +349,68 @@ dp_status dp_igemm_backward_dw(const dp_conv_geom *g, int64_t N, const float *x,
       dw[i] = s;
     else if (db)
       db[i - wsz] = s;
+  }
+  return DP_OK;
+}
+
+/* ---- input gradient ------------------------------------------------------
+ * dx[off[p] + toff[t]] += sum over o of dy[o, p] w[o, t], for every output
+ * position p and tap t (col2im of w^T dy, never written out): rows are 6
+ * output positions, broadcasting dy[o, p] (idx[o] = o*P), lanes 16 taps of
+ * the filter packed in panels of 16 taps, (O, 16) each; each tile is added
+ * into the sample's dx (zero-bordered when the convolution pads) at once. */
+
+dp_status dp_igemm_backward_dx(const dp_conv_geom *g, int64_t N, const float *w, const float *dy, float *dx,
+                               int nthreads, float *scratch) {
+  if (N <= 0) return DP_OK;
+  const igeom q = igeom_make(g);
+  const int nt = igemm_threads(N, nthreads);
+  const int64_t t16 = taps16(&q);
+  float *wt = scratch;
+  int32_t *off = (int32_t *)(void *)(wt + round16(t16 * q.O));
+  int32_t *toff = off + round16(q.P);
+  int32_t *oidx = toff + round16(q.taps);
+  float *per = (float *)(void *)(oidx + round16(q.O));
+  offset_tables(g, &q, 1, off, toff);
+  for (int o = 0; o < g->O; ++o) oidx[o] = (int32_t)(o * q.P);
+  const int64_t in_sz = (int64_t)g->C * g->H * g->W, out_sz = (int64_t)g->O * q.P;
+#pragma omp parallel num_threads(nt)
+  {
+    /* wt[((t/16)*O + o)*16 + t%16] = w[o, t], zero past the taps */
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < t16; ++t)
+      for (int o = 0; o < g->O; ++o) wt[((t / 16) * q.O + o) * 16 + t % 16] = t < q.taps ? w[o * q.taps + t] : 0.0f;
+    const int th = omp_get_thread_num();
+    float *mine = per + th * thread_floats(&q, DP_IGEMM_DX);
+    float *xpad = mine, *tile = mine + (q.padded ? round16(q.plane) : 0);
+    for (int64_t n = N * th / nt; n < N * (th + 1) / nt; ++n) {
+      float *dst = q.padded ? xpad : dx + n * in_sz;
+      memset(dst, 0, sizeof(float) * (size_t)q.plane);
+      const float *dyn = dy + n * out_sz;
+      for (int64_t t0 = 0; t0 < q.taps; t0 += 16) {
+        const int64_t width = q.taps - t0 > 8 ? 16 : 8, tn = q.taps - t0 < width ? q.taps - t0 : width;
+        const float *panel = wt + t0 * q.O;
+        for (int64_t p0 = 0; p0 < q.P; p0 += ROWS) {
+          const float *xb[ROWS];
+          for (int r = 0; r < ROWS; ++r) xb[r] = dyn + (p0 + r < q.P ? p0 + r : q.P - 1);
+          const int64_t rows = q.P - p0 < ROWS ? q.P - p0 : ROWS;
+          if (width == 16)
+            kernel_16(q.O, xb, oidx, panel, 16, tile);
+          else
+            kernel_8(q.O, xb, oidx, panel, 16, tile);
+          for (int64_t r = 0; r < rows; ++r) {
+            float *d = dst + off[p0 + r];
+            const float *tr = tile + r * 16;
+            for (int64_t j = 0; j < tn; ++j) d[toff[t0 + j]] += tr[j];
+          }
+        }
+      }
+      if (q.padded) /* the interior of the bordered planes */
+        for (int c = 0; c < g->C; ++c)
+          for (int i = 0; i < g->H; ++i)
+            memcpy(dx + n * in_sz + ((int64_t)c * g->H + i) * g->W, xpad + ((int64_t)c * q.hp + i + g->pad) * q.wp + g->pad,
+                   sizeof(float) * (size_t)g->W);
+    }
   }
   return DP_OK;
 }

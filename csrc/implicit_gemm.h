@@ -33,8 +33,17 @@
  * and at most DP_IGEMM_MAX_OUT (64) output channels: measured on one core
  * against im2col + SGEMM (forward), 1.25x faster on LeNet's 20 -> 50, 1.3x at
  * 32 -> 32 (14x14), 1.1x at 64 -> 64 (28x28); at 128 channels about even, at
- * 256 (7x7) slower. The Winograd and one-channel paths come first. dx stays on
- * the GEMM path (w^T dy, then col2im), without its im2col of x.
+ * 256 (7x7) slower. The Winograd and one-channel paths come first.
+ *
+ * dx: the col2im of w^T dy with the same kernel (rows 6 output positions,
+ * lanes 16 taps, the sum over the O output channels), each tile added into dx
+ * as it is computed, where that measured faster than the GEMM path (CPU time
+ * of the backward pass on one core): with at least DP_IGEMM_DX_MIN_OUT output
+ * channels (a sum of fewer is too short beside the tile's scatter: 9% slower
+ * at 6 -> 16, 5x5; 13-16% faster at 20 -> 32 and 20 -> 50, even at 20 -> 64)
+ * and where the GEMM path does not compute dx as a convolution of dy ("same"
+ * padding: that path has no col2im, and measured 8-25% faster at 32 and 64
+ * channels, 3x3). Otherwise dx stays on the GEMM path, without its im2col of x.
  */
 #ifndef DP_IMPLICIT_GEMM_H
 #define DP_IMPLICIT_GEMM_H
@@ -48,9 +57,15 @@
  * DP_ERR_VALUE for a DPCORE_IMPLICIT_GEMM that is not "0", "1" or empty. */
 DP_MUST_CHECK dp_status dp_igemm_takes(const dp_conv_geom *g, int *takes);
 
-/* Floats of scratch (64-byte aligned) that the forward pass (dw = 0) or the
- * weight gradient (dw = 1) needs for N samples on nthreads threads. */
-size_t dp_igemm_scratch_floats(const dp_conv_geom *g, int64_t N, int nthreads, int dw);
+/* dx takes the implicit GEMM from this many output channels (see above). */
+#define DP_IGEMM_DX_MIN_OUT 32
+
+/* The passes, for dp_igemm_scratch_floats. */
+enum { DP_IGEMM_FORWARD = 0, DP_IGEMM_DW = 1, DP_IGEMM_DX = 2 };
+
+/* Floats of scratch (64-byte aligned) that a pass needs for N samples on
+ * nthreads threads. */
+size_t dp_igemm_scratch_floats(const dp_conv_geom *g, int64_t N, int nthreads, int pass);
 
 /* y (N, O, OH, OW) = conv(x, w) + b (b may be NULL). */
 DP_MUST_CHECK dp_status dp_igemm_forward(const dp_conv_geom *g, int64_t N, const float *x, const float *w,
@@ -60,5 +75,10 @@ DP_MUST_CHECK dp_status dp_igemm_forward(const dp_conv_geom *g, int64_t N, const
  * (N, O, OH, OW), over the batch. */
 DP_MUST_CHECK dp_status dp_igemm_backward_dw(const dp_conv_geom *g, int64_t N, const float *x, const float *dy,
                                              float *dw, float *db, int nthreads, float *scratch);
+
+/* dx (N, C, H, W) of y = conv(x, w), from dy (N, O, OH, OW): the col2im of
+ * w^T dy, each tile of it added into the sample's dx as it is computed. */
+DP_MUST_CHECK dp_status dp_igemm_backward_dx(const dp_conv_geom *g, int64_t N, const float *w, const float *dy,
+                                             float *dx, int nthreads, float *scratch);
 
 #endif

@@ -3,8 +3,9 @@ forward pass and dw of the convolutions with more than one input channel and at
 most 64 output channels (LeNet's second, and any such layer a user builds),
 against the float64 reference of tests/test_conv_cpu.py, whatever the switch
 DPCORE_IMPLICIT_GEMM's default is (each test sets it; the C side reads it at
-every call). dx of these layers stays on the GEMM path; it is checked here too,
-since the backward pass now skips that path's im2col.
+every call). dx takes the implicit GEMM from 32 output channels where the GEMM
+path would not compute it as a convolution of dy; elsewhere it stays on the GEMM
+path (without that path's im2col of x); both are checked here.
 
 The error bound. Each output is a sum of products of float32 inputs: y[o, p] of
 the K = C*KH*KW products w[o, t] x[t, p] plus the bias, dw[o, t] of the N*OH*OW
@@ -18,7 +19,9 @@ multiplication for n terms, each rounding by a factor (1 + d), |d| <= u = 2^-24
 
 S the same sum of the terms' absolute values (Higham, Accuracy and Stability of
 Numerical Algorithms, 2nd ed., section 3.1). n = K + 1 for y, N*OH*OW for dw
-and db. The tests assert it and the suite's relative tolerances.
+and db, O*KH*KW for dx (at most that many products reach one input position:
+sums over O in the kernel, then added into dx tap by tap). The tests assert it
+and the suite's relative tolerances.
 """
 
 import numpy as np
@@ -68,11 +71,13 @@ def check(case, seed):
     N, C, H, W, O, K, stride, pad = case
     x, w, b, dy = make(N, C, H, W, O, K, stride, pad, seed)
     y = ops.conv2d(x, w, b, stride=stride, padding=pad)
-    _, dw, db = ops.conv2d_backward(x, w, dy, stride=stride, padding=pad)
-    y_ref, _, dw_ref, db_ref = reference(x, w, b, dy, stride, pad)
+    dx, dw, db = ops.conv2d_backward(x, w, dy, stride=stride, padding=pad)
+    y_ref, dx_ref, dw_ref, db_ref = reference(x, w, b, dy, stride, pad)
     S_y, S_dw = abs_sums(x, w, b, dy, stride, pad)
+    S_dx = reference(np.abs(x), np.abs(w), b, np.abs(dy), stride, pad)[1]
     n = max(N * y.shape[2] * y.shape[3], 1)
     assert_within_bound(y, y_ref, S_y, C * K * K + 1, f"{case} forward")
+    assert_within_bound(dx, dx_ref, S_dx, O * K * K, f"{case} dx")
     assert_within_bound(dw, dw_ref, S_dw, n, f"{case} dw")
     assert_within_bound(db, db_ref, np.abs(dy.astype(np.float64)).sum(axis=(0, 2, 3)), n, f"{case} db")
 
@@ -89,6 +94,9 @@ CASES = [
     (7, 3, 8, 8, 33, 3, 1, 1),        # dw over groups of samples (64 positions: 4 a group) and a partial one
     (3, 64, 28, 28, 64, 3, 1, 1),     # the largest taken: 64 channels, 3x3 (Winograd's when that is on)
     (3, 32, 14, 14, 32, 3, 2, 0),     # stride 2 without padding
+    (3, 5, 11, 11, 40, 3, 2, 1),      # dx by the implicit GEMM into a zero-bordered plane (stride 2, padded)
+    (2, 20, 13, 11, 32, 5, 1, 0),     # dx by the implicit GEMM: 32 channels, the fewest it takes; rectangle
+    (2, 6, 7, 7, 36, 2, 1, 0),        # 2x2: 24 taps, dx over a 16-tap panel and an 8-wide one; 36 channels
 ]
 
 
@@ -111,24 +119,32 @@ def test_empty_batch(igemm_on):
     assert not dw.any() and not db.any()
 
 
+def runs_both(monkeypatch, case):
+    """(y, dx, dw, db) with the switch off and on."""
+    N, C, H, W, O, K, stride, pad = case
+    x, w, b, dy = make(N, C, H, W, O, K, stride, pad, seed=4)
+    runs = []
+    for v in ("0", "1"):
+        monkeypatch.setenv("DPCORE_IMPLICIT_GEMM", v)
+        runs.append((ops.conv2d(x, w, b, stride=stride, padding=pad),)
+                    + ops.conv2d_backward(x, w, dy, stride=stride, padding=pad))
+    return runs
+
+
 def test_the_switch_reaches_the_kernel(monkeypatch):
-    """On: other bits than im2col + SGEMM for y and dw (another summation order),
-    so the tests above did test the implicit GEMM; dx the same bits either way
-    (the GEMM path's in both); more than 64 output channels, the GEMM path's."""
-    x, w, b, dy = make(4, 20, 13, 13, 50, 5, 1, 0, seed=4)
-    runs = {}
-    for v in ("0", "1"):
-        monkeypatch.setenv("DPCORE_IMPLICIT_GEMM", v)
-        runs[v] = (ops.conv2d(x, w, b, stride=1, padding=0),) + ops.conv2d_backward(x, w, dy, stride=1, padding=0)
-    y0, dx0, dw0, _ = runs["0"]
-    y1, dx1, dw1, _ = runs["1"]
-    assert not np.array_equal(y0, y1) and not np.array_equal(dw0, dw1)
-    np.testing.assert_array_equal(dx0, dx1)
-    x, w, b, dy = make(2, 20, 9, 9, 72, 3, 1, 0, seed=4)    # 72 output channels: the GEMM path
-    for v in ("0", "1"):
-        monkeypatch.setenv("DPCORE_IMPLICIT_GEMM", v)
-        runs[v] = (ops.conv2d(x, w, b, stride=1, padding=0),) + ops.conv2d_backward(x, w, dy, stride=1, padding=0)
-    for a, c in zip(runs["0"], runs["1"]):
+    """On: other bits than im2col + SGEMM for y, dx and dw (another summation
+    order), so the tests above did test the implicit GEMM; dx the GEMM path's
+    below 32 output channels and for "same" padding; more than 64 output
+    channels, the GEMM path's everywhere."""
+    monkeypatch.setenv("DPCORE_WINOGRAD", "0")
+    (y0, dx0, dw0, _), (y1, dx1, dw1, _) = runs_both(monkeypatch, (4, 20, 13, 13, 50, 5, 1, 0))
+    assert not np.array_equal(y0, y1) and not np.array_equal(dx0, dx1) and not np.array_equal(dw0, dw1)
+    for case in [(4, 6, 14, 14, 16, 5, 1, 0), (3, 32, 10, 10, 32, 3, 1, 1)]:   # dx on the GEMM path
+        (y0, dx0, dw0, _), (y1, dx1, dw1, _) = runs_both(monkeypatch, case)
+        assert not np.array_equal(y0, y1) and not np.array_equal(dw0, dw1)
+        np.testing.assert_array_equal(dx0, dx1)
+    off, on = runs_both(monkeypatch, (2, 20, 9, 9, 72, 3, 1, 0))   # 72 output channels: the GEMM path
+    for a, c in zip(off, on):
         np.testing.assert_array_equal(a, c)
 
 
