@@ -37,13 +37,16 @@
  *
  * dx: the col2im of w^T dy with the same kernel (rows 6 output positions,
  * lanes 16 taps, the sum over the O output channels), each tile added into dx
- * as it is computed, where that measured faster than the GEMM path (CPU time
- * of the backward pass on one core): with at least DP_IGEMM_DX_MIN_OUT output
- * channels (a sum of fewer is too short beside the tile's scatter: 9% slower
- * at 6 -> 16, 5x5; 13-16% faster at 20 -> 32 and 20 -> 50, even at 20 -> 64)
- * and where the GEMM path does not compute dx as a convolution of dy ("same"
- * padding: that path has no col2im, and measured 8-25% faster at 32 and 64
- * channels, 3x3). Otherwise dx stays on the GEMM path, without its im2col of x.
+ * as it is computed, where that measured no slower than the GEMM path (CPU
+ * time of the backward pass on one core, a build with this limit raised as
+ * the A): with at least DP_IGEMM_DX_MIN_OUT output channels (a sum of fewer
+ * is too short beside the tile's scatter: 9% slower at 6 -> 16, 5x5; 16%
+ * faster at 20 -> 32; at 20 -> 50 a median 4% faster over 11 alternating
+ * pairs, which ranged from 22% faster to 12% slower on this shared machine;
+ * even at 20 -> 64) and where the GEMM path does not compute dx as a
+ * convolution of dy ("same" padding: that path has no col2im, and measured
+ * 8-25% faster at 32 and 64 channels, 3x3). Otherwise dx stays on the GEMM
+ * path, without its im2col of x.
  */
 #ifndef DP_IMPLICIT_GEMM_H
 #define DP_IMPLICIT_GEMM_H

@@ -23,6 +23,9 @@ and db, O*KH*KW for dx (at most that many products reach one input position:
 sums over O in the kernel, then added into dx tap by tap). The tests assert it
 and the suite's relative tolerances.
 """
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -194,3 +197,15 @@ def test_lenet_trains_the_same_on_one_and_two_replicas(monkeypatch, logical_cpus
             losses[i].append(float(net.train_step(X, y, lr=0.1)[0]))
     np.testing.assert_allclose(losses[0], losses[1], rtol=1e-4)
     assert losses[0][-1] < losses[0][0]
+
+
+def test_benchmark_quick_run():
+    """benchmarks/bench_implicit_gemm.py end to end on a tiny batch: every row, nothing written."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cmd = [sys.executable, os.path.join(root, "benchmarks", "bench_implicit_gemm.py"), "--rounds", "1", "--reps", "1",
+           "--batch", "4"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=root)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for row in ("| LeNet 20 -> 50, 5x5 on 13x13 | 4 |", "| book LeNet 6 -> 16", "| 64 -> 128, 3x3 stride 2",
+                "backward off / on"):
+        assert row in proc.stdout, proc.stdout
