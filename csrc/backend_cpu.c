@@ -607,6 +607,7 @@ static dp_status cpu_conv2d_backward(dp_device *dev, const dp_conv_geom *g, int6
   const int64_t G = plan.G;
   const int nt = plan.nt;
   const int as_conv = dx && conv_dx_as_conv(g);
+  const int dw_here = !igemm; /* dw and db by this path's GEMMs, or the implicit GEMM's above */
   const dp_conv_geom tg = conv_dx_geom(g);
   const int64_t HW = (int64_t)g->H * g->W;
   /* per thread: partial dw (O, K) and db (O) first, then col (K, G*P) (also
@@ -650,7 +651,7 @@ static dp_status cpu_conv2d_backward(dp_device *dev, const dp_conv_geom *g, int6
       int64_t n0, cnt;
       conv_group(&plan, N, t, k, &n0, &cnt);
       const int64_t ld = cnt * P;
-      if (!igemm) im2col(g, x + n0 * in_sz, in_sz, cnt, col, ld, buf);
+      if (dw_here) im2col(g, x + n0 * in_sz, in_sz, cnt, col, ld, buf);
       /* dyg row o = the samples' planes o side by side (written front to back,
        * as in im2col); a lone sample's dy is that already */
       const float *dys = dy + n0 * out_sz;
@@ -661,10 +662,10 @@ static dp_status cpu_conv2d_backward(dp_device *dev, const dp_conv_geom *g, int6
         dys = dyg;
       }
       /* pdw (O, K) (+)= dyg (O, cnt*P) . col^T (cnt*P, K) */
-      if (!igemm)
+      if (dw_here)
         cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, g->O, (int)K, (int)ld, 1.0f, dys, (int)ld, col, (int)ld,
                     k == 0 ? 0.0f : 1.0f, pdw, (int)K);
-      for (int o = 0; !igemm && o < g->O; ++o) {
+      for (int o = 0; dw_here && o < g->O; ++o) {
         const float *r = dys + o * ld;
         float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
@@ -689,7 +690,7 @@ static dp_status cpu_conv2d_backward(dp_device *dev, const dp_conv_geom *g, int6
     }
   }
   /* dw, db = the threads' partials added in thread order */
-  if (igemm) return DP_OK;
+  if (!dw_here) return DP_OK;
 #pragma omp parallel for num_threads(dev->nthreads) schedule(static) if (acc_sz * nt > 65536)
   for (int64_t i = 0; i < acc_sz; ++i) {
     float s = 0.0f;

@@ -31,18 +31,6 @@
 /* The micro-kernel's rows. */
 #define ROWS 6
 
-dp_status dp_igemm_takes(const dp_conv_geom *g, int *takes) {
-  *takes = 0;
-  int on;
-  DP_TRY(dp_env_switch("DPCORE_IMPLICIT_GEMM", DP_IGEMM_DEFAULT, &on));
-  const int64_t hp = g->H + 2 * (int64_t)g->pad, wp = g->W + 2 * (int64_t)g->pad;
-  /* the offsets are int32: a dw group's padded planes must fit them */
-  const int64_t plane = (int64_t)g->C * hp * wp, P = (int64_t)g->OH * g->OW;
-  const int64_t group = P >= DP_IGEMM_DW_ROWS ? 1 : (DP_IGEMM_DW_ROWS + P - 1) / P;
-  *takes = on && g->C > 1 && g->O <= DP_IGEMM_MAX_OUT && P > 0 && plane * group < ((int64_t)1 << 30);
-  return DP_OK;
-}
-
 /* ---- geometry ------------------------------------------------------------ */
 
 typedef struct igeom {
@@ -65,6 +53,16 @@ static igeom igeom_make(const dp_conv_geom *g) {
   q.padded = g->pad > 0;
   q.O = g->O;
   return q;
+}
+
+dp_status dp_igemm_takes(const dp_conv_geom *g, int *takes) {
+  *takes = 0;
+  int on;
+  DP_TRY(dp_env_switch("DPCORE_IMPLICIT_GEMM", DP_IGEMM_DEFAULT, &on));
+  const igeom q = igeom_make(g);
+  /* the offsets are int32: a dw group's padded planes must fit them */
+  *takes = on && g->C > 1 && g->O <= DP_IGEMM_MAX_OUT && q.P > 0 && q.plane * q.group < ((int64_t)1 << 30);
+  return DP_OK;
 }
 
 static int64_t round16(int64_t n) { return (n + 15) & ~(int64_t)15; }
@@ -96,8 +94,9 @@ static void pad_samples(const dp_conv_geom *g, const igeom *q, const float *x, i
 }
 
 /* ---- the micro-kernel ----------------------------------------------------
- * tile[r][j] = sum over k < K of xb[r][idx[k]] * B[k*ldb + j], r < ROWS,
- * j < 8*NV: a sequential sum per output, in k order. */
+ * tile[r][j] = sum over k < K of xb[r][idx[k]] * B[k*16 + j], r < ROWS,
+ * j < 16 (or 8): a sequential sum per output, in k order. B is a panel: 16
+ * floats per k, one aligned cache line. */
 
 #if defined(__AVX__)
 typedef __m256 v8;
@@ -125,12 +124,12 @@ typedef float v8u __attribute__((vector_size(32), aligned(4), may_alias));
 #endif
 
 static void kernel_16(int64_t K, const float *const *xb, const int32_t *restrict idx, const float *restrict B,
-                      int64_t ldb, float *restrict tile) {
+                      float *restrict tile) {
   const float *x0 = xb[0], *x1 = xb[1], *x2 = xb[2], *x3 = xb[3], *x4 = xb[4], *x5 = xb[5];
   v8 a00 = V8_ZERO(), a01 = V8_ZERO(), a10 = V8_ZERO(), a11 = V8_ZERO(), a20 = V8_ZERO(), a21 = V8_ZERO();
   v8 a30 = V8_ZERO(), a31 = V8_ZERO(), a40 = V8_ZERO(), a41 = V8_ZERO(), a50 = V8_ZERO(), a51 = V8_ZERO();
   for (int64_t k = 0; k < K; ++k) {
-    const float *bk = B + k * ldb;
+    const float *bk = B + k * 16;
     const v8 b0 = V8_LOAD(bk), b1 = V8_LOAD(bk + 8);
     const int32_t i = idx[k];
     v8 s = V8_BCAST(x0 + i);
@@ -169,11 +168,11 @@ static void kernel_16(int64_t K, const float *const *xb, const int32_t *restrict
 /* The same with 8 columns (the last 8 of a channel count that is not a
  * multiple of 16); tile rows stay 16 floats apart. */
 static void kernel_8(int64_t K, const float *const *xb, const int32_t *restrict idx, const float *restrict B,
-                     int64_t ldb, float *restrict tile) {
+                     float *restrict tile) {
   const float *x0 = xb[0], *x1 = xb[1], *x2 = xb[2], *x3 = xb[3], *x4 = xb[4], *x5 = xb[5];
   v8 a0 = V8_ZERO(), a1 = V8_ZERO(), a2 = V8_ZERO(), a3 = V8_ZERO(), a4 = V8_ZERO(), a5 = V8_ZERO();
   for (int64_t k = 0; k < K; ++k) {
-    const v8 b0 = V8_LOAD(B + k * ldb);
+    const v8 b0 = V8_LOAD(B + k * 16);
     const int32_t i = idx[k];
     a0 = V8_MADD(a0, V8_BCAST(x0 + i), b0);
     a1 = V8_MADD(a1, V8_BCAST(x1 + i), b0);
@@ -188,6 +187,15 @@ static void kernel_8(int64_t K, const float *const *xb, const int32_t *restrict 
   V8_STORE(tile + 48, a3);
   V8_STORE(tile + 64, a4);
   V8_STORE(tile + 80, a5);
+}
+
+/* The kernel for a panel whose first `width` columns are used: 16 wide, or 8
+ * (a channel or tap count's last 8 or fewer). */
+static void kernel(int64_t width, int64_t K, const float *const *xb, const int32_t *idx, const float *B, float *tile) {
+  if (width > 8)
+    kernel_16(K, xb, idx, B, tile);
+  else
+    kernel_8(K, xb, idx, B, tile);
 }
 
 /* Rows [r0, r0 + ROWS) of a kernel call whose row r reads base + roff[r]; rows
@@ -259,10 +267,7 @@ dp_status dp_igemm_forward(const dp_conv_geom *g, int64_t N, const float *x, con
           const float *xb[ROWS];
           row_bases(src, off, p0, q.P, xb);
           const int64_t rows = q.P - p0 < ROWS ? q.P - p0 : ROWS;
-          if (width == 16)
-            kernel_16(q.taps, xb, toff, wp + o0 * q.taps, 16, tile);
-          else
-            kernel_8(q.taps, xb, toff, wp + o0 * q.taps, 16, tile);
+          kernel(width, q.taps, xb, toff, wp + o0 * q.taps, tile);
           for (int64_t j = 0; j < width && o0 + j < g->O; ++j) {
             const float bias = b ? b[o0 + j] : 0.0f;
             float *yo = yn + (o0 + j) * q.P + p0;
@@ -287,12 +292,13 @@ dp_status dp_igemm_backward_dw(const dp_conv_geom *g, int64_t N, const float *x,
   offset_tables(g, &q, q.group, off, toff);
   const int64_t in_sz = (int64_t)g->C * g->H * g->W, out_sz = (int64_t)g->O * q.P;
   const int64_t tf = thread_floats(&q, DP_IGEMM_DW), acc_sz = q.taps * q.opad + q.opad;
+  /* within a thread's floats: the bordered planes, dy transposed, then the partial sums */
+  const int64_t dyt_at = q.padded ? round16(q.group * q.plane) : 0, acc_at = dyt_at + round16(q.group * q.P * q.opad);
 #pragma omp parallel num_threads(nt)
   {
     const int th = omp_get_thread_num();
     float *mine = per + th * tf;
-    float *xpad = mine, *dyt = xpad + (q.padded ? round16(q.group * q.plane) : 0);
-    float *acc = dyt + round16(q.group * q.P * q.opad), *tile = acc + round16(acc_sz);
+    float *xpad = mine, *dyt = mine + dyt_at, *acc = mine + acc_at, *tile = acc + round16(acc_sz);
     float *accb = acc + q.taps * q.opad;
     if (q.padded) memset(xpad, 0, sizeof(float) * (size_t)(q.group * q.plane));
     memset(dyt, 0, sizeof(float) * (size_t)(q.group * q.P * q.opad)); /* the lanes past O stay 0 */
@@ -324,11 +330,7 @@ dp_status dp_igemm_backward_dw(const dp_conv_geom *g, int64_t N, const float *x,
         const int64_t trows = q.taps - t0 < ROWS ? q.taps - t0 : ROWS;
         for (int64_t o0 = 0; o0 < q.opad; o0 += 16) {
           const int64_t width = g->O - o0 > 8 ? 16 : 8;
-          const float *panel = dyt + o0 * q.group * q.P;
-          if (width == 16)
-            kernel_16(rows, xb, off, panel, 16, tile);
-          else
-            kernel_8(rows, xb, off, panel, 16, tile);
+          kernel(width, rows, xb, off, dyt + o0 * q.group * q.P, tile);
           for (int64_t r = 0; r < trows; ++r) {
             float *a = acc + (t0 + r) * q.opad + o0;
             for (int64_t j = 0; j < width; ++j) a[j] += tile[r * 16 + j];
@@ -343,8 +345,7 @@ dp_status dp_igemm_backward_dw(const dp_conv_geom *g, int64_t N, const float *x,
   for (int64_t i = 0; i < wsz + g->O; ++i) {
     const int64_t at = i < wsz ? (i % q.taps) * q.opad + i / q.taps : q.taps * q.opad + (i - wsz);
     float s = 0.0f;
-    for (int th = 0; th < nt; ++th) s += per[th * tf + (q.padded ? round16(q.group * q.plane) : 0) +
-                                             round16(q.group * q.P * q.opad) + at];
+    for (int th = 0; th < nt; ++th) s += per[th * tf + acc_at + at];
     if (i < wsz)
       dw[i] = s;
     else if (db)
@@ -394,10 +395,7 @@ dp_status dp_igemm_backward_dx(const dp_conv_geom *g, int64_t N, const float *w,
           const float *xb[ROWS];
           for (int r = 0; r < ROWS; ++r) xb[r] = dyn + (p0 + r < q.P ? p0 + r : q.P - 1);
           const int64_t rows = q.P - p0 < ROWS ? q.P - p0 : ROWS;
-          if (width == 16)
-            kernel_16(q.O, xb, oidx, panel, 16, tile);
-          else
-            kernel_8(q.O, xb, oidx, panel, 16, tile);
+          kernel(width, q.O, xb, oidx, panel, tile);
           for (int64_t r = 0; r < rows; ++r) {
             float *d = dst + off[p0 + r];
             const float *tr = tile + r * 16;

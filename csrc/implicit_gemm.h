@@ -1,6 +1,6 @@
 /* implicit_gemm.h — convolution on the CPU as a GEMM whose input operand is
- * never written out: the forward pass and the weight gradient of the
- * convolutions with few channels (LeNet's 20 -> 50, 5x5 on 13x13), where
+ * never written out: the forward pass, the weight gradient and (see below)
+ * the input gradient of the convolutions with few channels (LeNet's 20 -> 50, 5x5 on 13x13), where
  * im2col + SGEMM spent a third of its time writing and reading the column
  * matrix (a 5x5 kernel makes it 25 times the input) and OpenBLAS ran the
  * small GEMMs (50 rows) at half its large-matrix rate.
@@ -11,7 +11,7 @@
  * window: a table of KH*KW*C offsets and one of OH*OW. The micro-kernel holds
  * 6 rows by 16 output channels in registers, broadcasts each row's input
  * value and multiplies it with 16 (or 8) channels of the packed filter
- * (w transposed to (taps, channels), channels padded to a multiple of 8):
+ * (w transposed to (taps, channels), in panels of 16 channels):
  * forward, rows are output positions and the sum runs over the taps; for dw
  * the same kernel with the roles swapped, rows are taps and the sum runs over
  * a group of samples' output positions against dy transposed. db is the sums
@@ -20,7 +20,8 @@
  * Threads: thread t of nt takes the samples [N*t/nt, N*(t+1)/nt); each
  * sample's y depends on that sample alone (the same bits whatever else is in
  * the batch); dw and db are each thread's partial sums (its samples in groups
- * of DP_IGEMM_DW_GROUP, in order) added in thread order, as the GEMM path does.
+ * of at least DP_IGEMM_DW_ROWS output positions, in order) added in thread
+ * order, as the GEMM path does.
  *
  * Sums: each output is one sequential sum over the taps in (c, ki, kj) order
  * (fused multiply-adds where the CPU has FMA); dw a sequential sum per group
