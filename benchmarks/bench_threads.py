@@ -2,8 +2,9 @@
 cores, or OpenMP's wait policy or binding, change dpcore's CPU training speed,
 and do 2 replicas on 2 cores reach 1.8x one replica on one core by the median
 of rounds? The same harness times the fusion of ReLU and average pooling
-against the two ops run apart (DPCORE_FUSE=0), and the implicit-GEMM
-convolution against im2col + SGEMM (DPCORE_IMPLICIT_GEMM=0).
+against the two ops run apart (DPCORE_FUSE=0), Winograd F(3x3, 5x5) for the
+20 -> 50 convolution against the implicit GEMM (DPCORE_WINOGRAD=0), and the
+implicit GEMM against im2col + SGEMM (both off).
 
     python benchmarks/bench_threads.py [--steps 15] [--rounds 3] [--write]
 
@@ -42,8 +43,10 @@ CONFIGS = {
     "OMP_WAIT_POLICY=active": {"OMP_WAIT_POLICY": "active"},
     "OMP_PROC_BIND=close, OMP_PLACES=cores": {"OMP_PROC_BIND": "close", "OMP_PLACES": "cores"},
     "DPCORE_FUSE=0 (ReLU and average pooling as two ops, not fused)": {"DPCORE_FUSE": "0"},
-    "DPCORE_IMPLICIT_GEMM=0 (the 20 -> 50 convolution on im2col + SGEMM, not the implicit GEMM)":
-        {"DPCORE_IMPLICIT_GEMM": "0"},
+    "DPCORE_WINOGRAD=0 (the 20 -> 50 convolution on the implicit GEMM, not Winograd F(3x3, 5x5))":
+        {"DPCORE_WINOGRAD": "0"},
+    "DPCORE_WINOGRAD=0 DPCORE_IMPLICIT_GEMM=0 (the 20 -> 50 convolution on im2col + SGEMM)":
+        {"DPCORE_WINOGRAD": "0", "DPCORE_IMPLICIT_GEMM": "0"},
 }
 
 
@@ -103,7 +106,8 @@ def main(argv=None):
         order = names if r % 2 == 0 else list(reversed(names))
         for name in order:
             env = {k: v for k, v in os.environ.items()
-                   if not k.startswith(("OMP_WAIT", "OMP_PROC", "OMP_PLACES", "DPCORE_PIN", "DPCORE_FUSE"))}
+                   if not k.startswith(("OMP_WAIT", "OMP_PROC", "OMP_PLACES", "DPCORE_PIN", "DPCORE_FUSE", "DPCORE_WINOGRAD",
+                                          "DPCORE_IMPLICIT_GEMM"))}
             env.update(CONFIGS[name])
             env["BENCH_CORES"] = str(len(os.sched_getaffinity(0)))
             out = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", "--steps", str(args.steps)],
