@@ -28,7 +28,9 @@
 
 /* Fewer input channels than this keep the other paths (the products' sum over
  * C is the kernel's K; with a handful of channels the transforms dominate). */
+#ifndef DP_WINO5_MIN_IN /* a build may set it (benchmarks/bench_winograd5.py's A/B below the limit) */
 #define DP_WINO5_MIN_IN 8
+#endif
 /* A chunk's bordered input and dy planes at most this many floats (16 MiB):
  * larger planes keep the other paths. */
 #define DP_WINO5_MAX_PLANES ((int64_t)1 << 22)

@@ -64,7 +64,7 @@ def assert_within_bound(got, ref, S, n, what):
 @pytest.fixture
 def igemm_on(monkeypatch):
     monkeypatch.setenv("DPCORE_IMPLICIT_GEMM", "1")
-    monkeypatch.setenv("DPCORE_WINOGRAD", "0")   # the 64-channel 3x3 cases below, Winograd's otherwise
+    monkeypatch.setenv("DPCORE_WINOGRAD", "0")   # the 64-channel 3x3 cases and the 5x5 ones below, Winograd's otherwise
 
 
 def check(case, seed):
@@ -152,6 +152,7 @@ def test_the_switch_reaches_the_kernel(monkeypatch):
 
 
 def test_a_bad_switch_value_is_an_error(monkeypatch):
+    monkeypatch.setenv("DPCORE_WINOGRAD", "0")   # LeNet's 20 -> 50, Winograd F(3x3, 5x5)'s otherwise
     monkeypatch.setenv("DPCORE_IMPLICIT_GEMM", "on")
     x, w, b, dy = make(1, 20, 13, 13, 50, 5, 1, 0, seed=1)
     with pytest.raises(ValueError, match="DPCORE_IMPLICIT_GEMM"):
@@ -186,6 +187,7 @@ def test_lenet_trains_the_same_on_one_and_two_replicas(monkeypatch, logical_cpus
     float32 summation error (dw summed per replica, then all-reduced), and the
     losses fall."""
     monkeypatch.setenv("DPCORE_IMPLICIT_GEMM", "1")
+    monkeypatch.setenv("DPCORE_WINOGRAD", "0")
     logical_cpus(2)
     rng = np.random.default_rng(0)
     X = rng.standard_normal((64, 1, 28, 28)).astype(np.float32)

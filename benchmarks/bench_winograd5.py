@@ -1,0 +1,117 @@
+"""Winograd F(3x3, 5x5) against the paths it replaces on the CPU (issue 14;
+csrc/winograd5.h): the per-layer A/B behind its channel limit, and the
+whole LeNet step's A/B is bench_threads.py's DPCORE_WINOGRAD=0 row.
+
+    python benchmarks/bench_winograd5.py [--rounds 5] [--reps 5] [--batch 128] [--write]
+
+One process pinned to one core (sched_setaffinity before dpcore loads, so the
+CPU device has one thread), timed by the process's CPU time as
+bench_implicit_gemm.py does. For each 5x5 stride-1 geometry the arms
+DPCORE_WINOGRAD=0 (the implicit GEMM up to 64 output channels, im2col + SGEMM
+above) and =1 alternate, swapping order every round; each arm times --reps
+forward calls and --reps backward calls (dx, dw, db) after a warm-up.
+Reported: the median per call over the rounds, and off / on (above 1:
+Winograd faster). Rows below the channel limit (DP_WINO5_MIN_IN, 8 input
+channels) are not taken by Winograd in a default build: both arms run the
+same path there (the ratio shows the noise) unless the build set the limit
+lower (CFLAGS=-DDP_WINO5_MIN_IN=1), which is how the limit was chosen.
+"""
+import argparse
+import datetime
+import os
+import statistics
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from bench_lenet_cpu import command_line, machine_info, publish  # noqa: E402
+
+SECTION_TITLE = "## Winograd F(3x3, 5x5) A/B (CPU, one core)"
+# (name, C, H, O, pad)
+GEOMETRIES = [
+    ("LeNet 20 -> 50 on 13x13", 20, 13, 50, 0),
+    ("book LeNet 6 -> 16 on 14x14 (below the limit)", 6, 14, 16, 0),
+    ("4 -> 16 on 14x14 (below the limit)", 4, 14, 16, 0),
+    ("8 -> 16 on 14x14", 8, 14, 16, 0),
+    ("16 -> 32 pad 2 on 14x14", 16, 14, 32, 2),
+    ("20 -> 50 pad 2 on 28x28 (batch / 4)", 20, 28, 50, 2),
+    ("32 -> 64 pad 2 on 14x14", 32, 14, 64, 2),
+    ("64 -> 128 pad 2 on 14x14 (batch / 4)", 64, 14, 128, 2),
+]
+
+
+def measure(args):
+    core = sorted(os.sched_getaffinity(0))[0]
+    os.sched_setaffinity(0, {core})
+    import numpy as np
+    import dpcore as dp
+    rng = np.random.default_rng(0)
+    rows = []
+    for name, C, H, O, p in GEOMETRIES:
+        N = max(1, args.batch // 4) if "batch / 4" in name else args.batch
+        x = rng.standard_normal((N, C, H, H)).astype(np.float32)
+        w = (rng.standard_normal((O, C, 5, 5)) / np.sqrt(C * 25)).astype(np.float32)
+        b = rng.standard_normal(O).astype(np.float32)
+        OH = H + 2 * p - 4
+        dy = rng.standard_normal((N, O, OH, OH)).astype(np.float32)
+        times = {"0": ([], []), "1": ([], [])}
+        for r in range(args.rounds):
+            for arm in (("0", "1") if r % 2 == 0 else ("1", "0")):
+                os.environ["DPCORE_WINOGRAD"] = arm
+                dp.ops.conv2d(x, w, b, stride=1, padding=p)
+                dp.ops.conv2d_backward(x, w, dy, stride=1, padding=p)
+                t0 = time.process_time()
+                for _ in range(args.reps):
+                    dp.ops.conv2d(x, w, b, stride=1, padding=p)
+                t1 = time.process_time()
+                for _ in range(args.reps):
+                    dp.ops.conv2d_backward(x, w, dy, stride=1, padding=p)
+                t2 = time.process_time()
+                times[arm][0].append((t1 - t0) / args.reps)
+                times[arm][1].append((t2 - t1) / args.reps)
+        med = {arm: (statistics.median(f), statistics.median(bw)) for arm, (f, bw) in times.items()}
+        flops = 2.0 * N * O * C * 25 * OH * OH
+        rows.append((name, N, flops, med))
+        print(f"  {name}: forward {med['0'][0] * 1e3:.2f} -> {med['1'][0] * 1e3:.2f} ms, "
+              f"backward {med['0'][1] * 1e3:.2f} -> {med['1'][1] * 1e3:.2f} ms", file=sys.stderr, flush=True)
+    return core, dp.__version__, os.path.dirname(dp.__file__), rows
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--batch", type=int, default=128)
+    ap.add_argument("--write", action="store_true", help="replace the section in benchmarks/RESULTS.md")
+    args = ap.parse_args(argv)
+    load_before = os.getloadavg()[0]
+    started = time.perf_counter()
+    core, version, where, rows = measure(args)
+    lines = [SECTION_TITLE, "",
+             f"- date: {datetime.datetime.now(datetime.timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}",
+             f"- machine: {machine_info()}; load average before / after: {load_before:.2f} / {os.getloadavg()[0]:.2f}",
+             f"- dpcore {version}; command (from the repository root): `{command_line()}`; "
+             f"{time.perf_counter() - started:.0f} s",
+             f"- one process pinned to core {core} (one thread); per geometry (5x5, stride 1) the arms "
+             f"DPCORE_WINOGRAD=0 and =1 alternate over {args.rounds} rounds, {args.reps} forward and "
+             f"{args.reps} backward calls (dx, dw, db) each after a warm-up, timed by the process's CPU time; "
+             "median per call over the rounds; GFLOP/s = the forward pass's 2*N*O*C*KH*KW*OH*OW per second "
+             "(Winograd's own multiplies are 4.6x fewer)",
+             "",
+             "| geometry | batch | forward off ms | forward on ms | forward off / on | forward GFLOP/s off / on "
+             "| backward off ms | backward on ms | backward off / on |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for name, N, flops, med in rows:
+        (f0, b0), (f1, b1) = med["0"], med["1"]
+        lines.append(f"| {name} | {N} | {f0 * 1e3:.2f} | {f1 * 1e3:.2f} | {f0 / f1:.2f}x | "
+                     f"{flops / f0 / 1e9:.0f} / {flops / f1 / 1e9:.0f} | {b0 * 1e3:.2f} | {b1 * 1e3:.2f} | "
+                     f"{b0 / b1:.2f}x |")
+    lines += ["", "off: the implicit GEMM (forward, dw; dx from 32 output channels) up to 64 output channels, "
+              "im2col + SGEMM above; on: Winograd F(3x3, 5x5) (csrc/winograd5.h) from 8 input channels. "
+              "Rows marked below the limit run the same path in both arms in a default build."]
+    publish(lines, SECTION_TITLE, args.write)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,307 @@
+"""Winograd F(3x3, 5x5) for the CPU backend's 5x5 stride-1 convolutions with at
+least 8 input channels (csrc/winograd5.c; LeNet's 20 -> 50): the forward pass,
+dx and dw against the float64 reference of tests/test_conv_cpu.py. The
+transforms are scripts/winograd_matrices.py's, imported here (exact rationals),
+so the bounds below do not trust the C side's constants.
+
+The error bound. As for F(2x2, 3x3) (tests/test_winograd.py): every value the
+kernel computes is an exact expression of its float32 inputs whose terms each
+carry at most k rounding factors (1 + d_i), |d_i| <= u = 2^-24, so
+
+    |computed - exact| <= gamma_k * S,   gamma_k = k u / (1 - k u),
+
+S the same expression with every coefficient and input in absolute value
+(per output: S = |A|^T [ sum over c of (|G| |g| |G|^T) . (|B|^T |d| |B|) ] |A| + |b|).
+k counts the roundings on the longest path, each 1-D transform a sequential
+sum of its nonzero terms (a product and an add per term):
+
+  forward  G g G^T: 5 terms a pass, and G's entries (1/3, 1/9, ...) rounded to
+           float32: 6 + 6 = 12; B^T d B: 7 terms a pass: 14; the products and
+           their sum over the C channels (fused or not): C; A^T M A: 6 terms a
+           pass: 12; the bias: 1.                          k = C + 39
+  dx       A dY A^T: 3 terms a pass: 6; U: 12; the sum over the O channels: O;
+           B Z B^T: 14; the adds into dx of the (at most 9) tiles that cover
+           a point: 9.                                     k = O + 41
+  dw       B^T d B: 14; A dY A^T: 6; the sum over the batch's tiles, padded to
+           whole chunks of 16 samples (the kernel's sum over a block of at most
+           9 tiles, each block added to the thread's partial, the threads'
+           partials added): 16 ceil(N/16) T + ceil(N/16) ceil(T/9) + 2; G^T dU G:
+           7 terms and G's rounded entries a pass: 16.     k = that sum + 36
+
+The bounds are the worst case; the errors measured are 10-100x below them, and
+also within the suite's relative tolerances (TOL_SHORT = 1e-5 for y and dx,
+TOL_LONG = 5e-5 for dw and db), which the tests assert too: with its larger
+transforms F(3x3, 5x5) has about 5x the GEMM path's error (tests/test_lenet.py's
+PyTorch fixtures pass with it on, the default).
+"""
+import math
+import os
+import sys
+
+import numpy as np
+import pytest
+from numpy.lib.stride_tricks import sliding_window_view
+
+import dpcore as dp
+from test_conv_cpu import TOL_LONG, TOL_SHORT, err, make, reference
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+from winograd_matrices import transforms  # noqa: E402
+
+ops = dp.ops
+U32 = 2.0 ** -24
+A_T, G, B_T = (np.array([[float(v) for v in row] for row in m]) for m in transforms(3, 5))
+
+
+def gamma(k):
+    return k * U32 / (1 - k * U32)
+
+
+def test_the_transforms_are_exact():
+    """The identity y = A^T [(G g G^T) . (B^T d B)] A holds in float64 for the
+    transforms the bounds use (and the C side's, which are the same numbers)."""
+    rng = np.random.default_rng(1)
+    d, g = rng.standard_normal((7, 7)), rng.standard_normal((5, 5))
+    y = A_T @ ((G @ g @ G.T) * (B_T @ d @ B_T.T)) @ A_T.T
+    ref = np.array([[np.sum(d[i:i + 5, j:j + 5] * g) for j in range(3)] for i in range(3)])
+    np.testing.assert_allclose(y, ref, rtol=0, atol=1e-12)
+
+
+def tiles_of(x, pad, OH, OW):
+    """(N, C, th, tw, 7, 7) float64 tiles of |x| zero-bordered as the C side does."""
+    N, C, H, W = x.shape
+    th, tw = -(-OH // 3), -(-OW // 3)
+    xp = np.zeros((N, C, 3 * th + 4, 3 * tw + 4))
+    xp[:, :, pad:pad + H, pad:pad + W] = np.abs(x.astype(np.float64))
+    return sliding_window_view(xp, (7, 7), axis=(2, 3))[:, :, ::3, ::3]
+
+
+def blocks_of(dy):
+    """(N, O, th, tw, 3, 3) of |dy|, zero past the output's edge."""
+    N, O, OH, OW = dy.shape
+    th, tw = -(-OH // 3), -(-OW // 3)
+    dyp = np.zeros((N, O, 3 * th, 3 * tw))
+    dyp[:, :, :OH, :OW] = np.abs(dy.astype(np.float64))
+    return dyp.reshape(N, O, th, 3, tw, 3).transpose(0, 1, 2, 4, 3, 5)
+
+
+def abs_forward(x, w, b, pad):
+    """S of the forward pass, (N, O, OH, OW)."""
+    N, C, H, W = x.shape
+    O = w.shape[0]
+    OH, OW = H + 2 * pad - 4, W + 2 * pad - 4
+    d = tiles_of(x, pad, OH, OW)
+    Bt, Ga, At = np.abs(B_T), np.abs(G), np.abs(A_T)
+    V = np.einsum("ij,nctsjk,lk->nctsil", Bt, d, Bt, optimize=True)
+    U = np.einsum("ij,ocjk,lk->ocil", Ga, np.abs(w.astype(np.float64)), Ga, optimize=True)
+    M = np.einsum("ocil,nctsil->notsil", U, V, optimize=True)
+    Y = np.einsum("ij,notsjk,lk->notsil", At, M, At, optimize=True)          # (N, O, th, tw, 3, 3)
+    th, tw = Y.shape[2:4]
+    Y = Y.transpose(0, 1, 2, 4, 3, 5).reshape(N, O, 3 * th, 3 * tw)[:, :, :OH, :OW]
+    return Y + (0.0 if b is None else np.abs(b.astype(np.float64))[None, :, None, None])
+
+
+def abs_dx(x_shape, w, dy, pad):
+    """S of dx, (N, C, H, W): each tile's |B| [sum over o of |U| . |A| |dY| |A|^T] |B|^T
+    added where the tile lies."""
+    N, C, H, W = x_shape
+    dY = blocks_of(dy)
+    th, tw = dY.shape[2:4]
+    Bt, Ga, At = np.abs(B_T), np.abs(G), np.abs(A_T)
+    dM = np.einsum("ji,notsjk,kl->notsil", At, dY, At, optimize=True)        # (N, O, th, tw, 7, 7)
+    U = np.einsum("ij,ocjk,lk->ocil", Ga, np.abs(w.astype(np.float64)), Ga, optimize=True)
+    Z = np.einsum("ocil,notsil->nctsil", U, dM, optimize=True)
+    dd = np.einsum("ji,nctsjk,kl->nctsil", Bt, Z, Bt, optimize=True)         # (N, C, th, tw, 7, 7)
+    out = np.zeros((N, C, 3 * th + 4, 3 * tw + 4))
+    for ti in range(th):
+        for tj in range(tw):
+            out[:, :, 3 * ti:3 * ti + 7, 3 * tj:3 * tj + 7] += dd[:, :, ti, tj]
+    return out[:, :, pad:pad + H, pad:pad + W]
+
+
+def abs_dw(x, dy, pad):
+    """S of dw, (O, C, 5, 5)."""
+    OH, OW = dy.shape[2:]
+    d = tiles_of(x, pad, OH, OW)
+    dY = blocks_of(dy)
+    Bt, Ga, At = np.abs(B_T), np.abs(G), np.abs(A_T)
+    V = np.einsum("ij,nctsjk,lk->nctsil", Bt, d, Bt, optimize=True)
+    dM = np.einsum("ji,notsjk,kl->notsil", At, dY, At, optimize=True)
+    dU = np.einsum("notsil,nctsil->ocil", dM, V, optimize=True)
+    return np.einsum("ji,ocjk,kl->ocil", Ga, dU, Ga, optimize=True)
+
+
+def assert_within_bound(got, ref, S, k, what):
+    bound = gamma(k) * S
+    excess = np.abs(got.astype(np.float64) - ref) - bound
+    if excess.size:
+        worst = np.unravel_index(np.argmax(excess), excess.shape)
+        assert excess.max() <= 0, (
+            f"{what}: |error| {abs(float(got[worst]) - ref[worst]):.3g} > bound {bound[worst]:.3g} at {worst}")
+
+
+@pytest.fixture
+def winograd_on(monkeypatch):
+    monkeypatch.setenv("DPCORE_WINOGRAD", "1")
+
+
+def check(case, seed, use_bias=True):
+    """y, dx and dw within their bounds and the suite's tolerances."""
+    N, C, H, W, O, pad = case
+    x, w, b, dy = make(N, C, H, W, O, 5, 1, pad, seed)
+    bias = b if use_bias else None
+    y = ops.conv2d(x, w, bias, stride=1, padding=pad)
+    dx, dw, db = ops.conv2d_backward(x, w, dy, stride=1, padding=pad)
+    y_ref, dx_ref, dw_ref, db_ref = reference(x, w, b if use_bias else np.zeros_like(b), dy, 1, pad)
+    assert y.shape == y_ref.shape and dx.shape == x.shape and dw.shape == w.shape
+    assert_within_bound(y, y_ref, abs_forward(x, w, bias, pad), C + 39, f"{case} forward")
+    assert_within_bound(dx, dx_ref, abs_dx(x.shape, w, dy, pad), O + 41, f"{case} dx")
+    OH, OW = y.shape[2:]
+    T, chunks = math.ceil(OH / 3) * math.ceil(OW / 3), math.ceil(N / 16)
+    assert_within_bound(dw, dw_ref, abs_dw(x, dy, pad), 16 * chunks * T + chunks * math.ceil(T / 9) + 2 + 36,
+                        f"{case} dw")
+    assert err(y, y_ref) <= TOL_SHORT, f"{case} forward: {err(y, y_ref):.3g}"
+    assert err(dx, dx_ref) <= TOL_SHORT, f"{case} dx: {err(dx, dx_ref):.3g}"
+    assert err(dw, dw_ref) <= TOL_LONG, f"{case} dw: {err(dw, dw_ref):.3g}"
+    assert err(db, db_ref) <= TOL_LONG, f"{case} db: {err(db, db_ref):.3g}"
+    return x, w, b, dy, y, dx, dw
+
+
+# (N, C, H, W, O, pad)
+CASES = [
+    (5, 20, 13, 13, 50, 0),     # LeNet's 20 -> 50: 3x3 tiles of 3x3 outputs, exactly
+    (17, 20, 13, 13, 50, 0),    # a chunk of 16 samples and a short one of 1
+    (40, 8, 12, 12, 16, 0),     # three chunks over the threads; 8x8 outputs: edge tiles half outside
+    (3, 17, 9, 11, 7, 0),       # 17 channels: dw's second panel of 16 holds one; 7 outputs: a short row block
+    (2, 33, 10, 10, 1, 1),      # 3 panels; one output channel
+    (3, 16, 14, 14, 32, 2),     # "same" padding
+    (2, 9, 5, 8, 4, 4),         # padding 4: the output larger than the input
+    (1, 12, 5, 5, 3, 0),        # one output: one tile, 8 of its 9 outputs dropped
+    (3, 8, 7, 30, 5, 0),        # one tile row, 9 tile columns
+    (2, 10, 28, 28, 12, 2),     # 100 tiles: dw in blocks of 9 tiles, the last one short
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "N{}C{}H{}W{}O{}p{}".format(*c))
+def test_forward_dx_dw_within_the_bounds(winograd_on, case):
+    check(case, seed=sum(case))
+
+
+def test_bias_none(winograd_on):
+    x, w, b, dy, y, _, _ = check((3, 20, 13, 13, 50, 0), seed=3, use_bias=False)
+    np.testing.assert_array_equal(y, ops.conv2d(x, w, np.zeros_like(b), stride=1, padding=0))
+
+
+def test_empty_batch(winograd_on):
+    x, w, b, dy = make(0, 20, 13, 13, 50, 5, 1, 0, seed=1)
+    y = ops.conv2d(x, w, b, stride=1, padding=0)
+    dx, dw, db = ops.conv2d_backward(x, w, dy, stride=1, padding=0)
+    assert y.shape == (0, 50, 9, 9) and dx.shape == x.shape
+    assert not dw.any() and not db.any()
+
+
+def runs(monkeypatch, case, values=("0", "1", None)):
+    """(y, dx, dw) per value of DPCORE_WINOGRAD (None: unset, the default)."""
+    N, C, H, W, O, K, stride, pad = case
+    x, w, b, dy = make(N, C, H, W, O, K, stride, pad, seed=4)
+    out = {}
+    for v in values:
+        if v is None:
+            monkeypatch.delenv("DPCORE_WINOGRAD", raising=False)
+        else:
+            monkeypatch.setenv("DPCORE_WINOGRAD", v)
+        out[v] = (ops.conv2d(x, w, b, stride=stride, padding=pad),) + ops.conv2d_backward(
+            x, w, dy, stride=stride, padding=pad)[:2]
+    return out
+
+
+def test_the_switch_reaches_the_kernel_and_lenet_takes_it_by_default(monkeypatch):
+    """On (and unset: the default): other bits than the implicit GEMM for y, dx
+    and dw, so the tests above did test Winograd; below 8 input channels, at
+    stride 2, and for 3x3 filters of few channels, the same bits either way."""
+    r = runs(monkeypatch, (4, 20, 13, 13, 50, 5, 1, 0))
+    for off, on, default in zip(r["0"], r["1"], r[None]):
+        assert not np.array_equal(off, on)
+        np.testing.assert_array_equal(on, default)
+    for case in [(3, 7, 13, 13, 50, 5, 1, 0), (3, 20, 13, 13, 50, 5, 2, 0), (3, 20, 13, 13, 50, 3, 1, 1)]:
+        r = runs(monkeypatch, case, ("0", "1"))
+        for off, on in zip(r["0"], r["1"]):
+            np.testing.assert_array_equal(off, on)
+
+
+def test_a_bad_switch_value_is_an_error(monkeypatch):
+    monkeypatch.setenv("DPCORE_WINOGRAD", "fast")
+    x, w, b, dy = make(1, 20, 13, 13, 50, 5, 1, 0, seed=1)
+    with pytest.raises(ValueError, match="DPCORE_WINOGRAD"):
+        ops.conv2d(x, w, b, stride=1, padding=0)
+    with pytest.raises(ValueError, match="DPCORE_WINOGRAD"):
+        ops.conv2d_backward(x, w, dy, stride=1, padding=0)
+
+
+@pytest.mark.parametrize("pad", [0, 2])
+def test_samples_do_not_depend_on_the_batch(winograd_on, pad):
+    """One sample per vector lane: each sample's y and dx are the same bits
+    computed alone, in any slice, or in a batch of 37 (three chunks, split over
+    the threads), so replicas holding slices compute one device's bits."""
+    x, w, b, dy = make(37, 20, 13, 13, 50, 5, 1, pad, seed=9)
+    y_all = ops.conv2d(x, w, b, stride=1, padding=pad)
+    dx_all = ops.conv2d_backward(x, w, dy, stride=1, padding=pad)[0]
+    for lo, hi in [(0, 1), (5, 6), (36, 37), (0, 16), (16, 32), (3, 20), (20, 37)]:
+        np.testing.assert_array_equal(ops.conv2d(x[lo:hi], w, b, stride=1, padding=pad), y_all[lo:hi])
+        np.testing.assert_array_equal(ops.conv2d_backward(x[lo:hi], w, dy[lo:hi], stride=1, padding=pad)[0],
+                                      dx_all[lo:hi])
+
+
+def test_a_non_finite_sample_stays_in_its_lane(winograd_on):
+    """An inf or NaN in one sample's input (or dy) makes that sample's y (or dx)
+    non-finite and leaves every other sample's bits alone."""
+    x, w, b, dy = make(20, 20, 13, 13, 50, 5, 1, 0, seed=2)
+    y0 = ops.conv2d(x, w, b, stride=1, padding=0)
+    dx0 = ops.conv2d_backward(x, w, dy, stride=1, padding=0)[0]
+    x[3, 5, 6, 6], dy[17, 2, 4, 4] = np.inf, np.nan
+    y1 = ops.conv2d(x, w, b, stride=1, padding=0)
+    dx1 = ops.conv2d_backward(x, w, dy, stride=1, padding=0)[0]
+    assert not np.isfinite(y1[3]).all() and not np.isfinite(dx1[17]).all()
+    others = [n for n in range(20) if n not in (3, 17)]
+    np.testing.assert_array_equal(y1[others], y0[others])
+    np.testing.assert_array_equal(dx1[[n for n in range(20) if n != 17]], dx0[[n for n in range(20) if n != 17]])
+
+
+def test_repeatable_after_other_shapes(winograd_on):
+    """The scratch (zero borders, lanes past a short chunk, channel panels) held
+    another geometry's numbers: the results do not change."""
+    x, w, b, dy = make(5, 20, 13, 13, 50, 5, 1, 0, seed=5)
+    first = (ops.conv2d(x, w, b, stride=1, padding=0),) + ops.conv2d_backward(x, w, dy, stride=1, padding=0)
+    check((19, 17, 16, 15, 9, 2), seed=6)
+    again = (ops.conv2d(x, w, b, stride=1, padding=0),) + ops.conv2d_backward(x, w, dy, stride=1, padding=0)
+    for a, c in zip(first, again):
+        np.testing.assert_array_equal(a, c)
+
+
+def test_lenet_trains_the_same_on_one_and_two_replicas(monkeypatch, logical_cpus):
+    """LeNet with Winograd on: two replicas' steps are one device's within float32
+    summation error (dw summed per replica, then all-reduced), and the losses fall."""
+    monkeypatch.setenv("DPCORE_WINOGRAD", "1")
+    logical_cpus(2)
+    rng = np.random.default_rng(0)
+    X = rng.standard_normal((64, 1, 28, 28)).astype(np.float32)
+    y = rng.integers(0, 10, 64).astype(np.int32)
+    nets = [dp.models.LeNet(devices=["cpu:0"], seed=3), dp.models.LeNet(devices=["cpu:0", "cpu:1"], seed=3)]
+    losses = [[], []]
+    for _ in range(5):
+        for i, net in enumerate(nets):
+            losses[i].append(float(net.train_step(X, y, lr=0.1)[0]))
+    np.testing.assert_allclose(losses[0], losses[1], rtol=1e-4)
+    assert losses[0][-1] < losses[0][0]
+
+
+def test_benchmark_quick_run():
+    """benchmarks/bench_winograd5.py end to end on a tiny batch: every row, nothing written."""
+    import subprocess
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "bench_winograd5.py"), "--rounds", "1", "--reps", "1",
+           "--batch", "4"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for row in ("| LeNet 20 -> 50 on 13x13 | 4 |", "| 64 -> 128 pad 2 on 14x14 (batch / 4) | 1 |", "off / on"):
+        assert row in proc.stdout, proc.stdout
