@@ -26,10 +26,14 @@
 #include "gemm_kernel.h"
 #include "winograd5.h"
 
-/* Fewer input channels than this keep the other paths (the products' sum over
- * C is the kernel's K; with a handful of channels the transforms dominate). */
-#ifndef DP_WINO5_MIN_IN /* a build may set it (benchmarks/bench_winograd5.py's A/B below the limit) */
-#define DP_WINO5_MIN_IN 8
+/* Fewer input channels than this keep the other paths: the products' sum over
+ * C is the kernel's K, and with a handful of channels the transforms dominate.
+ * Measured on one core against the implicit GEMM (benchmarks/bench_winograd5.py,
+ * a build with the limit at 1 as the A/B, batch 128, 14x14): 4 -> 16 0.90x
+ * forward and 0.94x backward (slower), 6 -> 16 1.06x and 1.18x, 8 -> 16 1.17x
+ * and 1.27x, LeNet's 20 -> 50 3.1x and 2.4x. */
+#ifndef DP_WINO5_MIN_IN /* a build may set it (CFLAGS=-DDP_WINO5_MIN_IN=1: that A/B) */
+#define DP_WINO5_MIN_IN 6
 #endif
 /* A chunk's bordered input and dy planes at most this many floats (16 MiB):
  * larger planes keep the other paths. */

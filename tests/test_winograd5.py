@@ -1,5 +1,5 @@
 """Winograd F(3x3, 5x5) for the CPU backend's 5x5 stride-1 convolutions with at
-least 8 input channels (csrc/winograd5.c; LeNet's 20 -> 50): the forward pass,
+least 6 input channels (csrc/winograd5.c; LeNet's 20 -> 50): the forward pass,
 dx and dw against the float64 reference of tests/test_conv_cpu.py. The
 transforms are scripts/winograd_matrices.py's, imported here (exact rationals),
 so the bounds below do not trust the C side's constants.
@@ -173,6 +173,7 @@ CASES = [
     (5, 20, 13, 13, 50, 0),     # LeNet's 20 -> 50: 3x3 tiles of 3x3 outputs, exactly
     (17, 20, 13, 13, 50, 0),    # a chunk of 16 samples and a short one of 1
     (40, 8, 12, 12, 16, 0),     # three chunks over the threads; 8x8 outputs: edge tiles half outside
+    (4, 6, 14, 14, 16, 0),      # the book's LeNet 6 -> 16: the fewest input channels taken
     (3, 17, 9, 11, 7, 0),       # 17 channels: dw's second panel of 16 holds one; 7 outputs: a short row block
     (2, 33, 10, 10, 1, 1),      # 3 panels; one output channel
     (3, 16, 14, 14, 32, 2),     # "same" padding
@@ -218,13 +219,13 @@ def runs(monkeypatch, case, values=("0", "1", None)):
 
 def test_the_switch_reaches_the_kernel_and_lenet_takes_it_by_default(monkeypatch):
     """On (and unset: the default): other bits than the implicit GEMM for y, dx
-    and dw, so the tests above did test Winograd; below 8 input channels, at
+    and dw, so the tests above did test Winograd; below 6 input channels, at
     stride 2, and for 3x3 filters of few channels, the same bits either way."""
     r = runs(monkeypatch, (4, 20, 13, 13, 50, 5, 1, 0))
     for off, on, default in zip(r["0"], r["1"], r[None]):
         assert not np.array_equal(off, on)
         np.testing.assert_array_equal(on, default)
-    for case in [(3, 7, 13, 13, 50, 5, 1, 0), (3, 20, 13, 13, 50, 5, 2, 0), (3, 20, 13, 13, 50, 3, 1, 1)]:
+    for case in [(3, 5, 13, 13, 50, 5, 1, 0), (3, 20, 13, 13, 50, 5, 2, 0), (3, 20, 13, 13, 50, 3, 1, 1)]:
         r = runs(monkeypatch, case, ("0", "1"))
         for off, on in zip(r["0"], r["1"]):
             np.testing.assert_array_equal(off, on)
