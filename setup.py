@@ -281,8 +281,8 @@ def extension():
         include_dirs=["csrc", "kernels", gen_dir, numpy.get_include()] + incs,
         define_macros=macros, extra_compile_args=cflags, extra_link_args=ldflags + ["-Wl,-rpath," + d for d in rpath],
         libraries=libs, library_dirs=libdirs, extra_objects=objs,
-        depends=glob.glob("csrc/*.h") + glob.glob("kernels/*.h") + glob.glob("kernels/*.cu") + glob.glob("kernels/*.cuh")
-        + [header],
+        depends=glob.glob("csrc/*.h") + glob.glob("csrc/*.inc") + glob.glob("kernels/*.h") + glob.glob("kernels/*.cu")
+        + glob.glob("kernels/*.cuh") + [header],
     )
 
 

@@ -1,12 +1,14 @@
-"""Winograd F(2x2, 3x3) against im2col + GEMM for ResNet-18's 3x3 stride-1
-convolutions on the CPU (issue 14; csrc/winograd.h): the A/B that picks
-DPCORE_WINOGRAD's default.
+"""Winograd F(2x2, 3x3) (csrc/winograd.h) and F(4x4, 3x3) (csrc/winograd_lanes.h)
+against im2col + GEMM for ResNet-18's 3x3 stride-1 convolutions on the CPU
+(issue 14): the A/B that picks DPCORE_WINOGRAD's and DPCORE_WINOGRAD_F43's
+defaults.
 
     python benchmarks/bench_winograd.py [--rounds 3] [--steps 5] [--layer-reps 7] [--batch 32] [--write]
 
-Every measurement runs in a fresh subprocess with DPCORE_WINOGRAD=0 (GEMM) or
-=1 (Winograd), the two alternating and swapping order every round, with the
-threads one CPU device gets (all usable cores):
+Every measurement runs in a fresh subprocess with DPCORE_WINOGRAD=0 (GEMM),
+=1 with DPCORE_WINOGRAD_F43=0 (F(2x2, 3x3)) or both =1 (F(4x4, 3x3)), the
+three in turn, the order rotating every round, with the threads one CPU
+device gets (all usable cores):
 
 (a) each ResNet-18 3x3 stride-1 pad-1 geometry (64x28x28, 128x14x14,
     256x7x7, 512x4x4; as many input as output channels) at --batch samples,
@@ -18,9 +20,10 @@ threads one CPU device gets (all usable cores):
     timed steps after two warm-up steps.
 
 Reported: the median of every timed call of each arm over all rounds, and the
-ratio GEMM / Winograd (above 1: Winograd faster); for the whole step also each
-round's ratio (its two subprocesses ran back to back) and their median. The
-machine is shared: medians over alternating subprocesses, not best-of, decide.
+ratios GEMM / each Winograd and F(2x2) / F(4x4) (above 1: the second faster);
+for the whole step also each round's ratios (its subprocesses ran back to
+back) and their median. The machine is shared: medians over alternating
+subprocesses, not best-of, decide.
 """
 import argparse
 import datetime
@@ -35,10 +38,12 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from bench_lenet_cpu import command_line, default_threads, log, machine_info, publish, thread_env  # noqa: E402
 
-SECTION_TITLE = "## Winograd F(2x2, 3x3) A/B (ResNet-18, CPU)"
+SECTION_TITLE = "## Winograd A/B: F(2x2, 3x3) and F(4x4, 3x3) against GEMM (ResNet-18, CPU)"
 # (channels in = out, plane side): ResNet-18's 3x3 stride-1 convolutions at 28x28 inputs
 GEOMETRIES = [(64, 28), (128, 14), (256, 7), (512, 4)]
-ARMS = {"0": "GEMM", "1": "Winograd"}
+ARMS = {"gemm": "GEMM", "f23": "F(2x2, 3x3)", "f43": "F(4x4, 3x3)"}
+ARM_ENV = {"gemm": {"DPCORE_WINOGRAD": "0"}, "f23": {"DPCORE_WINOGRAD": "1", "DPCORE_WINOGRAD_F43": "0"},
+           "f43": {"DPCORE_WINOGRAD": "1", "DPCORE_WINOGRAD_F43": "1"}}
 WARMUP_STEPS = 2
 
 
@@ -74,13 +79,14 @@ def child(args):
         net.train_step(X, y, lr=0.01)
         if i >= WARMUP_STEPS:
             steps.append(time.perf_counter() - t0)
-    print(json.dumps({"arm": os.environ.get("DPCORE_WINOGRAD"), "layers": layers, "steps": steps,
+    print(json.dumps({"arm": [os.environ.get(k) for k in ("DPCORE_WINOGRAD", "DPCORE_WINOGRAD_F43")],
+                      "layers": layers, "steps": steps,
                       "version": dp.__version__}))
 
 
 def spawn(arm, args):
     env = thread_env(args.threads)
-    env["DPCORE_WINOGRAD"] = arm
+    env.update(ARM_ENV[arm])
     # the GEMM arm's 64-channel layers on im2col + SGEMM, as before the implicit GEMM (which would
     # take them with Winograd off): the A/B stays Winograd against the GEMM path
     env["DPCORE_IMPLICIT_GEMM"] = "0"
@@ -88,7 +94,7 @@ def spawn(arm, args):
            str(args.steps), "--layer-reps", str(args.layer_reps)]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if out.returncode != 0:
-        raise SystemExit(f"the DPCORE_WINOGRAD={arm} subprocess failed:\n{out.stdout}{out.stderr}")
+        raise SystemExit(f"the {ARMS[arm]} subprocess failed:\n{out.stdout}{out.stderr}")
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -106,8 +112,9 @@ def main(argv=None):
         return child(args)
     load_before = os.getloadavg()[0]
     runs = {arm: [] for arm in ARMS}
+    order = list(ARMS)
     for r in range(args.rounds):
-        for arm in (("0", "1") if r % 2 == 0 else ("1", "0")):
+        for arm in order[r % 3:] + order[:r % 3]:
             run = spawn(arm, args)
             runs[arm].append(run)
             log(f"round {r + 1} {ARMS[arm]}: median step {statistics.median(run['steps']):.3f} s")
@@ -116,34 +123,41 @@ def main(argv=None):
         return statistics.median(t for run in runs[arm] for t in pick(run))
 
     step = {arm: median(arm, lambda run: run["steps"]) for arm in ARMS}
-    ratio = step["0"] / step["1"]
-    round_ratios = [statistics.median(g["steps"]) / statistics.median(w["steps"]) for g, w in zip(runs["0"], runs["1"])]
+    pairs = [("gemm", "f23"), ("gemm", "f43"), ("f23", "f43")]
+
+    def round_ratios(a, b):
+        return [statistics.median(x["steps"]) / statistics.median(y["steps"]) for x, y in zip(runs[a], runs[b])]
+
     lines = [SECTION_TITLE, "",
              f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
              f"- machine: {machine_info()}; load average before / after: {load_before:.2f} / "
              f"{os.getloadavg()[0]:.2f}",
-             f"- dpcore {runs['0'][0]['version']}, {args.threads} threads; command (from the repository root): "
+             f"- dpcore {runs['gemm'][0]['version']}, {args.threads} threads; command (from the repository root): "
              f"`{command_line()}`",
-             f"- {args.rounds} fresh subprocesses per arm, DPCORE_WINOGRAD=0 (im2col + GEMM) and =1 (Winograd "
-             "F(2x2, 3x3), csrc/winograd.c) alternating; medians of every timed call; ratio = GEMM / Winograd "
-             "(above 1: Winograd faster). Backward = dx + dw + db (Winograd computes all three but db, a plain sum).",
+             f"- {args.rounds} fresh subprocesses per arm: DPCORE_WINOGRAD=0 (im2col + GEMM), F(2x2, 3x3) "
+             "(csrc/winograd.c; DPCORE_WINOGRAD_F43=0) and F(4x4, 3x3) (csrc/winograd_lanes.c), in rotating order; "
+             "medians of every timed call; each ratio is the first arm's time over the second's (above 1: the "
+             "second faster). Backward = dx + dw + db.",
              "",
-             f"| layer (C = O, batch {args.batch}) | pass | GEMM ms | Winograd ms | GEMM / Winograd |",
-             "|---|---|---|---|---|"]
+             f"| layer (C = O, batch {args.batch}) | pass | GEMM ms | F(2x2, 3x3) ms | F(4x4, 3x3) ms | "
+             "GEMM / F(2x2) | GEMM / F(4x4) | F(2x2) / F(4x4) |",
+             "|---|---|---|---|---|---|---|---|"]
     for C, H in GEOMETRIES:
         key = f"{C}x{H}x{H}"
         for p in ("forward", "backward"):
-            g, w = (median(arm, lambda run: run["layers"][key][p]) for arm in ("0", "1"))
-            lines.append(f"| {key} | {p} | {g * 1e3:.2f} | {w * 1e3:.2f} | {g / w:.2f}x |")
+            t = {arm: median(arm, lambda run: run["layers"][key][p]) for arm in ARMS}
+            lines.append(f"| {key} | {p} | {t['gemm'] * 1e3:.2f} | {t['f23'] * 1e3:.2f} | {t['f43'] * 1e3:.2f} | "
+                         + " | ".join(f"{t[a] / t[b]:.2f}x" for a, b in pairs) + " |")
     lines += ["",
               f"- whole ResNet-18 train_step (28x28, batch {args.batch}, cpu:0), median of "
-              f"{args.rounds} x {args.steps} steps: GEMM {step['0'] * 1e3:.1f} ms, Winograd {step['1'] * 1e3:.1f} ms: "
-              f"**GEMM / Winograd {ratio:.2f}x**",
+              f"{args.rounds} x {args.steps} steps: " + ", ".join(f"{ARMS[a]} {step[a] * 1e3:.1f} ms" for a in ARMS)
+              + ": " + ", ".join(f"**{ARMS[a]} / {ARMS[b]} {step[a] / step[b]:.2f}x**" for a, b in pairs),
               "- per round (median step, ms): "
               + "; ".join(f"{ARMS[arm]} " + ", ".join(f"{statistics.median(run['steps']) * 1e3:.0f}"
                                                        for run in runs[arm]) for arm in ARMS)
-              + "; GEMM / Winograd per round: " + ", ".join(f"{r:.2f}x" for r in round_ratios)
-              + f" (median {statistics.median(round_ratios):.2f}x)", ""]
+              + "; per round: " + "; ".join(
+                  f"{ARMS[a]} / {ARMS[b]} " + ", ".join(f"{r:.2f}x" for r in round_ratios(a, b))
+                  + f" (median {statistics.median(round_ratios(a, b)):.2f}x)" for a, b in pairs), ""]
     publish(lines, SECTION_TITLE, args.write)
 
 

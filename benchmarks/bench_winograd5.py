@@ -1,5 +1,5 @@
 """Winograd F(3x3, 5x5) against the paths it replaces on the CPU (issue 14;
-csrc/winograd5.h): the per-layer A/B behind its channel limit, and the
+csrc/winograd_lanes.h): the per-layer A/B behind its channel limit, and the
 whole LeNet step's A/B is bench_threads.py's DPCORE_WINOGRAD=0 row.
 
     python benchmarks/bench_winograd5.py [--rounds 5] [--reps 5] [--batch 128] [--write]
@@ -11,10 +11,10 @@ DPCORE_WINOGRAD=0 (the implicit GEMM up to 64 output channels, im2col + SGEMM
 above) and =1 alternate, swapping order every round; each arm times --reps
 forward calls and --reps backward calls (dx, dw, db) after a warm-up.
 Reported: the median per call over the rounds, and off / on (above 1:
-Winograd faster). Rows below the channel limit (DP_WINO5_MIN_IN, 6 input
+Winograd faster). Rows below the channel limit (DP_WL_F35_MIN_IN, 6 input
 channels) are not taken by Winograd in a default build: both arms run the
 same path there (the ratio shows the noise) unless the build set the limit
-lower (CFLAGS=-DDP_WINO5_MIN_IN=1), which is how the limit was chosen.
+lower (CFLAGS=-DDP_WL_F35_MIN_IN=1), which is how the limit was chosen.
 """
 import argparse
 import datetime
@@ -108,7 +108,7 @@ def main(argv=None):
                      f"{flops / f0 / 1e9:.0f} / {flops / f1 / 1e9:.0f} | {b0 * 1e3:.2f} | {b1 * 1e3:.2f} | "
                      f"{b0 / b1:.2f}x |")
     lines += ["", "off: the implicit GEMM (forward, dw; dx from 32 output channels) up to 64 output channels, "
-              "im2col + SGEMM above; on: Winograd F(3x3, 5x5) (csrc/winograd5.h) from 6 input channels. "
+              "im2col + SGEMM above; on: Winograd F(3x3, 5x5) (csrc/winograd_lanes.h) from 6 input channels. "
               "Rows marked below the limit run the same path in both arms in a default build."]
     publish(lines, SECTION_TITLE, args.write)
 

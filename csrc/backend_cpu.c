@@ -22,7 +22,7 @@
 #include "backend.h"
 #include "implicit_gemm.h"
 #include "winograd.h"
-#include "winograd5.h"
+#include "winograd_lanes.h"
 
 typedef struct cpu_ctx {
   float *scratch;        /* grows on demand; used only by the device's own thread */
@@ -507,17 +507,17 @@ static dp_status cpu_conv2d_forward(dp_device *dev, const dp_conv_geom *g, int64
                                     const float *b, float *y) {
   cpu_enter(dev);
   int winograd;
+  DP_TRY(dp_wl_takes(g, &winograd));
+  if (winograd) { /* csrc/winograd_lanes.h */
+    float *wino;
+    DP_TRY(cpu_scratch(dev, dp_wl_scratch_floats(g, N, dev->nthreads, DP_WL_FORWARD), &wino));
+    return dp_wl_forward(g, N, x, w, b, y, dev->nthreads, wino);
+  }
   DP_TRY(dp_winograd_takes(g, &winograd));
   if (winograd) {
     float *wino;
     DP_TRY(cpu_scratch(dev, dp_winograd_scratch_floats(g, N, dev->nthreads), &wino));
     return dp_winograd_forward(g, N, x, w, b, y, dev->nthreads, wino);
-  }
-  DP_TRY(dp_wino5_takes(g, &winograd));
-  if (winograd) { /* csrc/winograd5.h */
-    float *wino;
-    DP_TRY(cpu_scratch(dev, dp_wino5_scratch_floats(g, N, dev->nthreads, DP_WINO5_FORWARD), &wino));
-    return dp_wino5_forward(g, N, x, w, b, y, dev->nthreads, wino);
   }
   if (conv_is_direct(g)) return conv_direct_forward(dev, g, N, x, w, b, y);
   int igemm;
@@ -585,18 +585,18 @@ static dp_status cpu_conv2d_backward(dp_device *dev, const dp_conv_geom *g, int6
                                      const float *dy, float *dx, float *dw, float *db) {
   cpu_enter(dev);
   int winograd;
+  DP_TRY(dp_wl_takes(g, &winograd));
+  if (winograd) { /* csrc/winograd_lanes.h */
+    float *wino;
+    DP_TRY(cpu_scratch(dev, dp_wl_scratch_floats(g, N, dev->nthreads, DP_WL_BACKWARD), &wino));
+    return dp_wl_backward(g, N, x, w, dy, dx, dw, db, dev->nthreads, wino);
+  }
   DP_TRY(dp_winograd_takes(g, &winograd));
   if (winograd) { /* csrc/winograd.h */
     float *wino;
     DP_TRY(cpu_scratch(dev, dp_winograd_scratch_floats(g, N, dev->nthreads), &wino));
     if (dx) DP_TRY(dp_winograd_backward_dx(g, N, w, dy, dx, dev->nthreads, wino));
     return dp_winograd_backward_dw(g, N, x, dy, dw, db, dev->nthreads, wino);
-  }
-  DP_TRY(dp_wino5_takes(g, &winograd));
-  if (winograd) { /* csrc/winograd5.h */
-    float *wino;
-    DP_TRY(cpu_scratch(dev, dp_wino5_scratch_floats(g, N, dev->nthreads, DP_WINO5_BACKWARD), &wino));
-    return dp_wino5_backward(g, N, x, w, dy, dx, dw, db, dev->nthreads, wino);
   }
   if (conv_is_direct(g)) return conv_direct_backward(dev, g, N, x, w, dy, dx, dw, db);
   /* the implicit GEMM's dw and db (csrc/implicit_gemm.h), and its dx where it

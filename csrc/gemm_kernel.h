@@ -1,5 +1,5 @@
 /* gemm_kernel.h — the CPU's register-blocked micro-kernel, shared by the
- * implicit GEMM (implicit_gemm.c) and Winograd F(3x3, 5x5) (winograd5.c):
+ * implicit GEMM (implicit_gemm.c) and Winograd with the samples in lanes (winograd_lanes.c):
  *
  *   tile[r][j] = sum over k < K of xb[r][idx[k]] * B[k*16 + j],
  *

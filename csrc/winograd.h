@@ -21,7 +21,7 @@
  * in chunks of samples, a chunk's tiles side by side in each GEMM and the 16
  * GEMMs dealt to the threads, as the GEMM path groups narrow planes.
  *
- * The switch: DPCORE_WINOGRAD (which also switches F(3x3, 5x5), winograd5.h),
+ * The switch: DPCORE_WINOGRAD (which also switches winograd_lanes.h),
  * read with getenv at every call (so that a test
  * may set it between calls in one process: CPython's os.environ writes reach
  * getenv): "1" on, "0" off, unset or empty the default (DP_WINOGRAD_DEFAULT,

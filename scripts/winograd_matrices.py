@@ -13,9 +13,9 @@ m * r * alpha linear equations sum_i A^T[k, i] G[i, j] B^T[i, l] = [l == k + j]
 (exactly, by Gaussian elimination over fractions; the system is checked to
 have one solution and every equation to hold).
 
-csrc/winograd5.c's F(3, 5) constants come from here (python3
-scripts/winograd_matrices.py 3 5 prints them); tests/test_winograd5.py imports
-transforms() for its error bounds. Standard library only.
+csrc/winograd_lanes.c's F(3, 5) and F(4, 3) constants come from here
+(python3 scripts/winograd_matrices.py 3 5, and 4 3, print them);
+tests/test_winograd_lanes.py imports transforms() for its error bounds. Standard library only.
 """
 import sys
 from fractions import Fraction as Fr
@@ -25,6 +25,7 @@ from fractions import Fraction as Fr
 POINTS = {
     (2, 3): [Fr(0), Fr(1), Fr(-1)],
     (3, 5): [Fr(0), Fr(1), Fr(-1), Fr(2), Fr(-2), Fr(1, 2)],
+    (4, 3): [Fr(0), Fr(1), Fr(-1), Fr(2), Fr(-2)],
 }
 
 

@@ -105,6 +105,13 @@ def assert_within_bound(got, ref, S, k, what):
         f"{what}: |error| {abs(float(got[worst]) - ref[worst]):.3g} > bound {bound[worst]:.3g} at {worst}")
 
 
+@pytest.fixture(autouse=True)
+def f2x2_not_f4x4(monkeypatch):
+    """The 3x3 layers these tests make are F(4x4, 3x3)'s by default
+    (winograd_lanes.h, tests/test_winograd_lanes.py): F(2x2, 3x3) here."""
+    monkeypatch.setenv("DPCORE_WINOGRAD_F43", "0")
+
+
 @pytest.fixture
 def winograd_on(monkeypatch):
     monkeypatch.setenv("DPCORE_WINOGRAD", "1")
@@ -236,5 +243,6 @@ def test_benchmark_quick_run():
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     for row in ("| 64x28x28 | forward |", "| 128x14x14 | backward |", "| 256x7x7 | forward |",
-                "| 512x4x4 | backward |", "whole ResNet-18 train_step", "GEMM / Winograd"):
+                "| 512x4x4 | backward |", "whole ResNet-18 train_step", "GEMM / F(4x4, 3x3)",
+                "F(2x2, 3x3) / F(4x4, 3x3)"):
         assert row in proc.stdout, proc.stdout

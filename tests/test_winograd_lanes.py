@@ -1,8 +1,10 @@
-"""Winograd F(3x3, 5x5) for the CPU backend's 5x5 stride-1 convolutions with at
-least 6 input channels (csrc/winograd5.c; LeNet's 20 -> 50): the forward pass,
-dx and dw against the float64 reference of tests/test_conv_cpu.py. The
-transforms are scripts/winograd_matrices.py's, imported here (exact rationals),
-so the bounds below do not trust the C side's constants.
+"""Winograd with the samples in vector lanes (csrc/winograd_lanes.c): F(3x3, 5x5)
+for the CPU backend's 5x5 stride-1 convolutions of at least 6 input channels
+(LeNet's 20 -> 50) and F(4x4, 3x3) for 3x3 stride-1 ones of at least 64 channels
+in and out on planes of at least 25 tiles (ResNet-18's first stage); the forward pass, dx and dw against the float64
+reference of tests/test_conv_cpu.py. The transforms are
+scripts/winograd_matrices.py's, imported here (exact rationals), so the bounds
+below do not trust the C side's constants.
 
 The error bound. As for F(2x2, 3x3) (tests/test_winograd.py): every value the
 kernel computes is an exact expression of its float32 inputs whose terms each
@@ -12,27 +14,28 @@ carry at most k rounding factors (1 + d_i), |d_i| <= u = 2^-24, so
 
 S the same expression with every coefficient and input in absolute value
 (per output: S = |A|^T [ sum over c of (|G| |g| |G|^T) . (|B|^T |d| |B|) ] |A| + |b|).
-k counts the roundings on the longest path, each 1-D transform a sequential
-sum of its nonzero terms (a product and an add per term):
+Each 1-D transform is a sequential sum of its nonzero terms (a product and an
+add per term), so a pass of a matrix with at most n nonzeros per row (or per
+column, applied transposed) adds n factors; k, from the matrices' nonzero
+counts (`roundings` below):
 
-  forward  G g G^T: 5 terms a pass, and G's entries (1/3, 1/9, ...) rounded to
-           float32: 6 + 6 = 12; B^T d B: 7 terms a pass: 14; the products and
-           their sum over the C channels (fused or not): C; A^T M A: 6 terms a
-           pass: 12; the bias: 1.                          k = C + 39
-  dx       A dY A^T: 3 terms a pass: 6; U: 12; the sum over the O channels: O;
-           B Z B^T: 14; the adds into dx of the (at most 9) tiles that cover
-           a point: 9.                                     k = O + 41
-  dw       B^T d B: 14; A dY A^T: 6; the sum over the batch's tiles, padded to
-           whole chunks of 16 samples (the kernel's sum over a block of at most
-           9 tiles, each block added to the thread's partial, the threads'
-           partials added): 16 ceil(N/16) T + ceil(N/16) ceil(T/9) + 2; G^T dU G:
-           7 terms and G's rounded entries a pass: 16.     k = that sum + 36
+  forward  G g G^T: 2 (n_G + 1) (G's entries, 1/3, 1/6, ..., rounded to
+           float32: one more a pass); B^T d B: 2 n_B; the products and their
+           sum over the C channels (fused or not): C; A^T M A: 2 n_A; the bias: 1
+  dx       A dY A^T: 2 n_A'; U: 2 (n_G + 1); the sum over the O channels: O;
+           B Z B^T: 2 n_B'; the adds into dx of the tiles that cover a point:
+           ceil(A/m)^2 (n' counts per column)
+  dw       B^T d B: 2 n_B; A dY A^T: 2 n_A'; the sum over the batch's tiles,
+           padded to whole chunks of 16 samples, with the block and thread
+           partials added: at most 17 ceil(N/16) T + ceil(N/16); G^T dU G:
+           2 (n_G' + 1)
 
-The bounds are the worst case; the errors measured are 10-100x below them, and
+The bounds are the worst case; the errors measured are 50-1000x below them, and
 also within the suite's relative tolerances (TOL_SHORT = 1e-5 for y and dx,
-TOL_LONG = 5e-5 for dw and db), which the tests assert too: with its larger
-transforms F(3x3, 5x5) has about 5x the GEMM path's error (tests/test_lenet.py's
-PyTorch fixtures pass with it on, the default).
+TOL_LONG = 5e-5 for dw and db), which the tests assert too: with their larger
+transforms these algorithms have about 5x the GEMM path's error
+(tests/test_lenet.py's and tests/test_resnet.py's PyTorch fixtures pass with
+them on, the default).
 """
 import math
 import os
@@ -51,54 +54,87 @@ from winograd_matrices import transforms  # noqa: E402
 
 ops = dp.ops
 U32 = 2.0 ** -24
-A_T, G, B_T = (np.array([[float(v) for v in row] for row in m]) for m in transforms(3, 5))
+# (m, r) -> (A^T, G, B^T) in float64
+MATS = {(m, r): tuple(np.array([[float(v) for v in row] for row in t]) for t in transforms(m, r))
+        for m, r in [(3, 5), (4, 3)]}
+
+
+def alg(K):
+    """(m, r) of the algorithm a K x K filter takes."""
+    return (3, 5) if K == 5 else (4, 3)
+
+
+def roundings(K, C, O, N, OH, OW):
+    """k of the forward pass, dx and dw (the docstring's counts)."""
+    m, r = alg(K)
+    A_T, G, B_T = MATS[(m, r)]
+    rows = lambda M: int((M != 0).sum(axis=1).max())   # noqa: E731
+    cols = lambda M: int((M != 0).sum(axis=0).max())   # noqa: E731
+    a = m + r - 1
+    T, chunks = math.ceil(OH / m) * math.ceil(OW / m), math.ceil(N / 16)
+    u = 2 * (rows(G) + 1)
+    k_y = u + 2 * rows(B_T) + C + 2 * rows(A_T) + 1
+    k_dx = 2 * cols(A_T) + u + O + 2 * cols(B_T) + math.ceil(a / m) ** 2
+    k_dw = 2 * rows(B_T) + 2 * cols(A_T) + 17 * chunks * T + chunks + 2 * (cols(G) + 1)
+    return k_y, k_dx, k_dw
 
 
 def gamma(k):
     return k * U32 / (1 - k * U32)
 
 
-def test_the_transforms_are_exact():
+@pytest.mark.parametrize("mr", sorted(MATS), ids=lambda mr: "F({0}x{0},{1}x{1})".format(*mr))
+def test_the_transforms_are_exact(mr):
     """The identity y = A^T [(G g G^T) . (B^T d B)] A holds in float64 for the
     transforms the bounds use (and the C side's, which are the same numbers)."""
+    m, r = mr
+    A_T, G, B_T = MATS[mr]
     rng = np.random.default_rng(1)
-    d, g = rng.standard_normal((7, 7)), rng.standard_normal((5, 5))
+    d, g = rng.standard_normal((m + r - 1,) * 2), rng.standard_normal((r, r))
     y = A_T @ ((G @ g @ G.T) * (B_T @ d @ B_T.T)) @ A_T.T
-    ref = np.array([[np.sum(d[i:i + 5, j:j + 5] * g) for j in range(3)] for i in range(3)])
+    ref = np.array([[np.sum(d[i:i + r, j:j + r] * g) for j in range(m)] for i in range(m)])
     np.testing.assert_allclose(y, ref, rtol=0, atol=1e-12)
 
 
-def tiles_of(x, pad, OH, OW):
-    """(N, C, th, tw, 7, 7) float64 tiles of |x| zero-bordered as the C side does."""
+def tiles_of(x, K, pad, OH, OW):
+    """(N, C, th, tw, a, a) float64 tiles of |x| zero-bordered as the C side does."""
+    m, r = alg(K)
+    a = m + r - 1
     N, C, H, W = x.shape
-    th, tw = -(-OH // 3), -(-OW // 3)
-    xp = np.zeros((N, C, 3 * th + 4, 3 * tw + 4))
+    th, tw = -(-OH // m), -(-OW // m)
+    xp = np.zeros((N, C, m * th + r - 1, m * tw + r - 1))
     xp[:, :, pad:pad + H, pad:pad + W] = np.abs(x.astype(np.float64))
-    return sliding_window_view(xp, (7, 7), axis=(2, 3))[:, :, ::3, ::3]
+    return sliding_window_view(xp, (a, a), axis=(2, 3))[:, :, ::m, ::m]
 
 
-def blocks_of(dy):
-    """(N, O, th, tw, 3, 3) of |dy|, zero past the output's edge."""
+def blocks_of(dy, K):
+    """(N, O, th, tw, m, m) of |dy|, zero past the output's edge."""
+    m, _ = alg(K)
     N, O, OH, OW = dy.shape
-    th, tw = -(-OH // 3), -(-OW // 3)
-    dyp = np.zeros((N, O, 3 * th, 3 * tw))
+    th, tw = -(-OH // m), -(-OW // m)
+    dyp = np.zeros((N, O, m * th, m * tw))
     dyp[:, :, :OH, :OW] = np.abs(dy.astype(np.float64))
-    return dyp.reshape(N, O, th, 3, tw, 3).transpose(0, 1, 2, 4, 3, 5)
+    return dyp.reshape(N, O, th, m, tw, m).transpose(0, 1, 2, 4, 3, 5)
+
+
+def abs_mats(K):
+    return tuple(np.abs(M) for M in MATS[alg(K)])
 
 
 def abs_forward(x, w, b, pad):
     """S of the forward pass, (N, O, OH, OW)."""
     N, C, H, W = x.shape
-    O = w.shape[0]
-    OH, OW = H + 2 * pad - 4, W + 2 * pad - 4
-    d = tiles_of(x, pad, OH, OW)
-    Bt, Ga, At = np.abs(B_T), np.abs(G), np.abs(A_T)
+    O, K = w.shape[0], w.shape[2]
+    m, _ = alg(K)
+    OH, OW = H + 2 * pad - K + 1, W + 2 * pad - K + 1
+    d = tiles_of(x, K, pad, OH, OW)
+    At, Ga, Bt = abs_mats(K)
     V = np.einsum("ij,nctsjk,lk->nctsil", Bt, d, Bt, optimize=True)
     U = np.einsum("ij,ocjk,lk->ocil", Ga, np.abs(w.astype(np.float64)), Ga, optimize=True)
     M = np.einsum("ocil,nctsil->notsil", U, V, optimize=True)
-    Y = np.einsum("ij,notsjk,lk->notsil", At, M, At, optimize=True)          # (N, O, th, tw, 3, 3)
+    Y = np.einsum("ij,notsjk,lk->notsil", At, M, At, optimize=True)          # (N, O, th, tw, m, m)
     th, tw = Y.shape[2:4]
-    Y = Y.transpose(0, 1, 2, 4, 3, 5).reshape(N, O, 3 * th, 3 * tw)[:, :, :OH, :OW]
+    Y = Y.transpose(0, 1, 2, 4, 3, 5).reshape(N, O, m * th, m * tw)[:, :, :OH, :OW]
     return Y + (0.0 if b is None else np.abs(b.astype(np.float64))[None, :, None, None])
 
 
@@ -106,26 +142,29 @@ def abs_dx(x_shape, w, dy, pad):
     """S of dx, (N, C, H, W): each tile's |B| [sum over o of |U| . |A| |dY| |A|^T] |B|^T
     added where the tile lies."""
     N, C, H, W = x_shape
-    dY = blocks_of(dy)
+    K = w.shape[2]
+    m, r = alg(K)
+    a = m + r - 1
+    dY = blocks_of(dy, K)
     th, tw = dY.shape[2:4]
-    Bt, Ga, At = np.abs(B_T), np.abs(G), np.abs(A_T)
-    dM = np.einsum("ji,notsjk,kl->notsil", At, dY, At, optimize=True)        # (N, O, th, tw, 7, 7)
+    At, Ga, Bt = abs_mats(K)
+    dM = np.einsum("ji,notsjk,kl->notsil", At, dY, At, optimize=True)        # (N, O, th, tw, a, a)
     U = np.einsum("ij,ocjk,lk->ocil", Ga, np.abs(w.astype(np.float64)), Ga, optimize=True)
     Z = np.einsum("ocil,notsil->nctsil", U, dM, optimize=True)
-    dd = np.einsum("ji,nctsjk,kl->nctsil", Bt, Z, Bt, optimize=True)         # (N, C, th, tw, 7, 7)
-    out = np.zeros((N, C, 3 * th + 4, 3 * tw + 4))
+    dd = np.einsum("ji,nctsjk,kl->nctsil", Bt, Z, Bt, optimize=True)         # (N, C, th, tw, a, a)
+    out = np.zeros((N, C, m * th + r - 1, m * tw + r - 1))
     for ti in range(th):
         for tj in range(tw):
-            out[:, :, 3 * ti:3 * ti + 7, 3 * tj:3 * tj + 7] += dd[:, :, ti, tj]
+            out[:, :, m * ti:m * ti + a, m * tj:m * tj + a] += dd[:, :, ti, tj]
     return out[:, :, pad:pad + H, pad:pad + W]
 
 
-def abs_dw(x, dy, pad):
-    """S of dw, (O, C, 5, 5)."""
+def abs_dw(x, dy, K, pad):
+    """S of dw, (O, C, K, K)."""
     OH, OW = dy.shape[2:]
-    d = tiles_of(x, pad, OH, OW)
-    dY = blocks_of(dy)
-    Bt, Ga, At = np.abs(B_T), np.abs(G), np.abs(A_T)
+    d = tiles_of(x, K, pad, OH, OW)
+    dY = blocks_of(dy, K)
+    At, Ga, Bt = abs_mats(K)
     V = np.einsum("ij,nctsjk,lk->nctsil", Bt, d, Bt, optimize=True)
     dM = np.einsum("ji,notsjk,kl->notsil", At, dY, At, optimize=True)
     dU = np.einsum("notsil,nctsil->ocil", dM, V, optimize=True)
@@ -144,23 +183,22 @@ def assert_within_bound(got, ref, S, k, what):
 @pytest.fixture
 def winograd_on(monkeypatch):
     monkeypatch.setenv("DPCORE_WINOGRAD", "1")
+    monkeypatch.setenv("DPCORE_WINOGRAD_F43", "1")
 
 
-def check(case, seed, use_bias=True):
+def check(case, seed, use_bias=True, K=5):
     """y, dx and dw within their bounds and the suite's tolerances."""
     N, C, H, W, O, pad = case
-    x, w, b, dy = make(N, C, H, W, O, 5, 1, pad, seed)
+    x, w, b, dy = make(N, C, H, W, O, K, 1, pad, seed)
     bias = b if use_bias else None
     y = ops.conv2d(x, w, bias, stride=1, padding=pad)
     dx, dw, db = ops.conv2d_backward(x, w, dy, stride=1, padding=pad)
     y_ref, dx_ref, dw_ref, db_ref = reference(x, w, b if use_bias else np.zeros_like(b), dy, 1, pad)
     assert y.shape == y_ref.shape and dx.shape == x.shape and dw.shape == w.shape
-    assert_within_bound(y, y_ref, abs_forward(x, w, bias, pad), C + 39, f"{case} forward")
-    assert_within_bound(dx, dx_ref, abs_dx(x.shape, w, dy, pad), O + 41, f"{case} dx")
-    OH, OW = y.shape[2:]
-    T, chunks = math.ceil(OH / 3) * math.ceil(OW / 3), math.ceil(N / 16)
-    assert_within_bound(dw, dw_ref, abs_dw(x, dy, pad), 16 * chunks * T + chunks * math.ceil(T / 9) + 2 + 36,
-                        f"{case} dw")
+    k_y, k_dx, k_dw = roundings(K, C, O, N, *y.shape[2:])
+    assert_within_bound(y, y_ref, abs_forward(x, w, bias, pad), k_y, f"{case} forward")
+    assert_within_bound(dx, dx_ref, abs_dx(x.shape, w, dy, pad), k_dx, f"{case} dx")
+    assert_within_bound(dw, dw_ref, abs_dw(x, dy, K, pad), k_dw, f"{case} dw")
     assert err(y, y_ref) <= TOL_SHORT, f"{case} forward: {err(y, y_ref):.3g}"
     assert err(dx, dx_ref) <= TOL_SHORT, f"{case} dx: {err(dx, dx_ref):.3g}"
     assert err(dw, dw_ref) <= TOL_LONG, f"{case} dw: {err(dw, dw_ref):.3g}"
@@ -185,8 +223,24 @@ CASES = [
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "N{}C{}H{}W{}O{}p{}".format(*c))
-def test_forward_dx_dw_within_the_bounds(winograd_on, case):
+def test_f3x5_within_the_bounds(winograd_on, case):
     check(case, seed=sum(case))
+
+
+# (N, C, H, W, O, pad), 3x3 filters: planes of at least 25 4x4 tiles (narrower ones are F(2x2, 3x3)'s)
+CASES_3X3 = [
+    (3, 64, 28, 28, 64, 1),     # ResNet-18's first stage: 7x7 tiles of 4x4 outputs
+    (17, 64, 18, 18, 72, 1),    # 5x5 tiles, the last row and column half outside; chunks of 16 and 1
+    (2, 64, 19, 21, 65, 1),     # odd sides, odd output channels
+    (2, 64, 20, 20, 64, 0),     # no padding: 18x18 outputs
+    (2, 80, 17, 17, 64, 2),     # padding 2: the output larger than the input
+    (2, 256, 20, 20, 64, 1),    # 256 input channels: 16 panels, dw a tile a block
+]
+
+
+@pytest.mark.parametrize("case", CASES_3X3, ids=lambda c: "N{}C{}H{}W{}O{}p{}".format(*c))
+def test_f4x3_within_the_bounds(winograd_on, case):
+    check(case, seed=sum(case), K=3)
 
 
 def test_bias_none(winograd_on):
@@ -238,6 +292,45 @@ def test_a_bad_switch_value_is_an_error(monkeypatch):
         ops.conv2d(x, w, b, stride=1, padding=0)
     with pytest.raises(ValueError, match="DPCORE_WINOGRAD"):
         ops.conv2d_backward(x, w, dy, stride=1, padding=0)
+
+
+def test_the_f43_switch(monkeypatch):
+    """DPCORE_WINOGRAD_F43=0 leaves ResNet-18's 3x3 layers to F(2x2, 3x3)
+    (winograd.h): other bits than F(4x4, 3x3), which the default takes; a bad
+    value is an error."""
+    x, w, b, dy = make(3, 64, 18, 18, 64, 3, 1, 1, seed=8)
+    out = {}
+    for v in ("0", "1", None):
+        monkeypatch.setenv("DPCORE_WINOGRAD", "1")
+        if v is None:
+            monkeypatch.delenv("DPCORE_WINOGRAD_F43", raising=False)
+        else:
+            monkeypatch.setenv("DPCORE_WINOGRAD_F43", v)
+        out[v] = (ops.conv2d(x, w, b, stride=1, padding=1),) + ops.conv2d_backward(x, w, dy, stride=1, padding=1)[:2]
+    for f23, f43, default in zip(out["0"], out["1"], out[None]):
+        assert not np.array_equal(f23, f43)
+        np.testing.assert_array_equal(f43, default)
+    # 14x14 outputs, 16 tiles: F(2x2, 3x3)'s whatever the switch
+    x, w, b, dy = make(3, 64, 14, 14, 64, 3, 1, 1, seed=8)
+    for v in ("0", "1"):
+        monkeypatch.setenv("DPCORE_WINOGRAD_F43", v)
+        out[v] = (ops.conv2d(x, w, b, stride=1, padding=1),) + ops.conv2d_backward(x, w, dy, stride=1, padding=1)[:2]
+    for f23, f43 in zip(out["0"], out["1"]):
+        np.testing.assert_array_equal(f23, f43)
+    monkeypatch.setenv("DPCORE_WINOGRAD_F43", "2")
+    with pytest.raises(ValueError, match="DPCORE_WINOGRAD_F43"):
+        ops.conv2d(x, w, b, stride=1, padding=1)
+
+
+def test_f43_samples_do_not_depend_on_the_batch(winograd_on):
+    """F(4x4, 3x3) too: each sample's y and dx are its own bits in any slice."""
+    x, w, b, dy = make(19, 64, 17, 17, 64, 3, 1, 1, seed=10)
+    y_all = ops.conv2d(x, w, b, stride=1, padding=1)
+    dx_all = ops.conv2d_backward(x, w, dy, stride=1, padding=1)[0]
+    for lo, hi in [(0, 1), (18, 19), (2, 18)]:
+        np.testing.assert_array_equal(ops.conv2d(x[lo:hi], w, b, stride=1, padding=1), y_all[lo:hi])
+        np.testing.assert_array_equal(ops.conv2d_backward(x[lo:hi], w, dy[lo:hi], stride=1, padding=1)[0],
+                                      dx_all[lo:hi])
 
 
 @pytest.mark.parametrize("pad", [0, 2])
