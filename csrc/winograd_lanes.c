@@ -144,31 +144,30 @@ size_t dp_wl_scratch_floats(const dp_conv_geom *g, int64_t N, int nthreads, int 
   return (size_t)(wl_shared_floats(&q, pass) + q.nt * wl_thread_floats(&q, pass));
 }
 
-/* P (or DX's shape): a chunk's cnt samples of src (C, H, W each) into the
- * lanes, at (i + pad, j + pad); the border and, for a short chunk, the lanes
- * past cnt are zero (the caller zeroes the plane first then). */
-static void wl_to_lanes(const wl_geom *q, const float *src, int64_t cnt, float *P) {
-  const int64_t hw = (int64_t)q->H * q->W, in_sz = q->C * hw;
+/* A chunk's cnt samples of src (planes planes of h x w each, a sample every
+ * sample_floats) into the lanes of dst (planes of dh x dw), each plane's (i, j)
+ * at (i + off, j + off). The rest of dst (borders, the lanes past cnt) is
+ * the caller's: zeroed once, and again for a short chunk. */
+static void wl_planes_to_lanes(const float *src, int64_t cnt, int64_t sample_floats, int planes, int h, int w,
+                               float *dst, int64_t dh, int64_t dw, int off) {
+  const int64_t hw = (int64_t)h * w;
   for (int64_t s = 0; s < cnt; ++s)
-    for (int c = 0; c < q->C; ++c)
-      for (int i = 0; i < q->H; ++i) {
-        const float *row = src + s * in_sz + c * hw + (int64_t)i * q->W;
-        float *dst = P + ((c * q->hp + i + q->pad) * q->wp + q->pad) * L + s;
-        for (int j = 0; j < q->W; ++j) dst[(int64_t)j * L] = row[j];
+    for (int c = 0; c < planes; ++c)
+      for (int i = 0; i < h; ++i) {
+        const float *row = src + s * sample_floats + c * hw + (int64_t)i * w;
+        float *d = dst + ((c * dh + i + off) * dw + off) * L + s;
+        for (int j = 0; j < w; ++j) d[(int64_t)j * L] = row[j];
       }
 }
 
-/* DYT: a chunk's dy into the lanes (zero past the output's edge: the caller
- * zeroes the plane once, and for a short chunk). */
+/* P: the chunk's input, bordered by the padding */
+static void wl_to_lanes(const wl_geom *q, const float *x, int64_t cnt, float *P) {
+  wl_planes_to_lanes(x, cnt, (int64_t)q->C * q->H * q->W, q->C, q->H, q->W, P, q->hp, q->wp, q->pad);
+}
+
+/* DYT: the chunk's dy (zero past the output's edge) */
 static void wl_dy_to_lanes(const wl_geom *q, const float *dy, int64_t cnt, float *D) {
-  const int64_t P = (int64_t)q->OH * q->OW, out_sz = q->O * P;
-  for (int64_t s = 0; s < cnt; ++s)
-    for (int o = 0; o < q->O; ++o)
-      for (int i = 0; i < q->OH; ++i) {
-        const float *row = dy + s * out_sz + o * P + (int64_t)i * q->OW;
-        float *dst = D + ((o * q->ohp + i) * q->owp) * L + s;
-        for (int j = 0; j < q->OW; ++j) dst[(int64_t)j * L] = row[j];
-      }
+  wl_planes_to_lanes(dy, cnt, (int64_t)q->O * q->OH * q->OW, q->O, q->OH, q->OW, D, q->ohp, q->owp, 0);
 }
 
 /* chunk k's first sample and count */

@@ -73,6 +73,32 @@ def make(N, C, H, W, O, K, stride, pad, seed):
     return x, w, b, dy
 
 
+def assert_empty_batch(C, H, O, K, pad):
+    """An empty batch: y and dx empty, dw and db zero."""
+    x, w, b, dy = make(0, C, H, H, O, K, 1, pad, seed=1)
+    y = ops.conv2d(x, w, b, stride=1, padding=pad)
+    dx, dw, db = ops.conv2d_backward(x, w, dy, stride=1, padding=pad)
+    OH = H + 2 * pad - K + 1
+    assert y.shape == (0, O, OH, OH) and dx.shape == x.shape
+    assert not dw.any() and not db.any()
+
+
+def assert_lenet_one_and_two_replicas_agree(logical_cpus):
+    """LeNet's steps on two replicas are one device's within float32 summation
+    error (dw summed per replica, then all-reduced), and the losses fall."""
+    logical_cpus(2)
+    rng = np.random.default_rng(0)
+    X = rng.standard_normal((64, 1, 28, 28)).astype(np.float32)
+    y = rng.integers(0, 10, 64).astype(np.int32)
+    nets = [dp.models.LeNet(devices=["cpu:0"], seed=3), dp.models.LeNet(devices=["cpu:0", "cpu:1"], seed=3)]
+    losses = [[], []]
+    for _ in range(5):
+        for i, net in enumerate(nets):
+            losses[i].append(float(net.train_step(X, y, lr=0.1)[0]))
+    np.testing.assert_allclose(losses[0], losses[1], rtol=1e-4)
+    assert losses[0][-1] < losses[0][0]
+
+
 def check(case, seed):
     N, C, H, W, O, K, stride, pad = case
     x, w, b, dy = make(N, C, H, W, O, K, stride, pad, seed)

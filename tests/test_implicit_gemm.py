@@ -31,6 +31,7 @@ import numpy as np
 import pytest
 
 import dpcore as dp
+from test_conv_cpu import assert_empty_batch, assert_lenet_one_and_two_replicas_agree
 from test_conv_cpu import check as within_the_suite_tolerances
 from test_conv_cpu import make, reference, windows
 
@@ -115,11 +116,7 @@ def test_bias_none(igemm_on):
 
 
 def test_empty_batch(igemm_on):
-    x, w, b, dy = make(0, 20, 13, 13, 50, 5, 1, 0, seed=1)
-    y = ops.conv2d(x, w, b, stride=1, padding=0)
-    dx, dw, db = ops.conv2d_backward(x, w, dy, stride=1, padding=0)
-    assert y.shape == (0, 50, 9, 9) and dx.shape == x.shape
-    assert not dw.any() and not db.any()
+    assert_empty_batch(20, 13, 50, 5, 0)
 
 
 def runs_both(monkeypatch, case):
@@ -188,17 +185,7 @@ def test_lenet_trains_the_same_on_one_and_two_replicas(monkeypatch, logical_cpus
     losses fall."""
     monkeypatch.setenv("DPCORE_IMPLICIT_GEMM", "1")
     monkeypatch.setenv("DPCORE_WINOGRAD", "0")
-    logical_cpus(2)
-    rng = np.random.default_rng(0)
-    X = rng.standard_normal((64, 1, 28, 28)).astype(np.float32)
-    y = rng.integers(0, 10, 64).astype(np.int32)
-    nets = [dp.models.LeNet(devices=["cpu:0"], seed=3), dp.models.LeNet(devices=["cpu:0", "cpu:1"], seed=3)]
-    losses = [[], []]
-    for _ in range(5):
-        for i, net in enumerate(nets):
-            losses[i].append(float(net.train_step(X, y, lr=0.1)[0]))
-    np.testing.assert_allclose(losses[0], losses[1], rtol=1e-4)
-    assert losses[0][-1] < losses[0][0]
+    assert_lenet_one_and_two_replicas_agree(logical_cpus)
 
 
 def test_benchmark_quick_run():

@@ -42,7 +42,7 @@ import pytest
 from numpy.lib.stride_tricks import sliding_window_view
 
 import dpcore as dp
-from test_conv_cpu import TOL_LONG, TOL_SHORT, err, make, reference
+from test_conv_cpu import TOL_LONG, TOL_SHORT, assert_empty_batch, err, make, reference
 
 ops = dp.ops
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -169,11 +169,7 @@ def test_bias_none(winograd_on):
 
 
 def test_empty_batch(winograd_on):
-    x, w, b, dy = make(0, 64, 14, 14, 64, 3, 1, 1, seed=1)
-    y = ops.conv2d(x, w, b, stride=1, padding=1)
-    dx, dw, db = ops.conv2d_backward(x, w, dy, stride=1, padding=1)
-    assert y.shape == (0, 64, 14, 14) and dx.shape == x.shape
-    assert not dw.any() and not db.any()
+    assert_empty_batch(64, 14, 64, 3, 1)
 
 
 def test_the_switch_reaches_the_kernel(monkeypatch):
