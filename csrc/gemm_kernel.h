@@ -46,6 +46,33 @@ typedef float v8u __attribute__((vector_size(32), aligned(4), may_alias));
 #define V8_MADD(acc, a, b) ((acc) + (a) * (b))
 #endif
 
+#if defined(__AVX512F__) && defined(__FMA__)
+/* AVX-512: a row's 16 columns in one register, 6 fused multiply-adds per k
+ * where AVX2 issues 12; each output the same sequence of fused multiply-adds,
+ * so the same bits as the AVX2 + FMA kernel. */
+static inline void dp_mk_16(int64_t K, const float *const *xb, const int32_t *restrict idx, const float *restrict B,
+                            float *restrict tile) {
+  const float *x0 = xb[0], *x1 = xb[1], *x2 = xb[2], *x3 = xb[3], *x4 = xb[4], *x5 = xb[5];
+  __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), a2 = _mm512_setzero_ps();
+  __m512 a3 = _mm512_setzero_ps(), a4 = _mm512_setzero_ps(), a5 = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    const __m512 b = _mm512_loadu_ps(B + k * 16);
+    const int32_t i = idx[k];
+    a0 = _mm512_fmadd_ps(_mm512_set1_ps(x0[i]), b, a0);
+    a1 = _mm512_fmadd_ps(_mm512_set1_ps(x1[i]), b, a1);
+    a2 = _mm512_fmadd_ps(_mm512_set1_ps(x2[i]), b, a2);
+    a3 = _mm512_fmadd_ps(_mm512_set1_ps(x3[i]), b, a3);
+    a4 = _mm512_fmadd_ps(_mm512_set1_ps(x4[i]), b, a4);
+    a5 = _mm512_fmadd_ps(_mm512_set1_ps(x5[i]), b, a5);
+  }
+  _mm512_storeu_ps(tile + 0, a0);
+  _mm512_storeu_ps(tile + 16, a1);
+  _mm512_storeu_ps(tile + 32, a2);
+  _mm512_storeu_ps(tile + 48, a3);
+  _mm512_storeu_ps(tile + 64, a4);
+  _mm512_storeu_ps(tile + 80, a5);
+}
+#else
 static inline void dp_mk_16(int64_t K, const float *const *xb, const int32_t *restrict idx, const float *restrict B,
                       float *restrict tile) {
   const float *x0 = xb[0], *x1 = xb[1], *x2 = xb[2], *x3 = xb[3], *x4 = xb[4], *x5 = xb[5];
@@ -87,6 +114,8 @@ static inline void dp_mk_16(int64_t K, const float *const *xb, const int32_t *re
   V8_STORE(tile + 80, a50);
   V8_STORE(tile + 88, a51);
 }
+
+#endif
 
 /* The same with 8 columns (the last 8 of a channel count that is not a
  * multiple of 16); tile rows stay 16 floats apart. */
