@@ -25,10 +25,11 @@
 /* F(3x3, 5x5): fewer input channels than this keep the other paths: the
  * products' sum over C is the kernel's K, and with a handful of channels the
  * transforms dominate. Measured on one core against the implicit GEMM
- * (benchmarks/bench_winograd5.py, a build with the limit at 1 as the A/B,
- * batch 128, 14x14): 4 -> 16 0.90x forward and 0.94x backward (slower),
- * 6 -> 16 1.06x and 1.18x, 8 -> 16 1.17x and 1.27x, LeNet's 20 -> 50 3.1x and
- * 2.4x. */
+ * (benchmarks/bench_winograd5.py, batch 128, 14x14; below the limit a build
+ * with it at 1), forward and backward: with the AVX2 kernel 4 -> 16 0.90x and
+ * 0.94x (slower), 6 -> 16 1.06x and 1.18x, 8 -> 16 1.17x and 1.27x; with the
+ * AVX-512 one 6 -> 16 0.82x and 1.15x (1.06x the two together), 8 -> 16 0.90x
+ * and 1.23x, LeNet's 20 -> 50 2.5x and 2.2x. */
 #ifndef DP_WL_F35_MIN_IN /* a build may set it (CFLAGS=-DDP_WL_F35_MIN_IN=1: that A/B) */
 #define DP_WL_F35_MIN_IN 6
 #endif
