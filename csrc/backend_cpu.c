@@ -507,7 +507,7 @@ static dp_status cpu_conv2d_forward(dp_device *dev, const dp_conv_geom *g, int64
                                     const float *b, float *y) {
   cpu_enter(dev);
   int winograd;
-  DP_TRY(dp_wl_takes(g, DP_WL_FORWARD, &winograd));
+  DP_TRY(dp_wl_takes(g, &winograd));
   if (winograd) { /* csrc/winograd_lanes.h */
     float *wino;
     DP_TRY(cpu_scratch(dev, dp_wl_scratch_floats(g, N, dev->nthreads, DP_WL_FORWARD), &wino));
@@ -585,7 +585,7 @@ static dp_status cpu_conv2d_backward(dp_device *dev, const dp_conv_geom *g, int6
                                      const float *dy, float *dx, float *dw, float *db) {
   cpu_enter(dev);
   int winograd;
-  DP_TRY(dp_wl_takes(g, DP_WL_BACKWARD, &winograd));
+  DP_TRY(dp_wl_takes(g, &winograd));
   if (winograd) { /* csrc/winograd_lanes.h */
     float *wino;
     DP_TRY(cpu_scratch(dev, dp_wl_scratch_floats(g, N, dev->nthreads, DP_WL_BACKWARD), &wino));

@@ -34,19 +34,23 @@
 #define DP_WL_F35_MIN_IN 6
 #endif
 /* F(4x4, 3x3): at least this many channels in and out (those that
- * F(2x2, 3x3), winograd.h, took before), and for the backward pass at least
- * this many 4x4 tiles per sample. Measured (batch 32, 2 threads, F(2x2, 3x3)
+ * F(2x2, 3x3), winograd.h, took before) and at least this many 4x4 tiles per
+ * sample (13x13 outputs and more). Measured (batch 32, 2 threads, F(2x2, 3x3)
  * against F(4x4, 3x3), ms, forward and backward): 64 channels at 28x28 (49
  * tiles) 5.37 / 3.07 and 12.23 / 7.92; 128 at 14x14 (16 tiles) 4.97 / 2.95
  * and 9.99 / 7.77; 256 at 7x7 (4 tiles) 5.21 / 3.00 and 10.69 / 11.06; 512 at
- * 4x4 (1 tile) 6.08 / 5.15 and 11.89 / 24.93. The backward pass's partial dU
- * (36 x O x C per thread, 36/16 times F(2x2, 3x3)'s) is added per tile of 16
- * samples: with few tiles per sample it dominates. */
+ * 4x4 (1 tile) 6.08 / 5.15 and 11.89 / 24.93 (the backward pass's partial dU,
+ * 36/16 times F(2x2, 3x3)'s, is added per tile of 16 samples: with few tiles
+ * it dominates). The narrow planes' forward passes were faster, but their
+ * larger rounding error (tests/test_conv_cpu.py's 512-channel 4x4 layer:
+ * 1.2e-5 against its 1e-5 tolerance), compounded through ResNet-18's
+ * BatchNorm over a handful of values (tests/test_tensor_parallel.py: a 12x12
+ * input's gradient 1e-3 from the GEMM path's), keeps them on F(2x2, 3x3). */
 #ifndef DP_WL_F43_MIN_CHANNELS
 #define DP_WL_F43_MIN_CHANNELS 64
 #endif
-#ifndef DP_WL_F43_MIN_TILES_BACKWARD
-#define DP_WL_F43_MIN_TILES_BACKWARD 16
+#ifndef DP_WL_F43_MIN_TILES
+#define DP_WL_F43_MIN_TILES 16
 #endif
 /* A chunk's bordered input and dy planes at most this many floats (16 MiB):
  * larger planes keep the other paths. */
@@ -112,7 +116,7 @@ static wl_geom wl_make(const dp_conv_geom *g, int64_t N, int nthreads) {
 static int64_t wl_p_floats(const wl_geom *q) { return r16((int64_t)q->C * q->hp * q->wp * L); }
 static int64_t wl_dyt_floats(const wl_geom *q) { return r16((int64_t)q->O * q->ohp * q->owp * L); }
 
-dp_status dp_wl_takes(const dp_conv_geom *g, int pass, int *takes) {
+dp_status dp_wl_takes(const dp_conv_geom *g, int *takes) {
   *takes = 0;
   int on, f43;
   DP_TRY(dp_env_switch("DPCORE_WINOGRAD", 1, &on));
@@ -123,7 +127,7 @@ dp_status dp_wl_takes(const dp_conv_geom *g, int pass, int *takes) {
   if (!f35_takes && !f43_takes) return DP_OK;
   const wl_geom q = wl_make(g, 1, 1);
   *takes = (int64_t)g->C * q.hp * q.wp + (int64_t)g->O * q.ohp * q.owp <= DP_WL_MAX_PLANES / L &&
-           (f35_takes || pass == DP_WL_FORWARD || q.T >= DP_WL_F43_MIN_TILES_BACKWARD);
+           (f35_takes || q.T >= DP_WL_F43_MIN_TILES);
   return DP_OK;
 }
 

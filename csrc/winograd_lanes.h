@@ -6,11 +6,12 @@
  *                outputs and input channel where im2col + GEMM and the
  *                implicit GEMM do 225 (4.6x fewer)
  *   F(4x4, 3x3)  3x3 stride-1 convolutions of at least 64 channels in and out
- *                (ResNet-18's): 36 multiplies per 4x4 block where the GEMM
- *                does 144 (4x fewer; F(2x2, 3x3), winograd.h, 2.25x); the
- *                backward pass only on planes of at least 16 4x4 tiles (13x13
- *                outputs and more: ResNet-18's 28x28 and 14x14 stages),
- *                F(2x2, 3x3) below (measured faster there: winograd_lanes.c)
+ *                on planes of at least 16 4x4 tiles (13x13 outputs and more:
+ *                ResNet-18's 28x28 and 14x14 stages): 36 multiplies per 4x4
+ *                block where the GEMM does 144 (4x fewer; F(2x2, 3x3),
+ *                winograd.h, 2.25x, keeps the narrower planes: slower
+ *                backward passes there, and larger rounding errors,
+ *                winograd_lanes.c)
  *
  * Each m x m block of outputs comes from the A x A input tile around it
  * (A = m + r - 1, tiles at stride m, the input zero past its edge and
@@ -60,10 +61,9 @@
 enum { DP_WL_FORWARD = 0, DP_WL_BACKWARD = 1 };
 
 /* *takes = 1 when the switches are on and g is one of the two kinds above
- * (any padding) with planes that fit the chunk's buffers, for the pass
- * (DP_WL_FORWARD or DP_WL_BACKWARD: F(4x4, 3x3)'s backward pass only on
- * planes of at least 16 tiles); DP_ERR_VALUE for a bad switch value. */
-DP_MUST_CHECK dp_status dp_wl_takes(const dp_conv_geom *g, int pass, int *takes);
+ * (any padding) with planes that fit the chunk's buffers; DP_ERR_VALUE for a
+ * bad switch value. */
+DP_MUST_CHECK dp_status dp_wl_takes(const dp_conv_geom *g, int *takes);
 
 /* Floats of scratch (64-byte aligned) that a pass needs for N samples on
  * nthreads threads. */

@@ -1,7 +1,7 @@
 """Winograd with the samples in vector lanes (csrc/winograd_lanes.c): F(3x3, 5x5)
 for the CPU backend's 5x5 stride-1 convolutions of at least 6 input channels
 (LeNet's 20 -> 50) and F(4x4, 3x3) for 3x3 stride-1 ones of at least 64 channels
-in and out (ResNet-18's; its backward pass from 16 tiles a plane); the forward pass, dx and dw against the float64
+in and out on planes of at least 16 tiles (ResNet-18's 28x28 and 14x14 stages); the forward pass, dx and dw against the float64
 reference of tests/test_conv_cpu.py. The transforms are
 scripts/winograd_matrices.py's, imported here (exact rationals), so the bounds
 below do not trust the C side's constants.
@@ -228,7 +228,7 @@ def test_f3x5_within_the_bounds(winograd_on, case):
     check(case, seed=sum(case))
 
 
-# (N, C, H, W, O, pad), 3x3 filters (the backward pass F(4x4, 3x3)'s on planes of at least 16 tiles)
+# (N, C, H, W, O, pad), 3x3 filters: planes of at least 16 4x4 tiles (narrower ones are F(2x2, 3x3)'s)
 CASES_3X3 = [
     (3, 64, 28, 28, 64, 1),     # ResNet-18's first stage: 7x7 tiles of 4x4 outputs
     (17, 64, 18, 18, 72, 1),    # 5x5 tiles, the last row and column half outside; chunks of 16 and 1
@@ -236,8 +236,7 @@ CASES_3X3 = [
     (2, 64, 20, 20, 64, 0),     # no padding: 18x18 outputs
     (2, 80, 17, 17, 64, 2),     # padding 2: the output larger than the input
     (2, 256, 20, 20, 64, 1),    # 256 input channels: 16 panels, dw a tile a block
-    (5, 256, 7, 7, 256, 1),     # ResNet-18's third stage: the forward pass's (2x2 tiles), dx and dw F(2x2, 3x3)'s
-    (17, 64, 4, 4, 72, 1),      # the fourth stage's plane (one tile), chunks of 16 and 1: the forward pass's
+    (3, 128, 14, 14, 128, 1),   # ResNet-18's second stage: 16 tiles, the last row and column half outside
 ]
 
 
@@ -295,8 +294,8 @@ def test_a_bad_switch_value_is_an_error(monkeypatch):
 
 def test_the_f43_switch(monkeypatch):
     """DPCORE_WINOGRAD_F43=0 leaves ResNet-18's 3x3 layers to F(2x2, 3x3)
-    (winograd.h): other bits than F(4x4, 3x3), which the default takes (the
-    backward pass from 16 tiles a plane); a bad value is an error."""
+    (winograd.h): other bits than F(4x4, 3x3), which the default takes on
+    planes of at least 16 tiles; a bad value is an error."""
     x, w, b, dy = make(3, 64, 18, 18, 64, 3, 1, 1, seed=8)
     out = {}
     for v in ("0", "1", None):
@@ -309,13 +308,12 @@ def test_the_f43_switch(monkeypatch):
     for f23, f43, default in zip(out["0"], out["1"], out[None]):
         assert not np.array_equal(f23, f43)
         np.testing.assert_array_equal(f43, default)
-    # 7x7 outputs, 4 tiles: the forward pass F(4x4, 3x3)'s, dx and dw F(2x2, 3x3)'s whatever the switch
-    x, w, b, dy = make(3, 64, 7, 7, 64, 3, 1, 1, seed=8)
+    # 12x12 outputs, 9 tiles: F(2x2, 3x3)'s whatever the switch
+    x, w, b, dy = make(3, 64, 12, 12, 64, 3, 1, 1, seed=8)
     for v in ("0", "1"):
         monkeypatch.setenv("DPCORE_WINOGRAD_F43", v)
         out[v] = (ops.conv2d(x, w, b, stride=1, padding=1),) + ops.conv2d_backward(x, w, dy, stride=1, padding=1)[:2]
-    assert not np.array_equal(out["0"][0], out["1"][0])
-    for f23, f43 in zip(out["0"][1:], out["1"][1:]):
+    for f23, f43 in zip(out["0"], out["1"]):
         np.testing.assert_array_equal(f23, f43)
     monkeypatch.setenv("DPCORE_WINOGRAD_F43", "2")
     with pytest.raises(ValueError, match="DPCORE_WINOGRAD_F43"):
