@@ -46,6 +46,14 @@
  * 1.2e-5 against its 1e-5 tolerance), compounded through ResNet-18's
  * BatchNorm over a handful of values (tests/test_tensor_parallel.py: a 12x12
  * input's gradient 1e-3 from the GEMM path's), keeps them on F(2x2, 3x3). */
+/* F(4x4, 3x3) is opt-in (DPCORE_WINOGRAD_F43=1): 1.19x faster on the ResNet-18
+ * step (bench_winograd.py), but its larger rounding error moves ResNet-18's
+ * chaotic three-step PyTorch fixture (tests/test_fixtures.py: ReLU units within
+ * float32 noise of 0 flip) to the edge of its tolerances: the step losses 2.8e-2
+ * from float64 PyTorch's against 3e-2 (F(2x2, 3x3): 6.3e-4), and one build
+ * over them (the evaluation logits 0.33 against 0.25). Trust first: off by
+ * default. */
+#define DP_WL_F43_DEFAULT 0
 #ifndef DP_WL_F43_MIN_CHANNELS
 #define DP_WL_F43_MIN_CHANNELS 64
 #endif
@@ -120,7 +128,7 @@ dp_status dp_wl_takes(const dp_conv_geom *g, int *takes) {
   *takes = 0;
   int on, f43;
   DP_TRY(dp_env_switch("DPCORE_WINOGRAD", 1, &on));
-  DP_TRY(dp_env_switch("DPCORE_WINOGRAD_F43", 1, &f43));
+  DP_TRY(dp_env_switch("DPCORE_WINOGRAD_F43", DP_WL_F43_DEFAULT, &f43));
   if (!on || g->stride != 1 || g->KH != g->KW || g->OH < 1 || g->OW < 1) return DP_OK;
   const int f35_takes = g->KH == 5 && g->C >= DP_WL_F35_MIN_IN;
   const int f43_takes = f43 && g->KH == 3 && g->C >= DP_WL_F43_MIN_CHANNELS && g->O >= DP_WL_F43_MIN_CHANNELS;

@@ -45,9 +45,11 @@
  * tolerances).
  *
  * The switches: DPCORE_WINOGRAD, as for F(2x2, 3x3) (winograd.h): "0" turns
- * every Winograd path off; DPCORE_WINOGRAD_F43 "0" leaves the 3x3 layers to
- * F(2x2, 3x3). Both read at every call; "1", "0" or unset/empty (the
- * default, on), any other value DP_ERR_VALUE.
+ * every Winograd path off (on by default); DPCORE_WINOGRAD_F43 "1" gives the
+ * 3x3 layers above to F(4x4, 3x3), off by default (its rounding moves
+ * ResNet-18's chaotic PyTorch fixture to the edge of its tolerances:
+ * winograd_lanes.c). Both read at every call; "1", "0" or unset/empty (the
+ * default), any other value DP_ERR_VALUE.
  */
 #ifndef DP_WINOGRAD_LANES_H
 #define DP_WINOGRAD_LANES_H

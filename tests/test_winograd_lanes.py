@@ -34,8 +34,9 @@ The bounds are the worst case; the errors measured are 50-1000x below them, and
 also within the suite's relative tolerances (TOL_SHORT = 1e-5 for y and dx,
 TOL_LONG = 5e-5 for dw and db), which the tests assert too: with their larger
 transforms these algorithms have about 5x the GEMM path's error
-(tests/test_lenet.py's and tests/test_resnet.py's PyTorch fixtures pass with
-them on, the default).
+(tests/test_lenet.py's PyTorch fixtures pass with F(3x3, 5x5), the default;
+F(4x4, 3x3) is opt-in, DPCORE_WINOGRAD_F43=1: its rounding moves ResNet-18's
+chaotic three-step fixture to the edge of its tolerances, csrc/winograd_lanes.c).
 """
 import math
 import os
@@ -293,9 +294,9 @@ def test_a_bad_switch_value_is_an_error(monkeypatch):
 
 
 def test_the_f43_switch(monkeypatch):
-    """DPCORE_WINOGRAD_F43=0 leaves ResNet-18's 3x3 layers to F(2x2, 3x3)
-    (winograd.h): other bits than F(4x4, 3x3), which the default takes on
-    planes of at least 16 tiles; a bad value is an error."""
+    """DPCORE_WINOGRAD_F43=1 gives ResNet-18's 3x3 layers on planes of at least
+    16 tiles to F(4x4, 3x3): other bits than F(2x2, 3x3) (winograd.h), which
+    the default (unset) keeps; a bad value is an error."""
     x, w, b, dy = make(3, 64, 18, 18, 64, 3, 1, 1, seed=8)
     out = {}
     for v in ("0", "1", None):
@@ -307,7 +308,7 @@ def test_the_f43_switch(monkeypatch):
         out[v] = (ops.conv2d(x, w, b, stride=1, padding=1),) + ops.conv2d_backward(x, w, dy, stride=1, padding=1)[:2]
     for f23, f43, default in zip(out["0"], out["1"], out[None]):
         assert not np.array_equal(f23, f43)
-        np.testing.assert_array_equal(f43, default)
+        np.testing.assert_array_equal(f23, default)
     # 12x12 outputs, 9 tiles: F(2x2, 3x3)'s whatever the switch
     x, w, b, dy = make(3, 64, 12, 12, 64, 3, 1, 1, seed=8)
     for v in ("0", "1"):
