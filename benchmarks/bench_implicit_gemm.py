@@ -38,42 +38,64 @@ GEOMETRIES = [
 ]
 
 
-def measure(args):
-    core = sorted(os.sched_getaffinity(0))[0]
-    os.sched_setaffinity(0, {core})
-    os.environ["DPCORE_WINOGRAD"] = "0"
+def ab_layers(geometries, switch, batch, rounds, reps):
+    """The per-layer A/B of this script and bench_winograd5.py, in this process (pinned
+    to one core by the caller): per (name, C, H, O, K, stride, pad) geometry the arms
+    switch=0 and =1 alternate, each timing reps forward and reps backward calls after a
+    warm-up by the process's CPU time; rows of (name, N, forward FLOPs, {arm: (median
+    forward s, median backward s)})."""
     import numpy as np
     import dpcore as dp
     rng = np.random.default_rng(0)
     rows = []
-    for name, C, H, O, K, s, p in GEOMETRIES:
-        N = max(1, args.batch // 4) if "batch / 4" in name else args.batch
+    for name, C, H, O, K, s, p in geometries:
+        N = max(1, batch // 4) if "batch / 4" in name else batch
         x = rng.standard_normal((N, C, H, H)).astype(np.float32)
         w = (rng.standard_normal((O, C, K, K)) / np.sqrt(C * K * K)).astype(np.float32)
         b = rng.standard_normal(O).astype(np.float32)
         OH = (H + 2 * p - K) // s + 1
         dy = rng.standard_normal((N, O, OH, OH)).astype(np.float32)
         times = {"0": ([], []), "1": ([], [])}
-        for r in range(args.rounds):
+        for r in range(rounds):
             for arm in (("0", "1") if r % 2 == 0 else ("1", "0")):
-                os.environ["DPCORE_IMPLICIT_GEMM"] = arm
+                os.environ[switch] = arm
                 dp.ops.conv2d(x, w, b, stride=s, padding=p)
                 dp.ops.conv2d_backward(x, w, dy, stride=s, padding=p)
                 t0 = time.process_time()
-                for _ in range(args.reps):
+                for _ in range(reps):
                     dp.ops.conv2d(x, w, b, stride=s, padding=p)
                 t1 = time.process_time()
-                for _ in range(args.reps):
+                for _ in range(reps):
                     dp.ops.conv2d_backward(x, w, dy, stride=s, padding=p)
                 t2 = time.process_time()
-                times[arm][0].append((t1 - t0) / args.reps)
-                times[arm][1].append((t2 - t1) / args.reps)
+                times[arm][0].append((t1 - t0) / reps)
+                times[arm][1].append((t2 - t1) / reps)
         med = {arm: (statistics.median(f), statistics.median(bw)) for arm, (f, bw) in times.items()}
-        flops = 2.0 * N * O * C * K * K * OH * OH
-        rows.append((name, N, flops, med))
+        rows.append((name, N, 2.0 * N * O * C * K * K * OH * OH, med))
         print(f"  {name}: forward {med['0'][0] * 1e3:.2f} -> {med['1'][0] * 1e3:.2f} ms, "
               f"backward {med['0'][1] * 1e3:.2f} -> {med['1'][1] * 1e3:.2f} ms", file=sys.stderr, flush=True)
-    return core, dp.__version__, rows
+    return rows
+
+
+def ab_table(rows):
+    """The table of ab_layers' rows: each arm's median per call, off / on, forward GFLOP/s."""
+    lines = ["| geometry | batch | forward off ms | forward on ms | forward off / on | forward GFLOP/s off / on "
+             "| backward off ms | backward on ms | backward off / on |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for name, N, flops, med in rows:
+        (f0, b0), (f1, b1) = med["0"], med["1"]
+        lines.append(f"| {name} | {N} | {f0 * 1e3:.2f} | {f1 * 1e3:.2f} | {f0 / f1:.2f}x | "
+                     f"{flops / f0 / 1e9:.0f} / {flops / f1 / 1e9:.0f} | {b0 * 1e3:.2f} | {b1 * 1e3:.2f} | "
+                     f"{b0 / b1:.2f}x |")
+    return lines
+
+
+def measure(args):
+    core = sorted(os.sched_getaffinity(0))[0]
+    os.sched_setaffinity(0, {core})
+    os.environ["DPCORE_WINOGRAD"] = "0"
+    import dpcore as dp
+    return core, dp.__version__, ab_layers(GEOMETRIES, "DPCORE_IMPLICIT_GEMM", args.batch, args.rounds, args.reps)
 
 
 def main(argv=None):
@@ -95,15 +117,7 @@ def main(argv=None):
              f"DPCORE_IMPLICIT_GEMM=0 and =1 alternate over {args.rounds} rounds, {args.reps} forward and "
              f"{args.reps} backward calls (dx, dw, db) each after a warm-up, timed by the process's CPU time; "
              "median per call over the rounds; GFLOP/s = the forward pass's 2*N*O*C*KH*KW*OH*OW per second",
-             "",
-             "| geometry | batch | forward off ms | forward on ms | forward off / on | forward GFLOP/s off / on "
-             "| backward off ms | backward on ms | backward off / on |",
-             "|---|---|---|---|---|---|---|---|---|"]
-    for name, N, flops, med in rows:
-        (f0, b0), (f1, b1) = med["0"], med["1"]
-        lines.append(f"| {name} | {N} | {f0 * 1e3:.2f} | {f1 * 1e3:.2f} | {f0 / f1:.2f}x | "
-                     f"{flops / f0 / 1e9:.0f} / {flops / f1 / 1e9:.0f} | {b0 * 1e3:.2f} | {b1 * 1e3:.2f} | "
-                     f"{b0 / b1:.2f}x |")
+             ""] + ab_table(rows)
     lines += ["", "off: im2col + SGEMM (dx as a convolution of dy for \"same\" padding, col2im otherwise); "
               "on: the implicit GEMM's forward and dw, and its dx from 32 output channels where the GEMM path "
               "would not take dx as a convolution of dy (csrc/implicit_gemm.h); the last row is a layer it does "

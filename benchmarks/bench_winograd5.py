@@ -19,12 +19,12 @@ lower (CFLAGS=-DDP_WL_F35_MIN_IN=1), which is how the limit was chosen.
 import argparse
 import datetime
 import os
-import statistics
 import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
+from bench_implicit_gemm import ab_layers, ab_table  # noqa: E402
 from bench_lenet_cpu import command_line, machine_info, publish  # noqa: E402
 
 SECTION_TITLE = "## Winograd F(3x3, 5x5) A/B (CPU, one core)"
@@ -44,38 +44,9 @@ GEOMETRIES = [
 def measure(args):
     core = sorted(os.sched_getaffinity(0))[0]
     os.sched_setaffinity(0, {core})
-    import numpy as np
     import dpcore as dp
-    rng = np.random.default_rng(0)
-    rows = []
-    for name, C, H, O, p in GEOMETRIES:
-        N = max(1, args.batch // 4) if "batch / 4" in name else args.batch
-        x = rng.standard_normal((N, C, H, H)).astype(np.float32)
-        w = (rng.standard_normal((O, C, 5, 5)) / np.sqrt(C * 25)).astype(np.float32)
-        b = rng.standard_normal(O).astype(np.float32)
-        OH = H + 2 * p - 4
-        dy = rng.standard_normal((N, O, OH, OH)).astype(np.float32)
-        times = {"0": ([], []), "1": ([], [])}
-        for r in range(args.rounds):
-            for arm in (("0", "1") if r % 2 == 0 else ("1", "0")):
-                os.environ["DPCORE_WINOGRAD"] = arm
-                dp.ops.conv2d(x, w, b, stride=1, padding=p)
-                dp.ops.conv2d_backward(x, w, dy, stride=1, padding=p)
-                t0 = time.process_time()
-                for _ in range(args.reps):
-                    dp.ops.conv2d(x, w, b, stride=1, padding=p)
-                t1 = time.process_time()
-                for _ in range(args.reps):
-                    dp.ops.conv2d_backward(x, w, dy, stride=1, padding=p)
-                t2 = time.process_time()
-                times[arm][0].append((t1 - t0) / args.reps)
-                times[arm][1].append((t2 - t1) / args.reps)
-        med = {arm: (statistics.median(f), statistics.median(bw)) for arm, (f, bw) in times.items()}
-        flops = 2.0 * N * O * C * 25 * OH * OH
-        rows.append((name, N, flops, med))
-        print(f"  {name}: forward {med['0'][0] * 1e3:.2f} -> {med['1'][0] * 1e3:.2f} ms, "
-              f"backward {med['0'][1] * 1e3:.2f} -> {med['1'][1] * 1e3:.2f} ms", file=sys.stderr, flush=True)
-    return core, dp.__version__, os.path.dirname(dp.__file__), rows
+    geometries = [(name, C, H, O, 5, 1, p) for name, C, H, O, p in GEOMETRIES]
+    return core, dp.__version__, ab_layers(geometries, "DPCORE_WINOGRAD", args.batch, args.rounds, args.reps)
 
 
 def main(argv=None):
@@ -87,7 +58,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
     load_before = os.getloadavg()[0]
     started = time.perf_counter()
-    core, version, where, rows = measure(args)
+    core, version, rows = measure(args)
     lines = [SECTION_TITLE, "",
              f"- date: {datetime.datetime.now(datetime.timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}",
              f"- machine: {machine_info()}; load average before / after: {load_before:.2f} / {os.getloadavg()[0]:.2f}",
@@ -98,15 +69,7 @@ def main(argv=None):
              f"{args.reps} backward calls (dx, dw, db) each after a warm-up, timed by the process's CPU time; "
              "median per call over the rounds; GFLOP/s = the forward pass's 2*N*O*C*KH*KW*OH*OW per second "
              "(Winograd's own multiplies are 4.6x fewer)",
-             "",
-             "| geometry | batch | forward off ms | forward on ms | forward off / on | forward GFLOP/s off / on "
-             "| backward off ms | backward on ms | backward off / on |",
-             "|---|---|---|---|---|---|---|---|---|"]
-    for name, N, flops, med in rows:
-        (f0, b0), (f1, b1) = med["0"], med["1"]
-        lines.append(f"| {name} | {N} | {f0 * 1e3:.2f} | {f1 * 1e3:.2f} | {f0 / f1:.2f}x | "
-                     f"{flops / f0 / 1e9:.0f} / {flops / f1 / 1e9:.0f} | {b0 * 1e3:.2f} | {b1 * 1e3:.2f} | "
-                     f"{b0 / b1:.2f}x |")
+             ""] + ab_table(rows)
     lines += ["", "off: the implicit GEMM (forward, dw; dx from 32 output channels) up to 64 output channels, "
               "im2col + SGEMM above; on: Winograd F(3x3, 5x5) (csrc/winograd_lanes.h) from 6 input channels. "
               "Rows marked below the limit run the same path in both arms in a default build."]

@@ -220,12 +220,6 @@ static const float F35_BT[7][7] = {
 #define WL_BT F35_BT
 #define WL_FN(name) f35_##name
 #include "winograd_lanes.inc"
-#undef WL_M
-#undef WL_R
-#undef WL_AT
-#undef WL_G
-#undef WL_BT
-#undef WL_FN
 
 /* ---- F(4x4, 3x3): scripts/winograd_matrices.py 4 3 (points 0, 1, -1, 2, -2
  * and infinity) -------------------------------------------------------------- */
@@ -256,12 +250,6 @@ static const float F43_BT[6][6] = {
 #define WL_BT F43_BT
 #define WL_FN(name) f43_##name
 #include "winograd_lanes.inc"
-#undef WL_M
-#undef WL_R
-#undef WL_AT
-#undef WL_G
-#undef WL_BT
-#undef WL_FN
 
 /* ---- the entry points ------------------------------------------------------ */
 

@@ -73,6 +73,24 @@ def make(N, C, H, W, O, K, stride, pad, seed):
     return x, w, b, dy
 
 
+U32 = 2.0 ** -24  # float32's unit roundoff
+
+
+def gamma(k):
+    """gamma_k = k u / (1 - k u): the bound on k rounding factors (1 + d_i), |d_i| <= u."""
+    return k * U32 / (1 - k * U32)
+
+
+def assert_within_bound(got, ref, S, k, what):
+    """|got - ref| <= gamma_k * S everywhere (S: the computation in absolute values)."""
+    bound = gamma(k) * S
+    excess = np.abs(got.astype(np.float64) - ref) - bound
+    if excess.size:
+        worst = np.unravel_index(np.argmax(excess), excess.shape)
+        assert excess.max() <= 0, (
+            f"{what}: |error| {abs(float(got[worst]) - ref[worst]):.3g} > bound {bound[worst]:.3g} at {worst}")
+
+
 def assert_empty_batch(C, H, O, K, pad):
     """An empty batch: y and dx empty, dw and db zero."""
     x, w, b, dy = make(0, C, H, H, O, K, 1, pad, seed=1)

@@ -33,14 +33,10 @@ import pytest
 import dpcore as dp
 from test_conv_cpu import assert_empty_batch, assert_lenet_one_and_two_replicas_agree
 from test_conv_cpu import check as within_the_suite_tolerances
-from test_conv_cpu import make, reference, windows
+from test_conv_cpu import assert_within_bound, make, reference, windows
 
 ops = dp.ops
-U32 = 2.0 ** -24
 
-
-def gamma(n):
-    return n * U32 / (1 - n * U32)
 
 
 def abs_sums(x, w, b, dy, stride, pad):
@@ -52,14 +48,6 @@ def abs_sums(x, w, b, dy, stride, pad):
     S_dw = np.einsum("nchwkl,nohw->ockl", cols, np.abs(dy.astype(np.float64)), optimize=True)
     return S_y, S_dw
 
-
-def assert_within_bound(got, ref, S, n, what):
-    bound = gamma(n) * S
-    excess = np.abs(got.astype(np.float64) - ref) - bound
-    if excess.size:
-        worst = np.unravel_index(np.argmax(excess), excess.shape)
-        assert excess.max() <= 0, (
-            f"{what}: |error| {abs(float(got[worst]) - ref[worst]):.3g} > bound {bound[worst]:.3g} at {worst}")
 
 
 @pytest.fixture

@@ -42,19 +42,15 @@ import pytest
 from numpy.lib.stride_tricks import sliding_window_view
 
 import dpcore as dp
-from test_conv_cpu import TOL_LONG, TOL_SHORT, assert_empty_batch, err, make, reference
+from test_conv_cpu import TOL_LONG, TOL_SHORT, assert_empty_batch, assert_within_bound, err, make, reference
 
 ops = dp.ops
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-U32 = 2.0 ** -24
 
 B_T = np.array([[1, 0, -1, 0], [0, 1, 1, 0], [0, -1, 1, 0], [0, 1, 0, -1]], dtype=np.float64)
 G = np.array([[1, 0, 0], [.5, .5, .5], [.5, -.5, .5], [0, 0, 1]], dtype=np.float64)
 A_T = np.array([[1, 1, 1, 0], [0, 1, -1, -1]], dtype=np.float64)
 
-
-def gamma(k):
-    return k * U32 / (1 - k * U32)
 
 
 def winograd_abs(x, w, b):
@@ -95,14 +91,6 @@ def flipped(w):
     """The filter of dx as a convolution of dy: wt[c, o] = w[o, c] rotated by 180 degrees."""
     return np.ascontiguousarray(w.transpose(1, 0, 2, 3)[:, :, ::-1, ::-1])
 
-
-def assert_within_bound(got, ref, S, k, what):
-    """|got - ref| <= gamma_k * S everywhere."""
-    bound = gamma(k) * S
-    excess = np.abs(got.astype(np.float64) - ref) - bound
-    worst = np.unravel_index(np.argmax(excess), excess.shape) if excess.size else None
-    assert excess.size == 0 or excess.max() <= 0, (
-        f"{what}: |error| {abs(float(got[worst]) - ref[worst]):.3g} > bound {bound[worst]:.3g} at {worst}")
 
 
 @pytest.fixture(autouse=True)

@@ -48,14 +48,13 @@ from numpy.lib.stride_tricks import sliding_window_view
 
 import dpcore as dp
 from test_conv_cpu import TOL_LONG, TOL_SHORT, assert_empty_batch, assert_lenet_one_and_two_replicas_agree
-from test_conv_cpu import err, make, reference
+from test_conv_cpu import assert_within_bound, err, make, reference
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 from winograd_matrices import transforms  # noqa: E402
 
 ops = dp.ops
-U32 = 2.0 ** -24
 # (m, r) -> (A^T, G, B^T) in float64
 MATS = {(m, r): tuple(np.array([[float(v) for v in row] for row in t]) for t in transforms(m, r))
         for m, r in [(3, 5), (4, 3)]}
@@ -80,9 +79,6 @@ def roundings(K, C, O, N, OH, OW):
     k_dw = 2 * rows(B_T) + 2 * cols(A_T) + 17 * chunks * T + chunks + 2 * (cols(G) + 1)
     return k_y, k_dx, k_dw
 
-
-def gamma(k):
-    return k * U32 / (1 - k * U32)
 
 
 @pytest.mark.parametrize("mr", sorted(MATS), ids=lambda mr: "F({0}x{0},{1}x{1})".format(*mr))
@@ -172,14 +168,6 @@ def abs_dw(x, dy, K, pad):
     dU = np.einsum("notsil,nctsil->ocil", dM, V, optimize=True)
     return np.einsum("ji,ocjk,kl->ocil", Ga, dU, Ga, optimize=True)
 
-
-def assert_within_bound(got, ref, S, k, what):
-    bound = gamma(k) * S
-    excess = np.abs(got.astype(np.float64) - ref) - bound
-    if excess.size:
-        worst = np.unravel_index(np.argmax(excess), excess.shape)
-        assert excess.max() <= 0, (
-            f"{what}: |error| {abs(float(got[worst]) - ref[worst]):.3g} > bound {bound[worst]:.3g} at {worst}")
 
 
 @pytest.fixture
