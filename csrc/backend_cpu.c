@@ -21,6 +21,7 @@
 
 #include "backend.h"
 #include "implicit_gemm.h"
+#include "small_gemm.h"
 #include "winograd.h"
 #include "winograd_lanes.h"
 
@@ -531,6 +532,8 @@ static dp_status cpu_conv2d_forward(dp_device *dev, const dp_conv_geom *g, int64
   const int64_t in_sz = (int64_t)g->C * g->H * g->W, out_sz = (int64_t)g->O * P;
   const conv_plan plan = conv_plan_make(g, N, dev->nthreads);
   const int64_t G = plan.G;
+  int own_gemm; /* the GEMM on csrc/small_gemm.h's kernel, else the BLAS */
+  DP_TRY(dp_small_gemm_on(&own_gemm));
   /* per thread: col (K, G*P), out (O, G*P), im2col's plane buffer */
   const int64_t per_thread = K * G * P + g->O * G * P + im2col_buffer_floats(g, G);
   float *scratch;
@@ -549,8 +552,11 @@ static dp_status cpu_conv2d_forward(dp_device *dev, const dp_conv_geom *g, int64
       im2col(g, x + n0 * in_sz, in_sz, cnt, col, ld, buf);
       /* out (O, cnt*P) = w (O, K) . col (K, cnt*P); a lone sample's out is its own y */
       float *res = cnt == 1 ? y + n0 * out_sz : out;
-      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, g->O, (int)ld, (int)K, 1.0f, w, (int)K, col, (int)ld,
-                  0.0f, res, (int)ld);
+      if (own_gemm)
+        dp_small_gemm_nn(g->O, ld, K, w, K, col, ld, res, ld);
+      else
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, g->O, (int)ld, (int)K, 1.0f, w, (int)K, col, (int)ld,
+                    0.0f, res, (int)ld);
       for (int64_t s = 0; s < cnt; ++s)
         for (int o = 0; o < g->O; ++o) {
           const float *src = res + o * ld + s * P;
@@ -632,7 +638,10 @@ static dp_status cpu_conv2d_backward(dp_device *dev, const dp_conv_geom *g, int6
   const int64_t buf_sz = as_conv && im2col_buffer_floats(&tg, G) > im2col_buffer_floats(g, G)
                              ? im2col_buffer_floats(&tg, G)
                              : im2col_buffer_floats(g, G);
-  const int64_t per_thread = acc_sz + col_sz + g->O * G * P + dcol_sz + buf_sz;
+  int own_gemm; /* the GEMMs on csrc/small_gemm.h's kernel (with a packing buffer a thread), else the BLAS */
+  DP_TRY(dp_small_gemm_on(&own_gemm));
+  const int64_t pack_sz = own_gemm ? DP_SMALL_GEMM_PACK_FLOATS : 0;
+  const int64_t per_thread = acc_sz + col_sz + g->O * G * P + dcol_sz + buf_sz + pack_sz;
   /* the transposed filter, (C, O*KH*KW), shared by the threads */
   const int64_t wt_sz = as_conv ? wsz : 0;
   float *scratch;
@@ -647,6 +656,7 @@ static dp_status cpu_conv2d_backward(dp_device *dev, const dp_conv_geom *g, int6
     float *dyg = col + col_sz;
     float *dcol = dyg + g->O * G * P;
     float *buf = dcol + dcol_sz;
+    float *pack = buf + buf_sz;
     const int64_t ngroups = conv_groups(&plan, N, t);
     /* the first group's GEMM overwrites the partial sums; with no group (an
      * empty batch) they are zero */
@@ -675,7 +685,9 @@ static dp_status cpu_conv2d_backward(dp_device *dev, const dp_conv_geom *g, int6
         dys = dyg;
       }
       /* pdw (O, K) (+)= dyg (O, cnt*P) . col^T (cnt*P, K) */
-      if (dw_here)
+      if (dw_here && own_gemm)
+        dp_small_gemm_nt(g->O, K, ld, dys, ld, col, ld, pdw, K, k > 0, pack);
+      else if (dw_here)
         cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, g->O, (int)K, (int)ld, 1.0f, dys, (int)ld, col, (int)ld,
                     k == 0 ? 0.0f : 1.0f, pdw, (int)K);
       for (int o = 0; dw_here && o < g->O; ++o) {
@@ -689,15 +701,21 @@ static dp_status cpu_conv2d_backward(dp_device *dev, const dp_conv_geom *g, int6
         /* dxg (C, cnt*H*W) = wt (C, O*KH*KW) . im2col(dy) (O*KH*KW, cnt*H*W) */
         const int64_t ldx = cnt * HW;
         im2col(&tg, dy + n0 * out_sz, out_sz, cnt, col, ldx, buf);
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, g->C, (int)ldx, (int)(g->O * KK), 1.0f, wt,
-                    (int)(g->O * KK), col, (int)ldx, 0.0f, cnt == 1 ? dx + n0 * in_sz : dcol, (int)ldx);
+        if (own_gemm)
+          dp_small_gemm_nn(g->C, ldx, g->O * KK, wt, g->O * KK, col, ldx, cnt == 1 ? dx + n0 * in_sz : dcol, ldx);
+        else
+          cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, g->C, (int)ldx, (int)(g->O * KK), 1.0f, wt,
+                      (int)(g->O * KK), col, (int)ldx, 0.0f, cnt == 1 ? dx + n0 * in_sz : dcol, (int)ldx);
         for (int64_t s = 0; cnt > 1 && s < cnt; ++s)
           for (int c = 0; c < g->C; ++c)
             memcpy(dx + (n0 + s) * in_sz + c * HW, dcol + c * ldx + s * HW, sizeof(float) * (size_t)HW);
       } else if (dx) {
         /* dcol (K, cnt*P) = w^T (K, O) . dyg (O, cnt*P) */
-        cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, (int)K, (int)ld, g->O, 1.0f, w, (int)K, dys, (int)ld,
-                    0.0f, dcol, (int)ld);
+        if (own_gemm)
+          dp_small_gemm_tn(K, ld, g->O, w, K, dys, ld, dcol, ld);
+        else
+          cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, (int)K, (int)ld, g->O, 1.0f, w, (int)K, dys, (int)ld,
+                      0.0f, dcol, (int)ld);
         for (int64_t s = 0; s < cnt; ++s) col2im(g, dcol + s * P, ld, dx + (n0 + s) * in_sz);
       }
     }

@@ -14,6 +14,7 @@
 
 #include "dist.h"
 #include "dp_limits.h"
+#include "small_gemm.h"
 #include "dp_build_config.h"
 #ifdef DP_HAVE_CUDA
 #include "dp_cuda.h"
@@ -420,11 +421,12 @@ static PyObject *mod_runtime_info(PyObject *m, PyObject *unused) {
 #endif
   PyObject *gpus = runtime_gpus(count);
   if (!gpus) return NULL;
-  return Py_BuildValue("{s:i,s:s,s:N,s:i,s:i,s:i,s:i,s:s,s:n,s:s,s:i}", "cuda_device_count", count, "cuda_why", why,
+  return Py_BuildValue("{s:i,s:s,s:N,s:i,s:i,s:i,s:i,s:s,s:n,s:s,s:i,s:s}", "cuda_device_count", count, "cuda_why", why,
                        "cuda_devices", gpus, "cuda_runtime_version", rt, "cuda_driver_version", drv, "cpu_cores",
                        dp_cpu_core_count(), "openmp", (int)_OPENMP, "blas_config", openblas_get_config(),
                        "cudnn_version", (Py_ssize_t)dp_cudnn_version(), "mpi_library", dp_dist_library_version(),
-                       "mpi_cuda_aware", dp_dist_cuda_aware());
+                       "mpi_cuda_aware", dp_dist_cuda_aware(), "cpu_gemm",
+                       dp_small_gemm_built() ? "dpcore AVX-512 8x32 (DPCORE_OWN_GEMM=0: the BLAS)" : "the BLAS");
 }
 
 /* backend_null_entries(name) -> [names of the entries the backend table leaves NULL];

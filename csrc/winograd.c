@@ -22,6 +22,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "small_gemm.h"
 #include "winograd.h"
 
 /* On or off when DPCORE_WINOGRAD is unset: the whole ResNet-18 training step's
@@ -36,8 +37,13 @@
  * (backend_cpu.c's CONV_NARROW rule). */
 #define WINO_NARROW 64
 /* Narrow planes and dw: V and M (or W) of a chunk of samples at most this many
- * floats (32 MiB; at least one sample). */
-#define WINO_CHUNK_FLOATS ((int64_t)1 << 23)
+ * floats (8 MiB; at least one sample). With dpcore's own GEMM kernel
+ * (small_gemm.h) 8 MiB measured 4-6% faster than 32 MiB on the backward pass
+ * of each ResNet-18 stage (batch 32, 2 threads): dw's transposed packing
+ * reads V back sooner. A build may set it (CFLAGS=-DWINO_CHUNK_FLOATS=...). */
+#ifndef WINO_CHUNK_FLOATS
+#define WINO_CHUNK_FLOATS ((int64_t)1 << 21)
+#endif
 /* The 16 matrices of U, V and M lie WINO_SKEW floats (64 bytes) further apart
  * than their sizes: at a power-of-two distance (64 or 512 channels, 128 tile
  * columns) the transforms' 16 streams fell in the same cache sets (that, with the
@@ -50,6 +56,15 @@
  * transform, the tile-at-a-time ones (measured faster there: 14x14 and
  * smaller, and dw's chunked V). */
 #define WINO_ROW_MIN 16
+/* The tile loops below write 16 streams a stride apart (never overlapping
+ * within a row of tiles, nor the rows they read): GCC 12 vectorizes them only
+ * when told there is no dependence between iterations (without it: "no
+ * vectype", or alias checks past its limit). */
+#if defined(__GNUC__) && !defined(__clang__)
+#define DP_IVDEP _Pragma("GCC ivdep")
+#else
+#define DP_IVDEP
+#endif
 
 dp_status dp_winograd_takes(const dp_conv_geom *g, int *takes) {
   *takes = 0;
@@ -79,8 +94,10 @@ typedef struct wino_plan {
   int nt;              /* threads */
   int64_t shared;      /* floats of a chunk's V and M (narrow) or V and W (dw), shared by the threads */
   int64_t own;         /* floats of one sample's V and M (wide), a thread's own */
+  int own_gemm;        /* the products on small_gemm.h's kernel (else the BLAS) */
   int64_t per_thread;  /* floats a thread has alone: V and M (wide), the plane (input_plane's 4 rows, or
-                          input_plane_bordered's zero-bordered plane); a multiple of 16 (64 bytes) */
+                          input_plane_bordered's zero-bordered plane), then wp zeros (dw's dy_plane); a
+                          multiple of 16 (64 bytes) */
 } wino_plan;
 
 static wino_plan wino_plan_make(int cin, int cout, int h, int w, int64_t N, int nthreads) {
@@ -102,7 +119,8 @@ static wino_plan wino_plan_make(int cin, int cout, int h, int w, int64_t N, int 
   if (p.chunk > N) p.chunk = N < 1 ? 1 : N;
   p.shared = p.chunk * per_sample + 32 * WINO_SKEW;
   p.own = per_sample + 32 * WINO_SKEW;
-  p.per_thread = ((p.narrow ? 0 : p.own) + (int64_t)p.hp * p.wp + 15) & ~(int64_t)15;
+  p.per_thread = ((p.narrow ? 0 : p.own) + (int64_t)p.hp * p.wp + p.wp + 15) & ~(int64_t)15;
+  p.own_gemm = 0;
   return p;
 }
 
@@ -110,7 +128,9 @@ size_t dp_winograd_scratch_floats(const dp_conv_geom *g, int64_t N, int nthreads
   if (N <= 0) return 0;
   /* forward: C -> O; dx: O -> C; V + M hold 16*(C+O) floats a column either way */
   const wino_plan p = wino_plan_make(g->C, g->O, g->OH, g->OW, N, nthreads);
-  return (size_t)(16 * ((int64_t)g->C * g->O + WINO_SKEW) + p.shared + p.nt * p.per_thread);
+  /* and dw's packing buffers for small_gemm.h's NT product, one a thread */
+  return (size_t)(16 * ((int64_t)g->C * g->O + WINO_SKEW) + p.shared +
+                  p.nt * (p.per_thread + DP_SMALL_GEMM_PACK_FLOATS));
 }
 
 /* u (16) = G g G^T of the 3x3 filter g (row stride 3). */
@@ -232,6 +252,7 @@ static void input_plane_bordered(const wino_plan *p, const float *src, float *pl
   for (int ti = 0; ti < p->th; ++ti) {
     const float *r0 = plane + (int64_t)2 * ti * p->wp, *r1 = r0 + p->wp, *r2 = r1 + p->wp, *r3 = r2 + p->wp;
     float *vt = v + (int64_t)ti * p->tw;
+    DP_IVDEP
     for (int tj = 0; tj < p->tw; ++tj) {
       const int j = 2 * tj;
       float t[4][4]; /* B^T d: the rows combined */
@@ -329,6 +350,11 @@ static void output_plane(const wino_plan *p, const float *m, int64_t mstride, fl
 /* M_xi (cout, cols) = U_xi (cout, cin) . V_xi (cin, cols); the matrices xi
  * at U + xi*(cout*cin + WINO_SKEW), V + xi*(cin*cols + WINO_SKEW), M + xi*(cout*cols + WINO_SKEW) */
 static void wino_gemm(const wino_plan *p, int xi, const float *U, const float *V, float *M, int64_t cols) {
+  if (p->own_gemm) {
+    dp_small_gemm_nn(p->cout, cols, p->cin, U + xi * ((int64_t)p->cout * p->cin + WINO_SKEW), p->cin,
+                     V + xi * (p->cin * cols + WINO_SKEW), cols, M + xi * (p->cout * cols + WINO_SKEW), cols);
+    return;
+  }
   cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, p->cout, (int)cols, p->cin, 1.0f,
               U + xi * ((int64_t)p->cout * p->cin + WINO_SKEW), p->cin, V + xi * (p->cin * cols + WINO_SKEW),
               (int)cols, 0.0f, M + xi * (p->cout * cols + WINO_SKEW), (int)cols);
@@ -389,32 +415,40 @@ static void wino_conv(const wino_plan *p, int64_t N, const float *in, const floa
   }
 }
 
+/* The 16 entries of A dY A^T for the tiles [0, n) of a tile row, dY's rows
+ * r0 and r1 (tile tj: columns 2tj, 2tj + 1), entry xi at wt[xi*ws + tj];
+ * one tile per iteration, 16 streams: vectorized across tiles. */
+static void dy_cols(const float *restrict r0, const float *restrict r1, int n, float *restrict wt, int64_t ws) {
+  DP_IVDEP
+  for (int tj = 0; tj < n; ++tj) {
+    const float a = r0[2 * tj], b = r0[2 * tj + 1], c = r1[2 * tj], d = r1[2 * tj + 1];
+    /* A dY (4x2): rows (a, b), (a + c, b + d), (a - c, b - d), (-c, -d); then . A^T per row */
+    const float t0[4] = {a, a + c, a - c, -c}, t1[4] = {b, b + d, b - d, -d};
+    for (int i = 0; i < 4; ++i) {
+      wt[(4 * i + 0) * ws + tj] = t0[i];
+      wt[(4 * i + 1) * ws + tj] = t0[i] + t1[i];
+      wt[(4 * i + 2) * ws + tj] = t0[i] - t1[i];
+      wt[(4 * i + 3) * ws + tj] = -t1[i];
+    }
+  }
+}
+
 /* w[xi*wstride + tile] = (A dY A^T)[xi] for every 2x2 block dY of one (h, w)
  * plane of dy, zero past the plane's edge (the forward pass dropped those
- * outputs): the gradient of the tile's M given its outputs' gradients. */
-static void dy_plane(const wino_plan *p, const float *src, float *wv, int64_t wstride) {
-  for (int ti = 0; ti < p->th; ++ti)
-    for (int tj = 0; tj < p->tw; ++tj) {
-      const int i0 = 2 * ti, j0 = 2 * tj;
-      float d[2][2];
-      for (int a = 0; a < 2; ++a)
-        for (int c = 0; c < 2; ++c)
-          d[a][c] = i0 + a < p->h && j0 + c < p->w ? src[(int64_t)(i0 + a) * p->w + j0 + c] : 0.0f;
-      float t[4][2]; /* A dY, A = A^T transposed */
-      for (int c = 0; c < 2; ++c) {
-        t[0][c] = d[0][c];
-        t[1][c] = d[0][c] + d[1][c];
-        t[2][c] = d[0][c] - d[1][c];
-        t[3][c] = -d[1][c];
-      }
-      float *wt = wv + (int64_t)ti * p->tw + tj;
-      for (int i = 0; i < 4; ++i) {
-        wt[(4 * i + 0) * wstride] = t[i][0];
-        wt[(4 * i + 1) * wstride] = t[i][0] + t[i][1];
-        wt[(4 * i + 2) * wstride] = t[i][0] - t[i][1];
-        wt[(4 * i + 3) * wstride] = -t[i][1];
-      }
+ * outputs): the gradient of the tile's M given its outputs' gradients. zrow:
+ * w zeros (a last tile row's second row when h is odd). */
+static void dy_plane(const wino_plan *p, const float *src, const float *zrow, float *wv, int64_t wstride) {
+  const int full = p->w / 2; /* tile columns with both columns inside */
+  for (int ti = 0; ti < p->th; ++ti) {
+    const float *r0 = src + (int64_t)2 * ti * p->w;
+    const float *r1 = 2 * ti + 1 < p->h ? r0 + p->w : zrow;
+    float *wt = wv + (int64_t)ti * p->tw;
+    dy_cols(r0, r1, full, wt, wstride);
+    if (full < p->tw) { /* odd w: the last tile's second column is outside */
+      const float e0[2] = {r0[2 * full], 0.0f}, e1[2] = {r1[2 * full], 0.0f};
+      dy_cols(e0, e1, 1, wt + full, wstride);
     }
+  }
 }
 
 /* dw (O, C, 3, 3) = G^T dU G of each (o, c), dU (16, O, C) at dU + xi * ustride.
@@ -441,7 +475,8 @@ static void filter_gradient(const float *dU, int64_t ustride, int64_t pairs, flo
 dp_status dp_winograd_forward(const dp_conv_geom *g, int64_t N, const float *x, const float *w, const float *b,
                               float *y, int nthreads, float *scratch) {
   if (N <= 0) return DP_OK;
-  const wino_plan p = wino_plan_make(g->C, g->O, g->OH, g->OW, N, nthreads);
+  wino_plan p = wino_plan_make(g->C, g->O, g->OH, g->OW, N, nthreads);
+  DP_TRY(dp_small_gemm_on(&p.own_gemm));
   wino_conv(&p, N, x, w, 0, b, y, scratch);
   return DP_OK;
 }
@@ -449,7 +484,8 @@ dp_status dp_winograd_forward(const dp_conv_geom *g, int64_t N, const float *x, 
 dp_status dp_winograd_backward_dx(const dp_conv_geom *g, int64_t N, const float *w, const float *dy, float *dx,
                                   int nthreads, float *scratch) {
   if (N <= 0) return DP_OK;
-  const wino_plan p = wino_plan_make(g->O, g->C, g->OH, g->OW, N, nthreads);
+  wino_plan p = wino_plan_make(g->O, g->C, g->OH, g->OW, N, nthreads);
+  DP_TRY(dp_small_gemm_on(&p.own_gemm));
   wino_conv(&p, N, dy, w, 1, NULL, dx, scratch);
   return DP_OK;
 }
@@ -462,17 +498,19 @@ dp_status dp_winograd_backward_dw(const dp_conv_geom *g, int64_t N, const float 
     if (db) memset(db, 0, sizeof(float) * (size_t)g->O);
     return DP_OK;
   }
-  const wino_plan pl = wino_plan_make(g->C, g->O, g->OH, g->OW, N, nthreads);
+  wino_plan pl = wino_plan_make(g->C, g->O, g->OH, g->OW, N, nthreads);
+  DP_TRY(dp_small_gemm_on(&pl.own_gemm));
   const wino_plan *p = &pl;
   const int64_t hw = (int64_t)p->h * p->w, in_sz = p->cin * hw, out_sz = p->cout * hw;
   const int64_t ustride = pairs + WINO_SKEW;
-  float *dU = scratch, *V = dU + 16 * ustride, *own = V + p->shared;
+  float *dU = scratch, *V = dU + 16 * ustride, *own = V + p->shared, *packs = own + p->nt * p->per_thread;
   const int64_t nchunks = (N + p->chunk - 1) / p->chunk;
 #pragma omp parallel num_threads(p->nt)
   {
     float *mine = own + omp_get_thread_num() * p->per_thread;
-    float *plane = mine + (p->narrow ? 0 : p->own);
-    memset(plane, 0, sizeof(float) * (size_t)p->hp * (size_t)p->wp);
+    float *plane = mine + (p->narrow ? 0 : p->own), *pack = packs + omp_get_thread_num() * DP_SMALL_GEMM_PACK_FLOATS;
+    memset(plane, 0, sizeof(float) * (size_t)(p->hp * p->wp + p->wp)); /* the plane's border, and zrow */
+    const float *zrow = plane + (int64_t)p->hp * p->wp;
     for (int64_t k = 0; k < nchunks; ++k) {
       const int64_t n0 = N * k / nchunks, cnt = N * (k + 1) / nchunks - n0, cols = cnt * p->tiles;
       const int64_t vstride = p->cin * cols + WINO_SKEW, wstride = p->cout * cols + WINO_SKEW;
@@ -485,12 +523,16 @@ dp_status dp_winograd_backward_dw(const dp_conv_geom *g, int64_t N, const float 
 #pragma omp for schedule(static)
       for (int64_t os = 0; os < p->cout * cnt; ++os) {
         const int64_t o = os / cnt, s = os % cnt;
-        dy_plane(p, dy + (n0 + s) * out_sz + o * hw, W + o * cols + s * p->tiles, wstride);
+        dy_plane(p, dy + (n0 + s) * out_sz + o * hw, zrow, W + o * cols + s * p->tiles, wstride);
       }
       /* dU_xi (O, C) (+)= W_xi (O, cols) . V_xi^T (cols, C): the chunks in order, whatever the threads */
 #pragma omp for schedule(static)
       for (int xi = 0; xi < 16; ++xi)
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, p->cout, p->cin, (int)cols, 1.0f, W + xi * wstride,
+        if (p->own_gemm)
+          dp_small_gemm_nt(p->cout, p->cin, cols, W + xi * wstride, cols, V + xi * vstride, cols, dU + xi * ustride,
+                           p->cin, k > 0, pack);
+        else
+          cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, p->cout, p->cin, (int)cols, 1.0f, W + xi * wstride,
                     (int)cols, V + xi * vstride, (int)cols, k == 0 ? 0.0f : 1.0f, dU + xi * ustride, p->cin);
     }
     filter_gradient(dU, ustride, pairs, dw);

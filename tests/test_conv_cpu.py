@@ -91,6 +91,16 @@ def assert_within_bound(got, ref, S, k, what):
             f"{what}: |error| {abs(float(got[worst]) - ref[worst]):.3g} > bound {bound[worst]:.3g} at {worst}")
 
 
+def assert_switch_rejects(monkeypatch, name, value, N, C, H, O, K, stride, pad):
+    """name=value (not "0", "1" or unset): conv2d and conv2d_backward raise a ValueError naming it."""
+    monkeypatch.setenv(name, value)
+    x, w, b, dy = make(N, C, H, H, O, K, stride, pad, seed=1)
+    with pytest.raises(ValueError, match=name):
+        ops.conv2d(x, w, b, stride=stride, padding=pad)
+    with pytest.raises(ValueError, match=name):
+        ops.conv2d_backward(x, w, dy, stride=stride, padding=pad)
+
+
 def assert_empty_batch(C, H, O, K, pad):
     """An empty batch: y and dx empty, dw and db zero."""
     x, w, b, dy = make(0, C, H, H, O, K, 1, pad, seed=1)

@@ -123,8 +123,10 @@ def test_the_switch_reaches_the_kernel(monkeypatch):
     """On: other bits than im2col + SGEMM for y, dx and dw (another summation
     order), so the tests above did test the implicit GEMM; dx the GEMM path's
     below 32 output channels and for "same" padding; more than 64 output
-    channels, the GEMM path's everywhere."""
+    channels, the GEMM path's everywhere. The GEMM path on the BLAS: dpcore's
+    own GEMM kernel (csrc/small_gemm.h) sums in the implicit GEMM's order (next test)."""
     monkeypatch.setenv("DPCORE_WINOGRAD", "0")
+    monkeypatch.setenv("DPCORE_OWN_GEMM", "0")
     (y0, dx0, dw0, _), (y1, dx1, dw1, _) = runs_both(monkeypatch, (4, 20, 13, 13, 50, 5, 1, 0))
     assert not np.array_equal(y0, y1) and not np.array_equal(dx0, dx1) and not np.array_equal(dw0, dw1)
     for case in [(4, 6, 14, 14, 16, 5, 1, 0), (3, 32, 10, 10, 32, 3, 1, 1)]:   # dx on the GEMM path
@@ -134,6 +136,20 @@ def test_the_switch_reaches_the_kernel(monkeypatch):
     off, on = runs_both(monkeypatch, (2, 20, 9, 9, 72, 3, 1, 0))   # 72 output channels: the GEMM path
     for a, c in zip(off, on):
         np.testing.assert_array_equal(a, c)
+
+
+@pytest.mark.skipif("AVX-512" not in dp.build_info()["cpu_gemm"],
+                    reason="this build has no dpcore GEMM kernel (no AVX-512): the BLAS's GEMM, in its own order")
+def test_the_implicit_gemm_and_dpcores_gemm_kernel_give_the_same_bits(monkeypatch):
+    """Two independent codings of one sum: the implicit GEMM (offset tables, the
+    6x16 kernel) and im2col + dpcore's 8x32 GEMM kernel both compute each output
+    as one chain of fused multiply-adds over the taps (c, ki, kj) in order, from
+    zero, then add the bias: the forward passes agree to the bit."""
+    monkeypatch.setenv("DPCORE_WINOGRAD", "0")
+    monkeypatch.setenv("DPCORE_OWN_GEMM", "1")
+    for case in [(4, 20, 13, 13, 50, 5, 1, 0), (3, 7, 11, 9, 19, 3, 2, 1)]:
+        (y0, _, _, _), (y1, _, _, _) = runs_both(monkeypatch, case)
+        np.testing.assert_array_equal(y0, y1)
 
 
 def test_a_bad_switch_value_is_an_error(monkeypatch):

@@ -140,7 +140,7 @@ ODD_CASES = [              # at least 64 channels in and out (DP_WINOGRAD_MIN_CH
     (2, 64, 17, 19, 64),     # rows of at least 16 (read straight from the input), odd sides: edge tiles
     (2, 64, 1, 1, 64),       # a 1x1 plane: one tile, three quarters discarded
     (9, 96, 2, 2, 64),       # 2x2 planes (ResNet-18's last stage at 16x16 inputs)
-    (5, 64, 64, 64, 64),     # dw over two chunks of samples (4 fit in WINO_CHUNK_FLOATS), summed by the GEMMs' beta
+    (5, 64, 64, 64, 64),     # dw over five chunks of one sample (WINO_CHUNK_FLOATS), summed on in the GEMM
 ]
 
 

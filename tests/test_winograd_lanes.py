@@ -48,7 +48,7 @@ from numpy.lib.stride_tricks import sliding_window_view
 
 import dpcore as dp
 from test_conv_cpu import TOL_LONG, TOL_SHORT, assert_empty_batch, assert_lenet_one_and_two_replicas_agree
-from test_conv_cpu import assert_within_bound, err, make, reference
+from test_conv_cpu import assert_switch_rejects, assert_within_bound, err, make, reference
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
@@ -273,12 +273,7 @@ def test_the_switch_reaches_the_kernel_and_lenet_takes_it_by_default(monkeypatch
 
 
 def test_a_bad_switch_value_is_an_error(monkeypatch):
-    monkeypatch.setenv("DPCORE_WINOGRAD", "fast")
-    x, w, b, dy = make(1, 20, 13, 13, 50, 5, 1, 0, seed=1)
-    with pytest.raises(ValueError, match="DPCORE_WINOGRAD"):
-        ops.conv2d(x, w, b, stride=1, padding=0)
-    with pytest.raises(ValueError, match="DPCORE_WINOGRAD"):
-        ops.conv2d_backward(x, w, dy, stride=1, padding=0)
+    assert_switch_rejects(monkeypatch, "DPCORE_WINOGRAD", "fast", 1, 20, 13, 50, 5, 1, 0)
 
 
 def test_the_f43_switch(monkeypatch):

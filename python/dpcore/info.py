@@ -20,7 +20,9 @@ def build_info():
     with DPCORE_SANITIZE=1, else ``[]``), ``openmp``, ``cpu_cores``, ``cuda_device_count``,
     ``cuda_devices`` (each physical GPU's name, memory_bytes and
     compute_capability), ``cuda_why`` (why no CUDA device is usable, e.g. no
-    driver), and ``summary``, a one-line dict for logs.
+    driver), ``cpu_gemm`` (whose kernel runs the CPU convolutions' GEMMs:
+    dpcore's own AVX-512 one where the build targets AVX-512, else the BLAS),
+    and ``summary``, a one-line dict for logs.
     """
     info = dict(build_flags())
     info.update(_core.runtime_info())

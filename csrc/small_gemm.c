@@ -1,0 +1,259 @@
+/* small_gemm.c — see small_gemm.h.
+ *
+ * The 8 x 32 micro-kernel: for k in order, two vector loads of B's row k
+ * (32 columns) and eight broadcasts of A's column k, sixteen fused
+ * multiply-adds into sixteen accumulators (a fused multiply-add's latency
+ * times the two ports asks for at least eight independent ones). A panel
+ * narrower than 32 columns loads and stores under masks (no edge copies).
+ * The loops: the 32-column panels outside, the 8-row blocks inside, so that a
+ * panel of B (K x 32 floats: 8 KiB at K = 64, 64 KiB at 512) stays in the
+ * cache while all of A's rows pass over it.
+ */
+#include "small_gemm.h"
+
+#include <string.h>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+#define DP_SG_DEFAULT 1
+#define MR 8
+#define NR 32
+/* the NT product's K block: a packed panel of NR x KC floats (64 KiB) */
+#define KC (DP_SMALL_GEMM_PACK_FLOATS / NR)
+
+int dp_small_gemm_built(void) { return 1; }
+
+dp_status dp_small_gemm_on(int *on) {
+  DP_TRY(dp_env_switch("DPCORE_OWN_GEMM", DP_SG_DEFAULT, on));
+  return DP_OK;
+}
+
+/* A's element (row r, k) is a[r * rs + k * ks]: rs = lda and ks = 1 for A
+ * as stored (NN), rs = 1 and ks = lda for A stored transposed (TN); each
+ * caller passes one of them as a constant (the function is inlined). */
+#define ROW_FMA(r)                                        \
+  do {                                                    \
+    const __m512 s = _mm512_set1_ps(ak[(r) * rs]);        \
+    c##r##0 = _mm512_fmadd_ps(s, b0, c##r##0);            \
+    c##r##1 = _mm512_fmadd_ps(s, b1, c##r##1);            \
+  } while (0)
+#define ROW_INIT(r)                                                                      \
+  do {                                                                                   \
+    c##r##0 = acc ? _mm512_maskz_loadu_ps(m0, C + (r) * ldc) : _mm512_setzero_ps();      \
+    c##r##1 = acc ? _mm512_maskz_loadu_ps(m1, C + (r) * ldc + 16) : _mm512_setzero_ps(); \
+  } while (0)
+#define ROW_STORE(r)                                       \
+  do {                                                     \
+    _mm512_mask_storeu_ps(C + (r) * ldc, m0, c##r##0);      \
+    _mm512_mask_storeu_ps(C + (r) * ldc + 16, m1, c##r##1); \
+  } while (0)
+
+/* C[0..8)[cols of m0, m1] (+)= A[0..8)[0..K) . B[0..K)[cols]; acc: start
+ * from C's values (the sum goes on in k order), else from zero */
+static inline __attribute__((always_inline)) void mk8x32(int64_t K, const float *A, int64_t rs, int64_t ks,
+                                                         const float *B, int64_t ldb, float *C, int64_t ldc,
+                                                         __mmask16 m0, __mmask16 m1, int acc) {
+  __m512 c00, c01, c10, c11, c20, c21, c30, c31, c40, c41, c50, c51, c60, c61, c70, c71;
+  ROW_INIT(0);
+  ROW_INIT(1);
+  ROW_INIT(2);
+  ROW_INIT(3);
+  ROW_INIT(4);
+  ROW_INIT(5);
+  ROW_INIT(6);
+  ROW_INIT(7);
+  for (int64_t k = 0; k < K; ++k) {
+    const float *bk = B + k * ldb, *ak = A + k * ks;
+    const __m512 b0 = _mm512_maskz_loadu_ps(m0, bk), b1 = _mm512_maskz_loadu_ps(m1, bk + 16);
+    ROW_FMA(0);
+    ROW_FMA(1);
+    ROW_FMA(2);
+    ROW_FMA(3);
+    ROW_FMA(4);
+    ROW_FMA(5);
+    ROW_FMA(6);
+    ROW_FMA(7);
+  }
+  ROW_STORE(0);
+  ROW_STORE(1);
+  ROW_STORE(2);
+  ROW_STORE(3);
+  ROW_STORE(4);
+  ROW_STORE(5);
+  ROW_STORE(6);
+  ROW_STORE(7);
+}
+
+/* one row (M's last M % 8): A's row at A, its k-th element at A[k * ks] */
+static inline void mk1x32(int64_t K, const float *A, int64_t ks, const float *B, int64_t ldb, float *C,
+                          __mmask16 m0, __mmask16 m1, int acc) {
+  __m512 c0 = acc ? _mm512_maskz_loadu_ps(m0, C) : _mm512_setzero_ps();
+  __m512 c1 = acc ? _mm512_maskz_loadu_ps(m1, C + 16) : _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    const __m512 s = _mm512_set1_ps(A[k * ks]);
+    c0 = _mm512_fmadd_ps(s, _mm512_maskz_loadu_ps(m0, B + k * ldb), c0);
+    c1 = _mm512_fmadd_ps(s, _mm512_maskz_loadu_ps(m1, B + k * ldb + 16), c1);
+  }
+  _mm512_mask_storeu_ps(C, m0, c0);
+  _mm512_mask_storeu_ps(C + 16, m1, c1);
+}
+
+static inline __mmask16 lanes_mask(int64_t n) {
+  return n >= 16 ? (__mmask16)0xFFFF : n <= 0 ? (__mmask16)0 : (__mmask16)((1u << n) - 1u);
+}
+
+/* rows [0, M) of C against one panel of nj <= 32 columns; A's element (r, k)
+ * at A[r * rs + k * ks] (one of rs, ks is 1) */
+static inline __attribute__((always_inline)) void panel(int64_t M, int64_t nj, int64_t K, const float *A, int64_t rs,
+                                                        int64_t ks, const float *B, int64_t ldb, float *C,
+                                                        int64_t ldc, int acc) {
+  int64_t i = 0;
+  if (nj == NR) { /* the common case: constant masks, plain loads and stores */
+    for (; i + MR <= M; i += MR) mk8x32(K, A + i * rs, rs, ks, B, ldb, C + i * ldc, ldc, 0xFFFF, 0xFFFF, acc);
+  } else {
+    const __mmask16 m0 = lanes_mask(nj), m1 = lanes_mask(nj - 16);
+    for (; i + MR <= M; i += MR) mk8x32(K, A + i * rs, rs, ks, B, ldb, C + i * ldc, ldc, m0, m1, acc);
+  }
+  const __mmask16 m0 = lanes_mask(nj), m1 = lanes_mask(nj - 16);
+  for (; i < M; ++i) mk1x32(K, A + i * rs, ks, B, ldb, C + i * ldc, m0, m1, acc);
+}
+
+/* blocks of KB k by MB rows: A's block (128 KiB) in the L2 cache, B's
+ * panel (KB x 32: 32 KiB) in the L1 while the block's rows pass over it */
+#define KB 256
+#define MB 128
+
+static void drive_nn(int64_t M, int64_t N, int64_t K, const float *A, int64_t lda, const float *B, int64_t ldb,
+                     float *C, int64_t ldc, int acc) {
+  for (int64_t k0 = 0; k0 < K; k0 += KB) {
+    const int64_t kc = K - k0 < KB ? K - k0 : KB;
+    for (int64_t i0 = 0; i0 < M; i0 += MB) {
+      const int64_t mc = M - i0 < MB ? M - i0 : MB;
+      for (int64_t j = 0; j < N; j += NR)
+        panel(mc, N - j < NR ? N - j : NR, kc, A + i0 * lda + k0, lda, 1, B + k0 * ldb + j, ldb, C + i0 * ldc + j,
+              ldc, acc || k0 > 0);
+    }
+  }
+}
+
+static void drive_tn(int64_t M, int64_t N, int64_t K, const float *A, int64_t lda, const float *B, int64_t ldb,
+                     float *C, int64_t ldc) {
+  for (int64_t k0 = 0; k0 < K; k0 += KB) {
+    const int64_t kc = K - k0 < KB ? K - k0 : KB;
+    for (int64_t i0 = 0; i0 < M; i0 += MB) {
+      const int64_t mc = M - i0 < MB ? M - i0 : MB;
+      for (int64_t j = 0; j < N; j += NR)
+        panel(mc, N - j < NR ? N - j : NR, kc, A + k0 * lda + i0, 1, lda, B + k0 * ldb + j, ldb, C + i0 * ldc + j,
+              ldc, k0 > 0);
+    }
+  }
+}
+
+static void zero_rows(int64_t M, int64_t N, float *C, int64_t ldc) {
+  for (int64_t i = 0; i < M; ++i) memset(C + i * ldc, 0, sizeof(float) * (size_t)N);
+}
+
+void dp_small_gemm_nn(int64_t M, int64_t N, int64_t K, const float *A, int64_t lda, const float *B, int64_t ldb,
+                      float *C, int64_t ldc) {
+  if (K <= 0) {
+    zero_rows(M, N, C, ldc);
+    return;
+  }
+  drive_nn(M, N, K, A, lda, B, ldb, C, ldc, 0);
+}
+
+void dp_small_gemm_tn(int64_t M, int64_t N, int64_t K, const float *A, int64_t lda, const float *B, int64_t ldb,
+                      float *C, int64_t ldc) {
+  if (K <= 0) {
+    zero_rows(M, N, C, ldc);
+    return;
+  }
+  drive_tn(M, N, K, A, lda, B, ldb, C, ldc);
+}
+
+/* out[k * 16 + r] = rows[r][k], r, k < 16 (rows[r] = src + r * ld): a
+ * 16 x 16 transpose in registers (pairs unpacked, then 4-float and 128-bit
+ * blocks shuffled) */
+static inline void transpose16(const float *src, int64_t ld, float *out, int64_t out_ld) {
+  __m512 r[16], a[16], b[16];
+  for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(src + i * ld);
+  for (int i = 0; i < 8; ++i) { /* lane L: rows 2i, 2i+1 at columns 4L..4L+1 (lo), 4L+2..4L+3 (hi) */
+    a[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    a[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  for (int g = 0; g < 4; ++g) { /* b[4g + q], lane L: column 4L + q of rows 4g..4g+3 */
+    b[4 * g + 0] = _mm512_shuffle_ps(a[4 * g], a[4 * g + 2], 0x44);
+    b[4 * g + 1] = _mm512_shuffle_ps(a[4 * g], a[4 * g + 2], 0xEE);
+    b[4 * g + 2] = _mm512_shuffle_ps(a[4 * g + 1], a[4 * g + 3], 0x44);
+    b[4 * g + 3] = _mm512_shuffle_ps(a[4 * g + 1], a[4 * g + 3], 0xEE);
+  }
+  for (int q = 0; q < 4; ++q) { /* column 4L + q: lane L of b[q], b[4 + q], b[8 + q], b[12 + q] */
+    const __m512 c0 = _mm512_shuffle_f32x4(b[q], b[4 + q], 0x88), c1 = _mm512_shuffle_f32x4(b[q], b[4 + q], 0xDD);
+    const __m512 c2 = _mm512_shuffle_f32x4(b[8 + q], b[12 + q], 0x88);
+    const __m512 c3 = _mm512_shuffle_f32x4(b[8 + q], b[12 + q], 0xDD);
+    _mm512_storeu_ps(out + (0 + q) * out_ld, _mm512_shuffle_f32x4(c0, c2, 0x88));
+    _mm512_storeu_ps(out + (8 + q) * out_ld, _mm512_shuffle_f32x4(c0, c2, 0xDD));
+    _mm512_storeu_ps(out + (4 + q) * out_ld, _mm512_shuffle_f32x4(c1, c3, 0x88));
+    _mm512_storeu_ps(out + (12 + q) * out_ld, _mm512_shuffle_f32x4(c1, c3, 0xDD));
+  }
+}
+
+/* pack[k * 32 + jj] = B[jj * ldb + k], jj < nj, k < kc: 16 x 16 blocks in
+ * registers, the edges one float at a time */
+static void pack_transposed(const float *B, int64_t ldb, int64_t nj, int64_t kc, float *pack) {
+  const int64_t kfull = kc & ~(int64_t)15, jfull = nj & ~(int64_t)15;
+  for (int64_t jj = 0; jj < jfull; jj += 16)
+    for (int64_t k = 0; k < kfull; k += 16) transpose16(B + jj * ldb + k, ldb, pack + k * NR + jj, NR);
+  for (int64_t jj = 0; jj < nj; ++jj) {
+    const float *src = B + jj * ldb;
+    for (int64_t k = jj < jfull ? kfull : 0; k < kc; ++k) pack[k * NR + jj] = src[k];
+  }
+}
+
+void dp_small_gemm_nt(int64_t M, int64_t N, int64_t K, const float *A, int64_t lda, const float *B, int64_t ldb,
+                      float *C, int64_t ldc, int accumulate, float *pack) {
+  if (K <= 0) {
+    if (!accumulate) zero_rows(M, N, C, ldc);
+    return;
+  }
+  for (int64_t k0 = 0; k0 < K; k0 += KC) {
+    const int64_t kc = K - k0 < KC ? K - k0 : KC;
+    for (int64_t j = 0; j < N; j += NR) {
+      const int64_t nj = N - j < NR ? N - j : NR;
+      pack_transposed(B + j * ldb + k0, ldb, nj, kc, pack);
+      for (int64_t i0 = 0; i0 < M; i0 += MB) {
+        const int64_t mc = M - i0 < MB ? M - i0 : MB;
+        panel(mc, nj, kc, A + i0 * lda + k0, lda, 1, pack, NR, C + i0 * ldc + j, ldc, accumulate || k0 > 0);
+      }
+    }
+  }
+}
+
+#else /* no AVX-512 in this build: the callers use the BLAS */
+
+int dp_small_gemm_built(void) { return 0; }
+
+dp_status dp_small_gemm_on(int *on) {
+  DP_TRY(dp_env_switch("DPCORE_OWN_GEMM", 0, on)); /* a malformed value is an error in every build */
+  *on = 0;
+  return DP_OK;
+}
+
+void dp_small_gemm_nn(int64_t M, int64_t N, int64_t K, const float *A, int64_t lda, const float *B, int64_t ldb,
+                      float *C, int64_t ldc) {
+  (void)M, (void)N, (void)K, (void)A, (void)lda, (void)B, (void)ldb, (void)C, (void)ldc;
+}
+
+void dp_small_gemm_tn(int64_t M, int64_t N, int64_t K, const float *A, int64_t lda, const float *B, int64_t ldb,
+                      float *C, int64_t ldc) {
+  (void)M, (void)N, (void)K, (void)A, (void)lda, (void)B, (void)ldb, (void)C, (void)ldc;
+}
+
+void dp_small_gemm_nt(int64_t M, int64_t N, int64_t K, const float *A, int64_t lda, const float *B, int64_t ldb,
+                      float *C, int64_t ldc, int accumulate, float *pack) {
+  (void)M, (void)N, (void)K, (void)A, (void)lda, (void)B, (void)ldb, (void)C, (void)ldc, (void)accumulate,
+      (void)pack;
+}
+
+#endif

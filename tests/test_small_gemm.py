@@ -1,0 +1,117 @@
+"""dpcore's own GEMM kernel (csrc/small_gemm.c: AVX-512, 8x32 register block,
+built where the compiler targets AVX-512) against float64 references, and its
+switch DPCORE_OWN_GEMM (0: the BLAS's GEMM everywhere).
+
+It runs the products of Winograd F(2x2, 3x3) (tests/test_winograd.py checks
+those against their bounds with the kernel on, the default) and the im2col
+GEMMs of the CPU convolutions the implicit GEMM does not take (more than 64
+output channels, ResNet-18's stride-2 and 1x1 layers): forward (A . B), dx
+through col2im (A^T . B), dw (A . B^T, B packed a panel at a time). The
+shapes below cross each of its edges: rows not a multiple of 8 (the one-row
+kernel), columns not a multiple of 32 (masked loads and stores) nor of 16 (the
+packing's scalar edge), K past a block of 256 (NN, TN) and of 512 (NT: the
+sums carried on through C), and more than 128 rows (two row blocks).
+
+The bound. Each output of a GEMM is one chain of fused multiply-adds in k
+order (|error| <= gamma_K * sum |a_k b_k|: K roundings at most, whatever the
+order, for any BLAS too); then:
+  y  = the GEMM over the C*KH*KW taps, + bias:                 k = C*KH*KW + 1
+  dx = col2im of w^T . dy: a sum over O, then up to KH*KW
+       such columns added into one input pixel:                k = O + KH*KW
+  dw = per thread a sum over its samples' N_t*OH*OW positions,
+       the threads' partials added (2 threads at most here):   k = N*OH*OW + 2
+S, the computation in absolute values, is the float64 reference run on |x|,
+|w|, |b|, |dy| (every term is a product of one entry of each).
+"""
+import numpy as np
+import pytest
+
+import dpcore as dp
+from test_conv_cpu import TOL_LONG, TOL_SHORT, assert_switch_rejects, assert_within_bound, err, make, reference
+
+ops = dp.ops
+BUILT = "AVX-512" in dp.build_info()["cpu_gemm"]
+
+# (N, C, H, W, O, K, stride, pad): each on the im2col path (O > 64: not the implicit GEMM's)
+CASES = [
+    (2, 64, 28, 28, 128, 3, 2, 1),    # ResNet-18's first stride-2 layer (K = 576: three k blocks)
+    (3, 128, 7, 7, 256, 1, 2, 0),     # a 1x1 projection: 16 positions a sample
+    (3, 40, 9, 11, 67, 3, 2, 1),      # 67 rows (8 blocks and 3 single rows), 5x6 outputs: ld 90
+    (2, 33, 12, 12, 150, 3, 1, 0),    # 150 rows: two row blocks; K = 297; dx as col2im of a valid conv
+    (9, 70, 15, 15, 72, 3, 1, 1),     # "same" padding: dx as a convolution (its GEMM over O*9 = 648)
+    (40, 65, 6, 6, 66, 3, 1, 1),      # dw's K = 40*36 = 1440 per thread's group: NT k blocks; 585 packed
+]
+
+
+def run(case, seed):
+    N, C, H, W, O, K, stride, pad = case
+    x, w, b, dy = make(N, C, H, W, O, K, stride, pad, seed)
+    y = ops.conv2d(x, w, b, stride=stride, padding=pad)
+    dx, dw, db = ops.conv2d_backward(x, w, dy, stride=stride, padding=pad)
+    return (x, w, b, dy), (y, dx, dw, db)
+
+
+def check(case, seed):
+    N, C, H, W, O, K, stride, pad = case
+    (x, w, b, dy), (y, dx, dw, db) = run(case, seed)
+    refs = reference(x, w, b, dy, stride, pad)
+    sums = reference(np.abs(x), np.abs(w), np.abs(b), np.abs(dy), stride, pad)
+    OH, OW = dy.shape[2:]
+    for got, ref, S, k, name in zip((y, dx, dw), refs, sums, (C * K * K + 1, O + K * K, N * OH * OW + 2),
+                                    ("y", "dx", "dw")):
+        assert got.shape == ref.shape, name
+        assert_within_bound(got, ref, S, k, f"{case} {name}")
+    assert err(y, refs[0]) <= TOL_SHORT and err(dx, refs[1]) <= TOL_SHORT
+    assert err(dw, refs[2]) <= TOL_LONG and err(db, refs[3]) <= TOL_LONG
+    return y, dx, dw, db
+
+
+@pytest.fixture(autouse=True)
+def gemm_path(monkeypatch):
+    """Nothing on the Winograd paths (the im2col GEMMs are this file's subject)."""
+    monkeypatch.setenv("DPCORE_WINOGRAD", "0")
+
+
+@pytest.mark.parametrize("own", ["1", "0"], ids=["own_gemm", "blas"])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "N{}C{}H{}W{}O{}K{}s{}p{}".format(*c))
+def test_within_the_bounds(monkeypatch, own, case):
+    monkeypatch.setenv("DPCORE_OWN_GEMM", own)
+    check(case, seed=sum(case))
+
+
+@pytest.mark.skipif(not BUILT, reason="this build has no dpcore GEMM kernel (no AVX-512): the switch has nothing to turn")
+def test_the_switch_reaches_the_kernel(monkeypatch):
+    """On and off give other bits (another summation order than the BLAS's), so
+    the bounds above held for both; each repeatable."""
+    case = CASES[0]
+    runs = {}
+    for v in ("1", "0", "1"):
+        monkeypatch.setenv("DPCORE_OWN_GEMM", v)
+        got = run(case, seed=5)[1]
+        if v in runs:
+            for a, c in zip(runs[v], got):
+                np.testing.assert_array_equal(a, c)
+        runs[v] = got
+    for a, c in zip(runs["1"][:3], runs["0"][:3]):   # y, dx, dw
+        assert not np.array_equal(a, c)
+
+
+def test_build_info_names_the_kernel():
+    assert dp.build_info()["cpu_gemm"] in ("dpcore AVX-512 8x32 (DPCORE_OWN_GEMM=0: the BLAS)", "the BLAS")
+
+
+@pytest.mark.parametrize("value", ["yes", "2", "-1"])
+def test_a_bad_switch_value_is_an_error(monkeypatch, value):
+    """In every build (where the kernel is not built, the switch is still read)."""
+    assert_switch_rejects(monkeypatch, "DPCORE_OWN_GEMM", value, 1, 8, 6, 80, 3, 2, 1)
+
+
+def test_winograd_products_with_the_switch_off(monkeypatch):
+    """The Winograd F(2x2, 3x3) products on the BLAS (the fallback where the kernel
+    is not built): the same bounds as on the kernel (tests/test_winograd.py's check)."""
+    from test_winograd import check as winograd_check
+    monkeypatch.setenv("DPCORE_WINOGRAD", "1")
+    monkeypatch.setenv("DPCORE_WINOGRAD_F43", "0")
+    monkeypatch.setenv("DPCORE_OWN_GEMM", "0")
+    for case in [(3, 64, 28, 28, 64), (5, 256, 7, 7, 256), (3, 64, 9, 13, 65)]:
+        winograd_check(case, seed=sum(case))
