@@ -63,13 +63,10 @@
  * within a row of tiles, nor the rows they read): GCC 12 vectorizes them only
  * when told there is no dependence between iterations (without it: "no
  * vectype", or alias checks past its limit). */
-/* Zeros past the bordered plane's last row: the AVX-512 tile rows read 32
- * floats from a row's start, past its end on planes narrower than that
- * (those lanes are never stored). */
-#define PLANE_SLACK 32
-/* With AVX-512 the zero-bordered plane's tile rows (input_plane_bordered's
- * 15 tiles a step in registers) on every plane: the ResNet-18 step (batch 32)
- * measured 204 -> 193 ms against input_plane's rows on the wide ones. */
+/* With AVX-512 input_plane_bordered's tile rows (15 tiles a step in
+ * registers, the source read in place) on every plane: the ResNet-18 step
+ * (batch 32) measured 204 -> 193 ms against input_plane's rows on the wide
+ * ones. */
 #if defined(__AVX512F__)
 #define INPUT_TILES_AVX512 1
 #else
@@ -110,7 +107,7 @@ typedef struct wino_plan {
   int64_t shared;      /* floats of a chunk's V and M (narrow) or V and W (dw), shared by the threads */
   int64_t own;         /* floats of one sample's V and M (wide), a thread's own */
   int own_gemm;        /* the products on small_gemm.h's kernel (else the BLAS) */
-  int64_t plane_floats; /* the zero-bordered plane (hp, wp), then wp zeros (dw's zrow), then PLANE_SLACK zeros */
+  int64_t plane_floats; /* the zero-bordered plane (hp, wp) (without AVX-512), then wp zeros (dw's zrow) */
   int64_t per_thread;  /* floats a thread has alone: V and M (wide), the plane (input_plane's 4 rows, or
                           input_plane_bordered's zero-bordered plane), then wp zeros (dw's dy_plane); a
                           multiple of 16 (64 bytes) */
@@ -135,7 +132,7 @@ static wino_plan wino_plan_make(int cin, int cout, int h, int w, int64_t N, int 
   if (p.chunk > N) p.chunk = N < 1 ? 1 : N;
   p.shared = p.chunk * per_sample + 32 * WINO_SKEW;
   p.own = per_sample + 32 * WINO_SKEW;
-  p.plane_floats = (int64_t)p.hp * p.wp + p.wp + PLANE_SLACK;
+  p.plane_floats = (int64_t)p.hp * p.wp + p.wp;
   p.per_thread = ((p.narrow ? 0 : p.own) + p.plane_floats + 15) & ~(int64_t)15;
   p.own_gemm = 0;
   return p;
@@ -300,14 +297,16 @@ static inline __m512 negated(__m512 x) { /* -x, the sign bit flipped (0 - x woul
   return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(x), _mm512_set1_epi32((int)0x80000000)));
 }
 
-/* B^T d B of the n <= 15 tiles whose rows start at r0..r3 (tile k: columns
- * 2k..2k+3, all 32 floats from each start readable), entry xi at vt[xi*vs + k] */
-static void input_tiles_avx512(const float *r0, const float *r1, const float *r2, const float *r3, int n, float *vt,
-                               int64_t vs) {
-  const __mmask16 m = (__mmask16)((1u << n) - 1u);
-  const __m512 a0 = _mm512_loadu_ps(r0), a1 = _mm512_loadu_ps(r0 + 16), b0 = _mm512_loadu_ps(r1),
-               b1 = _mm512_loadu_ps(r1 + 16), c0 = _mm512_loadu_ps(r2), c1 = _mm512_loadu_ps(r2 + 16),
-               d0 = _mm512_loadu_ps(r3), d1 = _mm512_loadu_ps(r3 + 16);
+static inline __mmask16 lanes_upto(int64_t n) { /* lanes [0, n) of 16 */
+  return n >= 16 ? (__mmask16)0xFFFF : n <= 0 ? (__mmask16)0 : (__mmask16)((1u << n) - 1u);
+}
+
+/* B^T d B of the n <= 15 tiles of a tile row from its 4 rows' 32-column
+ * windows (x0, x1: row 0's columns 0-15 and 16-31; tile k: columns
+ * 2k..2k+3), entry xi at vt[xi*vs + k] */
+static inline void input_tiles_regs(__m512 a0, __m512 a1, __m512 b0, __m512 b1, __m512 c0, __m512 c1, __m512 d0,
+                                    __m512 d1, int n, float *vt, int64_t vs) {
+  const __mmask16 m = lanes_upto(n);
   /* B^T d: the rows combined, as the scalar code's t[i][.] */
   const __m512 lo[4] = {_mm512_sub_ps(a0, c0), _mm512_add_ps(b0, c0), _mm512_sub_ps(c0, b0), _mm512_sub_ps(b0, d0)};
   const __m512 hi[4] = {_mm512_sub_ps(a1, c1), _mm512_add_ps(b1, c1), _mm512_sub_ps(c1, b1), _mm512_sub_ps(b1, d1)};
@@ -321,14 +320,51 @@ static void input_tiles_avx512(const float *r0, const float *r1, const float *r2
   }
 }
 
+/* p[off + l] for the lanes l of m, zero elsewhere; p + off formed only when
+ * some lane is loaded (so never past the end of p's array) */
+static inline __m512 load_lanes(__mmask16 m, const float *p, int64_t off) {
+  return m ? _mm512_maskz_loadu_ps(m, p + off) : _mm512_setzero_ps();
+}
+
+static inline void store_lanes(__mmask16 m, float *p, int64_t off, __m512 v) {
+  if (m) _mm512_mask_storeu_ps(p + off, m, v);
+}
+
+/* The 32-column window of a plane row from column col0 (-1 at the left
+ * border): lanes outside the row [0, w), or of a border row (NULL), zero;
+ * masked loads never touch them, and no pointer goes before the row. */
+static inline void row_window(const float *row, int col0, int w, __m512 *x0, __m512 *x1) {
+  if (!row) {
+    *x0 = *x1 = _mm512_setzero_ps();
+    return;
+  }
+  if (col0 < 0) { /* lane 0 the border; lane l >= 1 column l - 1 */
+    *x0 = _mm512_maskz_expandloadu_ps((__mmask16)(lanes_upto(w + 1) & ~1u), row);
+    *x1 = load_lanes(lanes_upto(w - 15), row, 15);
+  } else {
+    *x0 = load_lanes(lanes_upto(w - col0), row, col0);
+    *x1 = load_lanes(lanes_upto(w - col0 - 16), row, col0 + 16);
+  }
+}
+
+/* B^T d B of the n <= 15 tiles of a tile row read in place: rows[k] the
+ * source row of the tile's row k (NULL past the plane's top or bottom), the
+ * first tile's first column col0 = 2 tj0 - 1, the plane's width w */
+static void input_tiles_avx512(const float *const rows[4], int col0, int w, int n, float *vt, int64_t vs) {
+  __m512 a0, a1, b0, b1, c0, c1, d0, d1;
+  row_window(rows[0], col0, w, &a0, &a1);
+  row_window(rows[1], col0, w, &b0, &b1);
+  row_window(rows[2], col0, w, &c0, &c1);
+  row_window(rows[3], col0, w, &d0, &d1);
+  input_tiles_regs(a0, a1, b0, b1, c0, c1, d0, d1, n, vt, vs);
+}
+
 /* A dY A^T of the n <= 16 tiles of dy's rows r0, r1 (tile k: columns 2k,
  * 2k + 1; columns at or past `cols` read as zero), entry xi at wt[xi*ws + k] */
 static void dy_tiles_avx512(const float *r0, const float *r1, int cols, int n, float *wt, int64_t ws) {
-  const __mmask16 m = (__mmask16)((1u << n) - 1u);
-  const __mmask16 l0 = cols >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << cols) - 1u);
-  const __mmask16 l1 = cols >= 32 ? (__mmask16)0xFFFF : cols <= 16 ? 0 : (__mmask16)((1u << (cols - 16)) - 1u);
-  const __m512 x0 = _mm512_maskz_loadu_ps(l0, r0), x1 = _mm512_maskz_loadu_ps(l1, r0 + 16);
-  const __m512 y0 = _mm512_maskz_loadu_ps(l0, r1), y1 = _mm512_maskz_loadu_ps(l1, r1 + 16);
+  const __mmask16 m = lanes_upto(n), l0 = lanes_upto(cols), l1 = lanes_upto(cols - 16);
+  const __m512 x0 = load_lanes(l0, r0, 0), x1 = load_lanes(l1, r0, 16);
+  const __m512 y0 = load_lanes(l0, r1, 0), y1 = load_lanes(l1, r1, 16);
   const __m512 a = window_cols(x0, x1, 0), b = window_cols(x0, x1, 1), c = window_cols(y0, y1, 0),
                d = window_cols(y0, y1, 1);
   /* A dY (4x2): rows (a, b), (a + c, b + d), (a - c, b - d), (-c, -d); then . A^T per row (dy_cols) */
@@ -344,22 +380,30 @@ static void dy_tiles_avx512(const float *r0, const float *r1, int cols, int n, f
 #endif
 
 /* v[xi*vstride + tile] = (B^T d B)[xi] for every tile d of one (h, w) plane
- * src, copied into plane (hp, wp), its border zero (only the interior is
- * written; PLANE_SLACK zeros after it): narrow planes and dw, where it
- * measured faster than input_plane. */
+ * src: with AVX-512 read in place (every plane), else copied into plane (hp,
+ * wp), its border zero (only the interior is written): narrow planes and dw,
+ * where it measured faster than input_plane. */
 static void input_plane_bordered(const wino_plan *p, const float *src, float *plane, float *v, int64_t vstride) {
+#if defined(__AVX512F__)
+  /* no copy: the source's rows read in place, the border's lanes masked */
+  (void)plane;
+  for (int ti = 0; ti < p->th; ++ti) {
+    const float *rows[4];
+    for (int k = 0; k < 4; ++k) {
+      const int i = 2 * ti - 1 + k;
+      rows[k] = i >= 0 && i < p->h ? src + (int64_t)i * p->w : NULL;
+    }
+    for (int tj = 0; tj < p->tw; tj += 15)
+      input_tiles_avx512(rows, 2 * tj - 1, p->w, p->tw - tj < 15 ? p->tw - tj : 15, v + (int64_t)ti * p->tw + tj,
+                         vstride);
+  }
+  return;
+#endif
   for (int i = 0; i < p->h; ++i)
     memcpy(plane + (int64_t)(i + 1) * p->wp + 1, src + (int64_t)i * p->w, sizeof(float) * (size_t)p->w);
   for (int ti = 0; ti < p->th; ++ti) {
     const float *r0 = plane + (int64_t)2 * ti * p->wp, *r1 = r0 + p->wp, *r2 = r1 + p->wp, *r3 = r2 + p->wp;
     float *vt = v + (int64_t)ti * p->tw;
-#if defined(__AVX512F__)
-    for (int tj = 0; tj < p->tw; tj += 15) {
-      const int j = 2 * tj;
-      input_tiles_avx512(r0 + j, r1 + j, r2 + j, r3 + j, p->tw - tj < 15 ? p->tw - tj : 15, vt + tj, vstride);
-    }
-    continue;
-#endif
     DP_IVDEP
     for (int tj = 0; tj < p->tw; ++tj) {
       const int j = 2 * tj;
@@ -421,14 +465,13 @@ static void output_row(const float *restrict m, int64_t ms, int n, float bias, f
  * outputs of each stored: output_tile's arithmetic in its order, 16 tiles at
  * a time, the even and odd columns interleaved by two permutations. */
 static void output_tiles_avx512(const float *m, int64_t ms, int n, int cols, float bias, float *y0, float *y1) {
-  const __mmask16 lm = (__mmask16)((1u << n) - 1u);
+  const __mmask16 lm = lanes_upto(n);
   __m512 v[16];
   for (int xi = 0; xi < 16; ++xi) v[xi] = _mm512_maskz_loadu_ps(lm, m + xi * ms);
   const __m512 bv = _mm512_set1_ps(bias);
   const __m512i lo = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
   const __m512i hi = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
-  const __mmask16 s0 = cols >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << cols) - 1u);
-  const __mmask16 s1 = cols >= 32 ? (__mmask16)0xFFFF : cols <= 16 ? 0 : (__mmask16)((1u << (cols - 16)) - 1u);
+  const __mmask16 s0 = lanes_upto(cols), s1 = lanes_upto(cols - 16);
   for (int i = 0; i < 2; ++i) {
     float *y = i == 0 ? y0 : y1;
     if (!y) break;
@@ -438,8 +481,8 @@ static void output_tiles_avx512(const float *m, int64_t ms, int n, int cols, flo
                     : _mm512_sub_ps(_mm512_sub_ps(v[4 + k], v[8 + k]), v[12 + k]);
     const __m512 even = _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(t[0], t[1]), t[2]), bv);
     const __m512 odd = _mm512_add_ps(_mm512_sub_ps(_mm512_sub_ps(t[1], t[2]), t[3]), bv);
-    _mm512_mask_storeu_ps(y, s0, _mm512_permutex2var_ps(even, lo, odd));
-    _mm512_mask_storeu_ps(y + 16, s1, _mm512_permutex2var_ps(even, hi, odd));
+    store_lanes(s0, y, 0, _mm512_permutex2var_ps(even, lo, odd));
+    store_lanes(s1, y, 16, _mm512_permutex2var_ps(even, hi, odd));
   }
 }
 #endif
@@ -538,7 +581,7 @@ static void wino_conv(const wino_plan *p, int64_t N, const float *in, const floa
     filter_transform(w, flip ? p->cin : p->cout, flip ? p->cout : p->cin, U, ustride); /* ends in a barrier */
     float *mine = own + t * p->per_thread;
     float *plane = mine + (p->narrow ? 0 : p->own);
-    if (p->w < WINO_ROW_MIN || INPUT_TILES_AVX512) memset(plane, 0, sizeof(float) * (size_t)p->plane_floats);
+    if (p->w < WINO_ROW_MIN && !INPUT_TILES_AVX512) memset(plane, 0, sizeof(float) * (size_t)p->plane_floats);
     if (!p->narrow) {
       const int64_t cols = p->tiles, vstride = p->cin * cols + WINO_SKEW, mstride = p->cout * cols + WINO_SKEW;
       float *V = mine, *M = V + 16 * vstride;
@@ -678,7 +721,7 @@ dp_status dp_winograd_backward_dw(const dp_conv_geom *g, int64_t N, const float 
   {
     float *mine = own + omp_get_thread_num() * p->per_thread;
     float *plane = mine + (p->narrow ? 0 : p->own), *pack = packs + omp_get_thread_num() * DP_SMALL_GEMM_PACK_FLOATS;
-    memset(plane, 0, sizeof(float) * (size_t)p->plane_floats); /* the plane's border, zrow, the slack */
+    memset(plane, 0, sizeof(float) * (size_t)p->plane_floats); /* the plane's border, and zrow */
     const float *zrow = plane + (int64_t)p->hp * p->wp;
     for (int64_t k = 0; k < nchunks; ++k) {
       const int64_t n0 = N * k / nchunks, cnt = N * (k + 1) / nchunks - n0, cols = cnt * p->tiles;
