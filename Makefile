@@ -68,6 +68,7 @@ BENCH_SCRIPT_DESELECT := \
   --deselect tests/test_winograd.py::test_benchmark_quick_run \
   --deselect tests/test_implicit_gemm.py::test_benchmark_quick_run \
   --deselect tests/test_winograd_lanes.py::test_benchmark_quick_run \
+  --deselect tests/test_small_gemm.py::test_benchmark_quick_run \
   --deselect tests/test_winograd.py::test_under_openblas_sandybridge_kernels
 # Tests whose result does not depend on the extension build under test, which the plain run runs:
 # tests/test_sanitizers.py compiles the C programs of tests/c from csrc/ with its own sanitizer flags,

@@ -68,6 +68,17 @@ def default_threads():
         return os.cpu_count() or 1
 
 
+def child_json(cmd, env, what):
+    """Run a benchmark's child process; its last stdout line, parsed as JSON (a failure ends the run
+    with what failed and the child's output)."""
+    import json
+    import subprocess
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if out.returncode != 0:
+        raise SystemExit(f"the {what} subprocess failed:\n{out.stdout}{out.stderr}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 def thread_env(threads):
     """The environment of a framework subprocess: every thread knob pinned to `threads`."""
     env = dict(os.environ)

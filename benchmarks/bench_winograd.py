@@ -30,13 +30,13 @@ import datetime
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from bench_lenet_cpu import command_line, default_threads, log, machine_info, publish, thread_env  # noqa: E402
+from bench_lenet_cpu import child_json, command_line, default_threads, log, machine_info, publish  # noqa: E402
+from bench_lenet_cpu import thread_env  # noqa: E402
 
 SECTION_TITLE = "## Winograd A/B: F(2x2, 3x3) and F(4x4, 3x3) against GEMM (ResNet-18, CPU)"
 # (channels in = out, plane side): ResNet-18's 3x3 stride-1 convolutions at 28x28 inputs
@@ -45,6 +45,23 @@ ARMS = {"gemm": "GEMM", "f23": "F(2x2, 3x3)", "f43": "F(4x4, 3x3)"}
 ARM_ENV = {"gemm": {"DPCORE_WINOGRAD": "0"}, "f23": {"DPCORE_WINOGRAD": "1", "DPCORE_WINOGRAD_F43": "0"},
            "f43": {"DPCORE_WINOGRAD": "1", "DPCORE_WINOGRAD_F43": "1"}}
 WARMUP_STEPS = 2
+
+
+def resnet18_steps(batch, steps, rng):
+    """Seconds of each of `steps` timed ResNet-18 train_steps (dp.models.ResNet18 on cpu:0, 28x28
+    single-channel random images and labels, `batch` samples) after WARMUP_STEPS warm-up steps."""
+    import numpy as np
+    import dpcore as dp
+    net = dp.models.ResNet18(devices=["cpu:0"])
+    X = rng.random((batch,) + tuple(net._model.input_shape), dtype=np.float32)
+    y = rng.integers(0, net._model.num_classes, batch)
+    times = []
+    for i in range(WARMUP_STEPS + steps):
+        t0 = time.perf_counter()
+        net.train_step(X, y, lr=0.01)
+        if i >= WARMUP_STEPS:
+            times.append(time.perf_counter() - t0)
+    return times
 
 
 def child(args):
@@ -70,15 +87,7 @@ def child(args):
             fwd.append(t1 - t0)
             bwd.append(t2 - t1)
         layers[f"{C}x{H}x{H}"] = {"forward": fwd, "backward": bwd}
-    net = dp.models.ResNet18(devices=["cpu:0"])
-    X = rng.random((N,) + tuple(net._model.input_shape), dtype=np.float32)
-    y = rng.integers(0, net._model.num_classes, N)
-    steps = []
-    for i in range(WARMUP_STEPS + args.steps):
-        t0 = time.perf_counter()
-        net.train_step(X, y, lr=0.01)
-        if i >= WARMUP_STEPS:
-            steps.append(time.perf_counter() - t0)
+    steps = resnet18_steps(N, args.steps, rng)
     print(json.dumps({"arm": [os.environ.get(k) for k in ("DPCORE_WINOGRAD", "DPCORE_WINOGRAD_F43")],
                       "layers": layers, "steps": steps,
                       "version": dp.__version__}))
@@ -92,10 +101,7 @@ def spawn(arm, args):
     env["DPCORE_IMPLICIT_GEMM"] = "0"
     cmd = [sys.executable, os.path.abspath(__file__), "--child", "--batch", str(args.batch), "--steps",
            str(args.steps), "--layer-reps", str(args.layer_reps)]
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True)
-    if out.returncode != 0:
-        raise SystemExit(f"the {ARMS[arm]} subprocess failed:\n{out.stdout}{out.stderr}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return child_json(cmd, env, ARMS[arm])
 
 
 def main(argv=None):

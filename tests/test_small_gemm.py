@@ -115,3 +115,18 @@ def test_winograd_products_with_the_switch_off(monkeypatch):
     monkeypatch.setenv("DPCORE_OWN_GEMM", "0")
     for case in [(3, 64, 28, 28, 64), (5, 256, 7, 7, 256), (3, 64, 9, 13, 65)]:
         winograd_check(case, seed=sum(case))
+
+
+def test_benchmark_quick_run():
+    """benchmarks/bench_own_gemm.py end to end on a tiny batch: every row, nothing written."""
+    import os
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cmd = [sys.executable, os.path.join(root, "benchmarks", "bench_own_gemm.py"), "--rounds", "1", "--reps", "1",
+           "--batch", "2", "--steps", "1"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=root)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for row in ("| 64 -> 64, 3x3 on 28x28 (Winograd F(2x2, 3x3)) | 2 |", "| 64 -> 128, 1x1 stride 2 on 28x28 (im2col) |",
+                "whole ResNet-18 train_step", "OpenBLAS (dpcore's choice) / dpcore's", "SkylakeX" if BUILT else ""):
+        assert row in proc.stdout, proc.stdout
