@@ -301,22 +301,30 @@ static inline __mmask16 lanes_upto(int64_t n) { /* lanes [0, n) of 16 */
   return n >= 16 ? (__mmask16)0xFFFF : n <= 0 ? (__mmask16)0 : (__mmask16)((1u << n) - 1u);
 }
 
+/* entry xi of a tile row: v[xi*vs + k] for the tiles k in m, if xi is in
+ * xmask (bit xi: the entries this call writes; dw's threads each write the
+ * entries of their own GEMMs) */
+static inline void put(unsigned xmask, int xi, float *v, int64_t vs, __mmask16 m, __m512 val) {
+  if (xmask >> xi & 1u) _mm512_mask_storeu_ps(v + xi * vs, m, val);
+}
+
 /* B^T d B of the n <= 15 tiles of a tile row from its 4 rows' 32-column
  * windows (x0, x1: row 0's columns 0-15 and 16-31; tile k: columns
  * 2k..2k+3), entry xi at vt[xi*vs + k] */
 static inline void input_tiles_regs(__m512 a0, __m512 a1, __m512 b0, __m512 b1, __m512 c0, __m512 c1, __m512 d0,
-                                    __m512 d1, int n, float *vt, int64_t vs) {
+                                    __m512 d1, int n, float *vt, int64_t vs, unsigned xmask) {
   const __mmask16 m = lanes_upto(n);
   /* B^T d: the rows combined, as the scalar code's t[i][.] */
   const __m512 lo[4] = {_mm512_sub_ps(a0, c0), _mm512_add_ps(b0, c0), _mm512_sub_ps(c0, b0), _mm512_sub_ps(b0, d0)};
   const __m512 hi[4] = {_mm512_sub_ps(a1, c1), _mm512_add_ps(b1, c1), _mm512_sub_ps(c1, b1), _mm512_sub_ps(b1, d1)};
   for (int i = 0; i < 4; ++i) {
+    if (!(xmask >> (4 * i) & 15u)) continue;
     const __m512 t0 = window_cols(lo[i], hi[i], 0), t1 = window_cols(lo[i], hi[i], 1),
                  t2 = window_cols(lo[i], hi[i], 2), t3 = window_cols(lo[i], hi[i], 3);
-    _mm512_mask_storeu_ps(vt + (4 * i + 0) * vs, m, _mm512_sub_ps(t0, t2));
-    _mm512_mask_storeu_ps(vt + (4 * i + 1) * vs, m, _mm512_add_ps(t1, t2));
-    _mm512_mask_storeu_ps(vt + (4 * i + 2) * vs, m, _mm512_sub_ps(t2, t1));
-    _mm512_mask_storeu_ps(vt + (4 * i + 3) * vs, m, _mm512_sub_ps(t1, t3));
+    put(xmask, 4 * i + 0, vt, vs, m, _mm512_sub_ps(t0, t2));
+    put(xmask, 4 * i + 1, vt, vs, m, _mm512_add_ps(t1, t2));
+    put(xmask, 4 * i + 2, vt, vs, m, _mm512_sub_ps(t2, t1));
+    put(xmask, 4 * i + 3, vt, vs, m, _mm512_sub_ps(t1, t3));
   }
 }
 
@@ -353,18 +361,20 @@ static inline void row_window(const float *row, int col0, int w, __m512 *x0, __m
 /* B^T d B of the n <= 15 tiles of a tile row read in place: rows[k] the
  * source row of the tile's row k (NULL past the plane's top or bottom), the
  * first tile's first column col0 = 2 tj0 - 1, the plane's width w */
-static void input_tiles_avx512(const float *const rows[4], int col0, int w, int n, float *vt, int64_t vs) {
+static void input_tiles_avx512(const float *const rows[4], int col0, int w, int n, float *vt, int64_t vs,
+                               unsigned xmask) {
   __m512 a0, a1, b0, b1, c0, c1, d0, d1;
   row_window(rows[0], col0, w, &a0, &a1);
   row_window(rows[1], col0, w, &b0, &b1);
   row_window(rows[2], col0, w, &c0, &c1);
   row_window(rows[3], col0, w, &d0, &d1);
-  input_tiles_regs(a0, a1, b0, b1, c0, c1, d0, d1, n, vt, vs);
+  input_tiles_regs(a0, a1, b0, b1, c0, c1, d0, d1, n, vt, vs, xmask);
 }
 
 /* A dY A^T of the n <= 16 tiles of dy's rows r0, r1 (tile k: columns 2k,
  * 2k + 1; columns at or past `cols` read as zero), entry xi at wt[xi*ws + k] */
-static void dy_tiles_avx512(const float *r0, const float *r1, int cols, int n, float *wt, int64_t ws) {
+static void dy_tiles_avx512(const float *r0, const float *r1, int cols, int n, float *wt, int64_t ws,
+                            unsigned xmask) {
   const __mmask16 m = lanes_upto(n), l0 = lanes_upto(cols), l1 = lanes_upto(cols - 16);
   const __m512 x0 = load_lanes(l0, r0, 0), x1 = load_lanes(l1, r0, 16);
   const __m512 y0 = load_lanes(l0, r1, 0), y1 = load_lanes(l1, r1, 16);
@@ -374,19 +384,36 @@ static void dy_tiles_avx512(const float *r0, const float *r1, int cols, int n, f
   const __m512 t0[4] = {a, _mm512_add_ps(a, c), _mm512_sub_ps(a, c), negated(c)};
   const __m512 t1[4] = {b, _mm512_add_ps(b, d), _mm512_sub_ps(b, d), negated(d)};
   for (int i = 0; i < 4; ++i) {
-    _mm512_mask_storeu_ps(wt + (4 * i + 0) * ws, m, t0[i]);
-    _mm512_mask_storeu_ps(wt + (4 * i + 1) * ws, m, _mm512_add_ps(t0[i], t1[i]));
-    _mm512_mask_storeu_ps(wt + (4 * i + 2) * ws, m, _mm512_sub_ps(t0[i], t1[i]));
-    _mm512_mask_storeu_ps(wt + (4 * i + 3) * ws, m, negated(t1[i]));
+    put(xmask, 4 * i + 0, wt, ws, m, t0[i]);
+    put(xmask, 4 * i + 1, wt, ws, m, _mm512_add_ps(t0[i], t1[i]));
+    put(xmask, 4 * i + 2, wt, ws, m, _mm512_sub_ps(t0[i], t1[i]));
+    put(xmask, 4 * i + 3, wt, ws, m, negated(t1[i]));
   }
 }
 #endif
+
+#define ALL_ENTRIES 0xFFFFu
+/* dw's threads transform their own GEMMs' entries (the AVX-512 transforms write a subset) */
+#if defined(__AVX512F__)
+#define OWN_ENTRIES 1
+#else
+#define OWN_ENTRIES 0
+#endif
+static void input_plane_entries(const wino_plan *p, const float *src, float *plane, float *v, int64_t vstride,
+                                unsigned xmask);
 
 /* v[xi*vstride + tile] = (B^T d B)[xi] for every tile d of one (h, w) plane
  * src: with AVX-512 read in place (every plane), else copied into plane (hp,
  * wp), its border zero (only the interior is written): narrow planes and dw,
  * where it measured faster than input_plane. */
 static void input_plane_bordered(const wino_plan *p, const float *src, float *plane, float *v, int64_t vstride) {
+  input_plane_entries(p, src, plane, v, vstride, ALL_ENTRIES);
+}
+
+/* input_plane_bordered writing only the entries xi in xmask (with AVX-512;
+ * the scalar code writes all 16) */
+static void input_plane_entries(const wino_plan *p, const float *src, float *plane, float *v, int64_t vstride,
+                                unsigned xmask) {
 #if defined(__AVX512F__)
   /* no copy: the source's rows read in place, the border's lanes masked */
   (void)plane;
@@ -398,9 +425,11 @@ static void input_plane_bordered(const wino_plan *p, const float *src, float *pl
     }
     for (int tj = 0; tj < p->tw; tj += 15)
       input_tiles_avx512(rows, 2 * tj - 1, p->w, p->tw - tj < 15 ? p->tw - tj : 15, v + (int64_t)ti * p->tw + tj,
-                         vstride);
+                         vstride, xmask);
   }
   return;
+#else
+  (void)xmask;
 #endif
   for (int i = 0; i < p->h; ++i)
     memcpy(plane + (int64_t)(i + 1) * p->wp + 1, src + (int64_t)i * p->w, sizeof(float) * (size_t)p->w);
@@ -541,7 +570,7 @@ static void output_plane(const wino_plan *p, const float *m, int64_t mstride, fl
 }
 
 /* M_xi (cout, cols) = U_xi (cout, cin) . V_xi (cin, cols); the matrices xi
- * at U + xi*(cout*cin + WINO_SKEW), V + xi*(cin*cols + WINO_SKEW), M + xi*(cout*cols + WINO_SKEW).
+ * at U + xi*(cout*cin + WINO_SKEW), V + xi*vstride, M + xi*mstride.
  *
  * dx (flip): the filter of (c, o) is w[o, c] rotated by 180 degrees, and G
  * with its input's rows reversed is G with rows 0 and 3 swapped (G R = P G),
@@ -555,11 +584,11 @@ static int flipped_xi(int xi) {
   return 4 * pi[xi / 4] + pi[xi % 4];
 }
 
-static void wino_gemm(const wino_plan *p, int flip, int xi, const float *U, const float *V, float *M,
-                      int64_t cols) {
+static void wino_gemm(const wino_plan *p, int flip, int xi, const float *U, const float *V, int64_t vstride, float *M,
+                      int64_t mstride, int64_t cols) {
   const float *u = U + (flip ? flipped_xi(xi) : xi) * ((int64_t)p->cout * p->cin + WINO_SKEW);
-  const float *v = V + xi * (p->cin * cols + WINO_SKEW);
-  float *m = M + xi * (p->cout * cols + WINO_SKEW);
+  const float *v = V + xi * vstride;
+  float *m = M + xi * mstride;
   if (p->own_gemm && flip)
     dp_small_gemm_tn(p->cout, cols, p->cin, u, p->cout, v, cols, m, cols);
   else if (p->own_gemm)
@@ -595,25 +624,38 @@ static void wino_conv(const wino_plan *p, int64_t N, const float *in, const floa
           else
             input_plane_bordered(p, in + n * in_sz + c * hw, plane, V + c * cols, vstride);
         }
-        for (int xi = 0; xi < 16; ++xi) wino_gemm(p, flip, xi, U, V, M, cols);
+        for (int xi = 0; xi < 16; ++xi) wino_gemm(p, flip, xi, U, V, vstride, M, mstride, cols);
         for (int o = 0; o < p->cout; ++o)
           output_plane(p, M + o * cols, mstride, b ? b[o] : 0.0f, out + n * out_sz + o * hw);
       }
     } else {
       float *V = shared;
       const int64_t nchunks = (N + p->chunk - 1) / p->chunk;
+      /* thread t's GEMMs: the entries [xlo, xhi); with AVX-512 it transforms them itself (dw's scheme) */
+      const int xlo = 16 * t / p->nt, xhi = 16 * (t + 1) / p->nt;
+      const unsigned mine_xi = ((1u << xhi) - 1u) & ~((1u << xlo) - 1u);
+      /* the largest chunk's strides for every chunk (entry xi stays where it was) */
+      const int64_t vstride = p->cin * p->chunk * p->tiles + WINO_SKEW;
+      const int64_t mstride = p->cout * p->chunk * p->tiles + WINO_SKEW;
+      float *M = V + 16 * vstride;
       for (int64_t k = 0; k < nchunks; ++k) {
         const int64_t n0 = N * k / nchunks, cnt = N * (k + 1) / nchunks - n0, cols = cnt * p->tiles;
-        const int64_t vstride = p->cin * cols + WINO_SKEW, mstride = p->cout * cols + WINO_SKEW;
-        float *M = V + 16 * vstride;
-        /* channel-major, so that consecutive planes fill V's rows front to back */
+        if (OWN_ENTRIES) {
+          for (int64_t cs = 0; xlo < xhi && cs < p->cin * cnt; ++cs) {
+            const int64_t c = cs / cnt, s = cs % cnt;
+            input_plane_entries(p, in + (n0 + s) * in_sz + c * hw, plane, V + c * cols + s * p->tiles, vstride,
+                                mine_xi);
+          }
+        } else {
+          /* channel-major, so that consecutive planes fill V's rows front to back */
 #pragma omp for schedule(static)
-        for (int64_t cs = 0; cs < p->cin * cnt; ++cs) {
-          const int64_t c = cs / cnt, s = cs % cnt;
-          input_plane_bordered(p, in + (n0 + s) * in_sz + c * hw, plane, V + c * cols + s * p->tiles, vstride);
+          for (int64_t cs = 0; cs < p->cin * cnt; ++cs) {
+            const int64_t c = cs / cnt, s = cs % cnt;
+            input_plane_bordered(p, in + (n0 + s) * in_sz + c * hw, plane, V + c * cols + s * p->tiles, vstride);
+          }
         }
-#pragma omp for schedule(static)
-        for (int xi = 0; xi < 16; ++xi) wino_gemm(p, flip, xi, U, V, M, cols);
+        for (int xi = xlo; xi < xhi; ++xi) wino_gemm(p, flip, xi, U, V, vstride, M, mstride, cols);
+#pragma omp barrier /* every entry's products, for the output transforms */
 #pragma omp for schedule(static)
         for (int64_t os = 0; os < p->cout * cnt; ++os) {
           const int64_t o = os / cnt, s = os % cnt;
@@ -646,7 +688,8 @@ static void dy_cols(const float *restrict r0, const float *restrict r1, int n, f
  * plane of dy, zero past the plane's edge (the forward pass dropped those
  * outputs): the gradient of the tile's M given its outputs' gradients. zrow:
  * w zeros (a last tile row's second row when h is odd). */
-static void dy_plane(const wino_plan *p, const float *src, const float *zrow, float *wv, int64_t wstride) {
+static void dy_plane(const wino_plan *p, const float *src, const float *zrow, float *wv, int64_t wstride,
+                     unsigned xmask) {
   const int full = p->w / 2; /* tile columns with both columns inside */
   for (int ti = 0; ti < p->th; ++ti) {
     const float *r0 = src + (int64_t)2 * ti * p->w;
@@ -654,9 +697,12 @@ static void dy_plane(const wino_plan *p, const float *src, const float *zrow, fl
     float *wt = wv + (int64_t)ti * p->tw;
 #if defined(__AVX512F__)
     for (int tj = 0; tj < p->tw; tj += 16)
-      dy_tiles_avx512(r0 + 2 * tj, r1 + 2 * tj, p->w - 2 * tj, p->tw - tj < 16 ? p->tw - tj : 16, wt + tj, wstride);
+      dy_tiles_avx512(r0 + 2 * tj, r1 + 2 * tj, p->w - 2 * tj, p->tw - tj < 16 ? p->tw - tj : 16, wt + tj, wstride,
+                      xmask);
     (void)full;
     continue;
+#else
+    (void)xmask; /* the scalar code writes all 16 entries */
 #endif
     dy_cols(r0, r1, full, wt, wstride);
     if (full < p->tw) { /* odd w: the last tile's second column is outside */
@@ -722,34 +768,59 @@ dp_status dp_winograd_backward_dw(const dp_conv_geom *g, int64_t N, const float 
   const int64_t nchunks = (N + p->chunk - 1) / p->chunk;
 #pragma omp parallel num_threads(p->nt)
   {
-    float *mine = own + omp_get_thread_num() * p->per_thread;
-    float *plane = mine + (p->narrow ? 0 : p->own), *pack = packs + omp_get_thread_num() * DP_SMALL_GEMM_PACK_FLOATS;
+    const int t = omp_get_thread_num();
+    float *mine = own + t * p->per_thread;
+    float *plane = mine + (p->narrow ? 0 : p->own), *pack = packs + t * DP_SMALL_GEMM_PACK_FLOATS;
     memset(plane, 0, sizeof(float) * (size_t)p->plane_floats); /* the plane's border, and zrow */
     const float *zrow = plane + (int64_t)p->hp * p->wp;
+    /* thread t's GEMMs: the entries [xlo, xhi). With AVX-512 it also transforms them itself (every
+     * plane, only its entries: the GEMMs read what their own core wrote, and no barrier between
+     * chunks); else the planes are dealt to the threads and a barrier precedes the GEMMs. */
+    const int xlo = 16 * t / p->nt, xhi = 16 * (t + 1) / p->nt;
+    const unsigned mine_xi = ((1u << xhi) - 1u) & ~((1u << xlo) - 1u);
     for (int64_t k = 0; k < nchunks; ++k) {
       const int64_t n0 = N * k / nchunks, cnt = N * (k + 1) / nchunks - n0, cols = cnt * p->tiles;
-      const int64_t vstride = p->cin * cols + WINO_SKEW, wstride = p->cout * cols + WINO_SKEW;
+      /* the largest chunk's strides for every chunk: entry xi's V and W stay where they were (another
+       * thread may still read its own entries of the last chunk) */
+      const int64_t vstride = p->cin * p->chunk * p->tiles + WINO_SKEW, wstride = p->cout * p->chunk * p->tiles + WINO_SKEW;
       float *W = V + 16 * vstride;
+      if (OWN_ENTRIES) {
+        if (xlo < xhi) {
+          for (int64_t cs = 0; cs < p->cin * cnt; ++cs) {
+            const int64_t c = cs / cnt, s = cs % cnt;
+            input_plane_entries(p, x + (n0 + s) * in_sz + c * hw, plane, V + c * cols + s * p->tiles, vstride,
+                                mine_xi);
+          }
+          for (int64_t os = 0; os < p->cout * cnt; ++os) {
+            const int64_t o = os / cnt, s = os % cnt;
+            dy_plane(p, dy + (n0 + s) * out_sz + o * hw, zrow, W + o * cols + s * p->tiles, wstride, mine_xi);
+          }
+        }
+      } else {
 #pragma omp for schedule(static) nowait
-      for (int64_t cs = 0; cs < p->cin * cnt; ++cs) {
-        const int64_t c = cs / cnt, s = cs % cnt;
-        input_plane_bordered(p, x + (n0 + s) * in_sz + c * hw, plane, V + c * cols + s * p->tiles, vstride);
-      }
+        for (int64_t cs = 0; cs < p->cin * cnt; ++cs) {
+          const int64_t c = cs / cnt, s = cs % cnt;
+          input_plane_bordered(p, x + (n0 + s) * in_sz + c * hw, plane, V + c * cols + s * p->tiles, vstride);
+        }
 #pragma omp for schedule(static)
-      for (int64_t os = 0; os < p->cout * cnt; ++os) {
-        const int64_t o = os / cnt, s = os % cnt;
-        dy_plane(p, dy + (n0 + s) * out_sz + o * hw, zrow, W + o * cols + s * p->tiles, wstride);
+        for (int64_t os = 0; os < p->cout * cnt; ++os) {
+          const int64_t o = os / cnt, s = os % cnt;
+          dy_plane(p, dy + (n0 + s) * out_sz + o * hw, zrow, W + o * cols + s * p->tiles, wstride, ALL_ENTRIES);
+        }
       }
       /* dU_xi (O, C) (+)= W_xi (O, cols) . V_xi^T (cols, C): the chunks in order, whatever the threads */
-#pragma omp for schedule(static)
-      for (int xi = 0; xi < 16; ++xi)
+      for (int xi = xlo; xi < xhi; ++xi)
         if (p->own_gemm)
           dp_small_gemm_nt(p->cout, p->cin, cols, W + xi * wstride, cols, V + xi * vstride, cols, dU + xi * ustride,
                            p->cin, k > 0, pack);
         else
           cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, p->cout, p->cin, (int)cols, 1.0f, W + xi * wstride,
-                    (int)cols, V + xi * vstride, (int)cols, k == 0 ? 0.0f : 1.0f, dU + xi * ustride, p->cin);
+                      (int)cols, V + xi * vstride, (int)cols, k == 0 ? 0.0f : 1.0f, dU + xi * ustride, p->cin);
+      if (!OWN_ENTRIES) {
+#pragma omp barrier /* the GEMMs read before the next chunk's transforms overwrite */
+      }
     }
+#pragma omp barrier /* every dU_xi summed */
     filter_gradient(dU, ustride, pairs, dw);
     if (db) {
 #pragma omp for schedule(static)

@@ -141,6 +141,8 @@ ODD_CASES = [              # at least 64 channels in and out (DP_WINOGRAD_MIN_CH
     (2, 64, 1, 1, 64),       # a 1x1 plane: one tile, three quarters discarded
     (9, 96, 2, 2, 64),       # 2x2 planes (ResNet-18's last stage at 16x16 inputs)
     (5, 64, 64, 64, 64),     # dw over five chunks of one sample (WINO_CHUNK_FLOATS), summed on in the GEMM
+    (7, 64, 40, 40, 64),     # chunks of 2 samples: 1, 2, 2, 2 (unequal: each entry keeps the largest's place)
+    (17, 256, 7, 7, 256),    # narrow: chunks of 8 and 9 samples, forward and dx too
 ]
 
 
