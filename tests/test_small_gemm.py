@@ -23,6 +23,8 @@ order, for any BLAS too); then:
 S, the computation in absolute values, is the float64 reference run on |x|,
 |w|, |b|, |dy| (every term is a product of one entry of each).
 """
+import subprocess
+
 import numpy as np
 import pytest
 
@@ -130,3 +132,23 @@ def test_benchmark_quick_run():
     for row in ("| 64 -> 64, 3x3 on 28x28 (Winograd F(2x2, 3x3)) | 2 |", "| 64 -> 128, 1x1 stride 2 on 28x28 (im2col) |",
                 "whole ResNet-18 train_step", "OpenBLAS (dpcore's choice) / dpcore's", "SkylakeX" if BUILT else ""):
         assert row in proc.stdout, proc.stdout
+
+
+def test_kernel_against_float64_under_the_sanitizers(tmp_path):
+    """tests/c/small_gemm_check.c: NN, TN and NT at the kernel's edges (rows around
+    its 8-row block, columns around 16 and 32, K around its blocks, empty sizes)
+    within gamma_K of a double reference, nothing written outside C's block, NT's
+    accumulation the same bits as one call; built for this CPU (-march=native, as
+    the extension is) with ASan and UBSan. Without AVX-512 it checks that the
+    kernel reports itself not built."""
+    from test_sanitizers import ASAN_UBSAN, clean_env, compile_program
+    exe = compile_program(tmp_path, "small_gemm_check", ["small_gemm.c", "status.c"], ASAN_UBSAN,
+                          link_flags=["-march=native"])
+    proc = subprocess.run([str(exe)], capture_output=True, text=True, timeout=300,
+                          env=clean_env(ASAN_OPTIONS="detect_leaks=1:halt_on_error=1",
+                                        UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1"))
+    report = proc.stdout + proc.stderr
+    assert proc.returncode == 0, report
+    assert "small_gemm_check: ok" in proc.stdout
+    assert "runtime error" not in report and "Sanitizer" not in report, report
+    assert ("not built" in proc.stdout) == (not BUILT), report
