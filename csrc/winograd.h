@@ -19,7 +19,12 @@
  * one sample per GEMM, so a sample's y and dx are the same bits whatever else
  * is in the batch. Narrow planes (ResNet-18's 7x7 and 4x4), and dw: the batch
  * in chunks of samples, a chunk's tiles side by side in each GEMM and the 16
- * GEMMs dealt to the threads, as the GEMM path groups narrow planes.
+ * GEMMs dealt to the threads, as the GEMM path groups narrow planes (with
+ * AVX-512 each thread also transforms the entries of its own GEMMs, so a GEMM
+ * reads what its core wrote). The products run on dpcore's own GEMM kernel
+ * where the build has it (small_gemm.h; DPCORE_OWN_GEMM=0: the BLAS); with
+ * AVX-512 the tiles' transforms run 15 or 16 tiles a step in registers, the
+ * same arithmetic in the same order as the scalar code.
  *
  * The switch: DPCORE_WINOGRAD (which also switches winograd_lanes.h),
  * read with getenv at every call (so that a test
