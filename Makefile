@@ -71,12 +71,15 @@ BENCH_SCRIPT_DESELECT := \
   --deselect tests/test_small_gemm.py::test_benchmark_quick_run \
   --deselect tests/test_winograd.py::test_under_openblas_sandybridge_kernels
 # Tests whose result does not depend on the extension build under test, which the plain run runs:
-# tests/test_sanitizers.py compiles the C programs of tests/c from csrc/ with its own sanitizer flags,
+# tests/test_sanitizers.py (and two tests of tests/test_small_gemm.py) compile the C programs of tests/c
+# from csrc/ with their own sanitizer flags,
 # and test_core_compiles_warning_free compiles the core with -Werror in each configuration; the same
 # commands with the same sources would only repeat them in the ASan and CPU-only runs (2.5 minutes
 # each).
 BUILD_INDEPENDENT_DESELECT := \
   --deselect tests/test_sanitizers.py \
+  --deselect tests/test_small_gemm.py::test_kernel_against_float64_under_the_sanitizers \
+  --deselect tests/test_small_gemm.py::test_winograd_bits_do_not_depend_on_the_thread_count \
   --deselect tests/test_cuda_build.py::test_core_compiles_warning_free
 ASAN_DESELECT := $(BENCH_SCRIPT_DESELECT) $(BUILD_INDEPENDENT_DESELECT) \
   --deselect tests/test_benchmarks.py::test_gpu_benchmark_dry_run_on_cpu_devices \

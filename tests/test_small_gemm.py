@@ -134,6 +134,22 @@ def test_benchmark_quick_run():
         assert row in proc.stdout, proc.stdout
 
 
+def run_native_c_check(tmp_path, program, core_sources):
+    """tests/c/<program>.c with the named csrc/ files, built for this CPU (-march=native, as the
+    extension is: its AVX-512 code, where the CPU has it) under ASan and UBSan, run; it must say
+    "<program>: ok" with no sanitizer report. Returns its output."""
+    from test_sanitizers import ASAN_UBSAN, clean_env, compile_program
+    exe = compile_program(tmp_path, program, core_sources, ASAN_UBSAN, link_flags=["-march=native"])
+    proc = subprocess.run([str(exe)], capture_output=True, text=True, timeout=600,
+                          env=clean_env(ASAN_OPTIONS="detect_leaks=1:halt_on_error=1",
+                                        UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1"))
+    report = proc.stdout + proc.stderr
+    assert proc.returncode == 0, report
+    assert f"{program}: ok" in proc.stdout, report
+    assert "runtime error" not in report and "Sanitizer" not in report, report
+    return report
+
+
 def test_kernel_against_float64_under_the_sanitizers(tmp_path):
     """tests/c/small_gemm_check.c: NN, TN and NT at the kernel's edges (rows around
     its 8-row block, columns around 16 and 32, K around its blocks, empty sizes)
@@ -141,14 +157,13 @@ def test_kernel_against_float64_under_the_sanitizers(tmp_path):
     accumulation the same bits as one call; built for this CPU (-march=native, as
     the extension is) with ASan and UBSan. Without AVX-512 it checks that the
     kernel reports itself not built."""
-    from test_sanitizers import ASAN_UBSAN, clean_env, compile_program
-    exe = compile_program(tmp_path, "small_gemm_check", ["small_gemm.c", "status.c"], ASAN_UBSAN,
-                          link_flags=["-march=native"])
-    proc = subprocess.run([str(exe)], capture_output=True, text=True, timeout=300,
-                          env=clean_env(ASAN_OPTIONS="detect_leaks=1:halt_on_error=1",
-                                        UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1"))
-    report = proc.stdout + proc.stderr
-    assert proc.returncode == 0, report
-    assert "small_gemm_check: ok" in proc.stdout
-    assert "runtime error" not in report and "Sanitizer" not in report, report
-    assert ("not built" in proc.stdout) == (not BUILT), report
+    report = run_native_c_check(tmp_path, "small_gemm_check", ["small_gemm.c", "status.c"])
+    assert ("not built" in report) == (not BUILT), report
+
+
+def test_winograd_bits_do_not_depend_on_the_thread_count(tmp_path):
+    """tests/c/winograd_threads.c: Winograd F(2x2, 3x3)'s y, dx, dw and db on 1, 2, 3, 5
+    and 17 threads, the same bits (wide and narrow planes, chunks of unequal sizes): the
+    threads that transform their own GEMMs' entries (with AVX-512) neither race nor
+    change a sum's order. Built for this CPU under ASan and UBSan."""
+    run_native_c_check(tmp_path, "winograd_threads", ["winograd.c", "small_gemm.c", "status.c"])

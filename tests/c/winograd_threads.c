@@ -1,0 +1,91 @@
+/* winograd_threads.c — Winograd F(2x2, 3x3) (csrc/winograd.c) gives the same
+ * bits whatever its thread count: y and dx (a sample's tiles in its own GEMMs
+ * on wide planes; a chunk's, the same chunks, on narrow ones) and dw, db (the
+ * batch in the same chunks, each entry's GEMM summing them in order). With
+ * AVX-512 every thread also transforms the entries of its own GEMMs, each at
+ * the largest chunk's place: 1, 2, 3, 5 and 17 threads (17: more threads than
+ * the 16 entries) on wide and narrow planes with chunks of unequal sizes.
+ * tests/test_small_gemm.py builds it for this CPU (-march=native, as the
+ * extension) under ASan and UBSan.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "check.h"
+#include "winograd.h"
+
+typedef struct outputs {
+  float *y, *dx, *dw, *db;
+} outputs;
+
+static float *randoms(int64_t n) {
+  float *p = malloc(sizeof(float) * (size_t)(n > 0 ? n : 1));
+  if (p)
+    for (int64_t i = 0; i < n; ++i) p[i] = 2.0f * uniform() - 1.0f;
+  return p;
+}
+
+static int run(const dp_conv_geom *g, int64_t N, const float *x, const float *w, const float *b, const float *dy,
+               int nt, outputs *o) {
+  const int64_t xs = N * g->C * g->H * g->W, ys = N * g->O * g->OH * g->OW;
+  const size_t floats = dp_winograd_scratch_floats(g, N, nt); /* the forward pass's, dx's and dw's */
+  float *scratch = aligned_alloc(64, (floats * sizeof(float) + 63) & ~(size_t)63);
+  o->y = malloc(sizeof(float) * (size_t)ys);
+  o->dx = malloc(sizeof(float) * (size_t)xs);
+  o->dw = malloc(sizeof(float) * (size_t)g->O * g->C * 9);
+  o->db = malloc(sizeof(float) * (size_t)g->O);
+  if (!scratch || !o->y || !o->dx || !o->dw || !o->db) {
+    free(scratch);
+    return 0;
+  }
+  CHECK(dp_winograd_forward(g, N, x, w, b, o->y, nt, scratch) == DP_OK);
+  CHECK(dp_winograd_backward_dx(g, N, w, dy, o->dx, nt, scratch) == DP_OK);
+  CHECK(dp_winograd_backward_dw(g, N, x, dy, o->dw, o->db, nt, scratch) == DP_OK);
+  free(scratch);
+  return 1;
+}
+
+static void release(outputs *o) {
+  free(o->y), free(o->dx), free(o->dw), free(o->db);
+  memset(o, 0, sizeof *o);
+}
+
+static void check_geometry(int64_t N, int C, int H, int O) {
+  const dp_conv_geom g = {C, H, H, O, 3, 3, 1, 1, H, H};
+  const int64_t xs = N * C * H * H, ys = N * O * H * H;
+  float *x = randoms(xs), *w = randoms((int64_t)O * C * 9), *b = randoms(O), *dy = randoms(ys);
+  outputs one = {0};
+  if (!x || !w || !b || !dy || !run(&g, N, x, w, b, dy, 1, &one)) {
+    CHECK(!"out of memory");
+  } else {
+    static const int threads[] = {2, 3, 5, 17};
+    for (size_t i = 0; i < sizeof threads / sizeof threads[0]; ++i) {
+      outputs many = {0};
+      if (!run(&g, N, x, w, b, dy, threads[i], &many)) {
+        CHECK(!"out of memory");
+      } else {
+        const int same = memcmp(one.y, many.y, sizeof(float) * (size_t)ys) == 0 &&
+                         memcmp(one.dx, many.dx, sizeof(float) * (size_t)xs) == 0 &&
+                         memcmp(one.dw, many.dw, sizeof(float) * (size_t)O * C * 9) == 0 &&
+                         memcmp(one.db, many.db, sizeof(float) * (size_t)O) == 0;
+        CHECK(same);
+        if (!same)
+          fprintf(stderr, "N %ld C %d H %d O %d: %d threads differ from 1\n", (long)N, C, H, O, threads[i]);
+      }
+      release(&many);
+    }
+  }
+  release(&one);
+  free(x), free(w), free(b), free(dy);
+}
+
+int main(void) {
+  check_geometry(7, 64, 40, 64);   /* wide; dw in chunks of 1, 2, 2, 2 samples */
+  check_geometry(3, 64, 28, 72);   /* wide, ResNet-18's first stage's plane, more outputs than inputs */
+  check_geometry(17, 256, 7, 256); /* narrow; chunks of 8 and 9 samples */
+  check_geometry(5, 80, 4, 64);    /* narrow, 2x2 tiles a sample, one chunk */
+  check_geometry(2, 64, 9, 65);    /* wide, odd sides and channels */
+  printf(failures ? "winograd_threads: FAILED\n" : "winograd_threads: ok\n");
+  return failures ? 1 : 0;
+}
