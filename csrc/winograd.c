@@ -825,12 +825,19 @@ dp_status dp_winograd_backward_dw(const dp_conv_geom *g, int64_t N, const float 
     if (db) {
 #pragma omp for schedule(static)
       for (int o = 0; o < g->O; ++o) {
-        double sum = 0.0;
+        /* in double, 16 lanes (value i of a plane into lane i % 16; the lanes added pairwise at the
+         * end): one chain of dependent adds measured 3% of the ResNet-18 step */
+        double lane[16] = {0.0};
         for (int64_t n = 0; n < N; ++n) {
           const float *r = dy + n * out_sz + o * P;
-          for (int64_t i = 0; i < P; ++i) sum += r[i];
+          int64_t i = 0;
+          for (; i + 16 <= P; i += 16)
+            for (int l = 0; l < 16; ++l) lane[l] += (double)r[i + l];
+          for (int l = 0; i < P; ++i, ++l) lane[l] += (double)r[i];
         }
-        db[o] = (float)sum;
+        for (int width = 8; width > 0; width /= 2)
+          for (int l = 0; l < width; ++l) lane[l] += lane[l + width];
+        db[o] = (float)lane[0];
       }
     }
   }
