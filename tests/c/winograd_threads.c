@@ -6,8 +6,11 @@
  * the largest chunk's place: 1, 2, 3, 5 and 17 threads (17: more threads than
  * the 16 entries) on wide and narrow planes with chunks of unequal sizes.
  * tests/test_small_gemm.py builds it for this CPU (-march=native, as the
- * extension) under ASan and UBSan.
+ * extension) under ASan and UBSan. Without AVX-512 the GEMMs are OpenBLAS's:
+ * the same bits too, as long as they run single-threaded (inside an active
+ * region, or with the thread count cpu_enter sets).
  */
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -30,6 +33,10 @@ static int run(const dp_conv_geom *g, int64_t N, const float *x, const float *w,
                int nt, outputs *o) {
   const int64_t xs = N * g->C * g->H * g->W, ys = N * g->O * g->OH * g->OW;
   const size_t floats = dp_winograd_scratch_floats(g, N, nt); /* the forward pass's, dx's and dw's */
+  /* as the CPU backend's cpu_enter: the device's thread count is the calling thread's OpenMP one
+   * (with one thread the region is inactive, and OpenBLAS's OpenMP build would otherwise run its
+   * GEMMs on all the cores, in other bits than the single-threaded calls inside a region) */
+  omp_set_num_threads(nt);
   float *scratch = aligned_alloc(64, (floats * sizeof(float) + 63) & ~(size_t)63);
   o->y = malloc(sizeof(float) * (size_t)ys);
   o->dx = malloc(sizeof(float) * (size_t)xs);
