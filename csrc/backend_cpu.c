@@ -552,11 +552,7 @@ static dp_status cpu_conv2d_forward(dp_device *dev, const dp_conv_geom *g, int64
       im2col(g, x + n0 * in_sz, in_sz, cnt, col, ld, buf);
       /* out (O, cnt*P) = w (O, K) . col (K, cnt*P); a lone sample's out is its own y */
       float *res = cnt == 1 ? y + n0 * out_sz : out;
-      if (own_gemm)
-        dp_small_gemm_nn(g->O, ld, K, w, K, col, ld, res, ld);
-      else
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, g->O, (int)ld, (int)K, 1.0f, w, (int)K, col, (int)ld,
-                    0.0f, res, (int)ld);
+      dp_gemm(own_gemm, 0, 0, g->O, ld, K, w, K, col, ld, res, ld, 0, NULL);
       for (int64_t s = 0; s < cnt; ++s)
         for (int o = 0; o < g->O; ++o) {
           const float *src = res + o * ld + s * P;
@@ -685,11 +681,7 @@ static dp_status cpu_conv2d_backward(dp_device *dev, const dp_conv_geom *g, int6
         dys = dyg;
       }
       /* pdw (O, K) (+)= dyg (O, cnt*P) . col^T (cnt*P, K) */
-      if (dw_here && own_gemm)
-        dp_small_gemm_nt(g->O, K, ld, dys, ld, col, ld, pdw, K, k > 0, pack);
-      else if (dw_here)
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, g->O, (int)K, (int)ld, 1.0f, dys, (int)ld, col, (int)ld,
-                    k == 0 ? 0.0f : 1.0f, pdw, (int)K);
+      if (dw_here) dp_gemm(own_gemm, 0, 1, g->O, K, ld, dys, ld, col, ld, pdw, K, k > 0, pack);
       for (int o = 0; dw_here && o < g->O; ++o) {
         const float *r = dys + o * ld;
         float sum = 0.0f;
@@ -701,21 +693,14 @@ static dp_status cpu_conv2d_backward(dp_device *dev, const dp_conv_geom *g, int6
         /* dxg (C, cnt*H*W) = wt (C, O*KH*KW) . im2col(dy) (O*KH*KW, cnt*H*W) */
         const int64_t ldx = cnt * HW;
         im2col(&tg, dy + n0 * out_sz, out_sz, cnt, col, ldx, buf);
-        if (own_gemm)
-          dp_small_gemm_nn(g->C, ldx, g->O * KK, wt, g->O * KK, col, ldx, cnt == 1 ? dx + n0 * in_sz : dcol, ldx);
-        else
-          cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, g->C, (int)ldx, (int)(g->O * KK), 1.0f, wt,
-                      (int)(g->O * KK), col, (int)ldx, 0.0f, cnt == 1 ? dx + n0 * in_sz : dcol, (int)ldx);
+        dp_gemm(own_gemm, 0, 0, g->C, ldx, g->O * KK, wt, g->O * KK, col, ldx, cnt == 1 ? dx + n0 * in_sz : dcol, ldx,
+                0, NULL);
         for (int64_t s = 0; cnt > 1 && s < cnt; ++s)
           for (int c = 0; c < g->C; ++c)
             memcpy(dx + (n0 + s) * in_sz + c * HW, dcol + c * ldx + s * HW, sizeof(float) * (size_t)HW);
       } else if (dx) {
         /* dcol (K, cnt*P) = w^T (K, O) . dyg (O, cnt*P) */
-        if (own_gemm)
-          dp_small_gemm_tn(K, ld, g->O, w, K, dys, ld, dcol, ld);
-        else
-          cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, (int)K, (int)ld, g->O, 1.0f, w, (int)K, dys, (int)ld,
-                      0.0f, dcol, (int)ld);
+        dp_gemm(own_gemm, 1, 0, K, ld, g->O, w, K, dys, ld, dcol, ld, 0, NULL);
         for (int64_t s = 0; s < cnt; ++s) col2im(g, dcol + s * P, ld, dx + (n0 + s) * in_sz);
       }
     }

@@ -21,6 +21,13 @@
 
 #define DP_MK_ROWS 6
 
+#if defined(__AVX512F__)
+/* the mask of lanes [0, n) of 16 (none for n <= 0, all for n >= 16) */
+static inline __mmask16 dp_lanes_upto(int64_t n) {
+  return n >= 16 ? (__mmask16)0xFFFF : n <= 0 ? (__mmask16)0 : (__mmask16)((1u << n) - 1u);
+}
+#endif
+
 #if defined(__AVX__)
 typedef __m256 v8;
 #define V8_ZERO() _mm256_setzero_ps()

@@ -11,11 +11,12 @@
  */
 #include "small_gemm.h"
 
+#include <cblas.h>
 #include <string.h>
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
+#include "gemm_kernel.h"
 
+#if defined(__AVX512F__)
 #define DP_SG_DEFAULT 1
 #define MR 8
 #define NR 32
@@ -99,10 +100,6 @@ static inline void mk1x32(int64_t K, const float *A, int64_t ks, const float *B,
   _mm512_mask_storeu_ps(C + 16, m1, c1);
 }
 
-static inline __mmask16 lanes_mask(int64_t n) {
-  return n >= 16 ? (__mmask16)0xFFFF : n <= 0 ? (__mmask16)0 : (__mmask16)((1u << n) - 1u);
-}
-
 /* rows [0, M) of C against one panel of nj <= 32 columns; A's element (r, k)
  * at A[r * rs + k * ks] (one of rs, ks is 1) */
 static inline __attribute__((always_inline)) void panel(int64_t M, int64_t nj, int64_t K, const float *A, int64_t rs,
@@ -112,10 +109,10 @@ static inline __attribute__((always_inline)) void panel(int64_t M, int64_t nj, i
   if (nj == NR) { /* the common case: constant masks, plain loads and stores */
     for (; i + MR <= M; i += MR) mk8x32(K, A + i * rs, rs, ks, B, ldb, C + i * ldc, ldc, 0xFFFF, 0xFFFF, acc);
   } else {
-    const __mmask16 m0 = lanes_mask(nj), m1 = lanes_mask(nj - 16);
+    const __mmask16 m0 = dp_lanes_upto(nj), m1 = dp_lanes_upto(nj - 16);
     for (; i + MR <= M; i += MR) mk8x32(K, A + i * rs, rs, ks, B, ldb, C + i * ldc, ldc, m0, m1, acc);
   }
-  const __mmask16 m0 = lanes_mask(nj), m1 = lanes_mask(nj - 16);
+  const __mmask16 m0 = dp_lanes_upto(nj), m1 = dp_lanes_upto(nj - 16);
   for (; i < M; ++i) mk1x32(K, A + i * rs, ks, B, ldb, C + i * ldc, m0, m1, acc);
 }
 
@@ -124,52 +121,21 @@ static inline __attribute__((always_inline)) void panel(int64_t M, int64_t nj, i
 #define KB 256
 #define MB 128
 
-static void drive_nn(int64_t M, int64_t N, int64_t K, const float *A, int64_t lda, const float *B, int64_t ldb,
-                     float *C, int64_t ldc, int acc) {
+/* C (+)= op(A) . B, A's element (r, k) at A[r * rs + k * ks] (A as stored: rs
+ * = lda, ks = 1; A stored transposed: rs = 1, ks = lda; the callers pass the
+ * 1 as a constant) */
+static inline __attribute__((always_inline)) void drive(int64_t M, int64_t N, int64_t K, const float *A, int64_t rs,
+                                                        int64_t ks, const float *B, int64_t ldb, float *C,
+                                                        int64_t ldc, int acc) {
   for (int64_t k0 = 0; k0 < K; k0 += KB) {
     const int64_t kc = K - k0 < KB ? K - k0 : KB;
     for (int64_t i0 = 0; i0 < M; i0 += MB) {
       const int64_t mc = M - i0 < MB ? M - i0 : MB;
       for (int64_t j = 0; j < N; j += NR)
-        panel(mc, N - j < NR ? N - j : NR, kc, A + i0 * lda + k0, lda, 1, B + k0 * ldb + j, ldb, C + i0 * ldc + j,
-              ldc, acc || k0 > 0);
+        panel(mc, N - j < NR ? N - j : NR, kc, A + i0 * rs + k0 * ks, rs, ks, B + k0 * ldb + j, ldb,
+              C + i0 * ldc + j, ldc, acc || k0 > 0);
     }
   }
-}
-
-static void drive_tn(int64_t M, int64_t N, int64_t K, const float *A, int64_t lda, const float *B, int64_t ldb,
-                     float *C, int64_t ldc) {
-  for (int64_t k0 = 0; k0 < K; k0 += KB) {
-    const int64_t kc = K - k0 < KB ? K - k0 : KB;
-    for (int64_t i0 = 0; i0 < M; i0 += MB) {
-      const int64_t mc = M - i0 < MB ? M - i0 : MB;
-      for (int64_t j = 0; j < N; j += NR)
-        panel(mc, N - j < NR ? N - j : NR, kc, A + k0 * lda + i0, 1, lda, B + k0 * ldb + j, ldb, C + i0 * ldc + j,
-              ldc, k0 > 0);
-    }
-  }
-}
-
-static void zero_rows(int64_t M, int64_t N, float *C, int64_t ldc) {
-  for (int64_t i = 0; i < M; ++i) memset(C + i * ldc, 0, sizeof(float) * (size_t)N);
-}
-
-void dp_small_gemm_nn(int64_t M, int64_t N, int64_t K, const float *A, int64_t lda, const float *B, int64_t ldb,
-                      float *C, int64_t ldc) {
-  if (K <= 0) {
-    zero_rows(M, N, C, ldc);
-    return;
-  }
-  drive_nn(M, N, K, A, lda, B, ldb, C, ldc, 0);
-}
-
-void dp_small_gemm_tn(int64_t M, int64_t N, int64_t K, const float *A, int64_t lda, const float *B, int64_t ldb,
-                      float *C, int64_t ldc) {
-  if (K <= 0) {
-    zero_rows(M, N, C, ldc);
-    return;
-  }
-  drive_tn(M, N, K, A, lda, B, ldb, C, ldc);
 }
 
 /* out[k * 16 + r] = rows[r][k], r, k < 16 (rows[r] = src + r * ld): a
@@ -211,12 +177,9 @@ static void pack_transposed(const float *B, int64_t ldb, int64_t nj, int64_t kc,
   }
 }
 
-void dp_small_gemm_nt(int64_t M, int64_t N, int64_t K, const float *A, int64_t lda, const float *B, int64_t ldb,
-                      float *C, int64_t ldc, int accumulate, float *pack) {
-  if (K <= 0) {
-    if (!accumulate) zero_rows(M, N, C, ldc);
-    return;
-  }
+/* C (+)= A . B^T, B stored (N, K): B^T packed a panel of NR columns by KC k at a time */
+static void gemm_nt(int64_t M, int64_t N, int64_t K, const float *A, int64_t lda, const float *B, int64_t ldb,
+                    float *C, int64_t ldc, int accumulate, float *pack) {
   for (int64_t k0 = 0; k0 < K; k0 += KC) {
     const int64_t kc = K - k0 < KC ? K - k0 : KC;
     for (int64_t j = 0; j < N; j += NR) {
@@ -230,7 +193,23 @@ void dp_small_gemm_nt(int64_t M, int64_t N, int64_t K, const float *A, int64_t l
   }
 }
 
-#else /* no AVX-512 in this build: the callers use the BLAS */
+static int kernel_takes(int own, int ta, int tb) { return own && !(ta && tb); }
+
+static void kernel_gemm(int ta, int tb, int64_t M, int64_t N, int64_t K, const float *A, int64_t lda, const float *B,
+                        int64_t ldb, float *C, int64_t ldc, int accumulate, float *pack) {
+  if (K <= 0) {
+    if (!accumulate)
+      for (int64_t i = 0; i < M; ++i) memset(C + i * ldc, 0, sizeof(float) * (size_t)N);
+  } else if (tb) {
+    gemm_nt(M, N, K, A, lda, B, ldb, C, ldc, accumulate, pack);
+  } else if (ta) {
+    drive(M, N, K, A, 1, lda, B, ldb, C, ldc, accumulate);
+  } else {
+    drive(M, N, K, A, lda, 1, B, ldb, C, ldc, accumulate);
+  }
+}
+
+#else /* no AVX-512 in this build: CBLAS */
 
 int dp_small_gemm_built(void) { return 0; }
 
@@ -240,20 +219,24 @@ dp_status dp_small_gemm_on(int *on) {
   return DP_OK;
 }
 
-void dp_small_gemm_nn(int64_t M, int64_t N, int64_t K, const float *A, int64_t lda, const float *B, int64_t ldb,
-                      float *C, int64_t ldc) {
-  (void)M, (void)N, (void)K, (void)A, (void)lda, (void)B, (void)ldb, (void)C, (void)ldc;
+static int kernel_takes(int own, int ta, int tb) {
+  (void)own, (void)ta, (void)tb;
+  return 0;
 }
 
-void dp_small_gemm_tn(int64_t M, int64_t N, int64_t K, const float *A, int64_t lda, const float *B, int64_t ldb,
-                      float *C, int64_t ldc) {
-  (void)M, (void)N, (void)K, (void)A, (void)lda, (void)B, (void)ldb, (void)C, (void)ldc;
-}
-
-void dp_small_gemm_nt(int64_t M, int64_t N, int64_t K, const float *A, int64_t lda, const float *B, int64_t ldb,
-                      float *C, int64_t ldc, int accumulate, float *pack) {
-  (void)M, (void)N, (void)K, (void)A, (void)lda, (void)B, (void)ldb, (void)C, (void)ldc, (void)accumulate,
-      (void)pack;
+static void kernel_gemm(int ta, int tb, int64_t M, int64_t N, int64_t K, const float *A, int64_t lda, const float *B,
+                        int64_t ldb, float *C, int64_t ldc, int accumulate, float *pack) {
+  (void)ta, (void)tb, (void)M, (void)N, (void)K, (void)A, (void)lda, (void)B, (void)ldb, (void)C, (void)ldc,
+      (void)accumulate, (void)pack;
 }
 
 #endif
+
+void dp_gemm(int own, int ta, int tb, int64_t M, int64_t N, int64_t K, const float *A, int64_t lda, const float *B,
+             int64_t ldb, float *C, int64_t ldc, int accumulate, float *pack) {
+  if (kernel_takes(own, ta, tb))
+    kernel_gemm(ta, tb, M, N, K, A, lda, B, ldb, C, ldc, accumulate, pack);
+  else
+    cblas_sgemm(CblasRowMajor, ta ? CblasTrans : CblasNoTrans, tb ? CblasTrans : CblasNoTrans, (int)M, (int)N, (int)K,
+                1.0f, A, (int)lda, B, (int)ldb, accumulate ? 1.0f : 0.0f, C, (int)ldc);
+}

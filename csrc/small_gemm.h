@@ -1,19 +1,21 @@
-/* small_gemm.h — dpcore's own single-threaded SGEMM for the Winograd
- * products (winograd.c), built where the compiler targets AVX-512.
+/* small_gemm.h — the CPU convolutions' GEMMs (Winograd F(2x2, 3x3)'s
+ * products, winograd.c; the im2col GEMMs, backend_cpu.c): dpcore's own
+ * single-threaded SGEMM where the compiler targets AVX-512, CBLAS elsewhere
+ * or when DPCORE_OWN_GEMM=0.
  *
- * Why not the BLAS: F(2x2, 3x3)'s products are 16 small GEMMs per sample
- * (64..512 channels by 49..196 tiles), called from inside dpcore's own
+ * Why not only the BLAS: the products are small GEMMs (64..512 channels by
+ * a few dozen to a few hundred tiles) called from inside dpcore's own
  * threads. OpenBLAS runs them on the kernels its runtime chose (on an AVX-512
  * CPU under OPENBLAS_CORETYPE=Haswell, as this project's workplace sets, the
  * AVX2 ones at half the width) and packs both operands on every call. This
- * kernel reads U and V where the transforms wrote them (no packing), with an
- * 8 x 32 register block (16 of the 32 vector registers accumulate). Measured
- * against OpenBLAS, both with its AVX2 kernels and with its own AVX-512 choice
- * (benchmarks/RESULTS.md, "dpcore's AVX-512 SGEMM for the Winograd products"):
- * kept where it measured faster, and switchable (DPCORE_OWN_GEMM=0: OpenBLAS).
+ * kernel reads A and B where they lie (NT packs B^T a panel at a time), with
+ * an 8 x 32 register block (16 of the 32 vector registers accumulate).
+ * Measured against OpenBLAS with its AVX2 kernels and with its own AVX-512
+ * ones (benchmarks/bench_own_gemm.py; benchmarks/RESULTS.md, "dpcore's
+ * AVX-512 GEMM kernel A/B").
  *
- * Each output is one sequential sum of fused multiply-adds in k order (the
- * same bits whatever the blocking and the thread).
+ * On the kernel each output is one sequential sum of fused multiply-adds in k
+ * order (the same bits whatever the blocking and the thread).
  */
 #ifndef DP_SMALL_GEMM_H
 #define DP_SMALL_GEMM_H
@@ -29,26 +31,18 @@ int dp_small_gemm_built(void);
  * else 0: the callers use the BLAS. Fails only for a malformed switch. */
 DP_MUST_CHECK dp_status dp_small_gemm_on(int *on);
 
-/* C (M, N) = A (M, K) . B (K, N), row-major, leading dimensions lda, ldb,
- * ldc (beta 0: C's old contents are ignored). Only where dp_small_gemm_on
- * said 1 (elsewhere it does nothing). */
-void dp_small_gemm_nn(int64_t M, int64_t N, int64_t K, const float *A, int64_t lda, const float *B, int64_t ldb,
-                      float *C, int64_t ldc);
-
-/* C (M, N) = A^T . B, A (K, M) row-major (A^T's element (i, k) at
- * A[k * lda + i]), B (K, N); beta 0. Only where dp_small_gemm_on said 1. */
-void dp_small_gemm_tn(int64_t M, int64_t N, int64_t K, const float *A, int64_t lda, const float *B, int64_t ldb,
-                      float *C, int64_t ldc);
-
-/* floats of dp_small_gemm_nt's packing buffer: a panel of 32 columns of B^T
- * by a block of 512 k */
+/* floats of the packing buffer a B^T product needs on the kernel: a panel of
+ * 32 columns of B^T by a block of 512 k */
 #define DP_SMALL_GEMM_PACK_FLOATS (32 * 512)
 
-/* C (M, N) (+)= A (M, K) . B^T, B (N, K) row-major: beta 0 (overwrite) or 1
- * (accumulate: the sums go on from C's values in k order). B^T is packed a
- * panel at a time into `pack` (DP_SMALL_GEMM_PACK_FLOATS, the caller's). Only
- * where dp_small_gemm_on said 1. */
-void dp_small_gemm_nt(int64_t M, int64_t N, int64_t K, const float *A, int64_t lda, const float *B, int64_t ldb,
-                      float *C, int64_t ldc, int accumulate, float *pack);
+/* C (M, N) = op(A) . op(B), row-major: op(A) = A (M, K), or A^T with A
+ * stored (K, M) (ta); op(B) = B (K, N), or B^T with B stored (N, K) (tb).
+ * accumulate: C's values plus the product (on the kernel the sums go on from
+ * C's values in k order; through CBLAS, beta = 1), else C's old contents are
+ * ignored. own (dp_small_gemm_on's answer): dpcore's kernel, one thread (a
+ * B^T product packs into `pack`, DP_SMALL_GEMM_PACK_FLOATS floats, the
+ * caller's); else, and for A^T . B^T, CBLAS. */
+void dp_gemm(int own, int ta, int tb, int64_t M, int64_t N, int64_t K, const float *A, int64_t lda, const float *B,
+             int64_t ldb, float *C, int64_t ldc, int accumulate, float *pack);
 
 #endif

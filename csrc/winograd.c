@@ -14,17 +14,15 @@
  * (16, cin, cols) the transformed tiles of one sample or a chunk of samples
  * (column = sample * tiles + tile row * tile columns + tile column), M (16,
  * cout, cols) = the 16 products U_xi . V_xi (dw: W (16, O, cols) the
- * transformed blocks of dy); per thread, a zero-bordered input plane
- * (input_plane_bordered: narrow planes and dw) or input_plane's 4 rows (wide).
+ * transformed blocks of dy); per thread, without AVX-512, a zero-bordered
+ * input plane (input_plane_bordered: narrow planes and dw) or input_plane's 4
+ * rows (wide). The products go through dp_gemm (small_gemm.h).
  */
-#include <cblas.h>
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
 #include <omp.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "gemm_kernel.h" /* dp_lanes_upto (and immintrin.h) */
 #include "small_gemm.h"
 #include "winograd.h"
 
@@ -59,19 +57,20 @@
  * transform, the tile-at-a-time ones (measured faster there: 14x14 and
  * smaller, and dw's chunked V). */
 #define WINO_ROW_MIN 16
-/* The tile loops below write 16 streams a stride apart (never overlapping
- * within a row of tiles, nor the rows they read): GCC 12 vectorizes them only
- * when told there is no dependence between iterations (without it: "no
- * vectype", or alias checks past its limit). */
-/* With AVX-512 input_plane_bordered's tile rows (15 tiles a step in
- * registers, the source read in place) on every plane: the ResNet-18 step
- * (batch 32) measured 204 -> 193 ms against input_plane's rows on the wide
- * ones. */
+/* With AVX-512 the tiles' transforms run in registers, a tile row at a time:
+ * input_plane_bordered's (the source read in place) on every plane (the
+ * ResNet-18 step, batch 32, measured 204 -> 193 ms against input_plane's rows
+ * on the wide ones), and they may write a subset of the 16 entries, so that
+ * on narrow planes and in dw each thread transforms its own GEMMs' entries. */
 #if defined(__AVX512F__)
-#define INPUT_TILES_AVX512 1
+#define TILES_AVX512 1
 #else
-#define INPUT_TILES_AVX512 0
+#define TILES_AVX512 0
 #endif
+/* The scalar tile loops below write 16 streams a stride apart (never
+ * overlapping within a row of tiles, nor the rows they read): GCC 12
+ * vectorizes them only when told there is no dependence between iterations
+ * (without it: "no vectype", or alias checks past its limit). */
 #if defined(__GNUC__) && !defined(__clang__)
 #define DP_IVDEP _Pragma("GCC ivdep")
 #else
@@ -185,7 +184,7 @@ static void filter_transform(const float *w, int O, int C, float *U, int64_t ust
                                             _mm512_set1_epi32(9));
     const __m512 half = _mm512_set1_ps(0.5f);
     for (; j < len; j += 16) {
-      const __mmask16 m = (__mmask16)((1u << (len - j < 16 ? len - j : 16)) - 1u);
+      const __mmask16 m = dp_lanes_upto(len - j);
       const float *wj = w + (d0 + j) * 9;
       /* the gathers do not start the hardware's stream prefetch: 9 lines 4 iterations ahead (past the
        * array's end a prefetch is a no-op, never a fault) */
@@ -297,35 +296,11 @@ static inline __m512 negated(__m512 x) { /* -x, the sign bit flipped (0 - x woul
   return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(x), _mm512_set1_epi32((int)0x80000000)));
 }
 
-static inline __mmask16 lanes_upto(int64_t n) { /* lanes [0, n) of 16 */
-  return n >= 16 ? (__mmask16)0xFFFF : n <= 0 ? (__mmask16)0 : (__mmask16)((1u << n) - 1u);
-}
-
 /* entry xi of a tile row: v[xi*vs + k] for the tiles k in m, if xi is in
  * xmask (bit xi: the entries this call writes; dw's threads each write the
  * entries of their own GEMMs) */
 static inline void put(unsigned xmask, int xi, float *v, int64_t vs, __mmask16 m, __m512 val) {
   if (xmask >> xi & 1u) _mm512_mask_storeu_ps(v + xi * vs, m, val);
-}
-
-/* B^T d B of the n <= 15 tiles of a tile row from its 4 rows' 32-column
- * windows (x0, x1: row 0's columns 0-15 and 16-31; tile k: columns
- * 2k..2k+3), entry xi at vt[xi*vs + k] */
-static inline void input_tiles_regs(__m512 a0, __m512 a1, __m512 b0, __m512 b1, __m512 c0, __m512 c1, __m512 d0,
-                                    __m512 d1, int n, float *vt, int64_t vs, unsigned xmask) {
-  const __mmask16 m = lanes_upto(n);
-  /* B^T d: the rows combined, as the scalar code's t[i][.] */
-  const __m512 lo[4] = {_mm512_sub_ps(a0, c0), _mm512_add_ps(b0, c0), _mm512_sub_ps(c0, b0), _mm512_sub_ps(b0, d0)};
-  const __m512 hi[4] = {_mm512_sub_ps(a1, c1), _mm512_add_ps(b1, c1), _mm512_sub_ps(c1, b1), _mm512_sub_ps(b1, d1)};
-  for (int i = 0; i < 4; ++i) {
-    if (!(xmask >> (4 * i) & 15u)) continue;
-    const __m512 t0 = window_cols(lo[i], hi[i], 0), t1 = window_cols(lo[i], hi[i], 1),
-                 t2 = window_cols(lo[i], hi[i], 2), t3 = window_cols(lo[i], hi[i], 3);
-    put(xmask, 4 * i + 0, vt, vs, m, _mm512_sub_ps(t0, t2));
-    put(xmask, 4 * i + 1, vt, vs, m, _mm512_add_ps(t1, t2));
-    put(xmask, 4 * i + 2, vt, vs, m, _mm512_sub_ps(t2, t1));
-    put(xmask, 4 * i + 3, vt, vs, m, _mm512_sub_ps(t1, t3));
-  }
 }
 
 /* p[off + l] for the lanes l of m, zero elsewhere; p + off formed only when
@@ -348,13 +323,13 @@ static inline void row_window(const float *row, int col0, int w, __m512 *x0, __m
   }
   if (col0 < 0) { /* lane 0 the border, lane l >= 1 column l - 1: columns 0-31 shifted up a lane (an
                    * expanding load measured a quarter of this function's time) */
-    const __m512i c0 = _mm512_castps_si512(load_lanes(lanes_upto(w), row, 0));
-    const __m512i c1 = _mm512_castps_si512(load_lanes(lanes_upto(w - 16), row, 16));
+    const __m512i c0 = _mm512_castps_si512(load_lanes(dp_lanes_upto(w), row, 0));
+    const __m512i c1 = _mm512_castps_si512(load_lanes(dp_lanes_upto(w - 16), row, 16));
     *x0 = _mm512_castsi512_ps(_mm512_alignr_epi32(c0, _mm512_setzero_si512(), 15));
     *x1 = _mm512_castsi512_ps(_mm512_alignr_epi32(c1, c0, 15));
   } else {
-    *x0 = load_lanes(lanes_upto(w - col0), row, col0);
-    *x1 = load_lanes(lanes_upto(w - col0 - 16), row, col0 + 16);
+    *x0 = load_lanes(dp_lanes_upto(w - col0), row, col0);
+    *x1 = load_lanes(dp_lanes_upto(w - col0 - 16), row, col0 + 16);
   }
 }
 
@@ -363,19 +338,31 @@ static inline void row_window(const float *row, int col0, int w, __m512 *x0, __m
  * first tile's first column col0 = 2 tj0 - 1, the plane's width w */
 static void input_tiles_avx512(const float *const rows[4], int col0, int w, int n, float *vt, int64_t vs,
                                unsigned xmask) {
-  __m512 a0, a1, b0, b1, c0, c1, d0, d1;
+  __m512 a0, a1, b0, b1, c0, c1, d0, d1; /* each row's window: columns 0-15 and 16-31 (tile k: 2k..2k+3) */
   row_window(rows[0], col0, w, &a0, &a1);
   row_window(rows[1], col0, w, &b0, &b1);
   row_window(rows[2], col0, w, &c0, &c1);
   row_window(rows[3], col0, w, &d0, &d1);
-  input_tiles_regs(a0, a1, b0, b1, c0, c1, d0, d1, n, vt, vs, xmask);
+  const __mmask16 m = dp_lanes_upto(n);
+  /* B^T d: the rows combined, as the scalar code's t[i][.] */
+  const __m512 lo[4] = {_mm512_sub_ps(a0, c0), _mm512_add_ps(b0, c0), _mm512_sub_ps(c0, b0), _mm512_sub_ps(b0, d0)};
+  const __m512 hi[4] = {_mm512_sub_ps(a1, c1), _mm512_add_ps(b1, c1), _mm512_sub_ps(c1, b1), _mm512_sub_ps(b1, d1)};
+  for (int i = 0; i < 4; ++i) {
+    if (!(xmask >> (4 * i) & 15u)) continue;
+    const __m512 t0 = window_cols(lo[i], hi[i], 0), t1 = window_cols(lo[i], hi[i], 1),
+                 t2 = window_cols(lo[i], hi[i], 2), t3 = window_cols(lo[i], hi[i], 3);
+    put(xmask, 4 * i + 0, vt, vs, m, _mm512_sub_ps(t0, t2));
+    put(xmask, 4 * i + 1, vt, vs, m, _mm512_add_ps(t1, t2));
+    put(xmask, 4 * i + 2, vt, vs, m, _mm512_sub_ps(t2, t1));
+    put(xmask, 4 * i + 3, vt, vs, m, _mm512_sub_ps(t1, t3));
+  }
 }
 
 /* A dY A^T of the n <= 16 tiles of dy's rows r0, r1 (tile k: columns 2k,
  * 2k + 1; columns at or past `cols` read as zero), entry xi at wt[xi*ws + k] */
 static void dy_tiles_avx512(const float *r0, const float *r1, int cols, int n, float *wt, int64_t ws,
                             unsigned xmask) {
-  const __mmask16 m = lanes_upto(n), l0 = lanes_upto(cols), l1 = lanes_upto(cols - 16);
+  const __mmask16 m = dp_lanes_upto(n), l0 = dp_lanes_upto(cols), l1 = dp_lanes_upto(cols - 16);
   const __m512 x0 = load_lanes(l0, r0, 0), x1 = load_lanes(l1, r0, 16);
   const __m512 y0 = load_lanes(l0, r1, 0), y1 = load_lanes(l1, r1, 16);
   const __m512 a = window_cols(x0, x1, 0), b = window_cols(x0, x1, 1), c = window_cols(y0, y1, 0),
@@ -393,27 +380,14 @@ static void dy_tiles_avx512(const float *r0, const float *r1, int cols, int n, f
 #endif
 
 #define ALL_ENTRIES 0xFFFFu
-/* dw's threads transform their own GEMMs' entries (the AVX-512 transforms write a subset) */
-#if defined(__AVX512F__)
-#define OWN_ENTRIES 1
-#else
-#define OWN_ENTRIES 0
-#endif
-static void input_plane_entries(const wino_plan *p, const float *src, float *plane, float *v, int64_t vstride,
-                                unsigned xmask);
 
 /* v[xi*vstride + tile] = (B^T d B)[xi] for every tile d of one (h, w) plane
- * src: with AVX-512 read in place (every plane), else copied into plane (hp,
- * wp), its border zero (only the interior is written): narrow planes and dw,
- * where it measured faster than input_plane. */
-static void input_plane_bordered(const wino_plan *p, const float *src, float *plane, float *v, int64_t vstride) {
-  input_plane_entries(p, src, plane, v, vstride, ALL_ENTRIES);
-}
-
-/* input_plane_bordered writing only the entries xi in xmask (with AVX-512;
- * the scalar code writes all 16) */
-static void input_plane_entries(const wino_plan *p, const float *src, float *plane, float *v, int64_t vstride,
-                                unsigned xmask) {
+ * src: with AVX-512 read in place (every plane) and only the entries xi in
+ * xmask written; else copied into plane (hp, wp), its border zero (only the
+ * interior is written), all 16 entries written: narrow planes and dw, where
+ * it measured faster than input_plane. */
+static void input_plane_bordered(const wino_plan *p, const float *src, float *plane, float *v, int64_t vstride,
+                                 unsigned xmask) {
 #if defined(__AVX512F__)
   /* no copy: the source's rows read in place, the border's lanes masked */
   (void)plane;
@@ -497,13 +471,13 @@ static void output_row(const float *restrict m, int64_t ms, int n, float bias, f
  * outputs of each stored: output_tile's arithmetic in its order, 16 tiles at
  * a time, the even and odd columns interleaved by two permutations. */
 static void output_tiles_avx512(const float *m, int64_t ms, int n, int cols, float bias, float *y0, float *y1) {
-  const __mmask16 lm = lanes_upto(n);
+  const __mmask16 lm = dp_lanes_upto(n);
   __m512 v[16];
   for (int xi = 0; xi < 16; ++xi) v[xi] = _mm512_maskz_loadu_ps(lm, m + xi * ms);
   const __m512 bv = _mm512_set1_ps(bias);
   const __m512i lo = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
   const __m512i hi = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
-  const __mmask16 s0 = lanes_upto(cols), s1 = lanes_upto(cols - 16);
+  const __mmask16 s0 = dp_lanes_upto(cols), s1 = dp_lanes_upto(cols - 16);
   for (int i = 0; i < 2; ++i) {
     float *y = i == 0 ? y0 : y1;
     if (!y) break;
@@ -587,15 +561,55 @@ static int flipped_xi(int xi) {
 static void wino_gemm(const wino_plan *p, int flip, int xi, const float *U, const float *V, int64_t vstride, float *M,
                       int64_t mstride, int64_t cols) {
   const float *u = U + (flip ? flipped_xi(xi) : xi) * ((int64_t)p->cout * p->cin + WINO_SKEW);
-  const float *v = V + xi * vstride;
-  float *m = M + xi * mstride;
-  if (p->own_gemm && flip)
-    dp_small_gemm_tn(p->cout, cols, p->cin, u, p->cout, v, cols, m, cols);
-  else if (p->own_gemm)
-    dp_small_gemm_nn(p->cout, cols, p->cin, u, p->cin, v, cols, m, cols);
+  dp_gemm(p->own_gemm, flip, 0, p->cout, cols, p->cin, u, flip ? p->cout : p->cin, V + xi * vstride, cols,
+          M + xi * mstride, cols, 0, NULL);
+}
+
+/* Thread t of nt's GEMMs: the entries [*lo, *hi) (16 t / nt to 16 (t+1) / nt);
+ * returns them as a mask (bit xi). */
+static unsigned entries_of(int t, int nt, int *lo, int *hi) {
+  *lo = 16 * t / nt;
+  *hi = 16 * (t + 1) / nt;
+  return ((1u << *hi) - 1u) & ~((1u << *lo) - 1u);
+}
+
+static void dy_plane(const wino_plan *p, const float *src, const float *zrow, float *wv, int64_t wstride,
+                     unsigned xmask);
+
+/* One plane's transform into column s * tiles of its row of T: an input plane
+ * (input_plane_bordered) or, dy, a plane of dy (dy_plane). */
+static void transform_plane(const wino_plan *p, int dy, const float *src, float *plane, float *t, int64_t tstride,
+                            unsigned entries) {
+  if (dy)
+    dy_plane(p, src, plane + (int64_t)p->hp * p->wp, t, tstride, entries);
   else
-    cblas_sgemm(CblasRowMajor, flip ? CblasTrans : CblasNoTrans, CblasNoTrans, p->cout, (int)cols, p->cin, 1.0f, u,
-                flip ? p->cout : p->cin, v, (int)cols, 0.0f, m, (int)cols);
+    input_plane_bordered(p, src, plane, t, tstride, entries);
+}
+
+/* The transforms of a chunk's planes (cnt samples from n0 of src: the input,
+ * cin planes a sample, or dy, cout) into T, the chunk's tiles side by side
+ * (column s * tiles + tile). With the AVX-512 tiles each thread transforms
+ * every plane, writing only its own entries (its GEMMs then read what its
+ * core wrote); else the planes are dealt to the threads, channel-major so
+ * that consecutive planes fill T's rows front to back, and a barrier ends
+ * it. Called by every thread of a parallel region. */
+static void chunk_transform(const wino_plan *p, int dy, const float *src, int64_t n0, int64_t cnt, float *plane,
+                            float *T, int64_t tstride, unsigned entries) {
+  const int64_t hw = (int64_t)p->h * p->w, planes = dy ? p->cout : p->cin, cols = cnt * p->tiles;
+  if (TILES_AVX512) {
+    for (int64_t cs = 0; entries && cs < planes * cnt; ++cs) {
+      const int64_t c = cs / cnt, s = cs % cnt;
+      transform_plane(p, dy, src + ((n0 + s) * planes + c) * hw, plane, T + c * cols + s * p->tiles, tstride,
+                      entries);
+    }
+    return;
+  }
+#pragma omp for schedule(static)
+  for (int64_t cs = 0; cs < planes * cnt; ++cs) {
+    const int64_t c = cs / cnt, s = cs % cnt;
+    transform_plane(p, dy, src + ((n0 + s) * planes + c) * hw, plane, T + c * cols + s * p->tiles, tstride,
+                    ALL_ENTRIES);
+  }
 }
 
 /* out (N, cout, h, w) = the convolution of in (N, cin, h, w) with w (+ b). */
@@ -613,16 +627,16 @@ static void wino_conv(const wino_plan *p, int64_t N, const float *in, const floa
     filter_transform(w, flip ? p->cin : p->cout, flip ? p->cout : p->cin, U, ustride); /* ends in a barrier */
     float *mine = own + t * p->per_thread;
     float *plane = mine + (p->narrow ? 0 : p->own);
-    if (p->w < WINO_ROW_MIN && !INPUT_TILES_AVX512) memset(plane, 0, sizeof(float) * (size_t)p->plane_floats);
+    if (p->w < WINO_ROW_MIN && !TILES_AVX512) memset(plane, 0, sizeof(float) * (size_t)p->plane_floats);
     if (!p->narrow) {
       const int64_t cols = p->tiles, vstride = p->cin * cols + WINO_SKEW, mstride = p->cout * cols + WINO_SKEW;
       float *V = mine, *M = V + 16 * vstride;
       for (int64_t n = N * t / p->nt; n < N * (t + 1) / p->nt; ++n) {
         for (int c = 0; c < p->cin; ++c) {
-          if (p->w >= WINO_ROW_MIN && !INPUT_TILES_AVX512)
+          if (p->w >= WINO_ROW_MIN && !TILES_AVX512)
             input_plane(p, in + n * in_sz + c * hw, plane, V + c * cols, vstride);
           else
-            input_plane_bordered(p, in + n * in_sz + c * hw, plane, V + c * cols, vstride);
+            input_plane_bordered(p, in + n * in_sz + c * hw, plane, V + c * cols, vstride, ALL_ENTRIES);
         }
         for (int xi = 0; xi < 16; ++xi) wino_gemm(p, flip, xi, U, V, vstride, M, mstride, cols);
         for (int o = 0; o < p->cout; ++o)
@@ -631,29 +645,15 @@ static void wino_conv(const wino_plan *p, int64_t N, const float *in, const floa
     } else {
       float *V = shared;
       const int64_t nchunks = (N + p->chunk - 1) / p->chunk;
-      /* thread t's GEMMs: the entries [xlo, xhi); with AVX-512 it transforms them itself (dw's scheme) */
-      const int xlo = 16 * t / p->nt, xhi = 16 * (t + 1) / p->nt;
-      const unsigned mine_xi = ((1u << xhi) - 1u) & ~((1u << xlo) - 1u);
+      int xlo, xhi; /* thread t's GEMMs */
+      const unsigned entries = entries_of(t, p->nt, &xlo, &xhi);
       /* the largest chunk's strides for every chunk (entry xi stays where it was) */
       const int64_t vstride = p->cin * p->chunk * p->tiles + WINO_SKEW;
       const int64_t mstride = p->cout * p->chunk * p->tiles + WINO_SKEW;
       float *M = V + 16 * vstride;
       for (int64_t k = 0; k < nchunks; ++k) {
         const int64_t n0 = N * k / nchunks, cnt = N * (k + 1) / nchunks - n0, cols = cnt * p->tiles;
-        if (OWN_ENTRIES) {
-          for (int64_t cs = 0; xlo < xhi && cs < p->cin * cnt; ++cs) {
-            const int64_t c = cs / cnt, s = cs % cnt;
-            input_plane_entries(p, in + (n0 + s) * in_sz + c * hw, plane, V + c * cols + s * p->tiles, vstride,
-                                mine_xi);
-          }
-        } else {
-          /* channel-major, so that consecutive planes fill V's rows front to back */
-#pragma omp for schedule(static)
-          for (int64_t cs = 0; cs < p->cin * cnt; ++cs) {
-            const int64_t c = cs / cnt, s = cs % cnt;
-            input_plane_bordered(p, in + (n0 + s) * in_sz + c * hw, plane, V + c * cols + s * p->tiles, vstride);
-          }
-        }
+        chunk_transform(p, 0, in, n0, cnt, plane, V, vstride, entries);
         for (int xi = xlo; xi < xhi; ++xi) wino_gemm(p, flip, xi, U, V, vstride, M, mstride, cols);
 #pragma omp barrier /* every entry's products, for the output transforms */
 #pragma omp for schedule(static)
@@ -762,7 +762,7 @@ dp_status dp_winograd_backward_dw(const dp_conv_geom *g, int64_t N, const float 
   wino_plan pl = wino_plan_make(g->C, g->O, g->OH, g->OW, N, nthreads);
   DP_TRY(dp_small_gemm_on(&pl.own_gemm));
   const wino_plan *p = &pl;
-  const int64_t hw = (int64_t)p->h * p->w, in_sz = p->cin * hw, out_sz = p->cout * hw;
+  const int64_t hw = (int64_t)p->h * p->w, out_sz = p->cout * hw;
   const int64_t ustride = pairs + WINO_SKEW;
   float *dU = scratch, *V = dU + 16 * ustride, *own = V + p->shared, *packs = own + p->nt * p->per_thread;
   const int64_t nchunks = (N + p->chunk - 1) / p->chunk;
@@ -772,51 +772,23 @@ dp_status dp_winograd_backward_dw(const dp_conv_geom *g, int64_t N, const float 
     float *mine = own + t * p->per_thread;
     float *plane = mine + (p->narrow ? 0 : p->own), *pack = packs + t * DP_SMALL_GEMM_PACK_FLOATS;
     memset(plane, 0, sizeof(float) * (size_t)p->plane_floats); /* the plane's border, and zrow */
-    const float *zrow = plane + (int64_t)p->hp * p->wp;
-    /* thread t's GEMMs: the entries [xlo, xhi). With AVX-512 it also transforms them itself (every
-     * plane, only its entries: the GEMMs read what their own core wrote, and no barrier between
-     * chunks); else the planes are dealt to the threads and a barrier precedes the GEMMs. */
-    const int xlo = 16 * t / p->nt, xhi = 16 * (t + 1) / p->nt;
-    const unsigned mine_xi = ((1u << xhi) - 1u) & ~((1u << xlo) - 1u);
+    /* thread t's GEMMs; with AVX-512 it also transforms their entries itself (chunk_transform),
+     * and no barrier separates the chunks */
+    int xlo, xhi;
+    const unsigned entries = entries_of(t, p->nt, &xlo, &xhi);
     for (int64_t k = 0; k < nchunks; ++k) {
       const int64_t n0 = N * k / nchunks, cnt = N * (k + 1) / nchunks - n0, cols = cnt * p->tiles;
       /* the largest chunk's strides for every chunk: entry xi's V and W stay where they were (another
        * thread may still read its own entries of the last chunk) */
       const int64_t vstride = p->cin * p->chunk * p->tiles + WINO_SKEW, wstride = p->cout * p->chunk * p->tiles + WINO_SKEW;
       float *W = V + 16 * vstride;
-      if (OWN_ENTRIES) {
-        if (xlo < xhi) {
-          for (int64_t cs = 0; cs < p->cin * cnt; ++cs) {
-            const int64_t c = cs / cnt, s = cs % cnt;
-            input_plane_entries(p, x + (n0 + s) * in_sz + c * hw, plane, V + c * cols + s * p->tiles, vstride,
-                                mine_xi);
-          }
-          for (int64_t os = 0; os < p->cout * cnt; ++os) {
-            const int64_t o = os / cnt, s = os % cnt;
-            dy_plane(p, dy + (n0 + s) * out_sz + o * hw, zrow, W + o * cols + s * p->tiles, wstride, mine_xi);
-          }
-        }
-      } else {
-#pragma omp for schedule(static) nowait
-        for (int64_t cs = 0; cs < p->cin * cnt; ++cs) {
-          const int64_t c = cs / cnt, s = cs % cnt;
-          input_plane_bordered(p, x + (n0 + s) * in_sz + c * hw, plane, V + c * cols + s * p->tiles, vstride);
-        }
-#pragma omp for schedule(static)
-        for (int64_t os = 0; os < p->cout * cnt; ++os) {
-          const int64_t o = os / cnt, s = os % cnt;
-          dy_plane(p, dy + (n0 + s) * out_sz + o * hw, zrow, W + o * cols + s * p->tiles, wstride, ALL_ENTRIES);
-        }
-      }
+      chunk_transform(p, 0, x, n0, cnt, plane, V, vstride, entries);
+      chunk_transform(p, 1, dy, n0, cnt, plane, W, wstride, entries);
       /* dU_xi (O, C) (+)= W_xi (O, cols) . V_xi^T (cols, C): the chunks in order, whatever the threads */
       for (int xi = xlo; xi < xhi; ++xi)
-        if (p->own_gemm)
-          dp_small_gemm_nt(p->cout, p->cin, cols, W + xi * wstride, cols, V + xi * vstride, cols, dU + xi * ustride,
-                           p->cin, k > 0, pack);
-        else
-          cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, p->cout, p->cin, (int)cols, 1.0f, W + xi * wstride,
-                      (int)cols, V + xi * vstride, (int)cols, k == 0 ? 0.0f : 1.0f, dU + xi * ustride, p->cin);
-      if (!OWN_ENTRIES) {
+        dp_gemm(p->own_gemm, 0, 1, p->cout, p->cin, cols, W + xi * wstride, cols, V + xi * vstride, cols,
+                dU + xi * ustride, p->cin, k > 0, pack);
+      if (!TILES_AVX512) {
 #pragma omp barrier /* the GEMMs read before the next chunk's transforms overwrite */
       }
     }

@@ -1,4 +1,4 @@
-/* small_gemm_check.c — csrc/small_gemm.c's three products against a double
+/* small_gemm_check.c — csrc/small_gemm.c's kernel (dp_gemm with own = 1) in its three products against a double
  * reference, built with the CPU's own instruction set (tests/test_small_gemm.py
  * compiles it with -march=native under ASan and UBSan; without AVX-512 the
  * kernel is not built and the program checks that the switch says so).
@@ -51,12 +51,7 @@ static void check_product(int mode, int64_t M, int64_t N, int64_t K, int accumul
   for (int64_t i = 0; i < M; ++i)
     for (int64_t j = 0; j < N; ++j) C[i * ldc + j] = accumulate ? 2.0f * uniform() - 1.0f : SENTINEL;
   memcpy(C0, C, sizeof(float) * (size_t)(M * ldc + 1));
-  if (mode == 0)
-    dp_small_gemm_nn(M, N, K, A, lda, B, ldb, C, ldc);
-  else if (mode == 1)
-    dp_small_gemm_tn(M, N, K, A, lda, B, ldb, C, ldc);
-  else
-    dp_small_gemm_nt(M, N, K, A, lda, B, ldb, C, ldc, accumulate, pack);
+  dp_gemm(1, mode == 1, mode == 2, M, N, K, A, lda, B, ldb, C, ldc, accumulate, pack);
   int bad = 0;
   for (int64_t i = 0; i < M; ++i)
     for (int64_t j = 0; j < N; ++j) {
@@ -81,8 +76,8 @@ static void check_product(int mode, int64_t M, int64_t N, int64_t K, int accumul
       CHECK(!"out of memory");
     } else {
       memcpy(C2, C0, sizeof(float) * (size_t)(M * ldc + 1));
-      dp_small_gemm_nt(M, N, K1, A, lda, B, ldb, C2, ldc, 0, pack);
-      dp_small_gemm_nt(M, N, K - K1, A + K1, lda, B + K1, ldb, C2, ldc, 1, pack);
+      dp_gemm(1, 0, 1, M, N, K1, A, lda, B, ldb, C2, ldc, 0, pack);
+      dp_gemm(1, 0, 1, M, N, K - K1, A + K1, lda, B + K1, ldb, C2, ldc, 1, pack);
       CHECK(memcmp(C, C2, sizeof(float) * (size_t)(M * ldc + 1)) == 0);
       free(C2);
     }
