@@ -96,6 +96,28 @@ dp_status dp_winograd_takes(const dp_conv_geom *g, int *takes) {
  * `chunk` samples, all of a chunk's tiles side by side in each GEMM, the 16
  * GEMMs dealt to the threads (each U_xi packed once, not once per thread, and
  * 128 columns on ResNet-18's 4x4 stage at batch 32 instead of 64). */
+/* Small planes in lanes (with AVX-512; planes of at most 16 tiles, narrow):
+ * a group of P planes, consecutive samples of one channel (adjacent columns
+ * of V, W and M), is read into a 64-float window (plane p at p * h * w) and
+ * each tile of the group is a lane of a register (lane p * tiles + tile):
+ * the tiles' values are picked out of the window by permutations, so an
+ * entry xi of the whole group is one vector, stored (or loaded) whole. A tile
+ * row at a time (input_tiles_avx512) a 7x7 plane's entry took four stores of
+ * 4 lanes, a 4x4 plane's two of 2. The tables, per plan:
+ *   in    B^T d B's window position (a, b) of each lane's tile (2 ti - 1 + a,
+ *         2 tj - 1 + b), index 4 a + b; dy A dY A^T's (2 ti + r, 2 tj + c),
+ *         index 2 r + c (dy);
+ *   out   window lane e's output (tile row y / 2 col x / 2 of plane p, its
+ *         (r, c) = (y % 2, x % 2)) in the 64 floats of the four output
+ *         vectors o_rc, at (2 r + c) * 16 + its tile's lane.
+ * An index's bit 5 picks the window's (or outputs') upper 32 floats, a
+ * position outside the plane is a zero lane (ok clear). */
+typedef struct plane_lanes {
+  int P;                  /* planes a group; 0: these planes take the tile-row transforms */
+  int32_t in[16][16], dy[4][16], out[4][16];
+  uint16_t in_ok[16], dy_ok[4];
+} plane_lanes;
+
 typedef struct wino_plan {
   int cin, cout, h, w;
   int th, tw, hp, wp;  /* the tile grid; the zero-bordered plane's size (2*th+2, 2*tw+2) */
@@ -106,11 +128,49 @@ typedef struct wino_plan {
   int64_t shared;      /* floats of a chunk's V and M (narrow) or V and W (dw), shared by the threads */
   int64_t own;         /* floats of one sample's V and M (wide), a thread's own */
   int own_gemm;        /* the products on small_gemm.h's kernel (else the BLAS) */
+  plane_lanes lanes;   /* narrow planes of at most 16 tiles, with AVX-512 */
   int64_t plane_floats; /* the zero-bordered plane (hp, wp) (without AVX-512), then wp zeros (dw's zrow) */
   int64_t per_thread;  /* floats a thread has alone: V and M (wide), the plane (input_plane's 4 rows, or
                           input_plane_bordered's zero-bordered plane), then wp zeros (dw's dy_plane); a
                           multiple of 16 (64 bytes) */
 } wino_plan;
+
+#if defined(__AVX512F__)
+#define LANES_AVX512 1
+#else
+#define LANES_AVX512 0
+#endif
+
+static void plane_lanes_make(wino_plan *p) {
+  plane_lanes *L = &p->lanes;
+  memset(L, 0, sizeof *L);
+  const int hw = p->h * p->w, T = (int)p->tiles;
+  if (!LANES_AVX512 || !p->narrow || T > 16) return;
+  L->P = 16 / T < 64 / hw ? 16 / T : 64 / hw;
+  for (int pl = 0; pl < L->P; ++pl)
+    for (int ti = 0; ti < p->th; ++ti)
+      for (int tj = 0; tj < p->tw; ++tj) {
+        const int lane = pl * T + ti * p->tw + tj;
+        for (int ab = 0; ab < 16; ++ab) {
+          const int y = 2 * ti - 1 + ab / 4, x = 2 * tj - 1 + ab % 4;
+          if (y >= 0 && y < p->h && x >= 0 && x < p->w) {
+            L->in[ab][lane] = pl * hw + y * p->w + x;
+            L->in_ok[ab] |= (uint16_t)(1u << lane);
+          }
+        }
+        for (int rc = 0; rc < 4; ++rc) {
+          const int y = 2 * ti + rc / 2, x = 2 * tj + rc % 2;
+          if (y < p->h && x < p->w) {
+            L->dy[rc][lane] = pl * hw + y * p->w + x;
+            L->dy_ok[rc] |= (uint16_t)(1u << lane);
+          }
+        }
+      }
+  for (int e = 0; e < L->P * hw; ++e) {
+    const int pl = e / hw, y = e % hw / p->w, x = e % p->w;
+    L->out[e / 16][e % 16] = (2 * (y % 2) + x % 2) * 16 + pl * T + y / 2 * p->tw + x / 2;
+  }
+}
 
 static wino_plan wino_plan_make(int cin, int cout, int h, int w, int64_t N, int nthreads) {
   wino_plan p;
@@ -134,6 +194,7 @@ static wino_plan wino_plan_make(int cin, int cout, int h, int w, int64_t N, int 
   p.plane_floats = (int64_t)p.hp * p.wp + p.wp;
   p.per_thread = ((p.narrow ? 0 : p.own) + p.plane_floats + 15) & ~(int64_t)15;
   p.own_gemm = 0;
+  plane_lanes_make(&p);
   return p;
 }
 
@@ -358,6 +419,20 @@ static void input_tiles_avx512(const float *const rows[4], int col0, int w, int 
   }
 }
 
+/* A dY A^T's entries (those in xmask) of the lanes m of 2x2 blocks (a, b; c, d) */
+static inline void dy_entries(__m512 a, __m512 b, __m512 c, __m512 d, __mmask16 m, float *wt, int64_t ws,
+                              unsigned xmask) {
+  /* A dY (4x2): rows (a, b), (a + c, b + d), (a - c, b - d), (-c, -d); then . A^T per row (dy_cols) */
+  const __m512 t0[4] = {a, _mm512_add_ps(a, c), _mm512_sub_ps(a, c), negated(c)};
+  const __m512 t1[4] = {b, _mm512_add_ps(b, d), _mm512_sub_ps(b, d), negated(d)};
+  for (int i = 0; i < 4; ++i) {
+    put(xmask, 4 * i + 0, wt, ws, m, t0[i]);
+    put(xmask, 4 * i + 1, wt, ws, m, _mm512_add_ps(t0[i], t1[i]));
+    put(xmask, 4 * i + 2, wt, ws, m, _mm512_sub_ps(t0[i], t1[i]));
+    put(xmask, 4 * i + 3, wt, ws, m, negated(t1[i]));
+  }
+}
+
 /* A dY A^T of the n <= 16 tiles of dy's rows r0, r1 (tile k: columns 2k,
  * 2k + 1; columns at or past `cols` read as zero), entry xi at wt[xi*ws + k] */
 static void dy_tiles_avx512(const float *r0, const float *r1, int cols, int n, float *wt, int64_t ws,
@@ -367,14 +442,99 @@ static void dy_tiles_avx512(const float *r0, const float *r1, int cols, int n, f
   const __m512 y0 = load_lanes(l0, r1, 0), y1 = load_lanes(l1, r1, 16);
   const __m512 a = window_cols(x0, x1, 0), b = window_cols(x0, x1, 1), c = window_cols(y0, y1, 0),
                d = window_cols(y0, y1, 1);
-  /* A dY (4x2): rows (a, b), (a + c, b + d), (a - c, b - d), (-c, -d); then . A^T per row (dy_cols) */
-  const __m512 t0[4] = {a, _mm512_add_ps(a, c), _mm512_sub_ps(a, c), negated(c)};
-  const __m512 t1[4] = {b, _mm512_add_ps(b, d), _mm512_sub_ps(b, d), negated(d)};
+  dy_entries(a, b, c, d, m, wt, ws, xmask);
+}
+
+/* A group's window (plane_lanes): its pc planes, plane q at src + q * pstride
+ * (hw floats), at q * hw of R's 64 floats, zero past them. */
+static inline void lanes_window(int hw, const float *src, int64_t pstride, int pc, __m512 R[4]) {
+  if (pc == 1) {
+    for (int q = 0; q < 4; ++q) R[q] = load_lanes(dp_lanes_upto(hw - 16 * q), src, 16 * q);
+  } else if (hw == 16) {
+    for (int q = 0; q < 4; ++q) R[q] = q < pc ? _mm512_loadu_ps(src + q * pstride) : _mm512_setzero_ps();
+  } else {
+    _Alignas(64) float buf[64] = {0};
+    for (int q = 0; q < pc; ++q) memcpy(buf + q * hw, src + q * pstride, sizeof(float) * (size_t)hw);
+    for (int q = 0; q < 4; ++q) R[q] = _mm512_load_ps(buf + 16 * q);
+  }
+}
+
+/* lanes_window's inverse: the window W's planes into pc planes at dst + q * pstride */
+static inline void lanes_store(int hw, float *dst, int64_t pstride, int pc, const __m512 W[4]) {
+  if (pc == 1) {
+    for (int q = 0; q < 4; ++q) store_lanes(dp_lanes_upto(hw - 16 * q), dst, 16 * q, W[q]);
+  } else if (hw == 16) {
+    for (int q = 0; q < pc; ++q) _mm512_storeu_ps(dst + q * pstride, W[q]);
+  } else {
+    _Alignas(64) float buf[64];
+    for (int q = 0; q < 4; ++q) _mm512_store_ps(buf + 16 * q, W[q]);
+    for (int q = 0; q < pc; ++q) memcpy(dst + q * pstride, buf + q * hw, sizeof(float) * (size_t)hw);
+  }
+}
+
+/* lane l: the float idx[l] of the 64 in R (bit 5: R[2], R[3]), zero outside ok */
+static inline __m512 lanes_pick(const __m512 R[4], const int32_t idx[16], __mmask16 ok) {
+  const __m512i i = _mm512_loadu_si512(idx);
+  const __mmask16 up = _mm512_test_epi32_mask(i, _mm512_set1_epi32(32));
+  const __m512 lo = _mm512_permutex2var_ps(R[0], i, R[1]), hi = _mm512_permutex2var_ps(R[2], i, R[3]);
+  return _mm512_maskz_mov_ps(ok, _mm512_mask_blend_ps(up, lo, hi));
+}
+
+/* B^T d B of a group's tiles (lanes m) from its window R, entry xi at v[xi*vs]:
+ * input_tiles_avx512's arithmetic in its order (the same bits) */
+static void input_group_lanes(const plane_lanes *L, const __m512 R[4], __mmask16 m, float *v, int64_t vs,
+                              unsigned xmask) {
+  static const unsigned rows_of[4] = {5u, 6u, 6u, 10u}; /* the rows of d each row i of B^T d reads */
+  unsigned need = 0;
+  for (int i = 0; i < 4; ++i)
+    if (xmask >> (4 * i) & 15u) need |= rows_of[i];
+  __m512 d[4][4];
+  for (int a = 0; a < 4; ++a)
+    for (int b = 0; b < 4; ++b)
+      d[a][b] = need >> a & 1u ? lanes_pick(R, L->in[4 * a + b], L->in_ok[4 * a + b]) : _mm512_setzero_ps();
   for (int i = 0; i < 4; ++i) {
-    put(xmask, 4 * i + 0, wt, ws, m, t0[i]);
-    put(xmask, 4 * i + 1, wt, ws, m, _mm512_add_ps(t0[i], t1[i]));
-    put(xmask, 4 * i + 2, wt, ws, m, _mm512_sub_ps(t0[i], t1[i]));
-    put(xmask, 4 * i + 3, wt, ws, m, negated(t1[i]));
+    if (!(xmask >> (4 * i) & 15u)) continue;
+    __m512 t[4];
+    for (int k = 0; k < 4; ++k)
+      t[k] = i == 0   ? _mm512_sub_ps(d[0][k], d[2][k])
+             : i == 1 ? _mm512_add_ps(d[1][k], d[2][k])
+             : i == 2 ? _mm512_sub_ps(d[2][k], d[1][k])
+                      : _mm512_sub_ps(d[1][k], d[3][k]);
+    put(xmask, 4 * i + 0, v, vs, m, _mm512_sub_ps(t[0], t[2]));
+    put(xmask, 4 * i + 1, v, vs, m, _mm512_add_ps(t[1], t[2]));
+    put(xmask, 4 * i + 2, v, vs, m, _mm512_sub_ps(t[2], t[1]));
+    put(xmask, 4 * i + 3, v, vs, m, _mm512_sub_ps(t[1], t[3]));
+  }
+}
+
+/* A dY A^T of a group's tiles: dy_tiles_avx512's arithmetic in its order */
+static void dy_group_lanes(const plane_lanes *L, const __m512 R[4], __mmask16 m, float *wt, int64_t ws,
+                           unsigned xmask) {
+  const __m512 a = lanes_pick(R, L->dy[0], L->dy_ok[0]), b = lanes_pick(R, L->dy[1], L->dy_ok[1]),
+               c = lanes_pick(R, L->dy[2], L->dy_ok[2]), d = lanes_pick(R, L->dy[3], L->dy_ok[3]);
+  dy_entries(a, b, c, d, m, wt, ws, xmask);
+}
+
+/* A^T m A + bias of a group's tiles (lanes lm of m's 16 entries, entry xi at
+ * m[xi*ms]) as its output window W: output_tiles_avx512's arithmetic in its
+ * order */
+static void output_group_lanes(const plane_lanes *L, const float *m, int64_t ms, __mmask16 lm, float bias,
+                               __m512 W[4]) {
+  __m512 v[16], o[4]; /* o[2 r + c]: output (r, c) of each lane's tile */
+  for (int xi = 0; xi < 16; ++xi) v[xi] = _mm512_maskz_loadu_ps(lm, m + xi * ms);
+  const __m512 bv = _mm512_set1_ps(bias);
+  for (int i = 0; i < 2; ++i) {
+    __m512 t[4];
+    for (int k = 0; k < 4; ++k)
+      t[k] = i == 0 ? _mm512_add_ps(_mm512_add_ps(v[k], v[4 + k]), v[8 + k])
+                    : _mm512_sub_ps(_mm512_sub_ps(v[4 + k], v[8 + k]), v[12 + k]);
+    o[2 * i] = _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(t[0], t[1]), t[2]), bv);
+    o[2 * i + 1] = _mm512_add_ps(_mm512_sub_ps(_mm512_sub_ps(t[1], t[2]), t[3]), bv);
+  }
+  for (int q = 0; q < 4; ++q) {
+    const __m512i i = _mm512_loadu_si512(L->out[q]);
+    const __mmask16 up = _mm512_test_epi32_mask(i, _mm512_set1_epi32(32));
+    W[q] = _mm512_mask_blend_ps(up, _mm512_permutex2var_ps(o[0], i, o[1]), _mm512_permutex2var_ps(o[2], i, o[3]));
   }
 }
 #endif
@@ -596,6 +756,23 @@ static void transform_plane(const wino_plan *p, int dy, const float *src, float 
 static void chunk_transform(const wino_plan *p, int dy, const float *src, int64_t n0, int64_t cnt, float *plane,
                             float *T, int64_t tstride, unsigned entries) {
   const int64_t hw = (int64_t)p->h * p->w, planes = dy ? p->cout : p->cin, cols = cnt * p->tiles;
+#if LANES_AVX512
+  if (p->lanes.P) { /* groups of P samples of a channel, channel-major as below */
+    for (int64_t c = 0; entries && c < planes; ++c)
+      for (int64_t s = 0; s < cnt; s += p->lanes.P) {
+        const int pc = cnt - s < p->lanes.P ? (int)(cnt - s) : p->lanes.P;
+        __m512 R[4];
+        lanes_window((int)hw, src + ((n0 + s) * planes + c) * hw, planes * hw, pc, R);
+        const __mmask16 m = dp_lanes_upto(pc * p->tiles);
+        float *t = T + c * cols + s * p->tiles;
+        if (dy)
+          dy_group_lanes(&p->lanes, R, m, t, tstride, entries);
+        else
+          input_group_lanes(&p->lanes, R, m, t, tstride, entries);
+      }
+    return;
+  }
+#endif
   if (TILES_AVX512) {
     for (int64_t cs = 0; entries && cs < planes * cnt; ++cs) {
       const int64_t c = cs / cnt, s = cs % cnt;
@@ -656,6 +833,21 @@ static void wino_conv(const wino_plan *p, int64_t N, const float *in, const floa
         chunk_transform(p, 0, in, n0, cnt, plane, V, vstride, entries);
         for (int xi = xlo; xi < xhi; ++xi) wino_gemm(p, flip, xi, U, V, vstride, M, mstride, cols);
 #pragma omp barrier /* every entry's products, for the output transforms */
+#if LANES_AVX512
+        if (p->lanes.P) {
+          const int64_t P = p->lanes.P, groups = (cnt + P - 1) / P;
+#pragma omp for schedule(static)
+          for (int64_t og = 0; og < p->cout * groups; ++og) {
+            const int64_t o = og / groups, s = og % groups * P;
+            const int pc = cnt - s < P ? (int)(cnt - s) : (int)P;
+            __m512 W[4];
+            output_group_lanes(&p->lanes, M + o * cols + s * p->tiles, mstride, dp_lanes_upto(pc * p->tiles),
+                               b ? b[o] : 0.0f, W);
+            lanes_store((int)hw, out + (n0 + s) * out_sz + o * hw, out_sz, pc, W);
+          }
+          continue;
+        }
+#endif
 #pragma omp for schedule(static)
         for (int64_t os = 0; os < p->cout * cnt; ++os) {
           const int64_t o = os / cnt, s = os % cnt;

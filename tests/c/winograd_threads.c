@@ -4,7 +4,8 @@
  * batch in the same chunks, each entry's GEMM summing them in order). With
  * AVX-512 every thread also transforms the entries of its own GEMMs, each at
  * the largest chunk's place: 1, 2, 3, 5 and 17 threads (17: more threads than
- * the 16 entries) on wide and narrow planes with chunks of unequal sizes.
+ * the 16 entries) on wide and narrow planes with chunks of unequal sizes, and
+ * small planes in lanes (plane_lanes) in groups of unequal sizes.
  * tests/test_small_gemm.py builds it for this CPU (-march=native, as the
  * extension) under ASan and UBSan. Without AVX-512 the GEMMs are OpenBLAS's:
  * the same bits too, as long as they run single-threaded (inside an active
@@ -93,6 +94,8 @@ int main(void) {
   check_geometry(17, 256, 7, 256); /* narrow; chunks of 8 and 9 samples */
   check_geometry(5, 80, 4, 64);    /* narrow, 2x2 tiles a sample, one chunk */
   check_geometry(2, 64, 9, 65);    /* wide, odd sides and channels */
+  check_geometry(11, 64, 3, 64);   /* narrow, groups of 4 3x3 planes in lanes (4, 4, 3), through a buffer */
+  check_geometry(21, 64, 2, 72);   /* narrow, groups of 16 2x2 planes (16, 5) */
   printf(failures ? "winograd_threads: FAILED\n" : "winograd_threads: ok\n");
   return failures ? 1 : 0;
 }
