@@ -259,12 +259,17 @@ static void filter_transform(const float *w, int O, int C, float *U, int64_t ust
                  : i == 3 ? g[6 + c]
                  : _mm512_mul_ps(half, i == 1 ? _mm512_add_ps(_mm512_add_ps(g[c], g[3 + c]), g[6 + c])
                                               : _mm512_add_ps(_mm512_sub_ps(g[c], g[3 + c]), g[6 + c]));
-        _mm512_storeu_ps(&u[4 * i + 0][j], t[0]);
-        _mm512_storeu_ps(&u[4 * i + 1][j], _mm512_mul_ps(half, _mm512_add_ps(_mm512_add_ps(t[0], t[1]), t[2])));
-        _mm512_storeu_ps(&u[4 * i + 2][j], _mm512_mul_ps(half, _mm512_add_ps(_mm512_sub_ps(t[0], t[1]), t[2])));
-        _mm512_storeu_ps(&u[4 * i + 3][j], t[2]);
+        /* straight into U: 16 streams of whole vectors (lanes past len not stored) */
+        float *ui = U + 4 * i * ustride + d0 + j;
+        _mm512_mask_storeu_ps(ui, m, t[0]);
+        _mm512_mask_storeu_ps(ui + ustride, m,
+                              _mm512_mul_ps(half, _mm512_add_ps(_mm512_add_ps(t[0], t[1]), t[2])));
+        _mm512_mask_storeu_ps(ui + 2 * ustride, m,
+                              _mm512_mul_ps(half, _mm512_add_ps(_mm512_sub_ps(t[0], t[1]), t[2])));
+        _mm512_mask_storeu_ps(ui + 3 * ustride, m, t[2]);
       }
     }
+    continue;
 #endif
     for (; j < len; ++j) {
       float t[16];
@@ -907,6 +912,38 @@ static void dy_plane(const wino_plan *p, const float *src, const float *zrow, fl
 /* dw (O, C, 3, 3) = G^T dU G of each (o, c), dU (16, O, C) at dU + xi * ustride.
  * A worksharing loop of a parallel region. */
 static void filter_gradient(const float *dU, int64_t ustride, int64_t pairs, float *dw) {
+#if defined(__AVX512F__)
+  /* 16 pairs a lane each: the 16 entries loaded whole, the arithmetic below's
+   * in its order (the same bits); the taps out through a buffer (scatters
+   * measured slower) */
+  const int64_t blocks = (pairs + 15) / 16;
+  const __m512 half = _mm512_set1_ps(0.5f);
+#pragma omp for schedule(static)
+  for (int64_t blk = 0; blk < blocks; ++blk) {
+    const int64_t oc = blk * 16;
+    const __mmask16 m = dp_lanes_upto(pairs - oc);
+    __m512 u[16], t[3][4];
+    for (int xi = 0; xi < 16; ++xi) u[xi] = _mm512_maskz_loadu_ps(m, dU + xi * ustride + oc);
+    for (int k = 0; k < 4; ++k) {
+      const __m512 s12 = _mm512_add_ps(u[4 + k], u[8 + k]);
+      t[0][k] = _mm512_add_ps(u[k], _mm512_mul_ps(half, s12));
+      t[1][k] = _mm512_mul_ps(half, _mm512_sub_ps(u[4 + k], u[8 + k]));
+      t[2][k] = _mm512_add_ps(_mm512_mul_ps(half, s12), u[12 + k]);
+    }
+    _Alignas(64) float tap[9][16];
+    for (int i = 0; i < 3; ++i) {
+      const __m512 s12 = _mm512_add_ps(t[i][1], t[i][2]);
+      _mm512_store_ps(tap[3 * i + 0], _mm512_add_ps(t[i][0], _mm512_mul_ps(half, s12)));
+      _mm512_store_ps(tap[3 * i + 1], _mm512_mul_ps(half, _mm512_sub_ps(t[i][1], t[i][2])));
+      _mm512_store_ps(tap[3 * i + 2], _mm512_add_ps(_mm512_mul_ps(half, s12), t[i][3]));
+    }
+    float *g = dw + oc * 9;
+    const int n = pairs - oc < 16 ? (int)(pairs - oc) : 16;
+    for (int l = 0; l < n; ++l)
+      for (int k = 0; k < 9; ++k) g[9 * l + k] = tap[k][l];
+  }
+  return;
+#endif
 #pragma omp for schedule(static)
   for (int64_t oc = 0; oc < pairs; ++oc) {
     float u[4][4], t[3][4];
