@@ -51,6 +51,11 @@
  * planes taken sample-major, made the input transform of 256 channels at 7x7
  * take 4.6 times as long). */
 #define WINO_SKEW 16
+/* With AVX-512 a wide plane's sample is taken a block of tile rows at a time,
+ * V and M of a block at most this many floats (or one tile row). */
+#ifndef WIDE_BLOCK_FLOATS
+#define WIDE_BLOCK_FLOATS ((int64_t)1 << 17)
+#endif
 /* Planes at least this wide take the row-at-a-time (vectorized) transforms:
  * input_plane (reading the source in place) in the wide forward and dx
  * passes, output_plane's output_row; narrower planes, and dw's input
@@ -280,6 +285,7 @@ static void filter_transform(const float *w, int O, int C, float *U, int64_t ust
   }
 }
 
+#if !defined(__AVX512F__) /* the wide planes' row transforms (with AVX-512: input_rows_avx512) */
 /* B^T d's rows over a row of the plane: o0 = r0 - r2, o1 = r1 + r2, o2 = r2 - r1, o3 = r1 - r3 (vectorized). */
 static void input_rows(const float *restrict r0, const float *restrict r1, const float *restrict r2,
                        const float *restrict r3, int w, float *restrict o0, float *restrict o1, float *restrict o2,
@@ -346,6 +352,7 @@ static void input_plane(const wino_plan *p, const float *src, float *buf, float 
                  vt + (4 * i + 3) * vstride);
   }
 }
+#endif
 
 #if defined(__AVX512F__)
 /* Tile rows in AVX-512 registers: 16 lanes, one tile each; a tile's columns
@@ -546,6 +553,24 @@ static void output_group_lanes(const plane_lanes *L, const float *m, int64_t ms,
 
 #define ALL_ENTRIES 0xFFFFu
 
+#if defined(__AVX512F__)
+/* The tile rows [ti0, ti1) of the plane src into v (tile row ti at (ti - ti0) * tw),
+ * read in place: the border's lanes masked, no copy */
+static void input_rows_avx512(const wino_plan *p, const float *src, int ti0, int ti1, float *v, int64_t vstride,
+                              unsigned xmask) {
+  for (int ti = ti0; ti < ti1; ++ti) {
+    const float *rows[4];
+    for (int k = 0; k < 4; ++k) {
+      const int i = 2 * ti - 1 + k;
+      rows[k] = i >= 0 && i < p->h ? src + (int64_t)i * p->w : NULL;
+    }
+    for (int tj = 0; tj < p->tw; tj += 15)
+      input_tiles_avx512(rows, 2 * tj - 1, p->w, p->tw - tj < 15 ? p->tw - tj : 15,
+                         v + (int64_t)(ti - ti0) * p->tw + tj, vstride, xmask);
+  }
+}
+#endif
+
 /* v[xi*vstride + tile] = (B^T d B)[xi] for every tile d of one (h, w) plane
  * src: with AVX-512 read in place (every plane) and only the entries xi in
  * xmask written; else copied into plane (hp, wp), its border zero (only the
@@ -554,18 +579,8 @@ static void output_group_lanes(const plane_lanes *L, const float *m, int64_t ms,
 static void input_plane_bordered(const wino_plan *p, const float *src, float *plane, float *v, int64_t vstride,
                                  unsigned xmask) {
 #if defined(__AVX512F__)
-  /* no copy: the source's rows read in place, the border's lanes masked */
   (void)plane;
-  for (int ti = 0; ti < p->th; ++ti) {
-    const float *rows[4];
-    for (int k = 0; k < 4; ++k) {
-      const int i = 2 * ti - 1 + k;
-      rows[k] = i >= 0 && i < p->h ? src + (int64_t)i * p->w : NULL;
-    }
-    for (int tj = 0; tj < p->tw; tj += 15)
-      input_tiles_avx512(rows, 2 * tj - 1, p->w, p->tw - tj < 15 ? p->tw - tj : 15, v + (int64_t)ti * p->tw + tj,
-                         vstride, xmask);
-  }
+  input_rows_avx512(p, src, 0, p->th, v, vstride, xmask);
   return;
 #else
   (void)xmask;
@@ -658,15 +673,24 @@ static void output_tiles_avx512(const float *m, int64_t ms, int n, int cols, flo
 }
 #endif
 
+#if defined(__AVX512F__)
+/* The outputs of the tile rows [ti0, ti1) of a plane y (tile row ti's entries at m + (ti - ti0) * tw) */
+static void output_rows_avx512(const wino_plan *p, const float *m, int64_t mstride, float bias, float *y, int ti0,
+                               int ti1) {
+  const int w = p->w;
+  for (int ti = ti0; ti < ti1; ++ti) {
+    float *y0 = y + (int64_t)2 * ti * w, *y1 = 2 * ti + 1 < p->h ? y0 + w : NULL;
+    for (int tj = 0; tj < p->tw; tj += 16)
+      output_tiles_avx512(m + (int64_t)(ti - ti0) * p->tw + tj, mstride, p->tw - tj < 16 ? p->tw - tj : 16,
+                          w - 2 * tj, bias, y0 + 2 * tj, y1 ? y1 + 2 * tj : NULL);
+  }
+}
+#endif
+
 static void output_plane(const wino_plan *p, const float *m, int64_t mstride, float bias, float *y) {
   const int w = p->w, full = w / 2; /* tile columns with both outputs inside */
 #if defined(__AVX512F__)
-  for (int ti = 0; ti < p->th; ++ti) {
-    float *y0 = y + (int64_t)2 * ti * w, *y1 = 2 * ti + 1 < p->h ? y0 + w : NULL;
-    for (int tj = 0; tj < p->tw; tj += 16)
-      output_tiles_avx512(m + (int64_t)ti * p->tw + tj, mstride, p->tw - tj < 16 ? p->tw - tj : 16, w - 2 * tj, bias,
-                          y0 + 2 * tj, y1 ? y1 + 2 * tj : NULL);
-  }
+  output_rows_avx512(p, m, mstride, bias, y, 0, p->th);
   (void)full;
   return;
 #endif
@@ -811,11 +835,29 @@ static void wino_conv(const wino_plan *p, int64_t N, const float *in, const floa
     float *plane = mine + (p->narrow ? 0 : p->own);
     if (p->w < WINO_ROW_MIN && !TILES_AVX512) memset(plane, 0, sizeof(float) * (size_t)p->plane_floats);
     if (!p->narrow) {
+      float *V = mine;
+#if defined(__AVX512F__)
+      /* a block of tile rows at a time (WIDE_BLOCK_FLOATS: V and M in L2) */
+      const int64_t per_row = 16 * ((int64_t)p->cin + p->cout) * p->tw;
+      const int rows = WIDE_BLOCK_FLOATS / per_row < 1 ? 1 : (int)(WIDE_BLOCK_FLOATS / per_row);
+      for (int64_t n = N * t / p->nt; n < N * (t + 1) / p->nt; ++n)
+        for (int ti0 = 0; ti0 < p->th; ti0 += rows) {
+          const int ti1 = ti0 + rows < p->th ? ti0 + rows : p->th;
+          const int64_t bc = (int64_t)(ti1 - ti0) * p->tw, bvs = p->cin * bc + WINO_SKEW,
+                        bms = p->cout * bc + WINO_SKEW;
+          float *BM = V + 16 * bvs;
+          for (int c = 0; c < p->cin; ++c)
+            input_rows_avx512(p, in + n * in_sz + c * hw, ti0, ti1, V + c * bc, bvs, ALL_ENTRIES);
+          for (int xi = 0; xi < 16; ++xi) wino_gemm(p, flip, xi, U, V, bvs, BM, bms, bc);
+          for (int o = 0; o < p->cout; ++o)
+            output_rows_avx512(p, BM + o * bc, bms, b ? b[o] : 0.0f, out + n * out_sz + o * hw, ti0, ti1);
+        }
+#else
       const int64_t cols = p->tiles, vstride = p->cin * cols + WINO_SKEW, mstride = p->cout * cols + WINO_SKEW;
-      float *V = mine, *M = V + 16 * vstride;
+      float *M = V + 16 * vstride;
       for (int64_t n = N * t / p->nt; n < N * (t + 1) / p->nt; ++n) {
         for (int c = 0; c < p->cin; ++c) {
-          if (p->w >= WINO_ROW_MIN && !TILES_AVX512)
+          if (p->w >= WINO_ROW_MIN)
             input_plane(p, in + n * in_sz + c * hw, plane, V + c * cols, vstride);
           else
             input_plane_bordered(p, in + n * in_sz + c * hw, plane, V + c * cols, vstride, ALL_ENTRIES);
@@ -824,6 +866,7 @@ static void wino_conv(const wino_plan *p, int64_t N, const float *in, const floa
         for (int o = 0; o < p->cout; ++o)
           output_plane(p, M + o * cols, mstride, b ? b[o] : 0.0f, out + n * out_sz + o * hw);
       }
+#endif
     } else {
       float *V = shared;
       const int64_t nchunks = (N + p->chunk - 1) / p->chunk;
