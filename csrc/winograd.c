@@ -51,10 +51,13 @@
  * planes taken sample-major, made the input transform of 256 channels at 7x7
  * take 4.6 times as long). */
 #define WINO_SKEW 16
-/* With AVX-512 a wide plane's sample is taken a block of tile rows at a time,
- * V and M of a block at most this many floats (or one tile row). */
+/* With AVX-512 a thread's wide planes are taken a block of tiles at a time
+ * (a multiple of 32: the GEMMs on whole panels of the kernel), V and M of a
+ * block at most this many floats (or 32 tiles'): 2^18 (128 tiles at 64
+ * channels, 64 at 128) measured faster than 2^17 and than whole samples
+ * (64x28x28 forward 2.67 -> 2.52 ms, 128x14x14 2.94 -> 2.35 ms). */
 #ifndef WIDE_BLOCK_FLOATS
-#define WIDE_BLOCK_FLOATS ((int64_t)1 << 17)
+#define WIDE_BLOCK_FLOATS ((int64_t)1 << 18)
 #endif
 /* Planes at least this wide take the row-at-a-time (vectorized) transforms:
  * input_plane (reading the source in place) in the wide forward and dx
@@ -131,7 +134,8 @@ typedef struct wino_plan {
   int64_t chunk;       /* narrow, and dw: samples per chunk, at most */
   int nt;              /* threads */
   int64_t shared;      /* floats of a chunk's V and M (narrow) or V and W (dw), shared by the threads */
-  int64_t own;         /* floats of one sample's V and M (wide), a thread's own */
+  int64_t own;         /* floats of one sample's V and M (wide), a thread's own; with AVX-512 a block's */
+  int64_t block;       /* wide, with AVX-512: tiles a block (a multiple of 32) */
   int own_gemm;        /* the products on small_gemm.h's kernel (else the BLAS) */
   plane_lanes lanes;   /* narrow planes of at most 16 tiles, with AVX-512 */
   int64_t plane_floats; /* the zero-bordered plane (hp, wp) (without AVX-512), then wp zeros (dw's zrow) */
@@ -196,6 +200,9 @@ static wino_plan wino_plan_make(int cin, int cout, int h, int w, int64_t N, int 
   if (p.chunk > N) p.chunk = N < 1 ? 1 : N;
   p.shared = p.chunk * per_sample + 32 * WINO_SKEW;
   p.own = per_sample + 32 * WINO_SKEW;
+  p.block = WIDE_BLOCK_FLOATS / (16 * ((int64_t)cin + cout)) / 32 * 32;
+  if (p.block < 32) p.block = 32;
+  if (TILES_AVX512) p.own = 16 * ((int64_t)cin + cout) * p.block + 32 * WINO_SKEW;
   p.plane_floats = (int64_t)p.hp * p.wp + p.wp;
   p.per_thread = ((p.narrow ? 0 : p.own) + p.plane_floats + 15) & ~(int64_t)15;
   p.own_gemm = 0;
@@ -409,7 +416,7 @@ static inline void row_window(const float *row, int col0, int w, __m512 *x0, __m
 /* B^T d B of the n <= 15 tiles of a tile row read in place: rows[k] the
  * source row of the tile's row k (NULL past the plane's top or bottom), the
  * first tile's first column col0 = 2 tj0 - 1, the plane's width w */
-static void input_tiles_avx512(const float *const rows[4], int col0, int w, int n, float *vt, int64_t vs,
+static inline __attribute__((always_inline)) void input_tiles_avx512(const float *const rows[4], int col0, int w, int n, float *vt, int64_t vs,
                                unsigned xmask) {
   __m512 a0, a1, b0, b1, c0, c1, d0, d1; /* each row's window: columns 0-15 and 16-31 (tile k: 2k..2k+3) */
   row_window(rows[0], col0, w, &a0, &a1);
@@ -554,20 +561,17 @@ static void output_group_lanes(const plane_lanes *L, const float *m, int64_t ms,
 #define ALL_ENTRIES 0xFFFFu
 
 #if defined(__AVX512F__)
-/* The tile rows [ti0, ti1) of the plane src into v (tile row ti at (ti - ti0) * tw),
- * read in place: the border's lanes masked, no copy */
-static void input_rows_avx512(const wino_plan *p, const float *src, int ti0, int ti1, float *v, int64_t vstride,
-                              unsigned xmask) {
-  for (int ti = ti0; ti < ti1; ++ti) {
-    const float *rows[4];
-    for (int k = 0; k < 4; ++k) {
-      const int i = 2 * ti - 1 + k;
-      rows[k] = i >= 0 && i < p->h ? src + (int64_t)i * p->w : NULL;
-    }
-    for (int tj = 0; tj < p->tw; tj += 15)
-      input_tiles_avx512(rows, 2 * tj - 1, p->w, p->tw - tj < 15 ? p->tw - tj : 15,
-                         v + (int64_t)(ti - ti0) * p->tw + tj, vstride, xmask);
+/* The tiles tj0 <= tj < tj1 of tile row ti of the plane src into v (tile tj at
+ * v + tj - tj0), read in place: the border's lanes masked, no copy */
+static void input_segment(const wino_plan *p, const float *src, int ti, int tj0, int tj1, float *v, int64_t vstride,
+                          unsigned xmask) {
+  const float *rows[4];
+  for (int k = 0; k < 4; ++k) {
+    const int i = 2 * ti - 1 + k;
+    rows[k] = i >= 0 && i < p->h ? src + (int64_t)i * p->w : NULL;
   }
+  for (int tj = tj0; tj < tj1; tj += 15)
+    input_tiles_avx512(rows, 2 * tj - 1, p->w, tj1 - tj < 15 ? tj1 - tj : 15, v + tj - tj0, vstride, xmask);
 }
 #endif
 
@@ -580,7 +584,7 @@ static void input_plane_bordered(const wino_plan *p, const float *src, float *pl
                                  unsigned xmask) {
 #if defined(__AVX512F__)
   (void)plane;
-  input_rows_avx512(p, src, 0, p->th, v, vstride, xmask);
+  for (int ti = 0; ti < p->th; ++ti) input_segment(p, src, ti, 0, p->tw, v + (int64_t)ti * p->tw, vstride, xmask);
   return;
 #else
   (void)xmask;
@@ -650,7 +654,7 @@ static void output_row(const float *restrict m, int64_t ms, int n, float bias, f
  * m[xi*ms + k]) into rows y0 and y1 (y1 NULL past the plane's bottom), cols
  * outputs of each stored: output_tile's arithmetic in its order, 16 tiles at
  * a time, the even and odd columns interleaved by two permutations. */
-static void output_tiles_avx512(const float *m, int64_t ms, int n, int cols, float bias, float *y0, float *y1) {
+static inline __attribute__((always_inline)) void output_tiles_avx512(const float *m, int64_t ms, int n, int cols, float bias, float *y0, float *y1) {
   const __mmask16 lm = dp_lanes_upto(n);
   __m512 v[16];
   for (int xi = 0; xi < 16; ++xi) v[xi] = _mm512_maskz_loadu_ps(lm, m + xi * ms);
@@ -674,15 +678,14 @@ static void output_tiles_avx512(const float *m, int64_t ms, int n, int cols, flo
 #endif
 
 #if defined(__AVX512F__)
-/* The outputs of the tile rows [ti0, ti1) of a plane y (tile row ti's entries at m + (ti - ti0) * tw) */
-static void output_rows_avx512(const wino_plan *p, const float *m, int64_t mstride, float bias, float *y, int ti0,
-                               int ti1) {
+/* The outputs of the tiles tj0 <= tj < tj1 of tile row ti of the plane y (tile tj's entries at m + tj - tj0) */
+static void output_segment(const wino_plan *p, const float *m, int64_t mstride, float bias, float *y, int ti, int tj0,
+                           int tj1) {
   const int w = p->w;
-  for (int ti = ti0; ti < ti1; ++ti) {
-    float *y0 = y + (int64_t)2 * ti * w, *y1 = 2 * ti + 1 < p->h ? y0 + w : NULL;
-    for (int tj = 0; tj < p->tw; tj += 16)
-      output_tiles_avx512(m + (int64_t)(ti - ti0) * p->tw + tj, mstride, p->tw - tj < 16 ? p->tw - tj : 16,
-                          w - 2 * tj, bias, y0 + 2 * tj, y1 ? y1 + 2 * tj : NULL);
+  float *y0 = y + (int64_t)2 * ti * w, *y1 = 2 * ti + 1 < p->h ? y0 + w : NULL;
+  for (int tj = tj0; tj < tj1; tj += 16) {
+    const int n = tj1 - tj < 16 ? tj1 - tj : 16, cols = w - 2 * tj < 2 * n ? w - 2 * tj : 2 * n;
+    output_tiles_avx512(m + tj - tj0, mstride, n, cols, bias, y0 + 2 * tj, y1 ? y1 + 2 * tj : NULL);
   }
 }
 #endif
@@ -690,7 +693,7 @@ static void output_rows_avx512(const wino_plan *p, const float *m, int64_t mstri
 static void output_plane(const wino_plan *p, const float *m, int64_t mstride, float bias, float *y) {
   const int w = p->w, full = w / 2; /* tile columns with both outputs inside */
 #if defined(__AVX512F__)
-  output_rows_avx512(p, m, mstride, bias, y, 0, p->th);
+  for (int ti = 0; ti < p->th; ++ti) output_segment(p, m + (int64_t)ti * p->tw, mstride, bias, y, ti, 0, p->tw);
   (void)full;
   return;
 #endif
@@ -837,21 +840,32 @@ static void wino_conv(const wino_plan *p, int64_t N, const float *in, const floa
     if (!p->narrow) {
       float *V = mine;
 #if defined(__AVX512F__)
-      /* a block of tile rows at a time (WIDE_BLOCK_FLOATS: V and M in L2) */
-      const int64_t per_row = 16 * ((int64_t)p->cin + p->cout) * p->tw;
-      const int rows = WIDE_BLOCK_FLOATS / per_row < 1 ? 1 : (int)(WIDE_BLOCK_FLOATS / per_row);
-      for (int64_t n = N * t / p->nt; n < N * (t + 1) / p->nt; ++n)
-        for (int ti0 = 0; ti0 < p->th; ti0 += rows) {
-          const int ti1 = ti0 + rows < p->th ? ti0 + rows : p->th;
-          const int64_t bc = (int64_t)(ti1 - ti0) * p->tw, bvs = p->cin * bc + WINO_SKEW,
-                        bms = p->cout * bc + WINO_SKEW;
-          float *BM = V + 16 * bvs;
-          for (int c = 0; c < p->cin; ++c)
-            input_rows_avx512(p, in + n * in_sz + c * hw, ti0, ti1, V + c * bc, bvs, ALL_ENTRIES);
-          for (int xi = 0; xi < 16; ++xi) wino_gemm(p, flip, xi, U, V, bvs, BM, bms, bc);
-          for (int o = 0; o < p->cout; ++o)
-            output_rows_avx512(p, BM + o * bc, bms, b ? b[o] : 0.0f, out + n * out_sz + o * hw, ti0, ti1);
-        }
+      /* the thread's samples' tiles in blocks of p->block (tile k: sample n0 + k / tiles, its tile
+       * k % tiles), whatever the samples and tile rows they span: V and M in L2, and the GEMMs on
+       * whole 32-column panels of the kernel (a 14x14 plane's 49 tiles filled 49 of 64 columns) */
+      const int64_t n0 = N * t / p->nt, total = (N * (t + 1) / p->nt - n0) * p->tiles;
+      for (int64_t k0 = 0; k0 < total; k0 += p->block) {
+        const int64_t bc = total - k0 < p->block ? total - k0 : p->block, bvs = p->cin * bc + WINO_SKEW,
+                      bms = p->cout * bc + WINO_SKEW;
+        float *M = V + 16 * bvs;
+        for (int c = 0; c < p->cin; ++c)
+          for (int64_t k = k0; k < k0 + bc;) { /* a tile row's run of the block's tiles */
+            const int r = (int)(k % p->tiles), ti = r / p->tw, tj0 = r % p->tw;
+            const int tj1 = k0 + bc - k < p->tw - tj0 ? tj0 + (int)(k0 + bc - k) : p->tw;
+            input_segment(p, in + (n0 + k / p->tiles) * in_sz + c * hw, ti, tj0, tj1, V + c * bc + (k - k0), bvs,
+                          ALL_ENTRIES);
+            k += tj1 - tj0;
+          }
+        for (int xi = 0; xi < 16; ++xi) wino_gemm(p, flip, xi, U, V, bvs, M, bms, bc);
+        for (int o = 0; o < p->cout; ++o)
+          for (int64_t k = k0; k < k0 + bc;) {
+            const int r = (int)(k % p->tiles), ti = r / p->tw, tj0 = r % p->tw;
+            const int tj1 = k0 + bc - k < p->tw - tj0 ? tj0 + (int)(k0 + bc - k) : p->tw;
+            output_segment(p, M + o * bc + (k - k0), bms, b ? b[o] : 0.0f, out + (n0 + k / p->tiles) * out_sz + o * hw,
+                           ti, tj0, tj1);
+            k += tj1 - tj0;
+          }
+      }
 #else
       const int64_t cols = p->tiles, vstride = p->cin * cols + WINO_SKEW, mstride = p->cout * cols + WINO_SKEW;
       float *M = V + 16 * vstride;
