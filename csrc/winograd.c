@@ -59,6 +59,9 @@
 #ifndef WIDE_BLOCK_FLOATS
 #define WIDE_BLOCK_FLOATS ((int64_t)1 << 18)
 #endif
+/* A block's tiles lie in at most block / tw + 2 runs of a tile row; the
+ * block is kept small enough for this many */
+#define WIDE_BLOCK_MAX_RUNS 160
 /* Planes at least this wide take the row-at-a-time (vectorized) transforms:
  * input_plane (reading the source in place) in the wide forward and dx
  * passes, output_plane's output_row; narrower planes, and dw's input
@@ -202,6 +205,8 @@ static wino_plan wino_plan_make(int cin, int cout, int h, int w, int64_t N, int 
   p.own = per_sample + 32 * WINO_SKEW;
   p.block = WIDE_BLOCK_FLOATS / (16 * ((int64_t)cin + cout)) / 32 * 32;
   if (p.block < 32) p.block = 32;
+  if (p.block > (WIDE_BLOCK_MAX_RUNS - 2) * (int64_t)p.tw / 32 * 32)
+    p.block = (WIDE_BLOCK_MAX_RUNS - 2) * (int64_t)p.tw / 32 * 32;
   if (TILES_AVX512) p.own = 16 * ((int64_t)cin + cout) * p.block + 32 * WINO_SKEW;
   p.plane_floats = (int64_t)p.hp * p.wp + p.wp;
   p.per_thread = ((p.narrow ? 0 : p.own) + p.plane_floats + 15) & ~(int64_t)15;
@@ -848,23 +853,26 @@ static void wino_conv(const wino_plan *p, int64_t N, const float *in, const floa
         const int64_t bc = total - k0 < p->block ? total - k0 : p->block, bvs = p->cin * bc + WINO_SKEW,
                       bms = p->cout * bc + WINO_SKEW;
         float *M = V + 16 * bvs;
+        /* the block's runs of a tile row: sample, tile row, first and end tile column, column in the block */
+        int seg[WIDE_BLOCK_MAX_RUNS][5], nseg = 0;
+        for (int64_t k = k0; k < k0 + bc; ++nseg) {
+          const int r = (int)(k % p->tiles), tj0 = r % p->tw;
+          const int tj1 = k0 + bc - k < p->tw - tj0 ? tj0 + (int)(k0 + bc - k) : p->tw;
+          seg[nseg][0] = (int)(k / p->tiles), seg[nseg][1] = r / p->tw, seg[nseg][2] = tj0, seg[nseg][3] = tj1;
+          seg[nseg][4] = (int)(k - k0);
+          k += tj1 - tj0;
+        }
+        const float *src = in + n0 * in_sz;
         for (int c = 0; c < p->cin; ++c)
-          for (int64_t k = k0; k < k0 + bc;) { /* a tile row's run of the block's tiles */
-            const int r = (int)(k % p->tiles), ti = r / p->tw, tj0 = r % p->tw;
-            const int tj1 = k0 + bc - k < p->tw - tj0 ? tj0 + (int)(k0 + bc - k) : p->tw;
-            input_segment(p, in + (n0 + k / p->tiles) * in_sz + c * hw, ti, tj0, tj1, V + c * bc + (k - k0), bvs,
-                          ALL_ENTRIES);
-            k += tj1 - tj0;
-          }
+          for (int q = 0; q < nseg; ++q)
+            input_segment(p, src + seg[q][0] * in_sz + c * hw, seg[q][1], seg[q][2], seg[q][3], V + c * bc + seg[q][4],
+                          bvs, ALL_ENTRIES);
         for (int xi = 0; xi < 16; ++xi) wino_gemm(p, flip, xi, U, V, bvs, M, bms, bc);
+        float *dst = out + n0 * out_sz;
         for (int o = 0; o < p->cout; ++o)
-          for (int64_t k = k0; k < k0 + bc;) {
-            const int r = (int)(k % p->tiles), ti = r / p->tw, tj0 = r % p->tw;
-            const int tj1 = k0 + bc - k < p->tw - tj0 ? tj0 + (int)(k0 + bc - k) : p->tw;
-            output_segment(p, M + o * bc + (k - k0), bms, b ? b[o] : 0.0f, out + (n0 + k / p->tiles) * out_sz + o * hw,
-                           ti, tj0, tj1);
-            k += tj1 - tj0;
-          }
+          for (int q = 0; q < nseg; ++q)
+            output_segment(p, M + o * bc + seg[q][4], bms, b ? b[o] : 0.0f, dst + seg[q][0] * out_sz + o * hw,
+                           seg[q][1], seg[q][2], seg[q][3]);
       }
 #else
       const int64_t cols = p->tiles, vstride = p->cin * cols + WINO_SKEW, mstride = p->cout * cols + WINO_SKEW;
