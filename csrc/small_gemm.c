@@ -142,27 +142,10 @@ static inline __attribute__((always_inline)) void drive(int64_t M, int64_t N, in
  * 16 x 16 transpose in registers (pairs unpacked, then 4-float and 128-bit
  * blocks shuffled) */
 static inline void transpose16(const float *src, int64_t ld, float *out, int64_t out_ld) {
-  __m512 r[16], a[16], b[16];
+  __m512 r[16], c[16];
   for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(src + i * ld);
-  for (int i = 0; i < 8; ++i) { /* lane L: rows 2i, 2i+1 at columns 4L..4L+1 (lo), 4L+2..4L+3 (hi) */
-    a[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
-    a[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
-  }
-  for (int g = 0; g < 4; ++g) { /* b[4g + q], lane L: column 4L + q of rows 4g..4g+3 */
-    b[4 * g + 0] = _mm512_shuffle_ps(a[4 * g], a[4 * g + 2], 0x44);
-    b[4 * g + 1] = _mm512_shuffle_ps(a[4 * g], a[4 * g + 2], 0xEE);
-    b[4 * g + 2] = _mm512_shuffle_ps(a[4 * g + 1], a[4 * g + 3], 0x44);
-    b[4 * g + 3] = _mm512_shuffle_ps(a[4 * g + 1], a[4 * g + 3], 0xEE);
-  }
-  for (int q = 0; q < 4; ++q) { /* column 4L + q: lane L of b[q], b[4 + q], b[8 + q], b[12 + q] */
-    const __m512 c0 = _mm512_shuffle_f32x4(b[q], b[4 + q], 0x88), c1 = _mm512_shuffle_f32x4(b[q], b[4 + q], 0xDD);
-    const __m512 c2 = _mm512_shuffle_f32x4(b[8 + q], b[12 + q], 0x88);
-    const __m512 c3 = _mm512_shuffle_f32x4(b[8 + q], b[12 + q], 0xDD);
-    _mm512_storeu_ps(out + (0 + q) * out_ld, _mm512_shuffle_f32x4(c0, c2, 0x88));
-    _mm512_storeu_ps(out + (8 + q) * out_ld, _mm512_shuffle_f32x4(c0, c2, 0xDD));
-    _mm512_storeu_ps(out + (4 + q) * out_ld, _mm512_shuffle_f32x4(c1, c3, 0x88));
-    _mm512_storeu_ps(out + (12 + q) * out_ld, _mm512_shuffle_f32x4(c1, c3, 0xDD));
-  }
+  dp_transpose16(r, c);
+  for (int k = 0; k < 16; ++k) _mm512_storeu_ps(out + k * out_ld, c[k]);
 }
 
 /* pack[k * 32 + jj] = B[jj * ldb + k], jj < nj, k < kc: 16 x 16 blocks in

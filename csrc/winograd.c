@@ -256,19 +256,16 @@ static void filter_transform(const float *w, int O, int C, float *U, int64_t ust
     float u[16][FILTER_BLOCK];
     int64_t j = 0;
 #if defined(__AVX512F__)
-    /* 16 pairs at a time: the filters' 9 taps as 9 vectors (stride-9 gathers
-     * from 576 consecutive bytes), filter_tile's arithmetic in its order */
-    const __m512i nine = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                            _mm512_set1_epi32(9));
+    /* 16 pairs at a time: the filters' 9 taps as 9 vectors (each filter's 9
+     * floats a masked load, the 16 transposed in registers: stride-9 gathers
+     * measured slower), filter_tile's arithmetic in its order */
     const __m512 half = _mm512_set1_ps(0.5f);
     for (; j < len; j += 16) {
       const __mmask16 m = dp_lanes_upto(len - j);
       const float *wj = w + (d0 + j) * 9;
-      /* the gathers do not start the hardware's stream prefetch: 9 lines 4 iterations ahead (past the
-       * array's end a prefetch is a no-op, never a fault) */
-      for (int l = 0; l < 9; ++l) _mm_prefetch((const char *)(wj + 4 * 144 + 16 * l), _MM_HINT_T0);
-      __m512 g[9];
-      for (int k = 0; k < 9; ++k) g[k] = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), m, nine, wj + k, 4);
+      __m512 rows[16], g[16];
+      for (int l = 0; l < 16; ++l) rows[l] = j + l < len ? _mm512_maskz_loadu_ps(0x1FF, wj + 9 * l) : _mm512_setzero_ps();
+      dp_transpose16(rows, g);
       for (int i = 0; i < 4; ++i) { /* row i of G g (its 3 columns t), then . G^T */
         __m512 t[3];
         for (int c = 0; c < 3; ++c)
@@ -979,8 +976,8 @@ static void dy_plane(const wino_plan *p, const float *src, const float *zrow, fl
 static void filter_gradient(const float *dU, int64_t ustride, int64_t pairs, float *dw) {
 #if defined(__AVX512F__)
   /* 16 pairs a lane each: the 16 entries loaded whole, the arithmetic below's
-   * in its order (the same bits); the taps out through a buffer (scatters
-   * measured slower) */
+   * in its order (the same bits); each pair's 9 taps out as a masked store
+   * after a transpose in registers (scatters measured slower) */
   const int64_t blocks = (pairs + 15) / 16;
   const __m512 half = _mm512_set1_ps(0.5f);
 #pragma omp for schedule(static)
@@ -995,17 +992,18 @@ static void filter_gradient(const float *dU, int64_t ustride, int64_t pairs, flo
       t[1][k] = _mm512_mul_ps(half, _mm512_sub_ps(u[4 + k], u[8 + k]));
       t[2][k] = _mm512_add_ps(_mm512_mul_ps(half, s12), u[12 + k]);
     }
-    _Alignas(64) float tap[9][16];
+    __m512 tap[16], out[16]; /* tap k of the 16 pairs, then pair l's 9 taps */
     for (int i = 0; i < 3; ++i) {
       const __m512 s12 = _mm512_add_ps(t[i][1], t[i][2]);
-      _mm512_store_ps(tap[3 * i + 0], _mm512_add_ps(t[i][0], _mm512_mul_ps(half, s12)));
-      _mm512_store_ps(tap[3 * i + 1], _mm512_mul_ps(half, _mm512_sub_ps(t[i][1], t[i][2])));
-      _mm512_store_ps(tap[3 * i + 2], _mm512_add_ps(_mm512_mul_ps(half, s12), t[i][3]));
+      tap[3 * i + 0] = _mm512_add_ps(t[i][0], _mm512_mul_ps(half, s12));
+      tap[3 * i + 1] = _mm512_mul_ps(half, _mm512_sub_ps(t[i][1], t[i][2]));
+      tap[3 * i + 2] = _mm512_add_ps(_mm512_mul_ps(half, s12), t[i][3]);
     }
+    for (int k = 9; k < 16; ++k) tap[k] = _mm512_setzero_ps();
+    dp_transpose16(tap, out);
     float *g = dw + oc * 9;
     const int n = pairs - oc < 16 ? (int)(pairs - oc) : 16;
-    for (int l = 0; l < n; ++l)
-      for (int k = 0; k < 9; ++k) g[9 * l + k] = tap[k][l];
+    for (int l = 0; l < n; ++l) _mm512_mask_storeu_ps(g + 9 * l, 0x1FF, out[l]);
   }
   return;
 #endif
