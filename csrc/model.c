@@ -14,14 +14,15 @@ struct dp_act_set {
   float **acts, **dacts, *dscratch, *input, *dinput, *bn_saved, *bn_count;
   int32_t **argmax;
   unsigned char *dready;
+  int32_t *dsrc;
   uint8_t *input_u8;
   int32_t *labels, *rows;
 };
 
 static void slot_save(const dp_model *m, struct dp_act_set *a) {
-  *a = (struct dp_act_set){m->act_batch, m->act_bytes, m->acts,     m->dacts,    m->dscratch, m->input,
-                           m->dinput,    m->bn_saved,  m->bn_count, m->argmax,   m->dready,   m->input_u8,
-                           m->labels,    m->rows};
+  *a = (struct dp_act_set){m->act_batch, m->act_bytes, m->acts,   m->dacts,    m->dscratch, m->input,
+                           m->dinput,    m->bn_saved,  m->bn_count, m->argmax, m->dready,   m->dsrc,
+                           m->input_u8,  m->labels,    m->rows};
 }
 
 static void slot_load(dp_model *m, const struct dp_act_set *a) {
@@ -36,6 +37,7 @@ static void slot_load(dp_model *m, const struct dp_act_set *a) {
   m->bn_count = a->bn_count;
   m->argmax = a->argmax;
   m->dready = a->dready;
+  m->dsrc = a->dsrc;
   m->input_u8 = a->input_u8;
   m->labels = a->labels;
   m->rows = a->rows;
@@ -69,9 +71,11 @@ static void free_activations(dp_model *m) {
   free(m->dacts);
   free(m->argmax);
   free(m->dready);
+  free(m->dsrc);
   m->acts = m->dacts = NULL;
   m->argmax = NULL;
   m->dready = NULL;
+  m->dsrc = NULL;
   dp_device_free(m->dev, m->dscratch);
   dp_device_free(m->dev, m->input);
   dp_device_free(m->dev, m->input_u8);
@@ -374,7 +378,8 @@ static dp_status ensure_batch(dp_model *m, int64_t n) {
   m->dacts = calloc(L, sizeof *m->dacts);
   m->argmax = calloc(L, sizeof *m->argmax);
   m->dready = calloc(L, 1);
-  if (!m->acts || !m->dacts || !m->argmax || !m->dready)
+  m->dsrc = calloc(L, sizeof *m->dsrc);
+  if (!m->acts || !m->dacts || !m->argmax || !m->dready || !m->dsrc)
     return DP_FAIL(DP_ERR_MEMORY, "cannot allocate the activation table");
 #define ACT_ALLOC(bytes, ptr)                                  \
   do {                                                         \
@@ -597,6 +602,20 @@ static float *gradient_target(dp_model *m, int src) {
   return m->dready[src] ? m->dscratch : m->dacts[src];
 }
 
+/* The gradient of layer i's output: its own dacts[i], or (dsrc[i] != i) that
+ * of the layer whose backward pass would have copied it over unchanged (an
+ * add's, to both its sources): read in place. dacts[j] is final once layer j
+ * is reached (its consumers came before it), so an alias never changes under
+ * its reader; a second gradient for an aliased layer is added into its own
+ * buffer (gradient_delivered). */
+static float *grad_of(const dp_model *m, int i) { return m->dacts[m->dsrc[i]]; }
+
+/* Layer src's gradient is layer i's unchanged (its first: see grad_of). */
+static void gradient_alias(dp_model *m, int src, int i) {
+  m->dsrc[src] = m->dsrc[i];
+  m->dready[src] = 1;
+}
+
 static dp_status gradient_delivered(dp_model *m, int src, int64_t N) {
   if (src < 0) {
     if (!m->input_grad) return DP_OK;
@@ -609,7 +628,8 @@ static dp_status gradient_delivered(dp_model *m, int src, int64_t N) {
   }
   if (m->dready[src]) {
     const int64_t n = N * layer_out_size(&m->layers[src]);
-    DP_TRY(m->dev->backend->add(m->dev, n, m->dacts[src], m->dscratch, m->dacts[src]));
+    DP_TRY(m->dev->backend->add(m->dev, n, grad_of(m, src), m->dscratch, m->dacts[src]));
+    m->dsrc[src] = src;
   }
   m->dready[src] = 1;
   return DP_OK;
@@ -649,12 +669,13 @@ static dp_status backward(dp_model *m, int64_t N, const dp_collective *coll) {
   const dp_backend *be = m->dev->backend;
   dp_device *dev = m->dev;
   memset(m->dready, 0, (size_t)m->nlayers);
+  for (int i = 0; i < m->nlayers; ++i) m->dsrc[i] = i;
   m->dready[m->nlayers - 1] = 1;
   m->dinput_ready = 0;
   for (int i = m->nlayers - 1; i >= 0; --i) {
     dp_layer *l = &m->layers[i];
     const float *x = output_of(m, l->src);
-    const float *dy = m->dacts[i];
+    const float *dy = grad_of(m, i);
     if (!m->dready[i]) { /* nothing downstream needs this layer */
       DP_TRY(dp_collective_grad_ready(coll, i));
       continue;
@@ -703,11 +724,17 @@ static dp_status backward(dp_model *m, int64_t N, const dp_collective *coll) {
         DP_TRY(batchnorm_backward(m, l, N, coll, x, dy, dx));
         break;
       case DP_LAYER_ADD:
-        if (dx) DP_TRY(be->copy_to_device(dev, dx, dy, sizeof(float) * (size_t)(N * layer_out_size(l))));
-        DP_TRY(gradient_delivered(m, l->src, N));
-        dx = gradient_target(m, l->src2);
-        if (dx) DP_TRY(be->copy_to_device(dev, dx, dy, sizeof(float) * (size_t)(N * layer_out_size(l))));
-        DP_TRY(gradient_delivered(m, l->src2, N));
+        /* both sources' gradient is dy: read in place by a source that has no other yet */
+        for (int k = 0; k < 2; ++k) {
+          const int src = k == 0 ? l->src : l->src2;
+          if (src >= 0 && !m->dready[src]) {
+            gradient_alias(m, src, i);
+            continue;
+          }
+          dx = gradient_target(m, src);
+          if (dx) DP_TRY(be->copy_to_device(dev, dx, dy, sizeof(float) * (size_t)(N * layer_out_size(l))));
+          DP_TRY(gradient_delivered(m, src, N));
+        }
         DP_TRY(dp_collective_grad_ready(coll, i));
         continue;
       case DP_LAYER_GLOBAL_AVGPOOL:
@@ -871,7 +898,7 @@ static dp_status scan_nonfinite(dp_model *m, int64_t n, float *tmp, int *layer, 
   for (int i = m->nlayers - 1; i >= 0; --i) {
     const dp_layer *l = &m->layers[i];
     int out_ok = 1, w_ok = 1, b_ok = 1;
-    if (m->dready[i]) DP_TRY(all_finite(m, m->dacts[i], n * layer_out_size(l), tmp, &out_ok));
+    if (m->dready[i]) DP_TRY(all_finite(m, grad_of(m, i), n * layer_out_size(l), tmp, &out_ok));
     if (out_ok && l->w_len > 0) DP_TRY(all_finite(m, m->grads + l->w_off, l->w_len, tmp, &w_ok));
     if (out_ok && w_ok && l->b_len > 0) DP_TRY(all_finite(m, m->grads + l->b_off, l->b_len, tmp, &b_ok));
     if (!out_ok || !w_ok || !b_ok) {

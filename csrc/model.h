@@ -46,6 +46,7 @@ typedef struct dp_model {
   float **dacts;            /* gradient of each layer's output */
   float *dscratch;          /* the largest activation: a second gradient to add in */
   unsigned char *dready;    /* per layer: dacts[i] holds a gradient already */
+  int32_t *dsrc;            /* per layer: whose dacts holds its gradient (itself, or an alias: grad_of) */
   float *bn_saved;          /* per BatchNorm layer: batch mean (C), invstd (C) */
   float *bn_tmp;            /* (nbn_tmp): channel sums being reduced (shared by the layers) */
   int64_t nbn_tmp;          /* 2 * the most channels of a BatchNorm layer, + 1 */

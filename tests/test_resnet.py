@@ -203,7 +203,7 @@ class RefNet:
             elif kind == "global_avgpool":
                 y = a.mean(axis=(2, 3), keepdims=True)
             elif kind == "add":
-                y = acts[spec[1]] + acts[spec[2]]
+                y = (x if spec[1] < 0 else acts[spec[1]]) + (x if spec[2] < 0 else acts[spec[2]])
             elif kind == "batchnorm":
                 eps, mom = self.bn_args(spec)
                 g, b = P[f"{i}.weight"][None, :, None, None], P[f"{i}.bias"][None, :, None, None]
@@ -333,13 +333,18 @@ NETS = {
                   ("add", 15, 10), ("relu",), ("global_avgpool",), ("flatten",), ("dense", 3)],       # 16-20
                  (3, 6, 5), [None, None, None, None, None, None, None, None, 2, None, None,
                              None, None, None, None, None, None, None, None, None, None]),
+    # adds as a graph may hold them (model.c reads an add's gradient in place in its sources): x + x,
+    # an add of an add and the model input, a layer read by two adds and a convolution, a chain of adds
+    "add_graph": ([("conv2d", 2, 3, 1, 1), ("add", 0, 0), ("add", 1, -1), ("batchnorm",),          # 0-3
+                   ("conv2d", 2, 3, 1, 1), ("add", 4, 2), ("add", 5, 5), ("conv2d", 3, 1, 1, 0),  # 4-7
+                   ("global_avgpool",), ("flatten",), ("dense", 3)], (2, 5, 6), None),             # 8-10
 }
 # (net, batch, weight seed): batch 2 (the smallest BatchNorm batch with H, W > 1) and odd batches
 # (the seeds are ones whose ReLU inputs all keep RELU_MARGIN from 0, see RELU_MARGIN)
 CASES = [("bn_input", 2, 1), ("bn_input", 5, 2), ("conv_bn", 2, 13), ("conv_bn", 3, 24), ("dense_bn", 5, 5),
-         ("dense_bn", 3, 6), ("residual", 2, 57), ("residual", 3, 278)]
+         ("dense_bn", 3, 6), ("residual", 2, 57), ("residual", 3, 278), ("add_graph", 2, 3), ("add_graph", 3, 4)]
 # weight seeds of the finite-difference check of the reference (data seed + 1), ReLU inputs >= 1e-3 x max from 0
-FD_SEEDS = {"bn_input": 11, "conv_bn": 18, "dense_bn": 11, "residual": 52}
+FD_SEEDS = {"bn_input": 11, "conv_bn": 18, "dense_bn": 11, "residual": 52, "add_graph": 7}
 
 
 def build(name, seed, devices=None, sync_batchnorm=False):
