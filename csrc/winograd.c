@@ -101,8 +101,10 @@ dp_status dp_winograd_takes(const dp_conv_geom *g, int *takes) {
  * (3x3, stride 1, pad 1 keep the plane's size).
  *
  * Wide planes (h*w >= WINO_NARROW): thread t of nt takes the samples
- * [N*t/nt, N*(t+1)/nt), one at a time, with V and M of its own (one sample
- * per GEMM: its bits do not depend on the rest of the batch).
+ * [N*t/nt, N*(t+1)/nt) with V and M of its own: one sample at a time, or with
+ * AVX-512 a block of p->block tiles at a time whatever samples it spans (a
+ * GEMM column's sum does not depend on the columns beside it: a sample's bits
+ * do not depend on the rest of the batch either way).
  * Narrow planes: the threads together take the batch in chunks of at most
  * `chunk` samples, all of a chunk's tiles side by side in each GEMM, the 16
  * GEMMs dealt to the threads (each U_xi packed once, not once per thread, and
