@@ -37,24 +37,27 @@ dp_status dp_small_gemm_on(int *on) {
   do {                                                    \
     const __m512 s = _mm512_set1_ps(ak[(r) * rs]);        \
     c##r##0 = _mm512_fmadd_ps(s, b0, c##r##0);            \
-    c##r##1 = _mm512_fmadd_ps(s, b1, c##r##1);            \
+    if (wide) c##r##1 = _mm512_fmadd_ps(s, b1, c##r##1);  \
   } while (0)
 #define ROW_INIT(r)                                                                      \
   do {                                                                                   \
     c##r##0 = acc ? _mm512_maskz_loadu_ps(m0, C + (r) * ldc) : _mm512_setzero_ps();      \
-    c##r##1 = acc ? _mm512_maskz_loadu_ps(m1, C + (r) * ldc + 16) : _mm512_setzero_ps(); \
+    c##r##1 = acc && wide ? _mm512_maskz_loadu_ps(m1, C + (r) * ldc + 16) : _mm512_setzero_ps(); \
   } while (0)
-#define ROW_STORE(r)                                       \
-  do {                                                     \
-    _mm512_mask_storeu_ps(C + (r) * ldc, m0, c##r##0);      \
-    _mm512_mask_storeu_ps(C + (r) * ldc + 16, m1, c##r##1); \
+#define ROW_STORE(r)                                                 \
+  do {                                                               \
+    _mm512_mask_storeu_ps(C + (r) * ldc, m0, c##r##0);                \
+    if (wide) _mm512_mask_storeu_ps(C + (r) * ldc + 16, m1, c##r##1); \
   } while (0)
 
 /* C[0..8)[cols of m0, m1] (+)= A[0..8)[0..K) . B[0..K)[cols]; acc: start
- * from C's values (the sum goes on in k order), else from zero */
+ * from C's values (the sum goes on in k order), else from zero. wide (a
+ * constant at each call): the second 16 columns too; a panel of at most 16
+ * columns (a 14x14 plane's 196 columns end in one of 4) leaves them out, half
+ * the multiplies (the same sums: each column is its own FMA chain). */
 static inline __attribute__((always_inline)) void mk8x32(int64_t K, const float *A, int64_t rs, int64_t ks,
                                                          const float *B, int64_t ldb, float *C, int64_t ldc,
-                                                         __mmask16 m0, __mmask16 m1, int acc) {
+                                                         __mmask16 m0, __mmask16 m1, int acc, const int wide) {
   __m512 c00, c01, c10, c11, c20, c21, c30, c31, c40, c41, c50, c51, c60, c61, c70, c71;
   ROW_INIT(0);
   ROW_INIT(1);
@@ -66,7 +69,7 @@ static inline __attribute__((always_inline)) void mk8x32(int64_t K, const float 
   ROW_INIT(7);
   for (int64_t k = 0; k < K; ++k) {
     const float *bk = B + k * ldb, *ak = A + k * ks;
-    const __m512 b0 = _mm512_maskz_loadu_ps(m0, bk), b1 = _mm512_maskz_loadu_ps(m1, bk + 16);
+    const __m512 b0 = _mm512_maskz_loadu_ps(m0, bk), b1 = wide ? _mm512_maskz_loadu_ps(m1, bk + 16) : b0;
     ROW_FMA(0);
     ROW_FMA(1);
     ROW_FMA(2);
@@ -107,10 +110,13 @@ static inline __attribute__((always_inline)) void panel(int64_t M, int64_t nj, i
                                                         int64_t ldc, int acc) {
   int64_t i = 0;
   if (nj == NR) { /* the common case: constant masks, plain loads and stores */
-    for (; i + MR <= M; i += MR) mk8x32(K, A + i * rs, rs, ks, B, ldb, C + i * ldc, ldc, 0xFFFF, 0xFFFF, acc);
-  } else {
+    for (; i + MR <= M; i += MR) mk8x32(K, A + i * rs, rs, ks, B, ldb, C + i * ldc, ldc, 0xFFFF, 0xFFFF, acc, 1);
+  } else if (nj > 16) {
     const __mmask16 m0 = dp_lanes_upto(nj), m1 = dp_lanes_upto(nj - 16);
-    for (; i + MR <= M; i += MR) mk8x32(K, A + i * rs, rs, ks, B, ldb, C + i * ldc, ldc, m0, m1, acc);
+    for (; i + MR <= M; i += MR) mk8x32(K, A + i * rs, rs, ks, B, ldb, C + i * ldc, ldc, m0, m1, acc, 1);
+  } else {
+    const __mmask16 m0 = dp_lanes_upto(nj);
+    for (; i + MR <= M; i += MR) mk8x32(K, A + i * rs, rs, ks, B, ldb, C + i * ldc, ldc, m0, 0, acc, 0);
   }
   const __mmask16 m0 = dp_lanes_upto(nj), m1 = dp_lanes_upto(nj - 16);
   for (; i < M; ++i) mk1x32(K, A + i * rs, ks, B, ldb, C + i * ldc, m0, m1, acc);
