@@ -164,6 +164,13 @@ struct dp_backend {
                                          float *running_mean, float *running_var);
   DP_MUST_CHECK dp_status (*bn_apply)(dp_device *dev, int64_t N, int C, int HW, const float *x, const float *mean,
                                       const float *invstd, const float *gamma, const float *beta, float *y);
+  /* bn_apply followed by ReLU in one pass, y = relu(bn_apply(x)) element by
+   * element (the separate ops' bits), BatchNorm's own output never written:
+   * a BatchNorm whose only reader is a ReLU right after it (model.c
+   * mark_fusions). */
+  DP_MUST_CHECK dp_status (*bn_apply_relu)(dp_device *dev, int64_t N, int C, int HW, const float *x,
+                                           const float *mean, const float *invstd, const float *gamma,
+                                           const float *beta, float *y);
   DP_MUST_CHECK dp_status (*bn_backward_sums)(dp_device *dev, int64_t N, int C, int HW, const float *x, const float *dy,
                                               const float *mean, const float *invstd, float *sum_dy,
                                               float *sum_dy_xhat);

@@ -1115,15 +1115,32 @@ static dp_status cpu_bn_finalize(dp_device *dev, int C, const float *sqdev, floa
   return DP_OK;
 }
 
-static dp_status cpu_bn_apply(dp_device *dev, int64_t N, int C, int HW, const float *x, const float *mean,
-                              const float *invstd, const float *gamma, const float *beta, float *y) {
+/* y = bn(x), or with relu relu(bn(x)) (the fused pass: one read, one write) */
+static void bn_apply_pass(dp_device *dev, int64_t N, int C, int HW, const float *x, const float *mean,
+                          const float *invstd, const float *gamma, const float *beta, float *y, int relu) {
 #pragma omp parallel for num_threads(dev->nthreads) schedule(static) if (N * C * HW > 65536)
   for (int64_t p = 0; p < N * C; ++p) {
     const int c = (int)(p % C);
     const float m = mean[c], s = invstd[c], g = gamma[c], b = beta[c];
+    if (relu) {
 #pragma omp simd
-    for (int i = 0; i < HW; ++i) y[p * HW + i] = dp_bn_apply_elem(x[p * HW + i], m, s, g, b);
+      for (int i = 0; i < HW; ++i) y[p * HW + i] = dp_relu_forward_elem(dp_bn_apply_elem(x[p * HW + i], m, s, g, b));
+    } else {
+#pragma omp simd
+      for (int i = 0; i < HW; ++i) y[p * HW + i] = dp_bn_apply_elem(x[p * HW + i], m, s, g, b);
+    }
   }
+}
+
+static dp_status cpu_bn_apply(dp_device *dev, int64_t N, int C, int HW, const float *x, const float *mean,
+                              const float *invstd, const float *gamma, const float *beta, float *y) {
+  bn_apply_pass(dev, N, C, HW, x, mean, invstd, gamma, beta, y, 0);
+  return DP_OK;
+}
+
+static dp_status cpu_bn_apply_relu(dp_device *dev, int64_t N, int C, int HW, const float *x, const float *mean,
+                                   const float *invstd, const float *gamma, const float *beta, float *y) {
+  bn_apply_pass(dev, N, C, HW, x, mean, invstd, gamma, beta, y, 1);
   return DP_OK;
 }
 
@@ -1227,6 +1244,7 @@ static const dp_backend cpu_backend = {
     .bn_sums = cpu_bn_sums,
     .bn_finalize = cpu_bn_finalize,
     .bn_apply = cpu_bn_apply,
+    .bn_apply_relu = cpu_bn_apply_relu,
     .bn_backward_sums = cpu_bn_backward_sums,
     .bn_backward_dx = cpu_bn_backward_dx,
     .synchronize = cpu_synchronize,

@@ -828,7 +828,14 @@ static dp_status cuda_bn_finalize(dp_device *dev, int C, const float *sqdev, flo
 static dp_status cuda_bn_apply(dp_device *dev, int64_t N, int C, int HW, const float *x, const float *mean,
                                const float *invstd, const float *gamma, const float *beta, float *y) {
   CUDA_ENTER(dev, c);
-  DP_LAUNCH_CHECK(dp_cuda_bn_apply(c->stream, N, C, HW, x, mean, invstd, gamma, beta, y));
+  DP_LAUNCH_CHECK(dp_cuda_bn_apply(c->stream, N, C, HW, x, mean, invstd, gamma, beta, y, 0));
+  return DP_OK;
+}
+
+static dp_status cuda_bn_apply_relu(dp_device *dev, int64_t N, int C, int HW, const float *x, const float *mean,
+                                    const float *invstd, const float *gamma, const float *beta, float *y) {
+  CUDA_ENTER(dev, c);
+  DP_LAUNCH_CHECK(dp_cuda_bn_apply(c->stream, N, C, HW, x, mean, invstd, gamma, beta, y, 1));
   return DP_OK;
 }
 
@@ -975,6 +982,7 @@ static const dp_backend cuda_backend = {
     .bn_sums = cuda_bn_sums,
     .bn_finalize = cuda_bn_finalize,
     .bn_apply = cuda_bn_apply,
+    .bn_apply_relu = cuda_bn_apply_relu,
     .bn_backward_sums = cuda_bn_backward_sums,
     .bn_backward_dx = cuda_bn_backward_dx,
     .synchronize = cuda_synchronize,

@@ -46,7 +46,8 @@ typedef struct dp_layer {
   int64_t state_off;        /* batchnorm: running mean (C) then running var (C) in m->state */
   float eps, momentum;      /* batchnorm */
   int fused;                /* set by dp_model_finalize: a relu whose one reader, the next layer, is an
-                             * avgpool; the two run as one op (backend.h: relu_avgpool_forward) */
+                             * avgpool, or a batchnorm whose one reader, the next layer, is a relu; the
+                             * two run as one op (backend.h: relu_avgpool_forward, bn_apply_relu) */
 } dp_layer;
 
 #define DP_LAYER_MAX_ARGS 4

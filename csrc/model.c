@@ -296,6 +296,13 @@ static dp_status alloc_flat_buffers(dp_model *m, int64_t max_state) {
   return DP_OK;
 }
 
+/* The layers that read layer i's output. */
+static int readers_of(const dp_model *m, int i) {
+  int readers = 0;
+  for (int j = 0; j < m->nlayers; ++j) readers += (m->layers[j].src == i) + (m->layers[j].src2 == i);
+  return readers;
+}
+
 /* Marks each relu whose output only the next layer, an avgpool, reads: the
  * two run as one op (backend.h), which writes the relu's output but not its
  * output gradient. DPCORE_FUSE=0 in the environment turns this off (the
@@ -309,9 +316,16 @@ static void mark_fusions(dp_model *m) {
     if (!on || l->kind != DP_LAYER_RELU || i + 1 >= m->nlayers) continue;
     const dp_layer *next = &m->layers[i + 1];
     if (next->kind != DP_LAYER_AVGPOOL || next->src != i) continue;
-    int readers = 0;
-    for (int j = 0; j < m->nlayers; ++j) readers += (m->layers[j].src == i) + (m->layers[j].src2 == i);
-    l->fused = readers == 1;
+    l->fused = readers_of(m, i) == 1;
+  }
+  /* and each batchnorm whose output only the next layer, a relu not fused
+   * itself, reads: bn_apply_relu writes the relu's output, not the
+   * batchnorm's (whose backward reads its input, and the relu's its output) */
+  for (int i = 0; on && i + 1 < m->nlayers; ++i) {
+    dp_layer *l = &m->layers[i];
+    const dp_layer *next = &m->layers[i + 1];
+    if (l->kind == DP_LAYER_BATCHNORM && next->kind == DP_LAYER_RELU && next->src == i && !next->fused)
+      l->fused = readers_of(m, i) == 1;
   }
 }
 
@@ -509,8 +523,9 @@ static dp_pool_geom pool_geom(const dp_layer *l) {
  * BatchNorm each pass's channel sums are all-reduced and the count is the
  * global batch's, so k replicas normalise exactly as one replica would over
  * the whole batch. Evaluation: running statistics. */
+/* relu: y = relu(batchnorm(x)) (l fused with the relu after it: mark_fusions) */
 static dp_status batchnorm_forward(dp_model *m, const dp_layer *l, int64_t N, const dp_collective *coll,
-                                   const float *x, float *y) {
+                                   const float *x, float *y, int relu) {
   const dp_backend *be = m->dev->backend;
   dp_device *dev = m->dev;
   const int C = l->in_c, HW = l->in_h * l->in_w;
@@ -522,7 +537,7 @@ static dp_status batchnorm_forward(dp_model *m, const dp_layer *l, int64_t N, co
     /* invstd from the running variance: finalize with count 1 on a copy */
     DP_TRY(be->copy_to_device(dev, mean, running_mean, sizeof(float) * (size_t)C));
     DP_TRY(be->bn_finalize(dev, C, running_var, 1.0f, mean, l->eps, 0.0f, 0, invstd, NULL, NULL));
-    return be->bn_apply(dev, N, C, HW, x, mean, invstd, gamma, beta, y);
+    return (relu ? be->bn_apply_relu : be->bn_apply)(dev, N, C, HW, x, mean, invstd, gamma, beta, y);
   }
   const int sync = dp_collective_syncs_batchnorm(coll);
   if (N == 0 && !sync) return DP_OK; /* an empty shard has no statistics of its own */
@@ -539,7 +554,7 @@ static dp_status batchnorm_forward(dp_model *m, const dp_layer *l, int64_t N, co
   if (sync) DP_TRY(dp_collective_all_reduce(coll, tmp, C, DP_REDUCE_SUM));
   DP_TRY(be->bn_finalize(dev, C, tmp, count, mean, l->eps, l->momentum, 1, invstd, running_mean, running_var));
   m->bn_count[l - m->layers] = count; /* for this layer's backward pass */
-  return be->bn_apply(dev, N, C, HW, x, mean, invstd, gamma, beta, y);
+  return (relu ? be->bn_apply_relu : be->bn_apply)(dev, N, C, HW, x, mean, invstd, gamma, beta, y);
 }
 
 /* coll: BatchNorm's collective in training (NULL: none, and in evaluation) */
@@ -581,7 +596,12 @@ static dp_status forward(dp_model *m, int64_t N, const dp_collective *coll) {
         m->acts[i] = (float *)x; /* the same memory, seen as (N, C*H*W) */
         break;
       case DP_LAYER_BATCHNORM:
-        DP_TRY(batchnorm_forward(m, l, N, coll, x, y));
+        if (l->fused && !m->unfused) { /* and the relu after it (its output written, not this layer's) */
+          DP_TRY(batchnorm_forward(m, l, N, coll, x, m->acts[i + 1], 1));
+          ++i;
+          break;
+        }
+        DP_TRY(batchnorm_forward(m, l, N, coll, x, y, 0));
         break;
       case DP_LAYER_ADD:
         DP_TRY(be->add(dev, N * layer_out_size(l), x, output_of(m, l->src2), y));

@@ -61,8 +61,9 @@ int dp_cuda_bn_backward_sums(dp_cuda_stream s, int64_t N, int C, int HW, const f
                              const float *mean, const float *invstd, float *sum_dy, float *sum_dy_xhat);
 int dp_cuda_bn_finalize(dp_cuda_stream s, int C, const float *sqdev, float count, const float *mean, float eps,
                         float momentum, int update_running, float *invstd, float *running_mean, float *running_var);
+/* relu: y = relu(bn(x)) (backend.h: bn_apply_relu) */
 int dp_cuda_bn_apply(dp_cuda_stream s, int64_t N, int C, int HW, const float *x, const float *mean,
-                     const float *invstd, const float *gamma, const float *beta, float *y);
+                     const float *invstd, const float *gamma, const float *beta, float *y, int relu);
 int dp_cuda_bn_backward_dx(dp_cuda_stream s, int64_t N, int C, int HW, const float *x, const float *dy,
                            const float *mean, const float *invstd, const float *gamma, const float *sum_dy,
                            const float *sum_dy_xhat, float inv_count, float *dx);

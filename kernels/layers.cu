@@ -96,10 +96,11 @@ __global__ void bn_finalize_kernel(int C, const float *sqdev, float count, const
 }
 
 __global__ void bn_apply_kernel(int64_t n, int C, int HW, const float *x, const float *mean, const float *invstd,
-                                const float *gamma, const float *beta, float *y) {
+                                const float *gamma, const float *beta, float *y, int relu) {
   DP_GRID_STRIDE(i, n) {
     const int c = (int)((i / HW) % C);
-    y[i] = dp_bn_apply_elem(x[i], mean[c], invstd[c], gamma[c], beta[c]);
+    const float v = dp_bn_apply_elem(x[i], mean[c], invstd[c], gamma[c], beta[c]);
+    y[i] = relu ? dp_relu_forward_elem(v) : v;
   }
 }
 
@@ -162,10 +163,10 @@ int dp_cuda_bn_finalize(dp_cuda_stream s, int C, const float *sqdev, float count
   return launched();
 }
 int dp_cuda_bn_apply(dp_cuda_stream s, int64_t N, int C, int HW, const float *x, const float *mean,
-                     const float *invstd, const float *gamma, const float *beta, float *y) {
+                     const float *invstd, const float *gamma, const float *beta, float *y, int relu) {
   const int64_t n = N * C * HW;
   if (n <= 0) return 0;
-  bn_apply_kernel<<<grid_for(n), kThreads, 0, s>>>(n, C, HW, x, mean, invstd, gamma, beta, y);
+  bn_apply_kernel<<<grid_for(n), kThreads, 0, s>>>(n, C, HW, x, mean, invstd, gamma, beta, y, relu);
   return launched();
 }
 int dp_cuda_bn_backward_dx(dp_cuda_stream s, int64_t N, int C, int HW, const float *x, const float *dy,

@@ -1,4 +1,5 @@
-"""ReLU + average pooling run as one op (issue 14's fusion route).
+"""ReLU + average pooling run as one op (issue 14's fusion route), and
+BatchNorm + ReLU.
 
 A relu whose only reader is the avgpool right after it runs, with that pool,
 as one backend op (csrc/backend.h: relu_avgpool_forward, avgpool_relu_backward;
@@ -9,6 +10,11 @@ order, so the claim tested here is exact: a model built with DPCORE_FUSE=0 (ever
 layer on its own) and one built without it train to the same bits. Each case
 also checks that the fusion did (or did not) happen, so that equality is not
 the trivial one of two unfused runs.
+
+A batchnorm whose only reader is the relu right after it (one not fused with
+a pool itself) runs with it as bn_apply_relu: the relu's output is written
+and the batchnorm's is not (its backward reads its input, the relu's backward
+the relu's output); the same bits as the two ops apart, checked the same way.
 """
 import numpy as np
 import pytest
@@ -117,6 +123,61 @@ def test_check_numerics_same_diagnosis(monkeypatch):
     nets = [build(monkeypatch, fuse, LENET, (1, 28, 28)) for fuse in (False, True)]
     X, y = batch((1, 28, 28), 8, seed=1)
     X[3, 0, 5, 5] = np.inf
+    found = [net._model.find_nonfinite(X, y) for net in nets]
+    assert found[0] == found[1]
+    assert found[1][0] >= 0
+
+
+# a ResNet-style block: conv, batchnorm + relu (fused), conv, batchnorm, add, relu (the add's reads
+# keep the second batchnorm apart), then a batchnorm + relu + avgpool (the relu fused with the pool)
+RESBLOCK = [("conv2d", 4, 3, 1, 1), ("batchnorm",), ("relu",), ("conv2d", 4, 3, 1, 1), ("batchnorm",),
+            ("add", 4, 0), ("relu",), ("batchnorm",), ("relu",), ("avgpool", 2, 2, 0), ("flatten",), ("dense", 10)]
+
+
+def test_batchnorm_relu_fused_and_bit_identical(monkeypatch):
+    nets = train_both(monkeypatch, RESBLOCK, (2, 8, 6), sources=[None] * len(RESBLOCK))
+    assert fused_pairs(nets[0]) == []
+    assert fused_pairs(nets[1]) == [(1, 2), (8, 9)]
+    assert_same_bits(nets, (2, 8, 6))
+
+
+def test_resnet18_batchnorm_relu_pairs_fused():
+    net = dp.models.ResNet18(devices=["cpu:0"])
+    layers = net._model.layers()
+    pairs = fused_pairs(net)
+    assert len(pairs) == 9  # the stem's and each block's first
+    assert all(layers[i][0] == "batchnorm" and layers[j][0] == "relu" for i, j in pairs)
+
+
+def test_batchnorm_with_two_readers_is_not_fused(monkeypatch):
+    layers = [("conv2d", 4, 3, 1, 1), ("batchnorm",), ("relu",), ("add", 2, 1), ("flatten",), ("dense", 10)]
+    nets = train_both(monkeypatch, layers, (1, 5, 5), sources=[None] * len(layers))
+    assert fused_pairs(nets[1]) == []
+    assert_same_bits(nets, (1, 5, 5))
+
+
+def test_two_replicas_sync_batchnorm_relu_fused_and_bit_identical(monkeypatch, logical_cpus):
+    logical_cpus(2)
+    nets = []
+    for fuse in (False, True):
+        if fuse:
+            monkeypatch.delenv("DPCORE_FUSE", raising=False)
+        else:
+            monkeypatch.setenv("DPCORE_FUSE", "0")
+        nets.append(dp.models.Sequential(RESBLOCK, input_shape=(2, 8, 6), sources=[None] * len(RESBLOCK), seed=5,
+                                         init="torch", devices=["cpu:0", "cpu:1"], sync_batchnorm=True))
+        monkeypatch.delenv("DPCORE_FUSE", raising=False)
+    for s in range(2):
+        X, y = batch((2, 8, 6), 24, seed=s)
+        assert nets[0].train_step(X, y, lr=0.05) == nets[1].train_step(X, y, lr=0.05)
+    assert fused_pairs(nets[1]) == [(1, 2), (8, 9)]
+    assert_same_bits(nets, (2, 8, 6))
+
+
+def test_check_numerics_same_diagnosis_batchnorm_relu(monkeypatch):
+    nets = [build(monkeypatch, fuse, RESBLOCK, (2, 8, 6), sources=[None] * len(RESBLOCK)) for fuse in (False, True)]
+    X, y = batch((2, 8, 6), 8, seed=1)
+    X[3, 1, 2, 2] = np.nan
     found = [net._model.find_nonfinite(X, y) for net in nets]
     assert found[0] == found[1]
     assert found[1][0] >= 0
