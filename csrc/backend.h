@@ -18,6 +18,19 @@
 
 typedef enum dp_device_kind { DP_DEVICE_CPU = 0, DP_DEVICE_CUDA = 1 } dp_device_kind;
 
+/* A convolution layer's transformed filter, kept from its forward pass for
+ * its backward pass (backend.h: conv2d_forward's keep): u (device memory of
+ * the backend's, `floats` floats, allocated by the backend on first use, freed
+ * by the owner with dp_device_free) is the transform of the w of the last
+ * forward pass that set valid. The owner clears valid whenever w may have
+ * changed (model.c: every training step, around its one forward-backward
+ * call). */
+typedef struct dp_conv_keep {
+  float *u;
+  size_t floats;
+  int valid;
+} dp_conv_keep;
+
 typedef struct dp_backend dp_backend;
 /* Streams and events (backend table below): a stream is a second queue of
  * work on a device beside the device's own; an event marks the work queued on
@@ -90,12 +103,17 @@ struct dp_backend {
   DP_MUST_CHECK dp_status (*gather_rows)(dp_device *dev, int64_t nrows, int64_t row_bytes, const void *src,
                                          const int32_t *rows, void *dst);
 
-  /* y = conv(x, w) + b.  x (N,C,H,W), w (O,C,KH,KW), b (O), y (N,O,OH,OW) */
+  /* y = conv(x, w) + b.  x (N,C,H,W), w (O,C,KH,KW), b (O), y (N,O,OH,OW).
+   * keep (NULL: none): where the backend transforms the filter (the CPU's
+   * Winograd on large layers), it keeps the transform there for the layer's
+   * backward pass with the same w (dp_conv_keep). */
   DP_MUST_CHECK dp_status (*conv2d_forward)(dp_device *dev, const dp_conv_geom *g, int64_t N, const float *x,
-                                            const float *w, const float *b, float *y);
-  /* dw, db overwritten with this batch's sums; dx overwritten unless NULL (first layer). */
+                                            const float *w, const float *b, float *y, dp_conv_keep *keep);
+  /* dw, db overwritten with this batch's sums; dx overwritten unless NULL (first layer). keep: the
+   * forward's, its transform used for dx when valid. */
   DP_MUST_CHECK dp_status (*conv2d_backward)(dp_device *dev, const dp_conv_geom *g, int64_t N, const float *x,
-                                             const float *w, const float *dy, float *dx, float *dw, float *db);
+                                             const float *w, const float *dy, float *dx, float *dw, float *db,
+                                             dp_conv_keep *keep);
   /* y (N,nout) = x (N,nin) w^T + b, w (nout,nin): PyTorch's Linear layout */
   DP_MUST_CHECK dp_status (*dense_forward)(dp_device *dev, int64_t N, int nin, int nout, const float *x, const float *w,
                                            const float *b, float *y);

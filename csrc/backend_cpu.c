@@ -553,9 +553,32 @@ static dp_status conv_direct_backward(dp_device *dev, const dp_conv_geom *g, int
   return DP_OK;
 }
 
+/* keep's U for a Winograd layer worth keeping one (allocated on first use),
+ * else NULL */
+static dp_status kept_u(dp_device *dev, const dp_conv_geom *g, dp_conv_keep *keep, float **u) {
+  *u = NULL;
+  if (!keep || !dp_winograd_worth_keeping(g)) return DP_OK;
+  const size_t floats = dp_winograd_u_floats(g);
+  if (keep->u && keep->floats != floats) { /* another geometry's (never on a model's layer) */
+    cpu_release(dev, keep->u);
+    keep->u = NULL;
+    keep->valid = 0;
+  }
+  if (!keep->u) {
+    void *p;
+    DP_TRY(cpu_alloc(dev, sizeof(float) * floats, &p));
+    keep->u = p;
+    keep->floats = floats;
+    keep->valid = 0;
+  }
+  *u = keep->u;
+  return DP_OK;
+}
+
 static dp_status cpu_conv2d_forward(dp_device *dev, const dp_conv_geom *g, int64_t N, const float *x, const float *w,
-                                    const float *b, float *y) {
+                                    const float *b, float *y, dp_conv_keep *keep) {
   cpu_enter(dev);
+  if (keep) keep->valid = 0; /* until a forward pass below has written its U */
   int winograd;
   DP_TRY(dp_wl_takes(g, &winograd));
   if (winograd) { /* csrc/winograd_lanes.h */
@@ -567,7 +590,11 @@ static dp_status cpu_conv2d_forward(dp_device *dev, const dp_conv_geom *g, int64
   if (winograd) {
     float *wino;
     DP_TRY(cpu_scratch(dev, dp_winograd_scratch_floats(g, N, dev->nthreads), &wino));
-    return dp_winograd_forward(g, N, x, w, b, y, dev->nthreads, wino);
+    float *u;
+    DP_TRY(kept_u(dev, g, keep, &u));
+    DP_TRY(dp_winograd_forward(g, N, x, w, b, y, dev->nthreads, wino, u));
+    if (u) keep->valid = N > 0;
+    return DP_OK;
   }
   if (conv_is_direct(g)) return conv_direct_forward(dev, g, N, x, w, b, y);
   int igemm;
@@ -633,7 +660,7 @@ static dp_conv_geom conv_dx_geom(const dp_conv_geom *g) {
 }
 
 static dp_status cpu_conv2d_backward(dp_device *dev, const dp_conv_geom *g, int64_t N, const float *x, const float *w,
-                                     const float *dy, float *dx, float *dw, float *db) {
+                                     const float *dy, float *dx, float *dw, float *db, dp_conv_keep *keep) {
   cpu_enter(dev);
   int winograd;
   DP_TRY(dp_wl_takes(g, &winograd));
@@ -646,7 +673,8 @@ static dp_status cpu_conv2d_backward(dp_device *dev, const dp_conv_geom *g, int6
   if (winograd) { /* csrc/winograd.h */
     float *wino;
     DP_TRY(cpu_scratch(dev, dp_winograd_scratch_floats(g, N, dev->nthreads), &wino));
-    if (dx) DP_TRY(dp_winograd_backward_dx(g, N, w, dy, dx, dev->nthreads, wino));
+    const float *u = keep && keep->valid && keep->u && keep->floats == dp_winograd_u_floats(g) ? keep->u : NULL;
+    if (dx) DP_TRY(dp_winograd_backward_dx(g, N, w, dy, dx, dev->nthreads, wino, u));
     return dp_winograd_backward_dw(g, N, x, dy, dw, db, dev->nthreads, wino);
   }
   if (conv_is_direct(g)) return conv_direct_backward(dev, g, N, x, w, dy, dx, dw, db);

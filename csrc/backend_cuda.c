@@ -511,7 +511,8 @@ static int64_t conv_out_size(const dp_conv_geom *g) { return (int64_t)g->O * g->
  * convolution with beta = 1 (y = alpha * conv + beta * y; cuDNN API reference,
  * cudnnConvolutionForward, "scaling parameters"). */
 static dp_status cuda_conv2d_forward(dp_device *dev, const dp_conv_geom *g, int64_t N, const float *x, const float *w,
-                                     const float *b, float *y) {
+                                     const float *b, float *y, dp_conv_keep *keep) {
+  (void)keep; /* cuDNN keeps no filter transform of ours */
   CUDA_ENTER(dev, c);
   if (N == 0) return DP_OK;
   conv_plan *p;
@@ -529,7 +530,8 @@ static dp_status cuda_conv2d_forward(dp_device *dev, const dp_conv_geom *g, int6
 /* dw, db overwritten (beta = 0); dx overwritten unless NULL. db is a channel
  * sum of dy over (N, OH*OW): our deterministic reduction kernel. */
 static dp_status cuda_conv2d_backward(dp_device *dev, const dp_conv_geom *g, int64_t N, const float *x, const float *w,
-                                      const float *dy, float *dx, float *dw, float *db) {
+                                      const float *dy, float *dx, float *dw, float *db, dp_conv_keep *keep) {
+  (void)keep;
   CUDA_ENTER(dev, c);
   if (N == 0) {
     DP_LAUNCH_CHECK(dp_cuda_fill(c->stream, (int64_t)g->O * g->C * g->KH * g->KW, dw, 0.0f));

@@ -127,6 +127,8 @@ void dp_model_destroy(dp_model *m) {
   dp_device_free(m->dev, m->grad_scratch);
   free_activations(m);
   free_flat_buffers(m);
+  for (int i = 0; m->conv_keep && i < m->nlayers; ++i) dp_device_free(m->dev, m->conv_keep[i].u);
+  free(m->conv_keep);
   dp_trace_free(&m->trace);
   free(m->layers);
   free(m);
@@ -557,6 +559,10 @@ static dp_status batchnorm_forward(dp_model *m, const dp_layer *l, int64_t N, co
   return (relu ? be->bn_apply_relu : be->bn_apply)(dev, N, C, HW, x, mean, invstd, gamma, beta, y);
 }
 
+/* Layer i's kept filter transform (backend.h: dp_conv_keep) while a training
+ * step's one forward-backward call runs (keep_on), else NULL. */
+static dp_conv_keep *conv_keep(dp_model *m, int i) { return m->keep_on ? &m->conv_keep[i] : NULL; }
+
 /* coll: BatchNorm's collective in training (NULL: none, and in evaluation) */
 static dp_status forward(dp_model *m, int64_t N, const dp_collective *coll) {
   const dp_backend *be = m->dev->backend;
@@ -568,7 +574,7 @@ static dp_status forward(dp_model *m, int64_t N, const dp_collective *coll) {
     switch (l->kind) {
       case DP_LAYER_CONV2D: {
         dp_conv_geom g = conv_geom(l);
-        DP_TRY(be->conv2d_forward(dev, &g, N, x, m->params + l->w_off, m->params + l->b_off, y));
+        DP_TRY(be->conv2d_forward(dev, &g, N, x, m->params + l->w_off, m->params + l->b_off, y, conv_keep(m, i)));
         break;
       }
       case DP_LAYER_DENSE:
@@ -705,7 +711,7 @@ static dp_status backward(dp_model *m, int64_t N, const dp_collective *coll) {
       case DP_LAYER_CONV2D: {
         dp_conv_geom g = conv_geom(l);
         DP_TRY(be->conv2d_backward(dev, &g, N, x, m->params + l->w_off, dy, dx, m->grads + l->w_off,
-                                   m->grads + l->b_off));
+                                   m->grads + l->b_off, conv_keep(m, i)));
         break;
       }
       case DP_LAYER_DENSE:
@@ -782,17 +788,9 @@ dp_status dp_model_check_batchnorm_batch(const dp_model *m, int64_t n) {
   return DP_OK;
 }
 
-dp_status dp_model_forward_backward_loaded(dp_model *m, int64_t n, float grad_scale, const dp_collective *coll,
-                                           double *loss_sum, int64_t *correct) {
-  DP_TRY(require_finalized(m));
-  if (n > m->act_batch) return DP_FAIL(DP_ERR_VALUE, "forward_backward: %lld samples were not loaded", (long long)n);
-  /* a synchronized BatchNorm counts the global batch; its runner checks that */
-  if (!dp_collective_syncs_batchnorm(coll)) DP_TRY(dp_model_check_batchnorm_batch(m, n));
-  m->training = 1;
+static dp_status forward_backward_steps(dp_model *m, int64_t n, float grad_scale, const dp_collective *coll,
+                                        double *loss_sum, int64_t *correct) {
   const dp_backend *be = m->dev->backend;
-  /* the running statistics this forward pass updates, to put back if its loss is not finite */
-  if (m->nstate > 0)
-    DP_TRY(be->copy_to_device(m->dev, m->state_before, m->state, sizeof(float) * (size_t)m->nstate));
   const int64_t t0 = dp_trace_begin();
   DP_TRY(forward(m, n, coll));
   const int K = dp_model_num_classes(m);
@@ -805,6 +803,29 @@ dp_status dp_model_forward_backward_loaded(dp_model *m, int64_t n, float grad_sc
   DP_TRY(backward(m, n, coll));
   dp_trace_end(DP_PHASE_BACKWARD, -1, 0, t1);
   return DP_OK;
+}
+
+dp_status dp_model_forward_backward_loaded(dp_model *m, int64_t n, float grad_scale, const dp_collective *coll,
+                                           double *loss_sum, int64_t *correct) {
+  DP_TRY(require_finalized(m));
+  if (n > m->act_batch) return DP_FAIL(DP_ERR_VALUE, "forward_backward: %lld samples were not loaded", (long long)n);
+  /* a synchronized BatchNorm counts the global batch; its runner checks that */
+  if (!dp_collective_syncs_batchnorm(coll)) DP_TRY(dp_model_check_batchnorm_batch(m, n));
+  m->training = 1;
+  const dp_backend *be = m->dev->backend;
+  /* the running statistics this forward pass updates, to put back if its loss is not finite */
+  if (m->nstate > 0)
+    DP_TRY(be->copy_to_device(m->dev, m->state_before, m->state, sizeof(float) * (size_t)m->nstate));
+  /* the convolutions' filter transforms kept from the forward pass for the
+   * backward one: only inside this call, where w cannot change between them */
+  if (!m->conv_keep && !(m->conv_keep = calloc((size_t)m->nlayers, sizeof *m->conv_keep)))
+    return DP_FAIL(DP_ERR_MEMORY, "cannot allocate the filter-transform table");
+  for (int i = 0; i < m->nlayers; ++i) m->conv_keep[i].valid = 0;
+  m->keep_on = 1;
+  const dp_status st = forward_backward_steps(m, n, grad_scale, coll, loss_sum, correct);
+  m->keep_on = 0;
+  for (int i = 0; m->conv_keep && i < m->nlayers; ++i) m->conv_keep[i].valid = 0;
+  return st;
 }
 
 dp_status dp_model_forward_backward(dp_model *m, const dp_batch *b, float grad_scale, double *loss_sum,

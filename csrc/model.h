@@ -30,6 +30,8 @@ typedef struct dp_model {
   int next_src;             /* source of the next layer added; DP_SRC_PREVIOUS by default */
   int finalized;
   int unfused;              /* run every layer on its own (check_numerics: each layer's output gradient is kept) */
+  dp_conv_keep *conv_keep;  /* per layer: a convolution's filter transform kept from forward to backward */
+  int keep_on;              /* conv_keep in use: inside dp_model_forward_backward_loaded only */
   int64_t nparams;
   float *params, *grads, *velocity;  /* flat, (nparams), device memory; grads has one float more: */
   /* grads[nparams] is the loss flag of the last training forward pass

@@ -73,7 +73,7 @@ static PyObject *ops_conv2d(PyObject *args, int backward) {
     }
     if (!(a.y = new_float32(4, yd))) goto done;
     if (check_status(be->conv2d_forward(&ops_device, &g, xd[0], PyArray_DATA(a.x), PyArray_DATA(a.w),
-                                        a.t ? PyArray_DATA(a.t) : NULL, PyArray_DATA(a.y))) < 0)
+                                        a.t ? PyArray_DATA(a.t) : NULL, PyArray_DATA(a.y), NULL)) < 0)
       goto done;
   } else {
     if (!a.t) {
@@ -90,7 +90,7 @@ static PyObject *ops_conv2d(PyObject *args, int backward) {
     if (!(a.dx = new_float32(4, xd)) || !(a.dw = new_float32(4, wd)) || !(a.db = new_float32(1, &bd))) goto done;
     if (check_status(be->conv2d_backward(&ops_device, &g, xd[0], PyArray_DATA(a.x), PyArray_DATA(a.w),
                                          PyArray_DATA(a.t), PyArray_DATA(a.dx), PyArray_DATA(a.dw),
-                                         PyArray_DATA(a.db))) < 0)
+                                         PyArray_DATA(a.db), NULL)) < 0)
       goto done;
   }
   ret = layer_arrays_result(&a, backward);

@@ -34,6 +34,11 @@
  * path (the transforms' memory traffic eats the saved multiplies); at 64, 1.4x
  * to 1.6x faster. */
 #define DP_WINOGRAD_MIN_CHANNELS 64
+/* Layers of at least this many (O, C) pairs keep their forward pass's filter
+ * transform for dx (dp_winograd_worth_keeping): ResNet-18's 256- and
+ * 512-channel stages (60 MB for its six such layers), whose dx transformed a
+ * 4 or 16 MB U again. */
+#define DP_WINOGRAD_KEEP_PAIRS (256 * 256)
 /* Planes of fewer outputs than this are narrow: a chunk of samples per GEMM
  * (backend_cpu.c's CONV_NARROW rule). */
 #define WINO_NARROW 64
@@ -825,19 +830,22 @@ static void chunk_transform(const wino_plan *p, int dy, const float *src, int64_
   }
 }
 
-/* out (N, cout, h, w) = the convolution of in (N, cin, h, w) with w (+ b). */
+/* out (N, cout, h, w) = the convolution of in (N, cin, h, w) with w (+ b).
+ * u_out: where the filter transform goes (NULL: the scratch's start); u_in
+ * (NULL: none): the transform already made (a forward pass's, kept). */
 static void wino_conv(const wino_plan *p, int64_t N, const float *in, const float *w, int flip, const float *b,
-                      float *out, float *scratch) {
+                      float *out, float *scratch, float *u_out, const float *u_in) {
   const int64_t hw = (int64_t)p->h * p->w, in_sz = p->cin * hw, out_sz = p->cout * hw;
-  float *U = scratch;
+  float *Uw = u_out ? u_out : scratch;
+  const float *U = u_in ? u_in : Uw;
   const int64_t ustride = (int64_t)p->cin * p->cout + WINO_SKEW;
-  float *shared = U + 16 * ustride; /* narrow: V and M */
+  float *shared = scratch + 16 * ustride; /* narrow: V and M */
   float *own = shared + p->shared;
 #pragma omp parallel num_threads(p->nt)
   {
     const int t = omp_get_thread_num();
     /* the forward transform (O, C) of the layer: forward cout = O; dx (flip) cout = C, read transposed */
-    filter_transform(w, flip ? p->cin : p->cout, flip ? p->cout : p->cin, U, ustride); /* ends in a barrier */
+    if (!u_in) filter_transform(w, flip ? p->cin : p->cout, flip ? p->cout : p->cin, Uw, ustride); /* ends in a barrier */
     float *mine = own + t * p->per_thread;
     float *plane = mine + (p->narrow ? 0 : p->own);
     if (p->w < WINO_ROW_MIN && !TILES_AVX512) memset(plane, 0, sizeof(float) * (size_t)p->plane_floats);
@@ -1027,21 +1035,25 @@ static void filter_gradient(const float *dU, int64_t ustride, int64_t pairs, flo
   }
 }
 
+size_t dp_winograd_u_floats(const dp_conv_geom *g) { return (size_t)16 * ((size_t)g->C * g->O + WINO_SKEW); }
+
+int dp_winograd_worth_keeping(const dp_conv_geom *g) { return (int64_t)g->C * g->O >= DP_WINOGRAD_KEEP_PAIRS; }
+
 dp_status dp_winograd_forward(const dp_conv_geom *g, int64_t N, const float *x, const float *w, const float *b,
-                              float *y, int nthreads, float *scratch) {
+                              float *y, int nthreads, float *scratch, float *u_keep) {
   if (N <= 0) return DP_OK;
   wino_plan p = wino_plan_make(g->C, g->O, g->OH, g->OW, N, nthreads);
   DP_TRY(dp_small_gemm_on(&p.own_gemm));
-  wino_conv(&p, N, x, w, 0, b, y, scratch);
+  wino_conv(&p, N, x, w, 0, b, y, scratch, u_keep, NULL);
   return DP_OK;
 }
 
 dp_status dp_winograd_backward_dx(const dp_conv_geom *g, int64_t N, const float *w, const float *dy, float *dx,
-                                  int nthreads, float *scratch) {
+                                  int nthreads, float *scratch, const float *u_kept) {
   if (N <= 0) return DP_OK;
   wino_plan p = wino_plan_make(g->O, g->C, g->OH, g->OW, N, nthreads);
   DP_TRY(dp_small_gemm_on(&p.own_gemm));
-  wino_conv(&p, N, dy, w, 1, NULL, dx, scratch);
+  wino_conv(&p, N, dy, w, 1, NULL, dx, scratch, NULL, u_kept);
   return DP_OK;
 }
 

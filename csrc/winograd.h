@@ -55,13 +55,25 @@ DP_MUST_CHECK dp_status dp_winograd_takes(const dp_conv_geom *g, int *takes);
  * dp_winograd_backward_dx need for N samples on nthreads threads. */
 size_t dp_winograd_scratch_floats(const dp_conv_geom *g, int64_t N, int nthreads);
 
-/* y (N, O, OH, OW) = conv(x, w) + b (b may be NULL). */
-DP_MUST_CHECK dp_status dp_winograd_forward(const dp_conv_geom *g, int64_t N, const float *x, const float *w,
-                                            const float *b, float *y, int nthreads, float *scratch);
+/* Floats of the filter transform U (16 matrices (O, C), each padded) that
+ * dp_winograd_forward can keep for dp_winograd_backward_dx; and whether a
+ * layer's is worth keeping (memory for the time of a filter transform: the
+ * layers of at least DP_WINOGRAD_KEEP_PAIRS (O, C) pairs, where the transform
+ * is a memory-bound pass of U's size: 16 MB at 512 channels). */
+size_t dp_winograd_u_floats(const dp_conv_geom *g);
+int dp_winograd_worth_keeping(const dp_conv_geom *g);
 
-/* dx (N, C, H, W) of y = conv(x, w), from dy (N, O, OH, OW). */
+/* y (N, O, OH, OW) = conv(x, w) + b (b may be NULL). u_keep (NULL: none,
+ * else dp_winograd_u_floats floats, 64-byte aligned): the filter transform
+ * written there instead of into the scratch, for dp_winograd_backward_dx. */
+DP_MUST_CHECK dp_status dp_winograd_forward(const dp_conv_geom *g, int64_t N, const float *x, const float *w,
+                                            const float *b, float *y, int nthreads, float *scratch, float *u_keep);
+
+/* dx (N, C, H, W) of y = conv(x, w), from dy (N, O, OH, OW). u_kept (NULL:
+ * none): a forward pass's u_keep with this w, used instead of transforming w
+ * again (the same bits). */
 DP_MUST_CHECK dp_status dp_winograd_backward_dx(const dp_conv_geom *g, int64_t N, const float *w, const float *dy,
-                                                float *dx, int nthreads, float *scratch);
+                                                float *dx, int nthreads, float *scratch, const float *u_kept);
 
 /* dw (O, C, 3, 3) and db (O) (db may be NULL) of y = conv(x, w), from dy, over
  * the batch: dU_xi (O, C) = sum over the tiles of (A dY A^T)_xi (B^T d B)_xi,

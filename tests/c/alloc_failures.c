@@ -124,9 +124,22 @@ static void check_single_ops(void) {
   /* the convolution's scratch (im2col and GEMM buffers), and the softmax rows in it */
   dp_conv_geom cg;
   CHECK(dp_conv_geom_make("test conv", 3, 9, 9, 4, 3, 3, 1, 1, &cg) == DP_OK);
-  FAIL_NEXT(st, dev.backend->conv2d_forward(&dev, &cg, 2, x, w, NULL, y));
+  FAIL_NEXT(st, dev.backend->conv2d_forward(&dev, &cg, 2, x, w, NULL, y, NULL));
   CHECK(st == DP_ERR_MEMORY && strstr(dp_error_message(), "scratch") != NULL);
-  CHECK(dev.backend->conv2d_forward(&dev, &cg, 2, x, w, NULL, y) == DP_OK);
+  CHECK(dev.backend->conv2d_forward(&dev, &cg, 2, x, w, NULL, y, NULL) == DP_OK);
+  /* a large Winograd layer's kept filter transform (backend.h: dp_conv_keep), allocated on first use:
+   * a failed allocation leaves it invalid, and the backward pass then transforms w itself */
+  static float kx[256 * 4 * 4], ky[256 * 4 * 4], kw[256 * 256 * 9], kdx[256 * 4 * 4], kdw[256 * 256 * 9], kdb[256];
+  dp_conv_geom kg;
+  CHECK(dp_conv_geom_make("test keep", 256, 4, 4, 256, 3, 3, 1, 1, &kg) == DP_OK);
+  dp_conv_keep keep = {0};
+  CHECK(dev.backend->conv2d_forward(&dev, &kg, 1, kx, kw, NULL, ky, NULL) == DP_OK); /* the scratch, grown */
+  FAIL_NEXT(st, dev.backend->conv2d_forward(&dev, &kg, 1, kx, kw, NULL, ky, &keep));
+  CHECK(st == DP_ERR_MEMORY && !keep.valid && !keep.u);
+  CHECK(dev.backend->conv2d_backward(&dev, &kg, 1, kx, kw, ky, kdx, kdw, kdb, &keep) == DP_OK);
+  CHECK(dev.backend->conv2d_forward(&dev, &kg, 1, kx, kw, NULL, ky, &keep) == DP_OK && keep.valid && keep.u);
+  CHECK(dev.backend->conv2d_backward(&dev, &kg, 1, kx, kw, ky, kdx, kdw, kdb, &keep) == DP_OK);
+  dp_device_free(&dev, keep.u);
   dp_device_destroy(&dev);
 }
 

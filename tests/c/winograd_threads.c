@@ -47,8 +47,21 @@ static int run(const dp_conv_geom *g, int64_t N, const float *x, const float *w,
     free(scratch);
     return 0;
   }
-  CHECK(dp_winograd_forward(g, N, x, w, b, o->y, nt, scratch) == DP_OK);
-  CHECK(dp_winograd_backward_dx(g, N, w, dy, o->dx, nt, scratch) == DP_OK);
+  CHECK(dp_winograd_forward(g, N, x, w, b, o->y, nt, scratch, NULL) == DP_OK);
+  CHECK(dp_winograd_backward_dx(g, N, w, dy, o->dx, nt, scratch, NULL) == DP_OK);
+  /* and dx from the forward pass's kept filter transform: the same bits */
+  const size_t uf = dp_winograd_u_floats(g);
+  float *u = aligned_alloc(64, (uf * sizeof(float) + 63) & ~(size_t)63), *y2 = malloc(sizeof(float) * (size_t)ys),
+        *dx2 = malloc(sizeof(float) * (size_t)xs);
+  if (u && y2 && dx2) {
+    CHECK(dp_winograd_forward(g, N, x, w, b, y2, nt, scratch, u) == DP_OK);
+    CHECK(dp_winograd_backward_dx(g, N, w, dy, dx2, nt, scratch, u) == DP_OK);
+    CHECK(memcmp(y2, o->y, sizeof(float) * (size_t)ys) == 0);
+    CHECK(memcmp(dx2, o->dx, sizeof(float) * (size_t)xs) == 0);
+  } else {
+    CHECK(!"out of memory");
+  }
+  free(u), free(y2), free(dx2);
   CHECK(dp_winograd_backward_dw(g, N, x, dy, o->dw, o->db, nt, scratch) == DP_OK);
   free(scratch);
   return 1;
