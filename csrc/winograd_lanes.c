@@ -47,7 +47,7 @@
  * BatchNorm over a handful of values (tests/test_tensor_parallel.py: a 12x12
  * input's gradient 1e-3 from the GEMM path's), keeps them on F(2x2, 3x3). */
 /* F(4x4, 3x3) is opt-in (DPCORE_WINOGRAD_F43=1): once 1.19x faster on the
- * ResNet-18 step, now 0.89x of F(2x2, 3x3)'s speed (bench_winograd.py: F(2x2,
+ * ResNet-18 step, now 0.87-0.89x of F(2x2, 3x3)'s speed (bench_winograd.py: F(2x2,
  * 3x3)'s transforms and products gained more), and its larger rounding error moves ResNet-18's
  * chaotic three-step PyTorch fixture (tests/test_fixtures.py: ReLU units within
  * float32 noise of 0 flip) to the edge of its tolerances: the step losses 2.8e-2
