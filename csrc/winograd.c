@@ -67,17 +67,18 @@
 /* A block's tiles lie in at most block / tw + 2 runs of a tile row; the
  * block is kept small enough for this many */
 #define WIDE_BLOCK_MAX_RUNS 160
-/* Planes at least this wide take the row-at-a-time (vectorized) transforms:
- * input_plane (reading the source in place) in the wide forward and dx
- * passes, output_plane's output_row; narrower planes, and dw's input
- * transform, the tile-at-a-time ones (measured faster there: 14x14 and
- * smaller, and dw's chunked V). */
+/* Without AVX-512, planes at least this wide take the row-at-a-time
+ * (vectorized) transforms: input_plane (reading the source in place) in the
+ * wide forward and dx passes, output_plane's output_row; narrower planes, and
+ * dw's input transform, the tile-at-a-time ones (measured faster there: 14x14
+ * and smaller, and dw's chunked V). */
 #define WINO_ROW_MIN 16
 /* With AVX-512 the tiles' transforms run in registers, a tile row at a time:
  * input_plane_bordered's (the source read in place) on every plane (the
  * ResNet-18 step, batch 32, measured 204 -> 193 ms against input_plane's rows
  * on the wide ones), and they may write a subset of the 16 entries, so that
- * on narrow planes and in dw each thread transforms its own GEMMs' entries. */
+ * on narrow planes and in dw each thread transforms its own GEMMs' entries;
+ * planes of at most 16 tiles a group of planes at a time (plane_lanes). */
 #if defined(__AVX512F__)
 #define TILES_AVX512 1
 #else
@@ -154,17 +155,11 @@ typedef struct wino_plan {
                           multiple of 16 (64 bytes) */
 } wino_plan;
 
-#if defined(__AVX512F__)
-#define LANES_AVX512 1
-#else
-#define LANES_AVX512 0
-#endif
-
 static void plane_lanes_make(wino_plan *p) {
   plane_lanes *L = &p->lanes;
   memset(L, 0, sizeof *L);
   const int hw = p->h * p->w, T = (int)p->tiles;
-  if (!LANES_AVX512 || !p->narrow || T > 16) return;
+  if (!TILES_AVX512 || !p->narrow || T > 16) return;
   L->P = 16 / T < 64 / hw ? 16 / T : 64 / hw;
   for (int pl = 0; pl < L->P; ++pl)
     for (int ti = 0; ti < p->th; ++ti)
@@ -797,7 +792,7 @@ static void transform_plane(const wino_plan *p, int dy, const float *src, float 
 static void chunk_transform(const wino_plan *p, int dy, const float *src, int64_t n0, int64_t cnt, float *plane,
                             float *T, int64_t tstride, unsigned entries) {
   const int64_t hw = (int64_t)p->h * p->w, planes = dy ? p->cout : p->cin, cols = cnt * p->tiles;
-#if LANES_AVX512
+#if TILES_AVX512
   if (p->lanes.P) { /* groups of P samples of a channel, channel-major as below */
     for (int64_t c = 0; entries && c < planes; ++c)
       for (int64_t s = 0; s < cnt; s += p->lanes.P) {
@@ -910,7 +905,7 @@ static void wino_conv(const wino_plan *p, int64_t N, const float *in, const floa
         chunk_transform(p, 0, in, n0, cnt, plane, V, vstride, entries);
         for (int xi = xlo; xi < xhi; ++xi) wino_gemm(p, flip, xi, U, V, vstride, M, mstride, cols);
 #pragma omp barrier /* every entry's products, for the output transforms */
-#if LANES_AVX512
+#if TILES_AVX512
         if (p->lanes.P) {
           const int64_t P = p->lanes.P, groups = (cnt + P - 1) / P;
 #pragma omp for schedule(static)
