@@ -12,9 +12,6 @@
  * for a given thread count.
  */
 #include <cblas.h>
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
 #include <math.h>
 #include <omp.h>
 #include <sched.h>
@@ -24,6 +21,7 @@
 
 #include "backend.h"
 #include "implicit_gemm.h"
+#include "lanes.h" /* dp_lanes_upto */
 #include "small_gemm.h"
 #include "winograd.h"
 #include "winograd_lanes.h"
@@ -219,8 +217,6 @@ static void im2col(const dp_conv_geom *g, const float *x, int64_t x_stride, int6
   }
 }
 
-/* dx (C, H, W) = col2im of the columns [0, P) of dcol (row stride ld): the
- * scatter-add inverse of im2col. dx is overwritten. */
 /* dst[2j] += r[j] for j < n, n >= 8, with AVX-512: 16 of r at a time spread
  * over the even lanes of two vectors of dst (the odd lanes stored back
  * unchanged, none past dst[2n - 2]); each dst[2j] gets the same one add as
@@ -231,14 +227,13 @@ static void im2col(const dp_conv_geom *g, const float *x, int64_t x_stride, int6
 #if defined(__AVX512F__)
 #define ADD_STRIDE2 1
 static inline void add_stride2(float *dst, const float *r, int n) {
-#define LANES(k) ((k) >= 16 ? (__mmask16)0xFFFF : (k) <= 0 ? (__mmask16)0 : (__mmask16)((1u << (k)) - 1u))
   const __m512i lo = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
   const __m512i hi = _mm512_setr_epi32(8, 8, 9, 9, 10, 10, 11, 11, 12, 12, 13, 13, 14, 14, 15, 15);
   const __mmask16 even = 0x5555;
   for (int j = 0; j < n; j += 16) {
     const int left = n - j; /* r's values left: dst lanes [0, 2 left - 1) of the 32 from dst + 2j */
-    const __m512 v = _mm512_maskz_loadu_ps(LANES(left), r + j);
-    const __mmask16 m0 = LANES(2 * left - 1), m1 = LANES(2 * left - 17);
+    const __m512 v = _mm512_maskz_loadu_ps(dp_lanes_upto(left), r + j);
+    const __mmask16 m0 = dp_lanes_upto(2 * left - 1), m1 = dp_lanes_upto(2 * left - 17);
     float *d = dst + 2 * (int64_t)j;
     const __m512 d0 = _mm512_maskz_loadu_ps(m0, d);
     _mm512_mask_storeu_ps(d, m0, _mm512_mask_add_ps(d0, even, d0, _mm512_permutexvar_ps(lo, v)));
@@ -247,7 +242,6 @@ static inline void add_stride2(float *dst, const float *r, int n) {
       _mm512_mask_storeu_ps(d + 16, m1, _mm512_mask_add_ps(d1, even, d1, _mm512_permutexvar_ps(hi, v)));
     }
   }
-#undef LANES
 }
 #else
 #define ADD_STRIDE2 0
@@ -256,6 +250,8 @@ static inline void add_stride2(float *dst, const float *r, int n) {
 }
 #endif
 
+/* dx (C, H, W) = col2im of the columns [0, P) of dcol (row stride ld): the
+ * scatter-add inverse of im2col. dx is overwritten. */
 static void col2im(const dp_conv_geom *g, const float *dcol, int64_t ld, float *dx) {
   memset(dx, 0, sizeof(float) * (size_t)g->C * g->H * g->W);
   for (int c = 0; c < g->C; ++c)
@@ -554,7 +550,7 @@ static dp_status conv_direct_backward(dp_device *dev, const dp_conv_geom *g, int
 }
 
 /* keep's U for a Winograd layer worth keeping one (allocated on first use),
- * else NULL */
+ * else NULL; the caller has cleared keep->valid */
 static dp_status kept_u(dp_device *dev, const dp_conv_geom *g, dp_conv_keep *keep, float **u) {
   *u = NULL;
   if (!keep || !dp_winograd_worth_keeping(g)) return DP_OK;
@@ -562,14 +558,12 @@ static dp_status kept_u(dp_device *dev, const dp_conv_geom *g, dp_conv_keep *kee
   if (keep->u && keep->floats != floats) { /* another geometry's (never on a model's layer) */
     cpu_release(dev, keep->u);
     keep->u = NULL;
-    keep->valid = 0;
   }
   if (!keep->u) {
     void *p;
     DP_TRY(cpu_alloc(dev, sizeof(float) * floats, &p));
     keep->u = p;
     keep->floats = floats;
-    keep->valid = 0;
   }
   *u = keep->u;
   return DP_OK;

@@ -524,8 +524,8 @@ static dp_pool_geom pool_geom(const dp_layer *l) {
  * squared deviations) for accuracy; with a collective that synchronizes
  * BatchNorm each pass's channel sums are all-reduced and the count is the
  * global batch's, so k replicas normalise exactly as one replica would over
- * the whole batch. Evaluation: running statistics. */
-/* relu: y = relu(batchnorm(x)) (l fused with the relu after it: mark_fusions) */
+ * the whole batch. Evaluation: running statistics. relu: y = relu(batchnorm(x))
+ * (l fused with the relu after it: mark_fusions). */
 static dp_status batchnorm_forward(dp_model *m, const dp_layer *l, int64_t N, const dp_collective *coll,
                                    const float *x, float *y, int relu) {
   const dp_backend *be = m->dev->backend;
@@ -817,14 +817,15 @@ dp_status dp_model_forward_backward_loaded(dp_model *m, int64_t n, float grad_sc
   if (m->nstate > 0)
     DP_TRY(be->copy_to_device(m->dev, m->state_before, m->state, sizeof(float) * (size_t)m->nstate));
   /* the convolutions' filter transforms kept from the forward pass for the
-   * backward one: only inside this call, where w cannot change between them */
+   * backward one: only inside this call, where w cannot change between them
+   * (each forward pass clears its layer's keep before it writes it, and none
+   * stays valid past the call) */
   if (!m->conv_keep && !(m->conv_keep = calloc((size_t)m->nlayers, sizeof *m->conv_keep)))
     return DP_FAIL(DP_ERR_MEMORY, "cannot allocate the filter-transform table");
-  for (int i = 0; i < m->nlayers; ++i) m->conv_keep[i].valid = 0;
   m->keep_on = 1;
   const dp_status st = forward_backward_steps(m, n, grad_scale, coll, loss_sum, correct);
   m->keep_on = 0;
-  for (int i = 0; m->conv_keep && i < m->nlayers; ++i) m->conv_keep[i].valid = 0;
+  for (int i = 0; i < m->nlayers; ++i) m->conv_keep[i].valid = 0;
   return st;
 }
 

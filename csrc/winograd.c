@@ -296,7 +296,7 @@ static void filter_transform(const float *w, int O, int C, float *U, int64_t ust
   }
 }
 
-#if !defined(__AVX512F__) /* the wide planes' row transforms (with AVX-512: input_rows_avx512) */
+#if !defined(__AVX512F__) /* the wide planes' row transforms (with AVX-512: input_segment) */
 /* B^T d's rows over a row of the plane: o0 = r0 - r2, o1 = r1 + r2, o2 = r2 - r1, o3 = r1 - r3 (vectorized). */
 static void input_rows(const float *restrict r0, const float *restrict r1, const float *restrict r2,
                        const float *restrict r3, int w, float *restrict o0, float *restrict o1, float *restrict o2,
@@ -417,6 +417,28 @@ static inline void row_window(const float *row, int col0, int w, __m512 *x0, __m
   }
 }
 
+/* Row i of B^T d B from row i of B^T d (t0..t3: its columns, a tile a lane):
+ * the entries 4i..4i+3 in xmask, the scalar code's arithmetic */
+static inline void input_row_entries(unsigned xmask, int i, __m512 t0, __m512 t1, __m512 t2, __m512 t3, float *v,
+                                     int64_t vs, __mmask16 m) {
+  put(xmask, 4 * i + 0, v, vs, m, _mm512_sub_ps(t0, t2));
+  put(xmask, 4 * i + 1, v, vs, m, _mm512_add_ps(t1, t2));
+  put(xmask, 4 * i + 2, v, vs, m, _mm512_sub_ps(t2, t1));
+  put(xmask, 4 * i + 3, v, vs, m, _mm512_sub_ps(t1, t3));
+}
+
+/* Row i (0: A^T's first, 1: its second) of A^T m A + bias, v[xi] entry xi a
+ * tile a lane: the outputs of the tiles' columns 0 (even) and 1 (odd),
+ * output_tile's arithmetic in its order */
+static inline void output_row_lanes(const __m512 v[16], __m512 bv, int i, __m512 *even, __m512 *odd) {
+  __m512 t[4]; /* A^T m's row i: t[0][k] = m0 + m1 + m2, t[1][k] = m1 - m2 - m3 (m_r = v[4r + k]) */
+  for (int k = 0; k < 4; ++k)
+    t[k] = i == 0 ? _mm512_add_ps(_mm512_add_ps(v[k], v[4 + k]), v[8 + k])
+                  : _mm512_sub_ps(_mm512_sub_ps(v[4 + k], v[8 + k]), v[12 + k]);
+  *even = _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(t[0], t[1]), t[2]), bv);
+  *odd = _mm512_add_ps(_mm512_sub_ps(_mm512_sub_ps(t[1], t[2]), t[3]), bv);
+}
+
 /* B^T d B of the n <= 15 tiles of a tile row read in place: rows[k] the
  * source row of the tile's row k (NULL past the plane's top or bottom), the
  * first tile's first column col0 = 2 tj0 - 1, the plane's width w */
@@ -433,12 +455,8 @@ static inline __attribute__((always_inline)) void input_tiles_avx512(const float
   const __m512 hi[4] = {_mm512_sub_ps(a1, c1), _mm512_add_ps(b1, c1), _mm512_sub_ps(c1, b1), _mm512_sub_ps(b1, d1)};
   for (int i = 0; i < 4; ++i) {
     if (!(xmask >> (4 * i) & 15u)) continue;
-    const __m512 t0 = window_cols(lo[i], hi[i], 0), t1 = window_cols(lo[i], hi[i], 1),
-                 t2 = window_cols(lo[i], hi[i], 2), t3 = window_cols(lo[i], hi[i], 3);
-    put(xmask, 4 * i + 0, vt, vs, m, _mm512_sub_ps(t0, t2));
-    put(xmask, 4 * i + 1, vt, vs, m, _mm512_add_ps(t1, t2));
-    put(xmask, 4 * i + 2, vt, vs, m, _mm512_sub_ps(t2, t1));
-    put(xmask, 4 * i + 3, vt, vs, m, _mm512_sub_ps(t1, t3));
+    input_row_entries(xmask, i, window_cols(lo[i], hi[i], 0), window_cols(lo[i], hi[i], 1),
+                      window_cols(lo[i], hi[i], 2), window_cols(lo[i], hi[i], 3), vt, vs, m);
   }
 }
 
@@ -523,10 +541,7 @@ static void input_group_lanes(const plane_lanes *L, const __m512 R[4], __mmask16
              : i == 1 ? _mm512_add_ps(d[1][k], d[2][k])
              : i == 2 ? _mm512_sub_ps(d[2][k], d[1][k])
                       : _mm512_sub_ps(d[1][k], d[3][k]);
-    put(xmask, 4 * i + 0, v, vs, m, _mm512_sub_ps(t[0], t[2]));
-    put(xmask, 4 * i + 1, v, vs, m, _mm512_add_ps(t[1], t[2]));
-    put(xmask, 4 * i + 2, v, vs, m, _mm512_sub_ps(t[2], t[1]));
-    put(xmask, 4 * i + 3, v, vs, m, _mm512_sub_ps(t[1], t[3]));
+    input_row_entries(xmask, i, t[0], t[1], t[2], t[3], v, vs, m);
   }
 }
 
@@ -546,14 +561,7 @@ static void output_group_lanes(const plane_lanes *L, const float *m, int64_t ms,
   __m512 v[16], o[4]; /* o[2 r + c]: output (r, c) of each lane's tile */
   for (int xi = 0; xi < 16; ++xi) v[xi] = _mm512_maskz_loadu_ps(lm, m + xi * ms);
   const __m512 bv = _mm512_set1_ps(bias);
-  for (int i = 0; i < 2; ++i) {
-    __m512 t[4];
-    for (int k = 0; k < 4; ++k)
-      t[k] = i == 0 ? _mm512_add_ps(_mm512_add_ps(v[k], v[4 + k]), v[8 + k])
-                    : _mm512_sub_ps(_mm512_sub_ps(v[4 + k], v[8 + k]), v[12 + k]);
-    o[2 * i] = _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(t[0], t[1]), t[2]), bv);
-    o[2 * i + 1] = _mm512_add_ps(_mm512_sub_ps(_mm512_sub_ps(t[1], t[2]), t[3]), bv);
-  }
+  for (int i = 0; i < 2; ++i) output_row_lanes(v, bv, i, &o[2 * i], &o[2 * i + 1]);
   for (int q = 0; q < 4; ++q) {
     const __m512i i = _mm512_loadu_si512(L->out[q]);
     const __mmask16 up = _mm512_test_epi32_mask(i, _mm512_set1_epi32(32));
@@ -669,12 +677,8 @@ static inline __attribute__((always_inline)) void output_tiles_avx512(const floa
   for (int i = 0; i < 2; ++i) {
     float *y = i == 0 ? y0 : y1;
     if (!y) break;
-    __m512 t[4]; /* A^T m's row i: t[0][k] = m0 + m1 + m2, t[1][k] = m1 - m2 - m3 (m_r = v[4r + k]) */
-    for (int k = 0; k < 4; ++k)
-      t[k] = i == 0 ? _mm512_add_ps(_mm512_add_ps(v[k], v[4 + k]), v[8 + k])
-                    : _mm512_sub_ps(_mm512_sub_ps(v[4 + k], v[8 + k]), v[12 + k]);
-    const __m512 even = _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(t[0], t[1]), t[2]), bv);
-    const __m512 odd = _mm512_add_ps(_mm512_sub_ps(_mm512_sub_ps(t[1], t[2]), t[3]), bv);
+    __m512 even, odd;
+    output_row_lanes(v, bv, i, &even, &odd);
     store_lanes(s0, y, 0, _mm512_permutex2var_ps(even, lo, odd));
     store_lanes(s1, y, 16, _mm512_permutex2var_ps(even, hi, odd));
   }
