@@ -104,8 +104,9 @@ def spawn(arm, args):
     return child_json(cmd, env, ARMS[arm])
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def ab_args(doc, argv):
+    """The A/B scripts' options (this one's and bench_winograd_s2.py's)."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=3, help="subprocesses per arm (default 3)")
     ap.add_argument("--steps", type=int, default=5, help="timed train_steps per subprocess (default 5)")
     ap.add_argument("--layer-reps", type=int, default=7, help="timed calls per layer and subprocess (default 7)")
@@ -113,57 +114,74 @@ def main(argv=None):
     ap.add_argument("--threads", type=int, default=default_threads())
     ap.add_argument("--write", action="store_true", help="put the section into benchmarks/RESULTS.md")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    args = ap.parse_args(argv)
-    if args.child:
-        return child(args)
-    load_before = os.getloadavg()[0]
-    runs = {arm: [] for arm in ARMS}
-    order = list(ARMS)
+    return ap.parse_args(argv)
+
+
+def ab_rounds(args, arms, spawn):
+    """{arm: [each round's child result]}: every arm once a round, the order rotating."""
+    runs = {arm: [] for arm in arms}
+    order = list(arms)
     for r in range(args.rounds):
-        for arm in order[r % 3:] + order[:r % 3]:
+        k = r % len(order)
+        for arm in order[k:] + order[:k]:
             run = spawn(arm, args)
             runs[arm].append(run)
-            log(f"round {r + 1} {ARMS[arm]}: median step {statistics.median(run['steps']):.3f} s")
+            log(f"round {r + 1} {arms[arm]}: median step {statistics.median(run['steps']):.3f} s")
+    return runs
 
+
+def ab_report(args, arms, runs, pairs, keys, title, about, columns, digits=2):
+    """The section's lines: its header (date, machine, command, `about`), the table
+    (`columns`: its header row; a row per layer key and pass: each arm's median ms,
+    then the pairs' ratios), and the whole step's medians, per round and their ratios."""
     def median(arm, pick):
         return statistics.median(t for run in runs[arm] for t in pick(run))
-
-    step = {arm: median(arm, lambda run: run["steps"]) for arm in ARMS}
-    pairs = [("gemm", "f23"), ("gemm", "f43"), ("f23", "f43")]
 
     def round_ratios(a, b):
         return [statistics.median(x["steps"]) / statistics.median(y["steps"]) for x, y in zip(runs[a], runs[b])]
 
-    lines = [SECTION_TITLE, "",
+    step = {arm: median(arm, lambda run: run["steps"]) for arm in arms}
+    first = next(iter(arms))
+    lines = [title, "",
              f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
-             f"- machine: {machine_info()}; load average before / after: {load_before:.2f} / "
+             f"- machine: {machine_info()}; load average before / after: {args.load_before:.2f} / "
              f"{os.getloadavg()[0]:.2f}",
-             f"- dpcore {runs['gemm'][0]['version']}, {args.threads} threads; command (from the repository root): "
+             f"- dpcore {runs[first][0]['version']}, {args.threads} threads; command (from the repository root): "
              f"`{command_line()}`",
-             f"- {args.rounds} fresh subprocesses per arm: DPCORE_WINOGRAD=0 (im2col + GEMM), F(2x2, 3x3) "
-             "(csrc/winograd.c; DPCORE_WINOGRAD_F43=0) and F(4x4, 3x3) (csrc/winograd_lanes.c), in rotating order; "
-             "medians of every timed call; each ratio is the first arm's time over the second's (above 1: the "
-             "second faster). Backward = dx + dw + db.",
-             "",
-             f"| layer (C = O, batch {args.batch}) | pass | GEMM ms | F(2x2, 3x3) ms | F(4x4, 3x3) ms | "
-             "GEMM / F(2x2) | GEMM / F(4x4) | F(2x2) / F(4x4) |",
-             "|---|---|---|---|---|---|---|---|"]
-    for C, H in GEOMETRIES:
-        key = f"{C}x{H}x{H}"
+             f"- {args.rounds} fresh subprocesses per arm: {about}", "", columns,
+             "|" + "---|" * (2 + len(arms) + len(pairs))]
+    for key in keys:
         for p in ("forward", "backward"):
-            t = {arm: median(arm, lambda run: run["layers"][key][p]) for arm in ARMS}
-            lines.append(f"| {key} | {p} | {t['gemm'] * 1e3:.2f} | {t['f23'] * 1e3:.2f} | {t['f43'] * 1e3:.2f} | "
+            t = {arm: median(arm, lambda run: run["layers"][key][p]) for arm in arms}
+            lines.append(f"| {key} | {p} | " + " | ".join(f"{t[a] * 1e3:.2f}" for a in arms) + " | "
                          + " | ".join(f"{t[a] / t[b]:.2f}x" for a, b in pairs) + " |")
     lines += ["",
               f"- whole ResNet-18 train_step (28x28, batch {args.batch}, cpu:0), median of "
-              f"{args.rounds} x {args.steps} steps: " + ", ".join(f"{ARMS[a]} {step[a] * 1e3:.1f} ms" for a in ARMS)
-              + ": " + ", ".join(f"**{ARMS[a]} / {ARMS[b]} {step[a] / step[b]:.2f}x**" for a, b in pairs),
+              f"{args.rounds} x {args.steps} steps: " + ", ".join(f"{arms[a]} {step[a] * 1e3:.1f} ms" for a in arms)
+              + ": " + ", ".join(f"**{arms[a]} / {arms[b]} {step[a] / step[b]:.{digits}f}x**" for a, b in pairs),
               "- per round (median step, ms): "
-              + "; ".join(f"{ARMS[arm]} " + ", ".join(f"{statistics.median(run['steps']) * 1e3:.0f}"
-                                                       for run in runs[arm]) for arm in ARMS)
+              + "; ".join(f"{arms[arm]} " + ", ".join(f"{statistics.median(run['steps']) * 1e3:.{digits - 1}f}"
+                                                       for run in runs[arm]) for arm in arms)
               + "; per round: " + "; ".join(
-                  f"{ARMS[a]} / {ARMS[b]} " + ", ".join(f"{r:.2f}x" for r in round_ratios(a, b))
-                  + f" (median {statistics.median(round_ratios(a, b)):.2f}x)" for a, b in pairs), ""]
+                  f"{arms[a]} / {arms[b]} " + ", ".join(f"{r:.{digits}f}x" for r in round_ratios(a, b))
+                  + f" (median {statistics.median(round_ratios(a, b)):.{digits}f}x)" for a, b in pairs), ""]
+    return lines
+
+
+def main(argv=None):
+    args = ab_args(__doc__, argv)
+    if args.child:
+        return child(args)
+    args.load_before = os.getloadavg()[0]
+    runs = ab_rounds(args, ARMS, spawn)
+    lines = ab_report(
+        args, ARMS, runs, [("gemm", "f23"), ("gemm", "f43"), ("f23", "f43")], [f"{C}x{H}x{H}" for C, H in GEOMETRIES],
+        SECTION_TITLE,
+        "DPCORE_WINOGRAD=0 (im2col + GEMM), F(2x2, 3x3) (csrc/winograd.c; DPCORE_WINOGRAD_F43=0) and F(4x4, 3x3) "
+        "(csrc/winograd_lanes.c), in rotating order; medians of every timed call; each ratio is the first arm's "
+        "time over the second's (above 1: the second faster). Backward = dx + dw + db.",
+        f"| layer (C = O, batch {args.batch}) | pass | GEMM ms | F(2x2, 3x3) ms | F(4x4, 3x3) ms | "
+        "GEMM / F(2x2) | GEMM / F(4x4) | F(2x2) / F(4x4) |", digits=2)
     publish(lines, SECTION_TITLE, args.write)
 
 

@@ -169,3 +169,12 @@ def test_winograd_bits_do_not_depend_on_the_thread_count(tmp_path):
     threads that transform their own GEMMs' entries (with AVX-512) neither race nor
     change a sum's order. Built for this CPU under ASan and UBSan."""
     run_native_c_check(tmp_path, "winograd_threads", ["winograd.c", "small_gemm.c", "status.c"])
+
+
+def test_stride2_winograd_bits_and_blocks(tmp_path):
+    """tests/c/winograd_s2_threads.c: the stride-2 Winograd (csrc/winograd_s2.c) with its
+    groups, blocks and rounds made small: y, dx, dw and db against a double direct
+    convolution, the same bits on 1, 2, 3, 5 and 17 threads, nothing read from the
+    scratch that the pass did not write (it starts as NaN). Built for this CPU under
+    ASan and UBSan."""
+    run_native_c_check(tmp_path, "winograd_s2_threads", ["small_gemm.c", "status.c"])

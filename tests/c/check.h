@@ -3,7 +3,9 @@
 #ifndef DP_TEST_CHECK_H
 #define DP_TEST_CHECK_H
 
+#include <stdint.h>
 #include <stdio.h>
+#include <stdlib.h>
 
 static int failures = 0;
 #define CHECK(cond)                                                            \
@@ -19,6 +21,14 @@ static unsigned rng_state = 12345u;
 static inline float uniform(void) {
   rng_state = rng_state * 1664525u + 1013904223u;
   return (float)(rng_state >> 8) / (float)(1u << 24);
+}
+
+/* n uniform numbers in [-1, 1) (malloc'ed; NULL when out of memory) */
+static inline float *signed_randoms(int64_t n) {
+  float *p = malloc(sizeof(float) * (size_t)(n > 0 ? n : 1));
+  if (p)
+    for (int64_t i = 0; i < n; ++i) p[i] = 2.0f * uniform() - 1.0f;
+  return p;
 }
 
 #endif

@@ -23,13 +23,6 @@ typedef struct outputs {
   float *y, *dx, *dw, *db;
 } outputs;
 
-static float *randoms(int64_t n) {
-  float *p = malloc(sizeof(float) * (size_t)(n > 0 ? n : 1));
-  if (p)
-    for (int64_t i = 0; i < n; ++i) p[i] = 2.0f * uniform() - 1.0f;
-  return p;
-}
-
 static int run(const dp_conv_geom *g, int64_t N, const float *x, const float *w, const float *b, const float *dy,
                int nt, outputs *o) {
   const int64_t xs = N * g->C * g->H * g->W, ys = N * g->O * g->OH * g->OW;
@@ -75,7 +68,8 @@ static void release(outputs *o) {
 static void check_geometry(int64_t N, int C, int H, int O) {
   const dp_conv_geom g = {C, H, H, O, 3, 3, 1, 1, H, H};
   const int64_t xs = N * C * H * H, ys = N * O * H * H;
-  float *x = randoms(xs), *w = randoms((int64_t)O * C * 9), *b = randoms(O), *dy = randoms(ys);
+  float *x = signed_randoms(xs), *w = signed_randoms((int64_t)O * C * 9), *b = signed_randoms(O),
+        *dy = signed_randoms(ys);
   outputs one = {0};
   if (!x || !w || !b || !dy || !run(&g, N, x, w, b, dy, 1, &one)) {
     CHECK(!"out of memory");

@@ -1,0 +1,99 @@
+"""The stride-2 Winograd (csrc/winograd_s2.h) against im2col + GEMM for ResNet-18's
+3x3 stride-2 convolutions on the CPU, and transparent huge pages for the CPU
+backend's large buffers (issue 14): the A/Bs that pick DPCORE_WINOGRAD_S2's and
+DPCORE_HUGE_PAGES's defaults.
+
+    python benchmarks/bench_winograd_s2.py [--rounds 3] [--steps 5] [--layer-reps 7] [--batch 32] [--write]
+
+Every measurement runs in a fresh subprocess, the arms in turn, the order
+rotating every round, with the threads one CPU device gets (all usable cores):
+DPCORE_WINOGRAD_S2=0 (im2col + GEMM), =1 (the stride-2 Winograd), and =1 with
+DPCORE_HUGE_PAGES=0 (no huge pages asked for). Each subprocess times
+
+(a) ResNet-18's three 3x3 stride-2 pad-1 geometries at 28x28 inputs (64 -> 128
+    on 28x28, 128 -> 256 on 14x14, 256 -> 512 on 7x7) at --batch samples,
+    through dp.ops: the forward pass (y = conv + bias) and the backward pass
+    (dx, dw, db), each --layer-reps times after a warm-up (the 14x14 layer is
+    not the path's: its 4x4 tiles cover 8x8 outputs for 7x7, and the rule
+    keeps it on the GEMM path, so its row shows the noise);
+(b) a whole ResNet-18 train_step (dp.models.ResNet18 on cpu:0, 28x28
+    single-channel images, --batch samples), --steps timed steps after two
+    warm-up steps.
+
+Reported: the median of every timed call of each arm over all rounds, and the
+ratios (above 1: the second arm faster); for the whole step each round's ratio
+too and their median.
+"""
+import json
+import os
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from bench_lenet_cpu import child_json, publish, thread_env  # noqa: E402
+from bench_winograd import ab_args, ab_report, ab_rounds, resnet18_steps  # noqa: E402
+
+SECTION_TITLE = "## Stride-2 Winograd and huge pages A/B (ResNet-18, CPU)"
+# (channels in, plane side, channels out): ResNet-18's 3x3 stride-2 convolutions at 28x28 inputs
+GEOMETRIES = [(64, 28, 128), (128, 14, 256), (256, 7, 512)]
+ARMS = {"gemm": "GEMM", "s2": "stride-2 Winograd", "s2_small": "stride-2 Winograd, no huge pages"}
+ARM_ENV = {"gemm": {"DPCORE_WINOGRAD_S2": "0"}, "s2": {"DPCORE_WINOGRAD_S2": "1", "DPCORE_HUGE_PAGES": "1"},
+           "s2_small": {"DPCORE_WINOGRAD_S2": "1", "DPCORE_HUGE_PAGES": "0"}}
+
+
+def child(args):
+    import numpy as np
+    import dpcore as dp
+    rng = np.random.default_rng(0)
+    N = args.batch
+    layers = {}
+    for C, H, O in GEOMETRIES:
+        x = rng.standard_normal((N, C, H, H)).astype(np.float32)
+        w = (rng.standard_normal((O, C, 3, 3)) / np.sqrt(9 * C)).astype(np.float32)
+        b = rng.standard_normal(O).astype(np.float32)
+        OH = (H - 1) // 2 + 1
+        dy = rng.standard_normal((N, O, OH, OH)).astype(np.float32)
+        dp.ops.conv2d(x, w, b, stride=2, padding=1)
+        dp.ops.conv2d_backward(x, w, dy, stride=2, padding=1)
+        fwd, bwd = [], []
+        for _ in range(args.layer_reps):
+            t0 = time.perf_counter()
+            dp.ops.conv2d(x, w, b, stride=2, padding=1)
+            t1 = time.perf_counter()
+            dp.ops.conv2d_backward(x, w, dy, stride=2, padding=1)
+            t2 = time.perf_counter()
+            fwd.append(t1 - t0)
+            bwd.append(t2 - t1)
+        layers[f"{C}x{H}x{H} -> {O}"] = {"forward": fwd, "backward": bwd}
+    steps = resnet18_steps(N, args.steps, rng)
+    print(json.dumps({"layers": layers, "steps": steps, "version": dp.__version__}))
+
+
+def spawn(arm, args):
+    env = thread_env(args.threads)
+    env.update(ARM_ENV[arm])
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", "--batch", str(args.batch), "--steps",
+           str(args.steps), "--layer-reps", str(args.layer_reps)]
+    return child_json(cmd, env, ARMS[arm])
+
+
+def main(argv=None):
+    args = ab_args(__doc__, argv)
+    if args.child:
+        return child(args)
+    args.load_before = os.getloadavg()[0]
+    runs = ab_rounds(args, ARMS, spawn)
+    lines = ab_report(
+        args, ARMS, runs, [("gemm", "s2"), ("s2_small", "s2")], [f"{C}x{H}x{H} -> {O}" for C, H, O in GEOMETRIES],
+        SECTION_TITLE,
+        "DPCORE_WINOGRAD_S2=0 (im2col + GEMM), =1 (csrc/winograd_s2.c), and =1 with DPCORE_HUGE_PAGES=0, in "
+        "rotating order; medians of every timed call; each ratio is the first arm's time over the second's (above "
+        "1: the second faster). Backward = dx + dw + db.",
+        f"| layer (batch {args.batch}) | pass | GEMM ms | stride-2 Winograd ms | no huge pages ms | "
+        "GEMM / Winograd | no huge pages / huge pages |", digits=3)
+    publish(lines, SECTION_TITLE, args.write)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,278 @@
+"""The stride-2 Winograd for 3x3 stride-2 pad-1 convolutions (csrc/winograd_s2.c):
+the forward pass, dx and dw against the float64 reference of tests/test_conv_cpu.py.
+
+The algorithm (winograd_s2.h): each 2x2 block of outputs from the 5x5 input tile d
+around it (tiles at stride 4), y = A^T [ (G g G^T) . (B^T d B) ] A summed over the
+input channels, with
+
+    B^T = [[1, 0, -1, 0, 0], [0, 0, 1, 0, 0], [0, 0, -1, 0, 1], [0, 1, 0, 0, 0], [0, 0, 0, 1, 0]]
+    G   = [[1, 0, 0], [1, 0, 1], [0, 0, 1], [0, 1, 0], [0, 1, 0]]
+    A^T = [[1, 1, 0, 1, 0], [0, 1, 1, 0, 1]]
+
+The error bound, as tests/test_winograd.py derives F(2x2, 3x3)'s: every computed
+value is an exact expression of the float32 inputs whose terms each carry at most k
+rounding factors (1 + d_i), |d_i| <= u = 2^-24, so |computed - exact| <= gamma_k * S,
+S the same expression with every coefficient and input in absolute value. Counting
+the roundings on the longest path:
+
+  forward: G g G^T adds 2 terms twice (2), B^T d B 2 terms twice (2), the product
+  (1), the GEMM's sum over the C channels (C - 1), A^T M A adds 3 terms twice (4),
+  the bias (1): k = C + 9;
+  dx: A dY A^T (2), U (2), the product (1), the sum over the O channels (O - 1),
+  B Z B^T adds 3 terms twice (4), and a pixel where up to 4 tiles overlap gets up
+  to 3 more additions (3): k = O + 11;
+  dw: A dY A^T (2), B^T d B (2), the product (1), the sum over the products that
+  share a matrix (up to 4) and every tile of the batch (4 T - 1), G'^T dU G' adds
+  2 terms twice (2): k = 4 T + 6.
+
+The bounds are the worst case; the tests also hold the errors to the suite's
+tolerances (TOL_SHORT for y and dx, TOL_LONG for dw and db).
+"""
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from numpy.lib.stride_tricks import sliding_window_view
+
+import dpcore as dp
+from test_conv_cpu import TOL_LONG, TOL_SHORT, assert_empty_batch, assert_within_bound, err, make, reference
+
+ops = dp.ops
+
+B_T = np.array([[1, 0, -1, 0, 0], [0, 0, 1, 0, 0], [0, 0, -1, 0, 1], [0, 1, 0, 0, 0], [0, 0, 0, 1, 0]], dtype=np.float64)
+G = np.array([[1, 0, 0], [1, 0, 1], [0, 0, 1], [0, 1, 0], [0, 1, 0]], dtype=np.float64)
+A_T = np.array([[1, 1, 0, 1, 0], [0, 1, 1, 0, 1]], dtype=np.float64)
+
+
+def tiles_of(x):
+    """(N, C, th, tw, 5, 5): the 5x5 input tiles at stride 4 of x, zero-padded by 1
+    (and past its edge), in float64 absolute values."""
+    N, C, H, W = x.shape
+    OH, OW = (H - 1) // 2 + 1, (W - 1) // 2 + 1
+    th, tw = (OH + 1) // 2, (OW + 1) // 2
+    xp = np.zeros((N, C, 4 * th + 1, 4 * tw + 1))
+    xp[:, :, 1:H + 1, 1:W + 1] = np.abs(x.astype(np.float64))
+    return sliding_window_view(xp, (5, 5), axis=(2, 3))[:, :, ::4, ::4], (OH, OW, th, tw)
+
+
+def s2_abs(x, w, b):
+    """S of the forward pass, (N, O, OH, OW)."""
+    d, (OH, OW, th, tw) = tiles_of(x)
+    V = np.einsum("ij,nctsjk,lk->nctsil", B_T, d, B_T, optimize=True)            # |B^T| = B^T's |entries|
+    U = np.einsum("ij,ocjk,lk->ocil", G, np.abs(w.astype(np.float64)), G, optimize=True)
+    M = np.einsum("ocil,nctsil->notsil", U, V, optimize=True)
+    Y = np.einsum("ij,notsjk,lk->notsil", A_T, M, A_T, optimize=True)            # (N, O, th, tw, 2, 2)
+    Y = Y.transpose(0, 1, 2, 4, 3, 5).reshape(x.shape[0], w.shape[0], 2 * th, 2 * tw)[:, :, :OH, :OW]
+    return Y + (0.0 if b is None else np.abs(b.astype(np.float64))[None, :, None, None])
+
+
+def dy_blocks(dy, th, tw):
+    """(N, O, th, tw, 2, 2): dy's 2x2 blocks in absolute values, zero past its edge."""
+    N, O, OH, OW = dy.shape
+    dyp = np.zeros((N, O, 2 * th, 2 * tw))
+    dyp[:, :, :OH, :OW] = np.abs(dy.astype(np.float64))
+    return dyp.reshape(N, O, th, 2, tw, 2).transpose(0, 1, 2, 4, 3, 5)
+
+
+def s2_abs_dx(x_shape, w, dy):
+    """S of dx, (N, C, H, W): each tile's B [U^T . (A dY A^T)] B^T added where the tile lies."""
+    N, C, H, W = x_shape
+    OH, OW = dy.shape[2:]
+    th, tw = (OH + 1) // 2, (OW + 1) // 2
+    dM = np.einsum("ji,notsjk,kl->notsil", A_T, dy_blocks(dy, th, tw), A_T, optimize=True)
+    U = np.einsum("ij,ocjk,lk->ocil", G, np.abs(w.astype(np.float64)), G, optimize=True)
+    Z = np.einsum("ocil,notsil->nctsil", U, dM, optimize=True)
+    T = np.einsum("ji,nctsjk,kl->nctsil", B_T, Z, B_T, optimize=True)            # B Z B^T, 5x5 a tile
+    dxp = np.zeros((N, C, 4 * th + 1, 4 * tw + 1))
+    for i in range(th):
+        for j in range(tw):
+            dxp[:, :, 4 * i:4 * i + 5, 4 * j:4 * j + 5] += T[:, :, i, j]
+    return dxp[:, :, 1:H + 1, 1:W + 1]
+
+
+def s2_abs_dw(x, dy):
+    """S of dw, (O, C, 3, 3)."""
+    d, (OH, OW, th, tw) = tiles_of(x)
+    dM = np.einsum("ji,notsjk,kl->notsil", A_T, dy_blocks(dy, th, tw), A_T, optimize=True)
+    V = np.einsum("ij,nctsjk,lk->nctsil", B_T, d, B_T, optimize=True)
+    dU = np.einsum("notsil,nctsil->ocil", dM, V, optimize=True)
+    return np.einsum("ji,ocjk,kl->ocil", G, dU, G, optimize=True)
+
+
+@pytest.fixture
+def s2_on(monkeypatch):
+    monkeypatch.setenv("DPCORE_WINOGRAD", "1")
+    monkeypatch.setenv("DPCORE_WINOGRAD_S2", "1")
+
+
+def run(x, w, b, dy):
+    y = ops.conv2d(x, w, b, stride=2, padding=1)
+    dx, dw, db = ops.conv2d_backward(x, w, dy, stride=2, padding=1)
+    return y, dx, dw, db
+
+
+def check(case, seed, use_bias=True):
+    """y, dx and dw within their bounds and the suite's tolerances."""
+    N, C, H, W, O = case
+    x, w, b, dy = make(N, C, H, W, O, 3, 2, 1, seed)
+    bias = b if use_bias else None
+    y, dx, dw, db = run(x, w, bias, dy)
+    y_ref, dx_ref, dw_ref, db_ref = reference(x, w, b if use_bias else np.zeros_like(b), dy, 2, 1)
+    assert y.shape == y_ref.shape and dx.shape == x.shape
+    assert_within_bound(y, y_ref, s2_abs(x, w, bias), C + 9, f"{case} forward")
+    assert_within_bound(dx, dx_ref, s2_abs_dx(x.shape, w, dy), O + 11, f"{case} dx")
+    tiles = N * ((y.shape[2] + 1) // 2) * ((y.shape[3] + 1) // 2)
+    assert_within_bound(dw, dw_ref, s2_abs_dw(x, dy), 4 * tiles + 6, f"{case} dw")
+    assert err(y, y_ref) <= TOL_SHORT, f"{case} forward: {err(y, y_ref):.3g}"
+    assert err(dx, dx_ref) <= TOL_SHORT, f"{case} dx: {err(dx, dx_ref):.3g}"
+    assert err(dw, dw_ref) <= TOL_LONG, f"{case} dw: {err(dw, dw_ref):.3g}"
+    assert err(db, db_ref) <= TOL_LONG, f"{case} db: {err(db, db_ref):.3g}"
+    return y, dx
+
+
+# (N, C, H, W, O): batches the path takes (at least 16 samples, at most a quarter of
+# the last chunk's lanes idle, its multiplies at most 0.8 of the direct form's)
+CASES = [
+    (16, 64, 28, 28, 128),   # ResNet-18's first downsampling layer (28x28 -> 14x14), one chunk
+    (32, 256, 7, 7, 512),    # its last (7x7 -> 4x4): 2x2 tiles a sample, two chunks
+    (48, 32, 8, 8, 40),      # three chunks, a 4x4 output
+    (28, 40, 12, 12, 48),    # two chunks, the second short (12 of 16 lanes)
+    (32, 40, 29, 30, 32),    # 15x15 outputs: the tiles' last row and column half outside
+    (16, 33, 4, 28, 35),     # a 2x14 output, odd channel counts
+]
+
+
+def takes(N, C, H, W, O):
+    """winograd_s2.c's rule: 16+ samples, 32+ channels in and out, and the multiplies
+    (25 a 2x2 block and lane, idle lanes and blocks past the edge included) at most
+    0.8 of the direct form's 36 a block."""
+    OH, OW = (H - 1) // 2 + 1, (W - 1) // 2 + 1
+    lanes = -(-N // 16) * 16
+    return N >= 16 and min(C, O) >= 32 and \
+        25 * 4 * ((OH + 1) // 2) * ((OW + 1) // 2) * lanes <= 0.8 * 36 * OH * OW * N
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "N{}C{}H{}W{}O{}".format(*c))
+def test_forward_dx_dw_within_the_bounds(s2_on, case):
+    assert takes(*case)
+    check(case, seed=sum(case))
+
+
+def test_bias_none(s2_on):
+    case = (16, 32, 8, 12, 32)
+    y, _ = check(case, seed=3, use_bias=False)
+    x, w, b, _ = make(*case[:4], case[4], 3, 2, 1, seed=3)
+    np.testing.assert_array_equal(y, ops.conv2d(x, w, np.zeros_like(b), stride=2, padding=1))
+
+
+def test_empty_batch(s2_on):
+    """(the GEMM path's: the path takes batches of 16 or more)"""
+    assert_empty_batch(64, 14, 64, 3, 2)
+
+
+def test_the_switch_reaches_the_kernel(monkeypatch):
+    """On: other bits than the GEMM path (so the tests above did test this path). Off
+    (either switch), and where the path does not take the layer (fewer than 16
+    samples, a batch that would leave lanes idle, too few channels, an odd-sized
+    plane whose tiles would multiply more than 0.8 of the direct form, stride 1 or
+    other padding): the GEMM path's bits."""
+    def both(case, stride=2, pad=1, **env):
+        x, w, b, dy = make(*case[:4], case[4], 3, stride, pad, seed=4)
+        out = {}
+        for v in ("0", "1"):
+            monkeypatch.setenv("DPCORE_WINOGRAD_S2", v)
+            for k, val in env.items():
+                monkeypatch.setenv(k, val)
+            out[v] = (ops.conv2d(x, w, b, stride=stride, padding=pad),) + \
+                ops.conv2d_backward(x, w, dy, stride=stride, padding=pad)[:2]
+        return out
+    monkeypatch.setenv("DPCORE_WINOGRAD", "1")
+    runs = both((16, 32, 12, 12, 32))
+    for gemm, s2 in zip(runs["0"], runs["1"]):   # y, dx, dw
+        assert not np.array_equal(gemm, s2)
+    for case, kw in [((15, 32, 12, 12, 32), {}), ((20, 32, 12, 12, 32), {}), ((16, 16, 12, 12, 32), {}),
+                     ((16, 32, 12, 12, 24), {}), ((16, 32, 10, 10, 32), {}), ((16, 32, 14, 14, 32), {}),
+                     ((16, 32, 12, 12, 32), {"pad": 0}), ((16, 32, 12, 12, 32), {"DPCORE_WINOGRAD": "0"})]:
+        assert not takes(*case) or kw
+        runs = both(case, **kw)
+        for gemm, s2 in zip(runs["0"], runs["1"]):
+            np.testing.assert_array_equal(gemm, s2, err_msg=f"{case} {kw}")
+
+
+def test_a_bad_switch_value_is_an_error(monkeypatch):
+    monkeypatch.setenv("DPCORE_WINOGRAD_S2", "yes")
+    x, w, b, _ = make(16, 32, 4, 4, 32, 3, 2, 1, seed=1)
+    with pytest.raises(ValueError, match="DPCORE_WINOGRAD_S2"):
+        ops.conv2d(x, w, b, stride=2, padding=1)
+
+
+def test_samples_do_not_depend_on_the_batch(s2_on):
+    """A sample's y and dx come from its own lane: on dpcore's GEMM kernel (whose
+    columns are each summed alone, in k order) the same bits in a batch of 32 and in
+    any batch of 16 or more that holds it, at any place. On the BLAS (builds without
+    AVX-512) the GEMMs' widths follow the batch, and OpenBLAS's blocking with them:
+    there the same values within the forward and dx bounds' rounding."""
+    N, C, H, W, O = 32, 48, 12, 12, 40
+    x, w, b, dy = make(N, C, H, W, O, 3, 2, 1, seed=9)
+    y_all = ops.conv2d(x, w, b, stride=2, padding=1)
+    dx_all = ops.conv2d_backward(x, w, dy, stride=2, padding=1)[0]
+    own = dp.build_info()["cpu_gemm"].startswith("dpcore")
+    same = np.testing.assert_array_equal if own else \
+        (lambda a, c: np.testing.assert_allclose(a, c, rtol=0, atol=4 * (C + O + 11) * 2.0 ** -24 * np.abs(c).max()))
+    for lo, hi in [(0, 16), (16, 32), (5, 21), (3, 31)]:
+        assert takes(hi - lo, C, H, W, O)
+        same(ops.conv2d(x[lo:hi], w, b, stride=2, padding=1), y_all[lo:hi])
+        same(ops.conv2d_backward(x[lo:hi], w, dy[lo:hi], stride=2, padding=1)[0], dx_all[lo:hi])
+    perm = np.random.default_rng(1).permutation(N)
+    same(ops.conv2d(x[perm], w, b, stride=2, padding=1), y_all[perm])
+
+
+def test_repeatable_after_other_shapes(s2_on):
+    """The scratch holds another geometry's numbers (the zero borders written again)."""
+    x, w, b, dy = make(16, 32, 8, 8, 32, 3, 2, 1, seed=5)
+    first = run(x, w, b, dy)
+    check((32, 64, 12, 12, 48), seed=6)
+    again = run(x, w, b, dy)
+    for a, c in zip(first, again):
+        np.testing.assert_array_equal(a, c)
+
+
+def test_resnet18_takes_its_downsampling_layers(s2_on, monkeypatch):
+    """ResNet-18 (28x28 inputs, batch 32) trains through the path (its first and last
+    downsampling 3x3 layers are the path's): a training step's loss is the GEMM
+    path's within float32 rounding, and so is every tensor's update, within 1% of
+    its size (3e-3 measured) (a ReLU input within rounding of 0 may flip between the two, and
+    BatchNorm over a few values spreads it: tests/test_winograd_lanes.py); a wrong
+    gradient would be off by its whole size."""
+    rng = np.random.default_rng(0)
+    X = rng.random((32, 1, 28, 28), dtype=np.float32)
+    y = rng.integers(0, 10, 32)
+    out = {}
+    for v in ("0", "1"):
+        monkeypatch.setenv("DPCORE_WINOGRAD_S2", v)
+        net = dp.models.ResNet18(devices=["cpu:0"], seed=3)
+        before = net.get_weights()
+        loss = net.train_step(X, y, lr=0.05)[0]
+        out[v] = (loss, {k: w.astype(np.float64) - before[k] for k, w in net.get_weights().items()})
+    assert abs(out["0"][0] - out["1"][0]) <= 1e-5 * max(1.0, abs(out["0"][0]))
+    differ = 0
+    for name, u0 in out["0"][1].items():
+        u1 = out["1"][1][name]
+        # (+1e-6: the biases of the convolutions before a BatchNorm, whose gradient is 0 but for rounding)
+        assert np.linalg.norm(u1 - u0) <= 1e-2 * np.linalg.norm(u0) + 1e-6, name
+        differ += not np.array_equal(u0, u1)
+    assert differ > 0   # the path ran (other roundings somewhere)
+
+
+def test_benchmark_quick_run():
+    """benchmarks/bench_winograd_s2.py end to end on a tiny run: every row, nothing written."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cmd = [sys.executable, os.path.join(root, "benchmarks", "bench_winograd_s2.py"), "--rounds", "1", "--steps", "1",
+           "--layer-reps", "1", "--batch", "16"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=root)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for row in ("| 64x28x28 -> 128 | forward |", "| 256x7x7 -> 512 | backward |", "whole ResNet-18 train_step",
+                "GEMM / stride-2 Winograd", "stride-2 Winograd, no huge pages / stride-2 Winograd"):
+        assert row in proc.stdout, proc.stdout
