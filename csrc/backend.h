@@ -174,7 +174,11 @@ struct dp_backend {
    *   bn_finalize: see dp_bn_finalize_channel (sqdev (C), count values)
    *   bn_apply:  y = gamma * (x - mean) * invstd + beta
    *   bn_backward_sums: sum_dy[c], sum_dy_xhat[c] over the batch
-   *   bn_backward_dx: see dp_bn_backward_elem */
+   *   bn_backward_dx: see dp_bn_backward_elem
+   * and, backward, relu_beta non-NULL for a BatchNorm fused with the ReLU
+   * after it (bn_apply_relu): dy is the ReLU's output gradient, masked by
+   * dp_bn_relu_dy (gamma and relu_beta: the forward pass's parameters), so
+   * that the ReLU's own backward pass never runs. */
   DP_MUST_CHECK dp_status (*bn_sums)(dp_device *dev, int64_t N, int C, int HW, const float *x, const float *mean,
                                      float *out);
   DP_MUST_CHECK dp_status (*bn_finalize)(dp_device *dev, int C, const float *sqdev, float count, const float *mean,
@@ -190,11 +194,12 @@ struct dp_backend {
                                            const float *mean, const float *invstd, const float *gamma,
                                            const float *beta, float *y);
   DP_MUST_CHECK dp_status (*bn_backward_sums)(dp_device *dev, int64_t N, int C, int HW, const float *x, const float *dy,
-                                              const float *mean, const float *invstd, float *sum_dy,
-                                              float *sum_dy_xhat);
+                                              const float *mean, const float *invstd, const float *gamma,
+                                              const float *relu_beta, float *sum_dy, float *sum_dy_xhat);
   DP_MUST_CHECK dp_status (*bn_backward_dx)(dp_device *dev, int64_t N, int C, int HW, const float *x, const float *dy,
                                             const float *mean, const float *invstd, const float *gamma,
-                                            const float *sum_dy, const float *sum_dy_xhat, float inv_count, float *dx);
+                                            const float *relu_beta, const float *sum_dy, const float *sum_dy_xhat,
+                                            float inv_count, float *dx);
   /* The pending sums of the last softmax_xent (0 and 0 when none is pending);
    * waits only for that softmax_xent, not for work queued after it. */
   DP_MUST_CHECK dp_status (*metrics_read)(dp_device *dev, double *loss_sum, int64_t *correct);

@@ -1214,7 +1214,8 @@ static dp_status cpu_bn_apply_relu(dp_device *dev, int64_t N, int C, int HW, con
 }
 
 static dp_status cpu_bn_backward_sums(dp_device *dev, int64_t N, int C, int HW, const float *x, const float *dy,
-                                      const float *mean, const float *invstd, float *sum_dy, float *sum_dy_xhat) {
+                                      const float *mean, const float *invstd, const float *gamma,
+                                      const float *relu_beta, float *sum_dy, float *sum_dy_xhat) {
 #pragma omp parallel for num_threads(dev->nthreads) schedule(static) if (N * C * HW > 65536)
   for (int c = 0; c < C; ++c) {
     double a = 0.0, b = 0.0;
@@ -1222,10 +1223,20 @@ static dp_status cpu_bn_backward_sums(dp_device *dev, int64_t N, int C, int HW, 
     for (int64_t n = 0; n < N; ++n) {
       const float *xr = x + (n * C + c) * HW, *dr = dy + (n * C + c) * HW;
       float pa = 0.0f, pb = 0.0f;
+      if (relu_beta) {
+        const float g = gamma[c], be = relu_beta[c];
 #pragma omp simd reduction(+ : pa, pb)
-      for (int i = 0; i < HW; ++i) {
-        pa += dr[i];
-        pb += dr[i] * ((xr[i] - m) * s);
+        for (int i = 0; i < HW; ++i) {
+          const float d = dp_bn_relu_dy(xr[i], dr[i], m, s, g, be);
+          pa += d;
+          pb += d * ((xr[i] - m) * s);
+        }
+      } else {
+#pragma omp simd reduction(+ : pa, pb)
+        for (int i = 0; i < HW; ++i) {
+          pa += dr[i];
+          pb += dr[i] * ((xr[i] - m) * s);
+        }
       }
       a += pa;
       b += pb;
@@ -1237,15 +1248,26 @@ static dp_status cpu_bn_backward_sums(dp_device *dev, int64_t N, int C, int HW, 
 }
 
 static dp_status cpu_bn_backward_dx(dp_device *dev, int64_t N, int C, int HW, const float *x, const float *dy,
-                                    const float *mean, const float *invstd, const float *gamma, const float *sum_dy,
-                                    const float *sum_dy_xhat, float inv_count, float *dx) {
+                                    const float *mean, const float *invstd, const float *gamma,
+                                    const float *relu_beta, const float *sum_dy, const float *sum_dy_xhat,
+                                    float inv_count, float *dx) {
 #pragma omp parallel for num_threads(dev->nthreads) schedule(static) if (N * C * HW > 65536)
   for (int64_t p = 0; p < N * C; ++p) {
     const int c = (int)(p % C);
     const float m = mean[c], s = invstd[c], g = gamma[c], a = sum_dy[c], b = sum_dy_xhat[c];
+    if (relu_beta) {
+      const float be = relu_beta[c];
 #pragma omp simd
-    for (int i = 0; i < HW; ++i)
-      dx[p * HW + i] = dp_bn_backward_elem(x[p * HW + i], dy[p * HW + i], m, s, g, a, b, inv_count);
+      for (int i = 0; i < HW; ++i) {
+        const float xi = x[p * HW + i];
+        dx[p * HW + i] = dp_bn_backward_elem(xi, dp_bn_relu_dy(xi, dy[p * HW + i], m, s, g, be), m, s, g, a, b,
+                                             inv_count);
+      }
+    } else {
+#pragma omp simd
+      for (int i = 0; i < HW; ++i)
+        dx[p * HW + i] = dp_bn_backward_elem(x[p * HW + i], dy[p * HW + i], m, s, g, a, b, inv_count);
+    }
   }
   return DP_OK;
 }

@@ -842,18 +842,21 @@ static dp_status cuda_bn_apply_relu(dp_device *dev, int64_t N, int C, int HW, co
 }
 
 static dp_status cuda_bn_backward_sums(dp_device *dev, int64_t N, int C, int HW, const float *x, const float *dy,
-                                       const float *mean, const float *invstd, float *sum_dy, float *sum_dy_xhat) {
+                                       const float *mean, const float *invstd, const float *gamma,
+                                       const float *relu_beta, float *sum_dy, float *sum_dy_xhat) {
   CUDA_ENTER(dev, c);
-  DP_LAUNCH_CHECK(dp_cuda_bn_backward_sums(c->stream, N, C, HW, x, dy, mean, invstd, sum_dy, sum_dy_xhat));
+  DP_LAUNCH_CHECK(
+      dp_cuda_bn_backward_sums(c->stream, N, C, HW, x, dy, mean, invstd, gamma, relu_beta, sum_dy, sum_dy_xhat));
   return DP_OK;
 }
 
 static dp_status cuda_bn_backward_dx(dp_device *dev, int64_t N, int C, int HW, const float *x, const float *dy,
-                                     const float *mean, const float *invstd, const float *gamma, const float *sum_dy,
-                                     const float *sum_dy_xhat, float inv_count, float *dx) {
+                                     const float *mean, const float *invstd, const float *gamma,
+                                     const float *relu_beta, const float *sum_dy, const float *sum_dy_xhat,
+                                     float inv_count, float *dx) {
   CUDA_ENTER(dev, c);
-  DP_LAUNCH_CHECK(dp_cuda_bn_backward_dx(c->stream, N, C, HW, x, dy, mean, invstd, gamma, sum_dy, sum_dy_xhat,
-                                         inv_count, dx));
+  DP_LAUNCH_CHECK(dp_cuda_bn_backward_dx(c->stream, N, C, HW, x, dy, mean, invstd, gamma, relu_beta, sum_dy,
+                                         sum_dy_xhat, inv_count, dx));
   return DP_OK;
 }
 

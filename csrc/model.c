@@ -322,7 +322,8 @@ static void mark_fusions(dp_model *m) {
   }
   /* and each batchnorm whose output only the next layer, a relu not fused
    * itself, reads: bn_apply_relu writes the relu's output, not the
-   * batchnorm's (whose backward reads its input, and the relu's its output) */
+   * batchnorm's; backward, the batchnorm masks the relu's output gradient
+   * itself (backend.h: relu_beta), and the relu's own pass never runs */
   for (int i = 0; on && i + 1 < m->nlayers; ++i) {
     dp_layer *l = &m->layers[i];
     const dp_layer *next = &m->layers[i + 1];
@@ -676,14 +677,15 @@ static dp_status batchnorm_backward(dp_model *m, const dp_layer *l, int64_t N, c
   }
   /* this replica's sums are its parameter gradients (the gradient all-reduce
    * adds the replicas'); dx needs the sums over everything normalised together */
-  DP_TRY(be->bn_backward_sums(dev, N, C, HW, x, dy, mean, invstd, dbeta, dgamma));
+  /* fused with the relu after it: dy is the relu's output gradient, masked here (backend.h) */
+  const float *gamma = m->params + l->w_off, *relu_beta = l->fused && !m->unfused ? m->params + l->b_off : NULL;
+  DP_TRY(be->bn_backward_sums(dev, N, C, HW, x, dy, mean, invstd, gamma, relu_beta, dbeta, dgamma));
   const float count = m->bn_count[l - m->layers];
   if (!dx) return DP_OK;
   DP_TRY(be->copy_to_device(dev, tmp, dbeta, sizeof(float) * (size_t)C));
   DP_TRY(be->copy_to_device(dev, tmp + C, dgamma, sizeof(float) * (size_t)C));
   if (sync) DP_TRY(dp_collective_all_reduce(coll, tmp, 2 * (int64_t)C, DP_REDUCE_SUM));
-  DP_TRY(be->bn_backward_dx(dev, N, C, HW, x, dy, mean, invstd, m->params + l->w_off, tmp, tmp + C, 1.0f / count,
-                            dx));
+  DP_TRY(be->bn_backward_dx(dev, N, C, HW, x, dy, mean, invstd, gamma, relu_beta, tmp, tmp + C, 1.0f / count, dx));
   return DP_OK;
 }
 
@@ -719,6 +721,12 @@ static dp_status backward(dp_model *m, int64_t N, const dp_collective *coll) {
                                   m->grads + l->b_off));
         break;
       case DP_LAYER_RELU:
+        if (l->src >= 0 && m->layers[l->src].kind == DP_LAYER_BATCHNORM && m->layers[l->src].fused && !m->unfused) {
+          /* the batchnorm before it (fused) masks this gradient itself: read in place, nothing written */
+          gradient_alias(m, l->src, i);
+          DP_TRY(dp_collective_grad_ready(coll, i));
+          continue;
+        }
         if (dx) DP_TRY(be->relu_backward(dev, N * layer_out_size(l), m->acts[i], dy, dx));
         break;
       case DP_LAYER_AVGPOOL:

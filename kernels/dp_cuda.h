@@ -57,16 +57,18 @@ int dp_cuda_global_avgpool_backward(dp_cuda_stream s, int64_t planes, int HW, co
  * Also the bias gradients: conv (dy (N, O, OH*OW)) and dense (dy (N, nout), HW = 1).
  * One block per channel, fixed order: deterministic. */
 int dp_cuda_channel_sums(dp_cuda_stream s, int64_t N, int C, int HW, const float *x, const float *mean, float *out);
+/* relu_beta non-NULL: dy is the gradient of a fused ReLU's output (backend.h) */
 int dp_cuda_bn_backward_sums(dp_cuda_stream s, int64_t N, int C, int HW, const float *x, const float *dy,
-                             const float *mean, const float *invstd, float *sum_dy, float *sum_dy_xhat);
+                             const float *mean, const float *invstd, const float *gamma, const float *relu_beta,
+                             float *sum_dy, float *sum_dy_xhat);
 int dp_cuda_bn_finalize(dp_cuda_stream s, int C, const float *sqdev, float count, const float *mean, float eps,
                         float momentum, int update_running, float *invstd, float *running_mean, float *running_var);
 /* relu: y = relu(bn(x)) (backend.h: bn_apply_relu) */
 int dp_cuda_bn_apply(dp_cuda_stream s, int64_t N, int C, int HW, const float *x, const float *mean,
                      const float *invstd, const float *gamma, const float *beta, float *y, int relu);
 int dp_cuda_bn_backward_dx(dp_cuda_stream s, int64_t N, int C, int HW, const float *x, const float *dy,
-                           const float *mean, const float *invstd, const float *gamma, const float *sum_dy,
-                           const float *sum_dy_xhat, float inv_count, float *dx);
+                           const float *mean, const float *invstd, const float *gamma, const float *relu_beta,
+                           const float *sum_dy, const float *sum_dy_xhat, float inv_count, float *dx);
 
 /* kernels/collective.cu: the all-reduce of logical GPUs (csrc/comm.c).
  * The k buffers' pointers travel by value in the kernel's parameters (512

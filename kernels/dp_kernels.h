@@ -268,6 +268,14 @@ static inline DP_HD float dp_bn_apply_elem(float x, float mean, float invstd, fl
   return gamma * ((x - mean) * invstd) + beta;
 }
 
+/* The gradient reaching a BatchNorm's output from the ReLU right after it
+ * (fused: bn_apply_relu never stored the BatchNorm's output nor, backward, the
+ * ReLU's input gradient): the ReLU's output gradient dy where the forward
+ * pass's relu(bn_apply(x)) was positive, recomputed bit for bit, else 0. */
+static inline DP_HD float dp_bn_relu_dy(float x, float dy, float mean, float invstd, float gamma, float beta) {
+  return dp_relu_backward_elem(dp_relu_forward_elem(dp_bn_apply_elem(x, mean, invstd, gamma, beta)), dy);
+}
+
 /* After the (possibly all-reduced) sum of squared deviations of a channel
  * over count values: invstd for the normalisation and, in training, the
  * running statistics as PyTorch updates them (momentum m; the running

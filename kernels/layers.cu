@@ -69,17 +69,21 @@ __global__ void channel_sums_kernel(int64_t N, int C, int HW, const float *x, co
 }
 
 // sum_dy[c], sum_dy_xhat[c] over (n, i); same grid and order as channel_sums.
+// relu_beta non-NULL: dy is a fused ReLU's output gradient (dp_bn_relu_dy).
 __global__ void bn_backward_sums_kernel(int64_t N, int C, int HW, const float *x, const float *dy, const float *mean,
-                                        const float *invstd, float *sum_dy, float *sum_dy_xhat) {
+                                        const float *invstd, const float *gamma, const float *relu_beta,
+                                        float *sum_dy, float *sum_dy_xhat) {
   __shared__ double shared[kThreads];
   const int c = blockIdx.x;
   const float m = mean[c], s = invstd[c];
+  const float g = relu_beta ? gamma[c] : 0.0f, be = relu_beta ? relu_beta[c] : 0.0f;
   const int64_t count = N * HW;
   double a = 0.0, b = 0.0;
   for (int64_t j = threadIdx.x; j < count; j += kThreads) {
     const int64_t n = j / HW, i = j - n * HW, at = (n * C + c) * HW + i;
-    a += (double)dy[at];
-    b += (double)(dy[at] * ((x[at] - m) * s));
+    const float d = relu_beta ? dp_bn_relu_dy(x[at], dy[at], m, s, g, be) : dy[at];
+    a += (double)d;
+    b += (double)(d * ((x[at] - m) * s));
   }
   const double ta = block_sum(a, shared);
   if (threadIdx.x == 0) sum_dy[c] = (float)ta;
@@ -105,11 +109,12 @@ __global__ void bn_apply_kernel(int64_t n, int C, int HW, const float *x, const 
 }
 
 __global__ void bn_backward_dx_kernel(int64_t n, int C, int HW, const float *x, const float *dy, const float *mean,
-                                      const float *invstd, const float *gamma, const float *sum_dy,
-                                      const float *sum_dy_xhat, float inv_count, float *dx) {
+                                      const float *invstd, const float *gamma, const float *relu_beta,
+                                      const float *sum_dy, const float *sum_dy_xhat, float inv_count, float *dx) {
   DP_GRID_STRIDE(i, n) {
     const int c = (int)((i / HW) % C);
-    dx[i] = dp_bn_backward_elem(x[i], dy[i], mean[c], invstd[c], gamma[c], sum_dy[c], sum_dy_xhat[c], inv_count);
+    const float d = relu_beta ? dp_bn_relu_dy(x[i], dy[i], mean[c], invstd[c], gamma[c], relu_beta[c]) : dy[i];
+    dx[i] = dp_bn_backward_elem(x[i], d, mean[c], invstd[c], gamma[c], sum_dy[c], sum_dy_xhat[c], inv_count);
   }
 }
 
@@ -150,9 +155,11 @@ int dp_cuda_channel_sums(dp_cuda_stream s, int64_t N, int C, int HW, const float
   return launched();
 }
 int dp_cuda_bn_backward_sums(dp_cuda_stream s, int64_t N, int C, int HW, const float *x, const float *dy,
-                             const float *mean, const float *invstd, float *sum_dy, float *sum_dy_xhat) {
+                             const float *mean, const float *invstd, const float *gamma, const float *relu_beta,
+                             float *sum_dy, float *sum_dy_xhat) {
   if (C <= 0) return 0;
-  bn_backward_sums_kernel<<<C, kThreads, 0, s>>>(N, C, HW, x, dy, mean, invstd, sum_dy, sum_dy_xhat);
+  bn_backward_sums_kernel<<<C, kThreads, 0, s>>>(N, C, HW, x, dy, mean, invstd, gamma, relu_beta, sum_dy,
+                                                 sum_dy_xhat);
   return launched();
 }
 int dp_cuda_bn_finalize(dp_cuda_stream s, int C, const float *sqdev, float count, const float *mean, float eps,
@@ -170,12 +177,12 @@ int dp_cuda_bn_apply(dp_cuda_stream s, int64_t N, int C, int HW, const float *x,
   return launched();
 }
 int dp_cuda_bn_backward_dx(dp_cuda_stream s, int64_t N, int C, int HW, const float *x, const float *dy,
-                           const float *mean, const float *invstd, const float *gamma, const float *sum_dy,
-                           const float *sum_dy_xhat, float inv_count, float *dx) {
+                           const float *mean, const float *invstd, const float *gamma, const float *relu_beta,
+                           const float *sum_dy, const float *sum_dy_xhat, float inv_count, float *dx) {
   const int64_t n = N * C * HW;
   if (n <= 0) return 0;
-  bn_backward_dx_kernel<<<grid_for(n), kThreads, 0, s>>>(n, C, HW, x, dy, mean, invstd, gamma, sum_dy, sum_dy_xhat,
-                                                         inv_count, dx);
+  bn_backward_dx_kernel<<<grid_for(n), kThreads, 0, s>>>(n, C, HW, x, dy, mean, invstd, gamma, relu_beta, sum_dy,
+                                                         sum_dy_xhat, inv_count, dx);
   return launched();
 }
 

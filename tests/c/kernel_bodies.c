@@ -464,7 +464,7 @@ static void check_batchnorm(dp_device *dev) {
     sdx_ref[c] += dy[i] * ((double)x[i] - mean[c]) * invstd[c];
   }
   float sdy[C], sdx[C];
-  EXPECT_OK(dev->backend->bn_backward_sums(dev, N, C, HW, x, dy, mean, invstd, sdy, sdx));
+  EXPECT_OK(dev->backend->bn_backward_sums(dev, N, C, HW, x, dy, mean, invstd, gamma, NULL, sdy, sdx));
   expect_close("bn sum dy (cpu)", sdy, sdy_ref, C, REL_TOL);
   expect_close("bn sum dy xhat (cpu)", sdx, sdx_ref, C, REL_TOL);
   for (int64_t i = 0; i < n; ++i) {
@@ -477,8 +477,35 @@ static void check_batchnorm(dp_device *dev) {
     y[i] = dp_bn_backward_elem(x[i], dy[i], mean[c], invstd[c], gamma[c], sdy[c], sdx[c], 1.0f / count);
   }
   expect_close("bn backward (body)", y, ref, n, REL_TOL);
-  EXPECT_OK(dev->backend->bn_backward_dx(dev, N, C, HW, x, dy, mean, invstd, gamma, sdy, sdx, 1.0f / count, y));
+  EXPECT_OK(dev->backend->bn_backward_dx(dev, N, C, HW, x, dy, mean, invstd, gamma, NULL, sdy, sdx, 1.0f / count, y));
   expect_close("bn backward (cpu)", y, ref, n, REL_TOL);
+
+  /* fused with a ReLU after it (relu_beta): the bits of the ReLU's backward pass on
+   * relu(bn_apply(x)), then the plain BatchNorm backward */
+  float *masked = floats(n), *fused = floats(n);
+  for (int64_t i = 0; i < n; ++i) {
+    const int c = (int)((i / HW) % C);
+    masked[i] = dp_relu_backward_elem(dp_relu_forward_elem(dp_bn_apply_elem(x[i], mean[c], invstd[c], gamma[c],
+                                                                             beta[c])),
+                                      dy[i]);
+  }
+  float mdy[C], mdx[C], fdy[C], fdx[C];
+  EXPECT_OK(dev->backend->bn_backward_sums(dev, N, C, HW, x, masked, mean, invstd, gamma, NULL, mdy, mdx));
+  EXPECT_OK(dev->backend->bn_backward_sums(dev, N, C, HW, x, dy, mean, invstd, gamma, beta, fdy, fdx));
+  expect_same("bn + relu sum dy (cpu)", fdy, mdy, C);
+  expect_same("bn + relu sum dy xhat (cpu)", fdx, mdx, C);
+  EXPECT_OK(
+      dev->backend->bn_backward_dx(dev, N, C, HW, x, masked, mean, invstd, gamma, NULL, mdy, mdx, 1.0f / count, y));
+  EXPECT_OK(dev->backend->bn_backward_dx(dev, N, C, HW, x, dy, mean, invstd, gamma, beta, fdy, fdx, 1.0f / count,
+                                         fused));
+  expect_same("bn + relu backward (cpu)", fused, y, n);
+  int64_t zeros = 0; /* the mask did mask, not everything */
+  for (int64_t i = 0; i < n; ++i) zeros += masked[i] == 0.0f && dy[i] != 0.0f;
+  if (zeros == 0 || zeros == n) {
+    fprintf(stderr, "bn + relu: %lld of %lld gradients masked\n", (long long)zeros, (long long)n);
+    failures++;
+  }
+  free(masked), free(fused);
   free(x), free(dy), free(y), free(ref);
 }
 
