@@ -64,6 +64,16 @@
 #ifndef WIDE_BLOCK_FLOATS
 #define WIDE_BLOCK_FLOATS ((int64_t)1 << 18)
 #endif
+/* dw of wide planes: the batch in up to DW_GROUPS groups of consecutive
+ * samples (dw_groups), each group's partial dU summed by one thread,
+ * a few samples at a time (at least DW_WIDE_COLS tile columns a GEMM), the
+ * partials then added in group order: the same bits whatever the thread
+ * count, and each thread transforms only its own samples (dealing the 16
+ * GEMMs out instead made every thread read every plane: 2 threads ran dw
+ * 1.58x as fast as 1 at 64x28x28, batch 64; grouped, see the A/B in
+ * benchmarks/RESULTS.md). */
+#define DW_GROUPS 8
+#define DW_WIDE_COLS 128
 /* A block's tiles lie in at most block / tw + 2 runs of a tile row; the
  * block is kept small enough for this many */
 #define WIDE_BLOCK_MAX_RUNS 160
@@ -217,13 +227,36 @@ static wino_plan wino_plan_make(int cin, int cout, int h, int w, int64_t N, int 
   return p;
 }
 
+/* dw of wide planes (DW_GROUPS): samples a GEMM, and a thread's floats (its
+ * V and W of that many samples, the zero-bordered plane and zrow) */
+static int64_t dw_wide_samples(const wino_plan *p) { return (DW_WIDE_COLS + p->tiles - 1) / p->tiles; }
+
+static int64_t dw_wide_thread_floats(const wino_plan *p) {
+  const int64_t cols = dw_wide_samples(p) * p->tiles;
+  return 16 * ((int64_t)(p->cin + p->cout) * cols + 2 * WINO_SKEW) + ((p->plane_floats + 15) & ~(int64_t)15);
+}
+
+/* groups of at least DW_WIDE_COLS tile columns, an even count where more
+ * than one (two threads: equal shares), at most DW_GROUPS */
+static int64_t dw_groups(const wino_plan *p, int64_t N) {
+  int64_t G = N * p->tiles / DW_WIDE_COLS;
+  if (G > DW_GROUPS) G = DW_GROUPS;
+  if (G > N) G = N;
+  if (G > 1) G &= ~(int64_t)1;
+  return G < 1 ? 1 : G;
+}
+
 size_t dp_winograd_scratch_floats(const dp_conv_geom *g, int64_t N, int nthreads) {
   if (N <= 0) return 0;
   /* forward: C -> O; dx: O -> C; V + M hold 16*(C+O) floats a column either way */
   const wino_plan p = wino_plan_make(g->C, g->O, g->OH, g->OW, N, nthreads);
-  /* and dw's packing buffers for small_gemm.h's NT product, one a thread */
-  return (size_t)(16 * ((int64_t)g->C * g->O + WINO_SKEW) + p.shared +
-                  p.nt * (p.per_thread + DP_SMALL_GEMM_PACK_FLOATS));
+  /* dU, then the chunk's V and W and the threads' own floats, or (wide planes) the groups' partial dU and
+   * the threads' floats; and dw's packing buffers for small_gemm.h's NT product, one a thread */
+  const int64_t du = 16 * ((int64_t)g->C * g->O + WINO_SKEW);
+  int64_t rest = p.shared + p.nt * p.per_thread;
+  if (!p.narrow && rest < dw_groups(&p, N) * du + p.nt * dw_wide_thread_floats(&p))
+    rest = dw_groups(&p, N) * du + p.nt * dw_wide_thread_floats(&p);
+  return (size_t)(du + rest + p.nt * DP_SMALL_GEMM_PACK_FLOATS);
 }
 
 /* u (16) = G g G^T of the 3x3 filter g (row stride 3). */
@@ -1056,6 +1089,80 @@ dp_status dp_winograd_backward_dx(const dp_conv_geom *g, int64_t N, const float 
   return DP_OK;
 }
 
+/* dU of wide planes (DW_GROUPS): thread t takes the groups [G*t/nt,
+ * G*(t+1)/nt), each its samples a few at a time, transformed by the thread
+ * itself (every entry) into its own V and W, its partial dU_xi (+)= W_xi .
+ * V_xi^T; then the partials added in group order. Called by every thread of a
+ * parallel region. */
+static void dw_wide(const wino_plan *p, int64_t N, const float *x, const float *dy, float *dU, int64_t ustride,
+                    float *scratch) {
+  const int64_t hw = (int64_t)p->h * p->w, G = dw_groups(p, N), S = dw_wide_samples(p), du = 16 * ustride;
+  const int64_t vstride = p->cin * S * p->tiles + WINO_SKEW, wstride = p->cout * S * p->tiles + WINO_SKEW;
+  float *part = scratch, *own = part + G * du, *packs = own + p->nt * dw_wide_thread_floats(p);
+  const int t = omp_get_thread_num();
+  float *V = own + t * dw_wide_thread_floats(p), *W = V + 16 * vstride, *plane = W + 16 * wstride;
+  float *pack = packs + t * DP_SMALL_GEMM_PACK_FLOATS;
+  memset(plane, 0, sizeof(float) * (size_t)p->plane_floats); /* the plane's border, and zrow */
+  for (int64_t g = G * t / p->nt; g < G * (t + 1) / p->nt; ++g) {
+    const int64_t g0 = N * g / G, g1 = N * (g + 1) / G;
+    float *pu = part + g * du;
+    for (int64_t n0 = g0; n0 < g1; n0 += S) {
+      const int64_t cnt = g1 - n0 < S ? g1 - n0 : S, cols = cnt * p->tiles;
+      for (int64_t c = 0; c < p->cin; ++c)
+        for (int64_t s = 0; s < cnt; ++s)
+          transform_plane(p, 0, x + ((n0 + s) * p->cin + c) * hw, plane, V + c * cols + s * p->tiles, vstride,
+                          ALL_ENTRIES);
+      for (int64_t o = 0; o < p->cout; ++o)
+        for (int64_t s = 0; s < cnt; ++s)
+          transform_plane(p, 1, dy + ((n0 + s) * p->cout + o) * hw, plane, W + o * cols + s * p->tiles, wstride,
+                          ALL_ENTRIES);
+      for (int xi = 0; xi < 16; ++xi)
+        dp_gemm(p->own_gemm, 0, 1, p->cout, p->cin, cols, W + xi * wstride, cols, V + xi * vstride, cols,
+                pu + xi * ustride, p->cin, n0 > g0, pack);
+    }
+  }
+#pragma omp barrier
+#pragma omp for schedule(static)
+  for (int64_t e = 0; e < du; ++e) {
+    float sum = part[e];
+    for (int64_t k = 1; k < G; ++k) sum += part[k * du + e];
+    dU[e] = sum;
+  }
+}
+
+/* dU of narrow planes: the batch in chunks, the 16 GEMMs dealt to the
+ * threads, each summing its entries' chunks in order; with AVX-512 each
+ * thread transforms its own GEMMs' entries (chunk_transform), and no barrier
+ * separates the chunks. Called by every thread of a parallel region. */
+static void dw_narrow(const wino_plan *p, int64_t N, const float *x, const float *dy, float *dU, int64_t ustride,
+                      float *scratch) {
+  float *V = scratch, *own = V + p->shared, *packs = own + p->nt * p->per_thread;
+  const int64_t nchunks = (N + p->chunk - 1) / p->chunk;
+  const int t = omp_get_thread_num();
+  float *mine = own + t * p->per_thread;
+  float *plane = mine + (p->narrow ? 0 : p->own), *pack = packs + t * DP_SMALL_GEMM_PACK_FLOATS;
+  memset(plane, 0, sizeof(float) * (size_t)p->plane_floats); /* the plane's border, and zrow */
+  int xlo, xhi;
+  const unsigned entries = entries_of(t, p->nt, &xlo, &xhi);
+  for (int64_t k = 0; k < nchunks; ++k) {
+    const int64_t n0 = N * k / nchunks, cnt = N * (k + 1) / nchunks - n0, cols = cnt * p->tiles;
+    /* the largest chunk's strides for every chunk: entry xi's V and W stay where they were (another
+     * thread may still read its own entries of the last chunk) */
+    const int64_t vstride = p->cin * p->chunk * p->tiles + WINO_SKEW, wstride = p->cout * p->chunk * p->tiles + WINO_SKEW;
+    float *W = V + 16 * vstride;
+    chunk_transform(p, 0, x, n0, cnt, plane, V, vstride, entries);
+    chunk_transform(p, 1, dy, n0, cnt, plane, W, wstride, entries);
+    /* dU_xi (O, C) (+)= W_xi (O, cols) . V_xi^T (cols, C): the chunks in order, whatever the threads */
+    for (int xi = xlo; xi < xhi; ++xi)
+      dp_gemm(p->own_gemm, 0, 1, p->cout, p->cin, cols, W + xi * wstride, cols, V + xi * vstride, cols,
+              dU + xi * ustride, p->cin, k > 0, pack);
+    if (!TILES_AVX512) {
+#pragma omp barrier /* the GEMMs read before the next chunk's transforms overwrite */
+    }
+  }
+#pragma omp barrier /* every dU_xi summed */
+}
+
 dp_status dp_winograd_backward_dw(const dp_conv_geom *g, int64_t N, const float *x, const float *dy, float *dw,
                                   float *db, int nthreads, float *scratch) {
   const int64_t pairs = (int64_t)g->O * g->C, P = (int64_t)g->OH * g->OW;
@@ -1069,35 +1176,13 @@ dp_status dp_winograd_backward_dw(const dp_conv_geom *g, int64_t N, const float 
   const wino_plan *p = &pl;
   const int64_t hw = (int64_t)p->h * p->w, out_sz = p->cout * hw;
   const int64_t ustride = pairs + WINO_SKEW;
-  float *dU = scratch, *V = dU + 16 * ustride, *own = V + p->shared, *packs = own + p->nt * p->per_thread;
-  const int64_t nchunks = (N + p->chunk - 1) / p->chunk;
+  float *dU = scratch;
 #pragma omp parallel num_threads(p->nt)
   {
-    const int t = omp_get_thread_num();
-    float *mine = own + t * p->per_thread;
-    float *plane = mine + (p->narrow ? 0 : p->own), *pack = packs + t * DP_SMALL_GEMM_PACK_FLOATS;
-    memset(plane, 0, sizeof(float) * (size_t)p->plane_floats); /* the plane's border, and zrow */
-    /* thread t's GEMMs; with AVX-512 it also transforms their entries itself (chunk_transform),
-     * and no barrier separates the chunks */
-    int xlo, xhi;
-    const unsigned entries = entries_of(t, p->nt, &xlo, &xhi);
-    for (int64_t k = 0; k < nchunks; ++k) {
-      const int64_t n0 = N * k / nchunks, cnt = N * (k + 1) / nchunks - n0, cols = cnt * p->tiles;
-      /* the largest chunk's strides for every chunk: entry xi's V and W stay where they were (another
-       * thread may still read its own entries of the last chunk) */
-      const int64_t vstride = p->cin * p->chunk * p->tiles + WINO_SKEW, wstride = p->cout * p->chunk * p->tiles + WINO_SKEW;
-      float *W = V + 16 * vstride;
-      chunk_transform(p, 0, x, n0, cnt, plane, V, vstride, entries);
-      chunk_transform(p, 1, dy, n0, cnt, plane, W, wstride, entries);
-      /* dU_xi (O, C) (+)= W_xi (O, cols) . V_xi^T (cols, C): the chunks in order, whatever the threads */
-      for (int xi = xlo; xi < xhi; ++xi)
-        dp_gemm(p->own_gemm, 0, 1, p->cout, p->cin, cols, W + xi * wstride, cols, V + xi * vstride, cols,
-                dU + xi * ustride, p->cin, k > 0, pack);
-      if (!TILES_AVX512) {
-#pragma omp barrier /* the GEMMs read before the next chunk's transforms overwrite */
-      }
-    }
-#pragma omp barrier /* every dU_xi summed */
+    if (p->narrow)
+      dw_narrow(p, N, x, dy, dU, ustride, dU + 16 * ustride);
+    else
+      dw_wide(p, N, x, dy, dU, ustride, dU + 16 * ustride);
     filter_gradient(dU, ustride, pairs, dw);
     if (db) {
 #pragma omp for schedule(static)
