@@ -47,6 +47,18 @@
 #ifndef S2_M_FLOATS
 #define S2_M_FLOATS ((int64_t)1 << 16)
 #endif
+/* backward, where U is at most S2_PRIVATE_U_FLOATS (and there are 2 chunks
+ * or more): each thread takes whole chunks, its own transforms, products and
+ * dx, dw's partial sums in up to S2_DW_GROUPS groups of chunks (added in
+ * group order at the end); a block of tiles at a time, its V, dM and dV at
+ * most S2_PRIVATE_FLOATS */
+#ifndef S2_PRIVATE_U_FLOATS
+#define S2_PRIVATE_U_FLOATS ((int64_t)1 << 18)
+#endif
+#ifndef S2_PRIVATE_FLOATS
+#define S2_PRIVATE_FLOATS ((int64_t)1 << 19)
+#endif
+#define S2_DW_GROUPS 8
 /* a group of chunks: its lane planes at most this many floats (64 MiB) */
 #ifndef S2_PLANES_FLOATS
 #define S2_PLANES_FLOATS ((int64_t)1 << 24)
@@ -159,12 +171,42 @@ static s2_sizes s2_sizes_of(const s2_geom *q, int pass) {
   return z;
 }
 
+/* the backward pass with each thread on its own chunks (S2_PRIVATE_U_FLOATS) */
+typedef struct s2_private {
+  int on;
+  int64_t G;          /* dw's groups of chunks */
+  int64_t bt, cols;   /* tiles a block, its columns */
+  int64_t v, m, dv;   /* a thread's V (25, C, cols), dM (9, O, cols), dV (25, C, cols) */
+  int64_t per_thread; /* those and its packing buffer */
+} s2_private;
+
+static s2_private private_make(const s2_geom *q) {
+  s2_private v;
+  memset(&v, 0, sizeof v);
+  v.on = 16 * (int64_t)q->O * q->C <= S2_PRIVATE_U_FLOATS && q->nch >= 2;
+  v.G = q->nch < S2_DW_GROUPS ? q->nch : S2_DW_GROUPS;
+  v.bt = S2_PRIVATE_FLOATS / ((50 * (int64_t)q->C + 9 * (int64_t)q->O) * L);
+  if (v.bt > q->T) v.bt = q->T;
+  if (v.bt < 1) v.bt = 1;
+  v.cols = v.bt * L;
+  v.v = r16((int64_t)XI * q->C * v.cols);
+  v.m = r16((int64_t)9 * q->O * v.cols);
+  v.dv = v.v;
+  v.per_thread = v.v + v.m + v.dv + r16(DP_SMALL_GEMM_PACK_FLOATS);
+  return v;
+}
+
 size_t dp_s2_scratch_floats(const dp_conv_geom *g, int64_t N, int nthreads, int pass) {
   const s2_geom q = s2_make(g, N, nthreads, pass);
   const s2_sizes z = s2_sizes_of(&q, pass);
   /* backward: P, D and DX (two P-sized planes) */
   const int64_t planes = pass == DP_S2_FORWARD ? z.planes_p + z.planes_y : 2 * z.planes_p + z.planes_y;
-  return (size_t)(z.u + planes + z.v + z.m + z.dv + z.du + z.pack);
+  int64_t rest = z.v + z.m + z.dv + z.du + z.pack;
+  if (pass == DP_S2_BACKWARD) { /* or dU, the groups' partial dU and the threads' own floats */
+    const s2_private v = private_make(&q);
+    if (v.on && rest < (1 + v.G) * z.du + q.nt * v.per_thread) rest = (1 + v.G) * z.du + q.nt * v.per_thread;
+  }
+  return (size_t)(z.u + planes + rest);
 }
 
 /* ---- the 16 matrices of U and the 25 products that share them ------------ */
@@ -645,6 +687,74 @@ static void backward_group(const s2_geom *q, const s2_sizes *z, int own, int64_t
   }
 }
 
+/* backward with each thread on its own chunks (s2_private): one group of
+ * gn chunks of lane planes from chunk c0; dU's partials (G of them, after
+ * the planes) summed on from earlier groups. */
+static void backward_private(const s2_geom *q, const s2_sizes *z, const s2_private *v, int own, int64_t N,
+                             int64_t c0, int64_t gn, const float *x, const float *dy, float *dx, float *scratch) {
+  const float *U = scratch;
+  float *P = scratch + z->u, *D = P + z->planes_p, *DX = D + z->planes_y, *part = DX + z->planes_p + z->du;
+  float *threads = part + v->G * z->du;
+  const int C = q->C, O = q->O;
+  const int64_t pp = q->hp * q->wp * L, py = q->yh * q->yw * L, cols = v->cols, pairs = (int64_t)O * C;
+  const int64_t in_sz = (int64_t)C * q->H * q->W, out_sz = (int64_t)O * q->OH * q->OW;
+#pragma omp parallel num_threads(q->nt)
+  {
+    const int t = omp_get_thread_num();
+    float *V = threads + t * v->per_thread, *dM = V + v->v, *dV = dM + v->m, *pack = dV + v->dv;
+    for (int64_t ch = 0; ch < gn; ++ch) {
+      const int64_t gc = c0 + ch, grp = gc * v->G / q->nch;
+      if (grp * q->nt / v->G != t) continue; /* group grp's thread */
+      const int first = gc == 0 || (gc - 1) * v->G / q->nch != grp; /* the group's first chunk */
+      const int64_t n0 = gc * L, cnt = N - n0 < L ? N - n0 : L;
+      for (int c = 0; c < C; ++c) {
+        float *plane = P + (ch * C + c) * pp;
+        zero_border(plane, q->hp, q->wp, 1, q->H, q->W);
+        to_lanes(x + n0 * in_sz + (int64_t)c * q->H * q->W, in_sz, cnt, q->H, q->W, plane, q->wp, 1);
+        if (dx) memset(DX + (ch * C + c) * pp, 0, sizeof(float) * (size_t)pp);
+      }
+      for (int o = 0; o < O; ++o) {
+        float *plane = D + (ch * O + o) * py;
+        zero_border(plane, q->yh, q->yw, 0, q->OH, q->OW);
+        to_lanes(dy + n0 * out_sz + (int64_t)o * q->OH * q->OW, out_sz, cnt, q->OH, q->OW, plane, q->yw, 0);
+      }
+      float *pu = part + grp * z->du;
+      for (int64_t t0 = 0; t0 < q->T; t0 += v->bt) {
+        const int64_t nb = q->T - t0 < v->bt ? q->T - t0 : v->bt;
+        for (int64_t tl = 0; tl < nb; ++tl) {
+          const int ti = (int)((t0 + tl) / q->tw), tj = (int)((t0 + tl) % q->tw);
+          for (int c = 0; c < C; ++c)
+            input_tile(P + ((ch * C + c) * q->hp + 4 * ti) * q->wp * L + 4 * tj * L, q->wp * L, V + c * cols + tl * L,
+                       (int64_t)C * cols);
+          for (int o = 0; o < O; ++o)
+            dy_tile(D + ((ch * O + o) * q->yh + 2 * ti) * q->yw * L + 2 * tj * L, q->yw * L, dM + o * cols + tl * L,
+                    (int64_t)O * cols);
+        }
+        for (int k = 0; k < 16; ++k) {
+          int xi[4];
+          const int n = members(k, xi);
+          for (int e = 0; e < n; ++e) {
+            dp_gemm(own, 0, 1, O, C, nb * L, dM + dm_of(xi[e]) * O * cols, cols, V + (int64_t)xi[e] * C * cols, cols,
+                    pu + (int64_t)k * pairs, C, !(first && t0 == 0 && e == 0), pack);
+            if (dx)
+              dp_gemm(own, 1, 0, C, nb * L, O, U + (int64_t)k * pairs, C, dM + dm_of(xi[e]) * O * cols, cols,
+                      dV + (int64_t)xi[e] * C * cols, cols, 0, NULL);
+          }
+        }
+        for (int c = 0; dx && c < C; ++c)
+          for (int64_t tl = 0; tl < nb; ++tl) {
+            const int ti = (int)((t0 + tl) / q->tw), tj = (int)((t0 + tl) % q->tw);
+            dx_tile(dV + (int64_t)c * cols + tl * L, (int64_t)C * cols,
+                    DX + ((ch * C + c) * q->hp + 4 * ti) * q->wp * L + 4 * tj * L, q->wp * L);
+          }
+      }
+      for (int c = 0; dx && c < C; ++c)
+        from_lanes(DX + (ch * C + c) * pp, q->wp, 1, q->H, q->W, 0.0f, dx + n0 * in_sz + (int64_t)c * q->H * q->W,
+                   in_sz, cnt);
+    }
+  }
+}
+
 dp_status dp_s2_backward(const dp_conv_geom *g, int64_t N, const float *x, const float *w, const float *dy,
                          float *dx, float *dw, float *db, int nthreads, float *scratch) {
   if (N <= 0) {
@@ -660,12 +770,28 @@ dp_status dp_s2_backward(const dp_conv_geom *g, int64_t N, const float *x, const
 #pragma omp parallel num_threads(q.nt)
     filter_transform(&q, w, scratch);
   }
-  for (int64_t c0 = 0; c0 < q.nch; c0 += q.gch)
-    backward_group(&q, &z, own, N, c0, q.nch - c0 < q.gch ? q.nch - c0 : q.gch, x, dy, dx, scratch);
-  const float *dU = scratch + z.u + 2 * z.planes_p + z.planes_y + z.v + z.m + z.dv;
+  const s2_private v = private_make(&q);
+  for (int64_t c0 = 0; c0 < q.nch; c0 += q.gch) {
+    const int64_t gn = q.nch - c0 < q.gch ? q.nch - c0 : q.gch;
+    if (v.on)
+      backward_private(&q, &z, &v, own, N, c0, gn, x, dy, dx, scratch);
+    else
+      backward_group(&q, &z, own, N, c0, gn, x, dy, dx, scratch);
+  }
+  float *const planes_end = scratch + z.u + 2 * z.planes_p + z.planes_y;
+  float *dU = v.on ? planes_end : planes_end + z.v + z.m + z.dv;
   const int64_t P = (int64_t)g->OH * g->OW, out_sz = (int64_t)g->O * P;
 #pragma omp parallel num_threads(q.nt)
   {
+    if (v.on) { /* dU = the groups' partials, in group order */
+      const float *part = dU + z.du;
+#pragma omp for schedule(static)
+      for (int64_t e = 0; e < z.du; ++e) {
+        float sum = part[e];
+        for (int64_t k = 1; k < v.G; ++k) sum += part[k * z.du + e];
+        dU[e] = sum;
+      }
+    }
     filter_gradient(&q, dU, dw);
     if (db) {
 #pragma omp for schedule(static)

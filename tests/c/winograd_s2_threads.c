@@ -1,8 +1,10 @@
 /* winograd_s2_threads.c — the stride-2 Winograd (csrc/winograd_s2.c) with its
  * blocks made small, so that a handful of samples crosses every boundary the
  * shipped sizes reach only on large batches: several groups of chunks, the
- * backward pass's blocks of one tile, the forward pass's blocks split across
- * chunks and its rounds of 8 output channels. Each geometry:
+ * backward pass's blocks of one tile (both of its ways: the threads on their
+ * own chunks, where U is small and there are 2 chunks or more, dw's partial
+ * sums carried across groups; else a block shared), the forward pass's blocks
+ * split across chunks and its rounds of 8 output channels. Each geometry:
  *
  *   - y, dx, dw and db against a double-precision direct convolution (within
  *     1e-4 of the largest value: float32 sums of at most a few thousand terms);
@@ -19,6 +21,8 @@
 #define S2_V_MAX_FLOATS ((int64_t)1 << 15)
 #define S2_U_FLOATS ((int64_t)1 << 14)
 #define S2_M_FLOATS ((int64_t)1 << 12)
+#define S2_PRIVATE_U_FLOATS ((int64_t)1 << 15)
+#define S2_PRIVATE_FLOATS ((int64_t)1 << 13)
 #include "winograd_s2.c"
 
 #include <math.h>
@@ -139,9 +143,11 @@ static void check_geometry(int64_t N, int C, int H, int W, int O) {
 }
 
 int main(void) {
-  check_geometry(20, 32, 9, 11, 40); /* two chunks (16 + 4): two groups; 5x6 outputs, edge tiles half outside */
+  check_geometry(20, 32, 9, 11, 40); /* two chunks (16 + 4): two groups, each thread its own backward; 5x6
+                                        outputs, edge tiles half outside */
   check_geometry(16, 64, 28, 28, 72); /* ResNet-18's first downsampling plane, one chunk in many blocks */
-  check_geometry(33, 48, 7, 7, 64);  /* three chunks (16, 16, 1), 2x2 tiles a sample; U over S2_U_FLOATS */
+  check_geometry(33, 48, 7, 7, 64);  /* three chunks (16, 16, 1), 2x2 tiles a sample; U over S2_U_FLOATS and
+                                        S2_PRIVATE_U_FLOATS: the shared backward blocks */
   check_geometry(5, 40, 1, 1, 33);   /* a 1x1 plane, one short chunk, output rows not a multiple of 8 */
   check_geometry(17, 33, 6, 3, 35);  /* a 3x2 output, odd channel counts */
   printf(failures ? "winograd_s2_threads: FAILED\n" : "winograd_s2_threads: ok\n");
