@@ -82,4 +82,9 @@ DP_MUST_CHECK dp_status dp_winograd_backward_dx(const dp_conv_geom *g, int64_t N
 DP_MUST_CHECK dp_status dp_winograd_backward_dw(const dp_conv_geom *g, int64_t N, const float *x, const float *dy,
                                                 float *dw, float *db, int nthreads, float *scratch);
 
+/* db[o] = the sum of dy (N, O, P) over n and p, in double (16 lanes, added
+ * pairwise at the end): the Winograd paths' bias gradient (winograd_s2.c's
+ * too). A worksharing loop of a parallel region. */
+void dp_winograd_bias_grad(const float *dy, int64_t N, int O, int64_t P, float *db);
+
 #endif

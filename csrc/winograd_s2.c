@@ -20,6 +20,7 @@
 
 #include "lanes.h"
 #include "small_gemm.h"
+#include "winograd.h" /* dp_winograd_bias_grad */
 #include "winograd_s2.h"
 
 #define DP_S2_DEFAULT 1
@@ -780,7 +781,7 @@ dp_status dp_s2_backward(const dp_conv_geom *g, int64_t N, const float *x, const
   }
   float *const planes_end = scratch + z.u + 2 * z.planes_p + z.planes_y;
   float *dU = v.on ? planes_end : planes_end + z.v + z.m + z.dv;
-  const int64_t P = (int64_t)g->OH * g->OW, out_sz = (int64_t)g->O * P;
+  const int64_t P = (int64_t)g->OH * g->OW;
 #pragma omp parallel num_threads(q.nt)
   {
     if (v.on) { /* dU = the groups' partials, in group order */
@@ -793,18 +794,7 @@ dp_status dp_s2_backward(const dp_conv_geom *g, int64_t N, const float *x, const
       }
     }
     filter_gradient(&q, dU, dw);
-    if (db) {
-#pragma omp for schedule(static)
-      for (int o = 0; o < g->O; ++o) {
-        double sum = 0.0;
-        for (int64_t n = 0; n < N; ++n) {
-          const float *r = dy + n * out_sz + o * P;
-#pragma omp simd reduction(+ : sum)
-          for (int64_t i = 0; i < P; ++i) sum += r[i];
-        }
-        db[o] = (float)sum;
-      }
-    }
+    if (db) dp_winograd_bias_grad(dy, N, g->O, P, db);
   }
   return DP_OK;
 }

@@ -177,4 +177,4 @@ def test_stride2_winograd_bits_and_blocks(tmp_path):
     convolution, the same bits on 1, 2, 3, 5 and 17 threads, nothing read from the
     scratch that the pass did not write (it starts as NaN). Built for this CPU under
     ASan and UBSan."""
-    run_native_c_check(tmp_path, "winograd_s2_threads", ["small_gemm.c", "status.c"])
+    run_native_c_check(tmp_path, "winograd_s2_threads", ["winograd.c", "small_gemm.c", "status.c"])
