@@ -17,11 +17,14 @@
  * same single-threaded call as in a batch). Wide planes (OH*OW >= 64, as
  * backend_cpu.c's CONV_NARROW): thread t takes the samples [N*t/nt, N*(t+1)/nt),
  * one sample per GEMM, so a sample's y and dx are the same bits whatever else
- * is in the batch. Narrow planes (ResNet-18's 7x7 and 4x4), and dw: the batch
- * in chunks of samples, a chunk's tiles side by side in each GEMM and the 16
- * GEMMs dealt to the threads, as the GEMM path groups narrow planes (with
+ * is in the batch. Narrow planes (ResNet-18's 7x7 and 4x4), and their dw: the
+ * batch in chunks of samples, a chunk's tiles side by side in each GEMM and the
+ * 16 GEMMs dealt to the threads, as the GEMM path groups narrow planes (with
  * AVX-512 each thread also transforms the entries of its own GEMMs, so a GEMM
- * reads what its core wrote). The products run on dpcore's own GEMM kernel
+ * reads what its core wrote). dw of wide planes: the batch in up to 8 groups
+ * of consecutive samples (their number set by the batch and the plane, not the
+ * threads), each thread transforming only its own groups' samples and summing
+ * their partial dU, the partials added in group order. The products run on dpcore's own GEMM kernel
  * where the build has it (small_gemm.h; DPCORE_OWN_GEMM=0: the BLAS); with
  * AVX-512 the tiles' transforms run 15 or 16 tiles a step in registers, the
  * same arithmetic in the same order as the scalar code.
@@ -77,8 +80,9 @@ DP_MUST_CHECK dp_status dp_winograd_backward_dx(const dp_conv_geom *g, int64_t N
 
 /* dw (O, C, 3, 3) and db (O) (db may be NULL) of y = conv(x, w), from dy, over
  * the batch: dU_xi (O, C) = sum over the tiles of (A dY A^T)_xi (B^T d B)_xi,
- * dw = G^T dU G. The batch in chunks of samples (the same chunks whatever the
- * thread count), the 16 GEMMs dealt to the threads. */
+ * dw = G^T dU G. Narrow planes: the batch in chunks of samples (the same
+ * chunks whatever the thread count), the 16 GEMMs dealt to the threads; wide
+ * planes: groups of samples, a partial dU each (above). */
 DP_MUST_CHECK dp_status dp_winograd_backward_dw(const dp_conv_geom *g, int64_t N, const float *x, const float *dy,
                                                 float *dw, float *db, int nthreads, float *scratch);
 

@@ -37,9 +37,13 @@
  * small enough for the L2 cache at a time (all of its share where U is
  * large), transforms it, multiplies it (a round of output channels at a
  * time) and transforms the products back, touching nothing of another
- * thread's. Backward: the threads transform a block together, then split the
- * products: dx by input-channel rows (each thread adds its channels' tiles),
- * dw's 16 matrices dealt out whole. Every output value is the same arithmetic
+ * thread's. Backward, where U is small (at most 2^18 floats: ResNet-18's
+ * 64 -> 128 layer) and the batch has 2 chunks or more: each thread takes
+ * whole chunks (its lane planes, transforms, dx products and scatter), dw's
+ * partial sums in up to 8 groups of chunks, added in group order at the end.
+ * Else the threads transform a block together, then split the products: dx
+ * by input-channel rows (each thread adds its channels' tiles), dw's 16
+ * matrices dealt out whole. Every output value is the same arithmetic
  * in the same order however many threads run; on dpcore's GEMM kernel (whose
  * columns are each summed alone) a sample's y and dx depend on that sample
  * alone (with the BLAS the GEMMs' widths follow the batch, and may its
