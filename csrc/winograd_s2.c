@@ -11,9 +11,14 @@
  *   Y/D (gch, O, 2*th, 2*tw, L) the output (forward) / dy, zero past its edge (backward)
  *   DX  (gch, C, hp, wp, L)     dx, bordered as P, the tiles added in
  *   V   (25, C, cols)           a block's B^T d B: column tile*L + lane
- *   M   (25, O, cols)           a block's products (forward) / A dY A^T (backward)
- *   dV  (25, C, cols)           a block's U^T dM (backward)
- *   dU  (16, O, C)              the filter transform's gradient (backward)
+ *   M   (25, ob, cols)          forward: a round of ob output channels' products
+ *   dM  (9, O, cols)            backward: A dY A^T's 9 distinct matrices (dm_of)
+ *   dV  (25, C, cols)           backward: U^T dM
+ *   dU  (16, O, C)              backward: the filter transform's gradient, and
+ *                               (each thread on its own chunks) a partial
+ *                               dU per group of chunks after it
+ * The forward pass's V and M, and the backward pass's own-chunk V, dM, dV,
+ * are each thread's; the shared backward block's are one for all.
  */
 #include <omp.h>
 #include <string.h>
@@ -623,6 +628,11 @@ dp_status dp_s2_forward(const dp_conv_geom *g, int64_t N, const float *x, const 
 
 /* ---- the backward pass ----------------------------------------------------- */
 
+/* backward with a block shared by the threads (where U is large, or one
+ * chunk): one group of gn chunks from chunk c0. The threads transform the
+ * block's tiles together (V, dM), then dw's 16 matrices are dealt out whole
+ * (dU summed on over the blocks and groups in order) and dx split by
+ * input-channel rows (dV, then each thread adds its channels' tiles). */
 static void backward_group(const s2_geom *q, const s2_sizes *z, int own, int64_t N, int64_t c0, int64_t gn,
                            const float *x, const float *dy, float *dx, float *scratch) {
   const float *U = scratch;
