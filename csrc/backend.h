@@ -127,9 +127,13 @@ struct dp_backend {
                                               float *dx);
   /* A ReLU whose only reader is an average pooling, as one pass over each
    * plane (the memory the two ops would move twice is read once while it is
-   * in cache): r (N,C,H,W) = relu(x), y = avgpool(r); then
-   * dx = relu_backward(r, avgpool_backward(dy)) without writing the ReLU's
-   * output gradient. The results are the separate ops' bit for bit. */
+   * in cache): y = avgpool(relu(x)), the ReLU's output r (N,C,H,W) written
+   * where a backend keeps it (the CPU's does not: a plane at a time in
+   * cache); then dx = relu_backward(r, avgpool_backward(dy)) without writing
+   * the ReLU's output gradient, its r the ReLU's input or output alike
+   * (relu_backward masks where its first argument is <= 0: the same places
+   * for x and relu(x)); the model passes the input. The results are the
+   * separate ops' bit for bit. */
   DP_MUST_CHECK dp_status (*relu_avgpool_forward)(dp_device *dev, const dp_pool_geom *g, int64_t N, const float *x,
                                                   float *r, float *y);
   DP_MUST_CHECK dp_status (*avgpool_relu_backward)(dp_device *dev, const dp_pool_geom *g, int64_t N, const float *r,

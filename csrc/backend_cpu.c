@@ -1011,13 +1011,23 @@ static void relu_plane(int64_t n, const float *restrict x, float *restrict r) {
   for (int64_t i = 0; i < n; ++i) r[i] = dp_relu_forward_elem(x[i]);
 }
 
+/* The ReLU's output is not written (backend.h: the backward pass reads the
+ * ReLU's input): each plane's goes through a thread's own buffer, in cache. */
 static dp_status cpu_relu_avgpool_forward(dp_device *dev, const dp_pool_geom *g, int64_t N, const float *x, float *r,
                                           float *y) {
+  (void)r;
   const int64_t planes = N * g->C, in_sz = (int64_t)g->H * g->W, out_sz = (int64_t)g->OH * g->OW;
-#pragma omp parallel for num_threads(dev->nthreads) schedule(static) if (planes * in_sz > 32768)
-  for (int64_t p = 0; p < planes; ++p) {
-    relu_plane(in_sz, x + p * in_sz, r + p * in_sz);
-    avgpool_plane_forward(g, r + p * in_sz, y + p * out_sz);
+  const int nt = planes * in_sz > 32768 ? dev->nthreads : 1;
+  float *buf;
+  DP_TRY(cpu_scratch(dev, (size_t)(nt * ((in_sz + 15) & ~(int64_t)15)), &buf));
+#pragma omp parallel num_threads(nt)
+  {
+    float *plane = buf + omp_get_thread_num() * ((in_sz + 15) & ~(int64_t)15);
+#pragma omp for schedule(static)
+    for (int64_t p = 0; p < planes; ++p) {
+      relu_plane(in_sz, x + p * in_sz, plane);
+      avgpool_plane_forward(g, plane, y + p * out_sz);
+    }
   }
   return DP_OK;
 }

@@ -738,7 +738,8 @@ static dp_status backward(dp_model *m, int64_t N, const dp_collective *coll) {
            * (dready stays 0, and its own turn below only reports it done) */
           float *rdx = gradient_target(m, relu->src);
           if (rdx) {
-            DP_TRY(be->avgpool_relu_backward(dev, &g, N, m->acts[i - 1], dy, rdx));
+            /* the relu's input for its mask (backend.h: its output is not kept) */
+            DP_TRY(be->avgpool_relu_backward(dev, &g, N, output_of(m, relu->src), dy, rdx));
             DP_TRY(gradient_delivered(m, relu->src, N));
           }
           DP_TRY(dp_collective_grad_ready(coll, i));
