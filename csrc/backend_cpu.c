@@ -937,12 +937,37 @@ static void pool_tables_free(pool_tables *t) { free(t->h_lo); }
  * (1 / 4), so the results are theirs bit for bit (tests/c/kernel_bodies.c). */
 static int pool_is_2x2(const dp_pool_geom *g) { return g->k == 2 && g->stride == 2 && g->pad == 0; }
 
+#if defined(__AVX512F__)
+/* lane i of each: 2i and 2i + 1 of 32 floats in two registers (a permutation's
+ * index), and i / 2 (or 8 + i / 2) of one: a row's pairs and their inverse */
+static const int32_t POOL_EVEN[16] = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
+static const int32_t POOL_ODD[16] = {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31};
+static const int32_t POOL_DUP_LO[16] = {0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7};
+static const int32_t POOL_DUP_HI[16] = {8, 8, 9, 9, 10, 10, 11, 11, 12, 12, 13, 13, 14, 14, 15, 15};
+#endif
+
 static void avgpool_forward_2x2(const dp_pool_geom *g, const float *restrict x, float *restrict y) {
   const float inv = 1.0f / (2.0f * 2.0f);
   for (int oh = 0; oh < g->OH; ++oh) {
     const float *r0 = x + (int64_t)2 * oh * g->W, *r1 = r0 + g->W;
     float *dst = y + (int64_t)oh * g->OW;
-    for (int ow = 0; ow < g->OW; ++ow)
+    int ow = 0;
+#if defined(__AVX512F__)
+    /* 16 outputs a step, the scalar loop's sums in its order */
+    const __m512i ev = _mm512_loadu_si512(POOL_EVEN), od = _mm512_loadu_si512(POOL_ODD);
+    for (; ow < g->OW; ow += 16) {
+      const int n = g->OW - ow < 16 ? g->OW - ow : 16;
+      const __mmask16 ml = dp_lanes_upto(2 * n), mh = dp_lanes_upto(2 * n - 16);
+      const __m512 a0 = _mm512_maskz_loadu_ps(ml, r0 + 2 * ow), a1 = _mm512_maskz_loadu_ps(mh, r0 + 2 * ow + 16);
+      const __m512 b0 = _mm512_maskz_loadu_ps(ml, r1 + 2 * ow), b1 = _mm512_maskz_loadu_ps(mh, r1 + 2 * ow + 16);
+      __m512 sum = _mm512_add_ps(_mm512_setzero_ps(), _mm512_permutex2var_ps(a0, ev, a1));
+      sum = _mm512_add_ps(sum, _mm512_permutex2var_ps(a0, od, a1));
+      sum = _mm512_add_ps(sum, _mm512_permutex2var_ps(b0, ev, b1));
+      sum = _mm512_add_ps(sum, _mm512_permutex2var_ps(b0, od, b1));
+      _mm512_mask_storeu_ps(dst + ow, dp_lanes_upto(n), _mm512_mul_ps(sum, _mm512_set1_ps(inv)));
+    }
+#endif
+    for (; ow < g->OW; ++ow)
       dst[ow] = ((((0.0f + r0[2 * ow]) + r0[2 * ow + 1]) + r1[2 * ow]) + r1[2 * ow + 1]) * inv;
   }
 }
@@ -1041,7 +1066,28 @@ static void avgpool_relu_backward_2x2(const dp_pool_geom *g, const float *restri
     const int64_t row = (int64_t)2 * oh * g->W;
     const float *r0 = r + row, *r1 = r0 + g->W;
     float *d0 = dx + row, *d1 = d0 + g->W;
-    for (int ow = 0; ow < g->OW; ++ow) {
+    int ow = 0;
+#if defined(__AVX512F__)
+    /* 16 of dy a step into 32 of each row; relu_backward's mask: not (r <= 0), NaN kept */
+    const __m512i lo = _mm512_loadu_si512(POOL_DUP_LO), hi = _mm512_loadu_si512(POOL_DUP_HI);
+    for (; ow < g->OW; ow += 16) {
+      const int n = g->OW - ow < 16 ? g->OW - ow : 16;
+      const __mmask16 ml = dp_lanes_upto(2 * n), mh = dp_lanes_upto(2 * n - 16);
+      const __m512 v = _mm512_mul_ps(_mm512_add_ps(_mm512_setzero_ps(), _mm512_maskz_loadu_ps(dp_lanes_upto(n), src + ow)),
+                                     _mm512_set1_ps(inv));
+      const __m512 vl = _mm512_permutexvar_ps(lo, v), vh = _mm512_permutexvar_ps(hi, v);
+      const float *rr[2] = {r0, r1};
+      float *dd[2] = {d0, d1};
+      for (int k = 0; k < 2; ++k) {
+        const __m512 xl = _mm512_maskz_loadu_ps(ml, rr[k] + 2 * ow), xh = _mm512_maskz_loadu_ps(mh, rr[k] + 2 * ow + 16);
+        const __mmask16 kl = _mm512_cmp_ps_mask(xl, _mm512_setzero_ps(), _CMP_NLE_UQ);
+        const __mmask16 kh = _mm512_cmp_ps_mask(xh, _mm512_setzero_ps(), _CMP_NLE_UQ);
+        _mm512_mask_storeu_ps(dd[k] + 2 * ow, ml, _mm512_maskz_mov_ps(kl, vl));
+        _mm512_mask_storeu_ps(dd[k] + 2 * ow + 16, mh, _mm512_maskz_mov_ps(kh, vh));
+      }
+    }
+#endif
+    for (; ow < g->OW; ++ow) {
       const float v = (0.0f + src[ow]) * inv;
       d0[2 * ow] = dp_relu_backward_elem(r0[2 * ow], v);
       d0[2 * ow + 1] = dp_relu_backward_elem(r0[2 * ow + 1], v);
