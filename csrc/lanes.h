@@ -1,8 +1,9 @@
 /* lanes.h — AVX-512 lane helpers shared by the CPU code that works in vector
  * registers (gemm_kernel.h's includers: small_gemm.c, winograd.c, ...; and
  * backend_cpu.c, which cannot include gemm_kernel.h: both name macros
- * V8_LOAD). Static inline: each includer gets its own copy, compiled with its
- * flags; nothing without AVX-512. */
+ * V8_LOAD), and the planes with 16 samples in the lanes (AVX-512, or scalar
+ * without). Static inline: each includer gets its own copy, compiled with its
+ * flags. */
 #ifndef DP_LANES_H
 #define DP_LANES_H
 
@@ -42,5 +43,59 @@ static inline void dp_transpose16(const __m512 in[16], __m512 out[16]) {
   }
 }
 #endif
+
+/* Planes with 16 samples in the lanes (winograd_s2.c, winograd_lanes.c):
+ * dst's pixel (i + off, j + off) (a plane of rows of dwp pixels, 16 floats
+ * each), lane s = src[s * sstride + i * w + j] for i < h, j < w, s < cnt;
+ * lanes past cnt zero. With AVX-512, 16 pixels of 16 samples a 16x16
+ * register transpose. */
+static inline void dp_to_lanes(const float *src, int64_t sstride, int64_t cnt, int h, int w, float *dst, int64_t dwp,
+                               int off) {
+#if defined(__AVX512F__)
+  for (int i = 0; i < h; ++i)
+    for (int j0 = 0; j0 < w; j0 += 16) {
+      const int n = w - j0 < 16 ? w - j0 : 16;
+      const __mmask16 m = dp_lanes_upto(n);
+      __m512 r[16], c[16];
+      for (int s = 0; s < 16; ++s)
+        r[s] = s < cnt ? _mm512_maskz_loadu_ps(m, src + s * sstride + (int64_t)i * w + j0) : _mm512_setzero_ps();
+      dp_transpose16(r, c);
+      float *d = dst + ((i + off) * dwp + j0 + off) * 16;
+      for (int k = 0; k < n; ++k) _mm512_storeu_ps(d + k * 16, c[k]);
+    }
+#else
+  for (int i = 0; i < h; ++i)
+    for (int j = 0; j < w; ++j) {
+      float *d = dst + ((i + off) * dwp + j + off) * 16;
+      for (int s = 0; s < 16; ++s) d[s] = s < cnt ? src[s * sstride + (int64_t)i * w + j] : 0.0f;
+    }
+#endif
+}
+
+/* dp_to_lanes's inverse: dst[s * sstride + i * w + j] = src's pixel (i + off,
+ * j + off) lane s, for i < h, j < w, s < cnt (a copy: the same bits) */
+static inline void dp_from_lanes(const float *src, int64_t swp, int off, int h, int w, float *dst, int64_t sstride,
+                                 int64_t cnt) {
+#if defined(__AVX512F__)
+  for (int i = 0; i < h; ++i)
+    for (int j0 = 0; j0 < w; j0 += 16) {
+      const int n = w - j0 < 16 ? w - j0 : 16;
+      const __mmask16 m = dp_lanes_upto(n);
+      const float *s0 = src + ((i + off) * swp + j0 + off) * 16;
+      __m512 c[16], r[16];
+      for (int k = 0; k < 16; ++k) c[k] = k < n ? _mm512_loadu_ps(s0 + k * 16) : _mm512_setzero_ps();
+      dp_transpose16(c, r);
+      for (int s = 0; s < cnt; ++s)
+        _mm512_mask_storeu_ps(dst + s * sstride + (int64_t)i * w + j0, m, r[s]);
+    }
+#else
+  for (int i = 0; i < h; ++i)
+    for (int j = 0; j < w; ++j) {
+      const float *s0 = src + ((i + off) * swp + j + off) * 16;
+      for (int64_t s = 0; s < cnt; ++s) dst[s * sstride + (int64_t)i * w + j] = s0[s];
+    }
+#endif
+}
+
 
 #endif

@@ -20,6 +20,7 @@
 #include <string.h>
 
 #include "gemm_kernel.h"
+#include "lanes.h"
 #include "winograd_lanes.h"
 
 /* F(3x3, 5x5): fewer input channels than this keep the other paths: the
@@ -161,18 +162,12 @@ size_t dp_wl_scratch_floats(const dp_conv_geom *g, int64_t N, int nthreads, int 
 
 /* A chunk's cnt samples of src (planes planes of h x w each, a sample every
  * sample_floats) into the lanes of dst (planes of dh x dw), each plane's (i, j)
- * at (i + off, j + off). The rest of dst (borders, the lanes past cnt) is
- * the caller's: zeroed once, and again for a short chunk. */
+ * at (i + off, j + off) (lanes.h: dp_to_lanes; the lanes past cnt zero). The
+ * rest of dst (borders) is the caller's: zeroed once. */
 static void wl_planes_to_lanes(const float *src, int64_t cnt, int64_t sample_floats, int planes, int h, int w,
                                float *dst, int64_t dh, int64_t dw, int off) {
-  const int64_t hw = (int64_t)h * w;
-  for (int64_t s = 0; s < cnt; ++s)
-    for (int c = 0; c < planes; ++c)
-      for (int i = 0; i < h; ++i) {
-        const float *row = src + s * sample_floats + c * hw + (int64_t)i * w;
-        float *d = dst + ((c * dh + i + off) * dw + off) * L + s;
-        for (int j = 0; j < w; ++j) d[(int64_t)j * L] = row[j];
-      }
+  for (int c = 0; c < planes; ++c)
+    dp_to_lanes(src + (int64_t)c * h * w, sample_floats, cnt, h, w, dst + c * dh * dw * L, dw, off);
 }
 
 /* P: the chunk's input, bordered by the padding */

@@ -247,58 +247,6 @@ static void row_share(int n, int t, int nt, int *lo, int *hi) {
 
 /* ---- the lane planes ------------------------------------------------------- */
 
-/* dst's pixel (i + off, j + off) (a plane of rows of dwp pixels, L floats
- * each), lane s = src[s * sstride + i * w + j] for i < h, j < w, s < cnt;
- * lanes past cnt zero */
-static void to_lanes(const float *src, int64_t sstride, int64_t cnt, int h, int w, float *dst, int64_t dwp,
-                     int off) {
-#if defined(__AVX512F__)
-  for (int i = 0; i < h; ++i)
-    for (int j0 = 0; j0 < w; j0 += 16) {
-      const int n = w - j0 < 16 ? w - j0 : 16;
-      const __mmask16 m = dp_lanes_upto(n);
-      __m512 r[16], c[16];
-      for (int s = 0; s < 16; ++s)
-        r[s] = s < cnt ? _mm512_maskz_loadu_ps(m, src + s * sstride + (int64_t)i * w + j0) : _mm512_setzero_ps();
-      dp_transpose16(r, c);
-      float *d = dst + ((i + off) * dwp + j0 + off) * L;
-      for (int k = 0; k < n; ++k) _mm512_storeu_ps(d + k * L, c[k]);
-    }
-#else
-  for (int i = 0; i < h; ++i)
-    for (int j = 0; j < w; ++j) {
-      float *d = dst + ((i + off) * dwp + j + off) * L;
-      for (int s = 0; s < L; ++s) d[s] = s < cnt ? src[s * sstride + (int64_t)i * w + j] : 0.0f;
-    }
-#endif
-}
-
-/* dst[s * sstride + i * w + j] = src's pixel (i + off, j + off) lane s, plus
- * bias, for i < h, j < w, s < cnt */
-static void from_lanes(const float *src, int64_t swp, int off, int h, int w, float bias, float *dst,
-                       int64_t sstride, int64_t cnt) {
-#if defined(__AVX512F__)
-  const __m512 bv = _mm512_set1_ps(bias);
-  for (int i = 0; i < h; ++i)
-    for (int j0 = 0; j0 < w; j0 += 16) {
-      const int n = w - j0 < 16 ? w - j0 : 16;
-      const __mmask16 m = dp_lanes_upto(n);
-      const float *s0 = src + ((i + off) * swp + j0 + off) * L;
-      __m512 c[16], r[16];
-      for (int k = 0; k < 16; ++k) c[k] = k < n ? _mm512_loadu_ps(s0 + k * L) : _mm512_setzero_ps();
-      dp_transpose16(c, r);
-      for (int s = 0; s < cnt; ++s)
-        _mm512_mask_storeu_ps(dst + s * sstride + (int64_t)i * w + j0, m, _mm512_add_ps(r[s], bv));
-    }
-#else
-  for (int i = 0; i < h; ++i)
-    for (int j = 0; j < w; ++j) {
-      const float *s0 = src + ((i + off) * swp + j + off) * L;
-      for (int64_t s = 0; s < cnt; ++s) dst[s * sstride + (int64_t)i * w + j] = s0[s] + bias;
-    }
-#endif
-}
-
 /* zero a plane (ph x pw pixels) but for its pixels (i + off, j + off), i < h, j < w */
 static void zero_border(float *plane, int64_t ph, int64_t pw, int off, int h, int w) {
   const size_t px = sizeof(float) * L;
@@ -323,7 +271,7 @@ static void group_to_lanes(const float *src, int64_t N, int64_t c0, int64_t gn, 
     const int64_t n0 = (c0 + k / np) * L, cnt = N - n0 < L ? N - n0 : L;
     float *plane = planes + k * ph * pw * L;
     zero_border(plane, ph, pw, off, h, w);
-    to_lanes(src + n0 * sample + (k % np) * hw, sample, cnt, h, w, plane, pw, off);
+    dp_to_lanes(src + n0 * sample + (k % np) * hw, sample, cnt, h, w, plane, pw, off);
   }
 }
 
@@ -335,7 +283,7 @@ static void group_from_lanes(const float *planes, int64_t ph, int64_t pw, int of
 #pragma omp for schedule(static)
   for (int64_t k = 0; k < gn * np; ++k) {
     const int64_t n0 = (c0 + k / np) * L, cnt = N - n0 < L ? N - n0 : L;
-    from_lanes(planes + k * ph * pw * L, pw, off, h, w, 0.0f, dst + n0 * sample + (k % np) * hw, sample, cnt);
+    dp_from_lanes(planes + k * ph * pw * L, pw, off, h, w, dst + n0 * sample + (k % np) * hw, sample, cnt);
   }
 }
 
@@ -721,13 +669,13 @@ static void backward_private(const s2_geom *q, const s2_sizes *z, const s2_priva
       for (int c = 0; c < C; ++c) {
         float *plane = P + (ch * C + c) * pp;
         zero_border(plane, q->hp, q->wp, 1, q->H, q->W);
-        to_lanes(x + n0 * in_sz + (int64_t)c * q->H * q->W, in_sz, cnt, q->H, q->W, plane, q->wp, 1);
+        dp_to_lanes(x + n0 * in_sz + (int64_t)c * q->H * q->W, in_sz, cnt, q->H, q->W, plane, q->wp, 1);
         if (dx) memset(DX + (ch * C + c) * pp, 0, sizeof(float) * (size_t)pp);
       }
       for (int o = 0; o < O; ++o) {
         float *plane = D + (ch * O + o) * py;
         zero_border(plane, q->yh, q->yw, 0, q->OH, q->OW);
-        to_lanes(dy + n0 * out_sz + (int64_t)o * q->OH * q->OW, out_sz, cnt, q->OH, q->OW, plane, q->yw, 0);
+        dp_to_lanes(dy + n0 * out_sz + (int64_t)o * q->OH * q->OW, out_sz, cnt, q->OH, q->OW, plane, q->yw, 0);
       }
       float *pu = part + grp * z->du;
       for (int64_t t0 = 0; t0 < q->T; t0 += v->bt) {
@@ -760,8 +708,8 @@ static void backward_private(const s2_geom *q, const s2_sizes *z, const s2_priva
           }
       }
       for (int c = 0; dx && c < C; ++c)
-        from_lanes(DX + (ch * C + c) * pp, q->wp, 1, q->H, q->W, 0.0f, dx + n0 * in_sz + (int64_t)c * q->H * q->W,
-                   in_sz, cnt);
+        dp_from_lanes(DX + (ch * C + c) * pp, q->wp, 1, q->H, q->W, dx + n0 * in_sz + (int64_t)c * q->H * q->W, in_sz,
+                      cnt);
     }
   }
 }
