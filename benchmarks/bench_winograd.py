@@ -64,30 +64,36 @@ def resnet18_steps(batch, steps, rng):
     return times
 
 
+def conv_layer_times(N, C, H, O, stride, reps, rng):
+    """{"forward": [...], "backward": [...]} seconds of `reps` timed dp.ops calls (after a warm-up) of a
+    3x3 pad-1 convolution C -> O on H x H planes at `stride`, on random data (drawn x, w, b, dy in turn)."""
+    import numpy as np
+    import dpcore as dp
+    x = rng.standard_normal((N, C, H, H)).astype(np.float32)
+    w = (rng.standard_normal((O, C, 3, 3)) / np.sqrt(9 * C)).astype(np.float32)
+    b = rng.standard_normal(O).astype(np.float32)
+    OH = (H - 1) // stride + 1
+    dy = rng.standard_normal((N, O, OH, OH)).astype(np.float32)
+    dp.ops.conv2d(x, w, b, stride=stride, padding=1)
+    dp.ops.conv2d_backward(x, w, dy, stride=stride, padding=1)
+    fwd, bwd = [], []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        dp.ops.conv2d(x, w, b, stride=stride, padding=1)
+        t1 = time.perf_counter()
+        dp.ops.conv2d_backward(x, w, dy, stride=stride, padding=1)
+        t2 = time.perf_counter()
+        fwd.append(t1 - t0)
+        bwd.append(t2 - t1)
+    return {"forward": fwd, "backward": bwd}
+
+
 def child(args):
     import numpy as np
     import dpcore as dp
     rng = np.random.default_rng(0)
-    N = args.batch
-    layers = {}
-    for C, H in GEOMETRIES:
-        x = rng.standard_normal((N, C, H, H)).astype(np.float32)
-        w = (rng.standard_normal((C, C, 3, 3)) / np.sqrt(9 * C)).astype(np.float32)
-        b = rng.standard_normal(C).astype(np.float32)
-        dy = rng.standard_normal((N, C, H, H)).astype(np.float32)
-        dp.ops.conv2d(x, w, b, stride=1, padding=1)
-        dp.ops.conv2d_backward(x, w, dy, stride=1, padding=1)
-        fwd, bwd = [], []
-        for _ in range(args.layer_reps):
-            t0 = time.perf_counter()
-            dp.ops.conv2d(x, w, b, stride=1, padding=1)
-            t1 = time.perf_counter()
-            dp.ops.conv2d_backward(x, w, dy, stride=1, padding=1)
-            t2 = time.perf_counter()
-            fwd.append(t1 - t0)
-            bwd.append(t2 - t1)
-        layers[f"{C}x{H}x{H}"] = {"forward": fwd, "backward": bwd}
-    steps = resnet18_steps(N, args.steps, rng)
+    layers = {f"{C}x{H}x{H}": conv_layer_times(args.batch, C, H, C, 1, args.layer_reps, rng) for C, H in GEOMETRIES}
+    steps = resnet18_steps(args.batch, args.steps, rng)
     print(json.dumps({"arm": [os.environ.get(k) for k in ("DPCORE_WINOGRAD", "DPCORE_WINOGRAD_F43")],
                       "layers": layers, "steps": steps,
                       "version": dp.__version__}))

@@ -27,12 +27,11 @@ too and their median.
 import json
 import os
 import sys
-import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from bench_lenet_cpu import child_json, publish, thread_env  # noqa: E402
-from bench_winograd import ab_args, ab_report, ab_rounds, resnet18_steps  # noqa: E402
+from bench_winograd import ab_args, ab_report, ab_rounds, conv_layer_times, resnet18_steps  # noqa: E402
 
 SECTION_TITLE = "## Stride-2 Winograd and huge pages A/B (ResNet-18, CPU)"
 # (channels in, plane side, channels out): ResNet-18's 3x3 stride-2 convolutions at 28x28 inputs
@@ -46,27 +45,9 @@ def child(args):
     import numpy as np
     import dpcore as dp
     rng = np.random.default_rng(0)
-    N = args.batch
-    layers = {}
-    for C, H, O in GEOMETRIES:
-        x = rng.standard_normal((N, C, H, H)).astype(np.float32)
-        w = (rng.standard_normal((O, C, 3, 3)) / np.sqrt(9 * C)).astype(np.float32)
-        b = rng.standard_normal(O).astype(np.float32)
-        OH = (H - 1) // 2 + 1
-        dy = rng.standard_normal((N, O, OH, OH)).astype(np.float32)
-        dp.ops.conv2d(x, w, b, stride=2, padding=1)
-        dp.ops.conv2d_backward(x, w, dy, stride=2, padding=1)
-        fwd, bwd = [], []
-        for _ in range(args.layer_reps):
-            t0 = time.perf_counter()
-            dp.ops.conv2d(x, w, b, stride=2, padding=1)
-            t1 = time.perf_counter()
-            dp.ops.conv2d_backward(x, w, dy, stride=2, padding=1)
-            t2 = time.perf_counter()
-            fwd.append(t1 - t0)
-            bwd.append(t2 - t1)
-        layers[f"{C}x{H}x{H} -> {O}"] = {"forward": fwd, "backward": bwd}
-    steps = resnet18_steps(N, args.steps, rng)
+    layers = {f"{C}x{H}x{H} -> {O}": conv_layer_times(args.batch, C, H, O, 2, args.layer_reps, rng)
+              for C, H, O in GEOMETRIES}
+    steps = resnet18_steps(args.batch, args.steps, rng)
     print(json.dumps({"layers": layers, "steps": steps, "version": dp.__version__}))
 
 

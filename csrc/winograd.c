@@ -1139,8 +1139,8 @@ static void dw_narrow(const wino_plan *p, int64_t N, const float *x, const float
   float *V = scratch, *own = V + p->shared, *packs = own + p->nt * p->per_thread;
   const int64_t nchunks = (N + p->chunk - 1) / p->chunk;
   const int t = omp_get_thread_num();
-  float *mine = own + t * p->per_thread;
-  float *plane = mine + (p->narrow ? 0 : p->own), *pack = packs + t * DP_SMALL_GEMM_PACK_FLOATS;
+  /* narrow planes: a thread's own floats are its plane alone (no V and M) */
+  float *plane = own + t * p->per_thread, *pack = packs + t * DP_SMALL_GEMM_PACK_FLOATS;
   memset(plane, 0, sizeof(float) * (size_t)p->plane_floats); /* the plane's border, and zrow */
   int xlo, xhi;
   const unsigned entries = entries_of(t, p->nt, &xlo, &xhi);

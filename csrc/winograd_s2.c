@@ -191,7 +191,7 @@ static s2_private private_make(const s2_geom *q) {
   memset(&v, 0, sizeof v);
   v.on = 16 * (int64_t)q->O * q->C <= S2_PRIVATE_U_FLOATS && q->nch >= 2;
   v.G = q->nch < S2_DW_GROUPS ? q->nch : S2_DW_GROUPS;
-  v.bt = S2_PRIVATE_FLOATS / ((50 * (int64_t)q->C + 9 * (int64_t)q->O) * L);
+  v.bt = S2_PRIVATE_FLOATS / ((2 * XI * (int64_t)q->C + 9 * (int64_t)q->O) * L); /* V, dV, dM a tile */
   if (v.bt > q->T) v.bt = q->T;
   if (v.bt < 1) v.bt = 1;
   v.cols = v.bt * L;
@@ -259,32 +259,37 @@ static void zero_border(float *plane, int64_t ph, int64_t pw, int off, int h, in
   memset(plane + (off + h) * pw * L, 0, px * (size_t)((ph - off - h) * pw));
 }
 
-/* The group's chunks [c0, c0 + gn) of src (N samples of np planes of h x w,
- * a sample every np*h*w floats) into lane planes (chunk, plane) of ph x pw
- * pixels, each plane's (i, j) at (i + off, j + off), the rest zero. A
- * worksharing loop of a parallel region. */
-static void group_to_lanes(const float *src, int64_t N, int64_t c0, int64_t gn, int np, int h, int w, float *planes,
+/* Plane c of chunk gc of src (N samples of np planes of h x w, a sample
+ * every np*h*w floats) into a lane plane of ph x pw pixels, its (i, j) at
+ * (i + off, j + off), the rest zero. */
+static void plane_to_lanes(const float *src, int64_t N, int64_t gc, int np, int c, int h, int w, float *plane,
                            int64_t ph, int64_t pw, int off) {
-  const int64_t hw = (int64_t)h * w, sample = np * hw;
-#pragma omp for schedule(static)
-  for (int64_t k = 0; k < gn * np; ++k) {
-    const int64_t n0 = (c0 + k / np) * L, cnt = N - n0 < L ? N - n0 : L;
-    float *plane = planes + k * ph * pw * L;
-    zero_border(plane, ph, pw, off, h, w);
-    dp_to_lanes(src + n0 * sample + (k % np) * hw, sample, cnt, h, w, plane, pw, off);
-  }
+  const int64_t hw = (int64_t)h * w, n0 = gc * L, cnt = N - n0 < L ? N - n0 : L;
+  zero_border(plane, ph, pw, off, h, w);
+  dp_to_lanes(src + n0 * np * hw + c * hw, np * hw, cnt, h, w, plane, pw, off);
 }
 
-/* group_to_lanes's inverse: dst's samples of the group from the planes'
- * pixels (i + off, j + off), i < h, j < w. A worksharing loop. */
+/* plane_to_lanes's inverse: the chunk's samples of plane c of dst from the
+ * lane plane's pixels (i + off, j + off), i < h, j < w. */
+static void plane_from_lanes(const float *plane, int64_t pw, int off, int64_t N, int64_t gc, int np, int c, int h,
+                             int w, float *dst) {
+  const int64_t hw = (int64_t)h * w, n0 = gc * L, cnt = N - n0 < L ? N - n0 : L;
+  dp_from_lanes(plane, pw, off, h, w, dst + n0 * np * hw + c * hw, np * hw, cnt);
+}
+
+/* every plane of the group's chunks [c0, c0 + gn): a worksharing loop */
+static void group_to_lanes(const float *src, int64_t N, int64_t c0, int64_t gn, int np, int h, int w, float *planes,
+                           int64_t ph, int64_t pw, int off) {
+#pragma omp for schedule(static)
+  for (int64_t k = 0; k < gn * np; ++k)
+    plane_to_lanes(src, N, c0 + k / np, np, (int)(k % np), h, w, planes + k * ph * pw * L, ph, pw, off);
+}
+
 static void group_from_lanes(const float *planes, int64_t ph, int64_t pw, int off, int64_t N, int64_t c0, int64_t gn,
                              int np, int h, int w, float *dst) {
-  const int64_t hw = (int64_t)h * w, sample = np * hw;
 #pragma omp for schedule(static)
-  for (int64_t k = 0; k < gn * np; ++k) {
-    const int64_t n0 = (c0 + k / np) * L, cnt = N - n0 < L ? N - n0 : L;
-    dp_from_lanes(planes + k * ph * pw * L, pw, off, h, w, dst + n0 * sample + (k % np) * hw, sample, cnt);
-  }
+  for (int64_t k = 0; k < gn * np; ++k)
+    plane_from_lanes(planes + k * ph * pw * L, pw, off, N, c0 + k / np, np, (int)(k % np), h, w, dst);
 }
 
 /* ---- the transforms, 16 lanes at a time --------------------------------- */
@@ -656,7 +661,6 @@ static void backward_private(const s2_geom *q, const s2_sizes *z, const s2_priva
   float *threads = part + v->G * z->du;
   const int C = q->C, O = q->O;
   const int64_t pp = q->hp * q->wp * L, py = q->yh * q->yw * L, cols = v->cols, pairs = (int64_t)O * C;
-  const int64_t in_sz = (int64_t)C * q->H * q->W, out_sz = (int64_t)O * q->OH * q->OW;
 #pragma omp parallel num_threads(q->nt)
   {
     const int t = omp_get_thread_num();
@@ -665,18 +669,11 @@ static void backward_private(const s2_geom *q, const s2_sizes *z, const s2_priva
       const int64_t gc = c0 + ch, grp = gc * v->G / q->nch;
       if (grp * q->nt / v->G != t) continue; /* group grp's thread */
       const int first = gc == 0 || (gc - 1) * v->G / q->nch != grp; /* the group's first chunk */
-      const int64_t n0 = gc * L, cnt = N - n0 < L ? N - n0 : L;
       for (int c = 0; c < C; ++c) {
-        float *plane = P + (ch * C + c) * pp;
-        zero_border(plane, q->hp, q->wp, 1, q->H, q->W);
-        dp_to_lanes(x + n0 * in_sz + (int64_t)c * q->H * q->W, in_sz, cnt, q->H, q->W, plane, q->wp, 1);
+        plane_to_lanes(x, N, gc, C, c, q->H, q->W, P + (ch * C + c) * pp, q->hp, q->wp, 1);
         if (dx) memset(DX + (ch * C + c) * pp, 0, sizeof(float) * (size_t)pp);
       }
-      for (int o = 0; o < O; ++o) {
-        float *plane = D + (ch * O + o) * py;
-        zero_border(plane, q->yh, q->yw, 0, q->OH, q->OW);
-        dp_to_lanes(dy + n0 * out_sz + (int64_t)o * q->OH * q->OW, out_sz, cnt, q->OH, q->OW, plane, q->yw, 0);
-      }
+      for (int o = 0; o < O; ++o) plane_to_lanes(dy, N, gc, O, o, q->OH, q->OW, D + (ch * O + o) * py, q->yh, q->yw, 0);
       float *pu = part + grp * z->du;
       for (int64_t t0 = 0; t0 < q->T; t0 += v->bt) {
         const int64_t nb = q->T - t0 < v->bt ? q->T - t0 : v->bt;
@@ -707,9 +704,7 @@ static void backward_private(const s2_geom *q, const s2_sizes *z, const s2_priva
                     DX + ((ch * C + c) * q->hp + 4 * ti) * q->wp * L + 4 * tj * L, q->wp * L);
           }
       }
-      for (int c = 0; dx && c < C; ++c)
-        dp_from_lanes(DX + (ch * C + c) * pp, q->wp, 1, q->H, q->W, dx + n0 * in_sz + (int64_t)c * q->H * q->W, in_sz,
-                      cnt);
+      for (int c = 0; dx && c < C; ++c) plane_from_lanes(DX + (ch * C + c) * pp, q->wp, 1, N, gc, C, c, q->H, q->W, dx);
     }
   }
 }
