@@ -140,11 +140,24 @@ dp_status dp_winograd_takes(const dp_conv_geom *g, int *takes) {
  *         (r, c) = (y % 2, x % 2)) in the 64 floats of the four output
  *         vectors o_rc, at (2 r + c) * 16 + its tile's lane.
  * An index's bit 5 picks the window's (or outputs') upper 32 floats, a
- * position outside the plane is a zero lane (ok clear). */
+ * position outside the plane is a zero lane (ok clear).
+ * Odd planes' edge tiles: a tile of the last tile row of an odd-height plane
+ * has one output row, y0 = m0 + m1 + m2 in A^T m A's rows (m_a: the entries
+ * 4 a + b), so its entries 12-15 feed only its second output row, which is
+ * outside the plane; likewise entries 3, 7, 11, 15 of the last tile column of
+ * an odd width. Those products are not made: entry xi keeps only the tiles
+ * that use it (keep[xi], kt[xi] of a plane's tiles), packed in tile order
+ * (each column of V, W, M one kept tile), so its GEMM is kt/tiles as wide.
+ * The outputs are the same bits (the kept products are the same; what is
+ * skipped fed only outputs never stored) and in dw the skipped products are
+ * of dy's zero entries (dy's row or column past the plane): 7x7's 16 tiles
+ * keep 16, 12 or 9 of their tiles an entry, 225 products for 256. */
 typedef struct plane_lanes {
   int P;                  /* planes a group; 0: these planes take the tile-row transforms */
   int32_t in[16][16], dy[4][16], out[4][16];
   uint16_t in_ok[16], dy_ok[4];
+  uint16_t keep[16];      /* entry xi: the group's lanes (tiles) that keep it */
+  int kt[16];             /* entry xi: the tiles of a plane that keep it */
 } plane_lanes;
 
 typedef struct wino_plan {
@@ -194,7 +207,19 @@ static void plane_lanes_make(wino_plan *p) {
     const int pl = e / hw, y = e % hw / p->w, x = e % p->w;
     L->out[e / 16][e % 16] = (2 * (y % 2) + x % 2) * 16 + pl * T + y / 2 * p->tw + x / 2;
   }
+  for (int xi = 0; xi < 16; ++xi) {
+    L->kt[xi] = 0;
+    for (int tile = 0; tile < T; ++tile) {
+      const int ti = tile / p->tw, tj = tile % p->tw;
+      if ((xi / 4 == 3 && p->h % 2 && ti == p->th - 1) || (xi % 4 == 3 && p->w % 2 && tj == p->tw - 1)) continue;
+      ++L->kt[xi];
+      for (int pl = 0; pl < L->P; ++pl) L->keep[xi] |= (uint16_t)(1u << (pl * T + tile));
+    }
+  }
 }
+
+/* the tiles of a sample that entry xi of a narrow plan keeps (plane_lanes) */
+static int64_t kept_tiles(const wino_plan *p, int xi) { return p->lanes.P ? p->lanes.kt[xi] : p->tiles; }
 
 static wino_plan wino_plan_make(int cin, int cout, int h, int w, int64_t N, int nthreads) {
   wino_plan p;
@@ -451,13 +476,20 @@ static inline void row_window(const float *row, int col0, int w, __m512 *x0, __m
 }
 
 /* Row i of B^T d B from row i of B^T d (t0..t3: its columns, a tile a lane):
- * the entries 4i..4i+3 in xmask, the scalar code's arithmetic */
+ * its 4 entries, the scalar code's arithmetic */
+static inline void input_row_values(__m512 t0, __m512 t1, __m512 t2, __m512 t3, __m512 e[4]) {
+  e[0] = _mm512_sub_ps(t0, t2);
+  e[1] = _mm512_add_ps(t1, t2);
+  e[2] = _mm512_sub_ps(t2, t1);
+  e[3] = _mm512_sub_ps(t1, t3);
+}
+
+/* those of the entries 4i..4i+3 in xmask, into v */
 static inline void input_row_entries(unsigned xmask, int i, __m512 t0, __m512 t1, __m512 t2, __m512 t3, float *v,
                                      int64_t vs, __mmask16 m) {
-  put(xmask, 4 * i + 0, v, vs, m, _mm512_sub_ps(t0, t2));
-  put(xmask, 4 * i + 1, v, vs, m, _mm512_add_ps(t1, t2));
-  put(xmask, 4 * i + 2, v, vs, m, _mm512_sub_ps(t2, t1));
-  put(xmask, 4 * i + 3, v, vs, m, _mm512_sub_ps(t1, t3));
+  __m512 e[4];
+  input_row_values(t0, t1, t2, t3, e);
+  for (int k = 0; k < 4; ++k) put(xmask, 4 * i + k, v, vs, m, e[k]);
 }
 
 /* Row i (0: A^T's first, 1: its second) of A^T m A + bias, v[xi] entry xi a
@@ -493,18 +525,25 @@ static inline __attribute__((always_inline)) void input_tiles_avx512(const float
   }
 }
 
-/* A dY A^T's entries (those in xmask) of the lanes m of 2x2 blocks (a, b; c, d) */
-static inline void dy_entries(__m512 a, __m512 b, __m512 c, __m512 d, __mmask16 m, float *wt, int64_t ws,
-                              unsigned xmask) {
+/* A dY A^T's 16 entries of 2x2 blocks (a, b; c, d), a block a lane */
+static inline void dy_values(__m512 a, __m512 b, __m512 c, __m512 d, __m512 e[16]) {
   /* A dY (4x2): rows (a, b), (a + c, b + d), (a - c, b - d), (-c, -d); then . A^T per row (dy_cols) */
   const __m512 t0[4] = {a, _mm512_add_ps(a, c), _mm512_sub_ps(a, c), negated(c)};
   const __m512 t1[4] = {b, _mm512_add_ps(b, d), _mm512_sub_ps(b, d), negated(d)};
   for (int i = 0; i < 4; ++i) {
-    put(xmask, 4 * i + 0, wt, ws, m, t0[i]);
-    put(xmask, 4 * i + 1, wt, ws, m, _mm512_add_ps(t0[i], t1[i]));
-    put(xmask, 4 * i + 2, wt, ws, m, _mm512_sub_ps(t0[i], t1[i]));
-    put(xmask, 4 * i + 3, wt, ws, m, negated(t1[i]));
+    e[4 * i + 0] = t0[i];
+    e[4 * i + 1] = _mm512_add_ps(t0[i], t1[i]);
+    e[4 * i + 2] = _mm512_sub_ps(t0[i], t1[i]);
+    e[4 * i + 3] = negated(t1[i]);
   }
+}
+
+/* A dY A^T's entries (those in xmask) of the lanes m of 2x2 blocks (a, b; c, d) */
+static inline void dy_entries(__m512 a, __m512 b, __m512 c, __m512 d, __mmask16 m, float *wt, int64_t ws,
+                              unsigned xmask) {
+  __m512 e[16];
+  dy_values(a, b, c, d, e);
+  for (int xi = 0; xi < 16; ++xi) put(xmask, xi, wt, ws, m, e[xi]);
 }
 
 /* A dY A^T of the n <= 16 tiles of dy's rows r0, r1 (tile k: columns 2k,
@@ -554,10 +593,24 @@ static inline __m512 lanes_pick(const __m512 R[4], const int32_t idx[16], __mmas
   return _mm512_maskz_mov_ps(ok, _mm512_mask_blend_ps(up, lo, hi));
 }
 
-/* B^T d B of a group's tiles (lanes m) from its window R, entry xi at v[xi*vs]:
- * input_tiles_avx512's arithmetic in its order (the same bits) */
+/* Entry xi (if in xmask) of a group's lanes m, the group's column idx (its
+ * channel's row times the chunk's samples, plus its first sample) of V (W):
+ * the lanes that keep the entry, packed, at v + xi vs + idx kt[xi] */
+static inline void lanes_put(const plane_lanes *L, unsigned xmask, int xi, float *v, int64_t vs, int64_t idx,
+                             __mmask16 m, __m512 val) {
+  if (!(xmask >> xi & 1u)) return;
+  const __mmask16 k = m & L->keep[xi];
+  /* the compress's register form (its store form is microcoded on some cores); an entry every lane
+   * keeps: the identity, m a prefix */
+  _mm512_mask_storeu_ps(v + xi * vs + idx * L->kt[xi], dp_lanes_upto(__builtin_popcount(k)),
+                        _mm512_maskz_compress_ps(k, val));
+}
+
+/* B^T d B of a group's tiles (lanes m) from its window R, into V at the
+ * group's column idx (lanes_put): input_tiles_avx512's arithmetic in its
+ * order (the same bits) */
 static void input_group_lanes(const plane_lanes *L, const __m512 R[4], __mmask16 m, float *v, int64_t vs,
-                              unsigned xmask) {
+                              int64_t idx, unsigned xmask) {
   static const unsigned rows_of[4] = {5u, 6u, 6u, 10u}; /* the rows of d each row i of B^T d reads */
   unsigned need = 0;
   for (int i = 0; i < 4; ++i)
@@ -574,25 +627,37 @@ static void input_group_lanes(const plane_lanes *L, const __m512 R[4], __mmask16
              : i == 1 ? _mm512_add_ps(d[1][k], d[2][k])
              : i == 2 ? _mm512_sub_ps(d[2][k], d[1][k])
                       : _mm512_sub_ps(d[1][k], d[3][k]);
-    input_row_entries(xmask, i, t[0], t[1], t[2], t[3], v, vs, m);
+    __m512 e[4];
+    input_row_values(t[0], t[1], t[2], t[3], e);
+#pragma GCC unroll 4
+    for (int k = 0; k < 4; ++k) lanes_put(L, xmask, 4 * i + k, v, vs, idx, m, e[k]);
   }
 }
 
-/* A dY A^T of a group's tiles: dy_tiles_avx512's arithmetic in its order */
-static void dy_group_lanes(const plane_lanes *L, const __m512 R[4], __mmask16 m, float *wt, int64_t ws,
+/* A dY A^T of a group's tiles into W at the group's column idx (lanes_put):
+ * dy_tiles_avx512's arithmetic in its order */
+static void dy_group_lanes(const plane_lanes *L, const __m512 R[4], __mmask16 m, float *wt, int64_t ws, int64_t idx,
                            unsigned xmask) {
   const __m512 a = lanes_pick(R, L->dy[0], L->dy_ok[0]), b = lanes_pick(R, L->dy[1], L->dy_ok[1]),
                c = lanes_pick(R, L->dy[2], L->dy_ok[2]), d = lanes_pick(R, L->dy[3], L->dy_ok[3]);
-  dy_entries(a, b, c, d, m, wt, ws, xmask);
+  __m512 e[16];
+  dy_values(a, b, c, d, e);
+#pragma GCC unroll 16
+  for (int xi = 0; xi < 16; ++xi) lanes_put(L, xmask, xi, wt, ws, idx, m, e[xi]);
 }
 
-/* A^T m A + bias of a group's tiles (lanes lm of m's 16 entries, entry xi at
- * m[xi*ms]) as its output window W: output_tiles_avx512's arithmetic in its
- * order */
-static void output_group_lanes(const plane_lanes *L, const float *m, int64_t ms, __mmask16 lm, float bias,
-                               __m512 W[4]) {
+/* A^T m A + bias of a group's tiles (lanes lm; entry xi at m + xi ms + idx
+ * kt[xi], packed as lanes_put left it, a skipped entry zero) as its output
+ * window W: output_tiles_avx512's arithmetic in its order */
+static void output_group_lanes(const plane_lanes *L, const float *m, int64_t ms, int64_t idx, __mmask16 lm,
+                               float bias, __m512 W[4]) {
   __m512 v[16], o[4]; /* o[2 r + c]: output (r, c) of each lane's tile */
-  for (int xi = 0; xi < 16; ++xi) v[xi] = _mm512_maskz_loadu_ps(lm, m + xi * ms);
+#pragma GCC unroll 16
+  for (int xi = 0; xi < 16; ++xi) { /* an entry every lane keeps: its expand is the identity */
+    const __mmask16 k = lm & L->keep[xi];
+    v[xi] = _mm512_maskz_expand_ps(k, _mm512_maskz_loadu_ps(dp_lanes_upto(__builtin_popcount(k)),
+                                                            m + xi * ms + idx * L->kt[xi]));
+  }
   const __m512 bv = _mm512_set1_ps(bias);
   for (int i = 0; i < 2; ++i) output_row_lanes(v, bv, i, &o[2 * i], &o[2 * i + 1]);
   for (int q = 0; q < 4; ++q) {
@@ -806,6 +871,31 @@ static unsigned entries_of(int t, int nt, int *lo, int *hi) {
   return ((1u << *hi) - 1u) & ~((1u << *lo) - 1u);
 }
 
+/* Thread t's entries of a narrow plan (bit xi): entries_of's, or where the
+ * entries keep different numbers of tiles (odd planes' edges) consecutive
+ * entries again, each thread's last where the columns so far come nearest to
+ * its share (7x7 on 2 threads: 108 and 117 tiles' columns, where entries_of's
+ * halves took 120 and 105; the widest first to the thread with the fewest
+ * columns, 113 and 112, measured no faster: each thread then made every row
+ * of B^T d, where consecutive entries take three of the four). Which thread
+ * makes an entry changes no bits. */
+static unsigned narrow_entries(const wino_plan *p, int t) {
+  int lo, hi, uniform = 1;
+  for (int xi = 1; xi < 16; ++xi) uniform &= kept_tiles(p, xi) == kept_tiles(p, 0);
+  if (uniform || p->nt >= 16) return entries_of(t, p->nt, &lo, &hi); /* 16 threads and more: one entry each */
+  int64_t cum[17] = {0}; /* cum[k]: the columns of the entries before k */
+  for (int xi = 0; xi < 16; ++xi) cum[xi + 1] = cum[xi] + kept_tiles(p, xi);
+  int first[2]; /* threads t's and t + 1's first entries */
+  for (int e = 0; e < 2; ++e) {
+    const int64_t share = cum[16] * (t + e); /* the share's end, times nt */
+    int k = 0;
+    while (k < 16 && cum[k + 1] * p->nt <= share) ++k; /* cum[k] <= share / nt < cum[k + 1] */
+    if (k < 16 && cum[k + 1] * p->nt - share < share - cum[k] * p->nt) ++k;
+    first[e] = k;
+  }
+  return ((1u << first[1]) - 1u) & ~((1u << first[0]) - 1u);
+}
+
 static void dy_plane(const wino_plan *p, const float *src, const float *zrow, float *wv, int64_t wstride,
                      unsigned xmask);
 
@@ -837,11 +927,10 @@ static void chunk_transform(const wino_plan *p, int dy, const float *src, int64_
         __m512 R[4];
         lanes_window((int)hw, src + ((n0 + s) * planes + c) * hw, planes * hw, pc, R);
         const __mmask16 m = dp_lanes_upto(pc * p->tiles);
-        float *t = T + c * cols + s * p->tiles;
         if (dy)
-          dy_group_lanes(&p->lanes, R, m, t, tstride, entries);
+          dy_group_lanes(&p->lanes, R, m, T, tstride, c * cnt + s, entries);
         else
-          input_group_lanes(&p->lanes, R, m, t, tstride, entries);
+          input_group_lanes(&p->lanes, R, m, T, tstride, c * cnt + s, entries);
       }
     return;
   }
@@ -931,8 +1020,7 @@ static void wino_conv(const wino_plan *p, int64_t N, const float *in, const floa
     } else {
       float *V = shared;
       const int64_t nchunks = (N + p->chunk - 1) / p->chunk;
-      int xlo, xhi; /* thread t's GEMMs */
-      const unsigned entries = entries_of(t, p->nt, &xlo, &xhi);
+      const unsigned entries = narrow_entries(p, t); /* thread t's GEMMs */
       /* the largest chunk's strides for every chunk (entry xi stays where it was) */
       const int64_t vstride = p->cin * p->chunk * p->tiles + WINO_SKEW;
       const int64_t mstride = p->cout * p->chunk * p->tiles + WINO_SKEW;
@@ -940,7 +1028,9 @@ static void wino_conv(const wino_plan *p, int64_t N, const float *in, const floa
       for (int64_t k = 0; k < nchunks; ++k) {
         const int64_t n0 = N * k / nchunks, cnt = N * (k + 1) / nchunks - n0, cols = cnt * p->tiles;
         chunk_transform(p, 0, in, n0, cnt, plane, V, vstride, entries);
-        for (int xi = xlo; xi < xhi; ++xi) wino_gemm(p, flip, xi, U, V, vstride, M, mstride, cols);
+        for (int xi = 0; xi < 16; ++xi) /* (an entry no tile keeps: a 1x1 plane's 3, 7, 11-15) */
+          if (entries >> xi & 1u && kept_tiles(p, xi))
+            wino_gemm(p, flip, xi, U, V, vstride, M, mstride, cnt * kept_tiles(p, xi));
 #pragma omp barrier /* every entry's products, for the output transforms */
 #if TILES_AVX512
         if (p->lanes.P) {
@@ -950,8 +1040,8 @@ static void wino_conv(const wino_plan *p, int64_t N, const float *in, const floa
             const int64_t o = og / groups, s = og % groups * P;
             const int pc = cnt - s < P ? (int)(cnt - s) : (int)P;
             __m512 W[4];
-            output_group_lanes(&p->lanes, M + o * cols + s * p->tiles, mstride, dp_lanes_upto(pc * p->tiles),
-                               b ? b[o] : 0.0f, W);
+            output_group_lanes(&p->lanes, M, mstride, o * cnt + s, dp_lanes_upto(pc * p->tiles), b ? b[o] : 0.0f,
+                               W);
             lanes_store((int)hw, out + (n0 + s) * out_sz + o * hw, out_sz, pc, W);
           }
           continue;
@@ -1142,10 +1232,9 @@ static void dw_narrow(const wino_plan *p, int64_t N, const float *x, const float
   /* narrow planes: a thread's own floats are its plane alone (no V and M) */
   float *plane = own + t * p->per_thread, *pack = packs + t * DP_SMALL_GEMM_PACK_FLOATS;
   memset(plane, 0, sizeof(float) * (size_t)p->plane_floats); /* the plane's border, and zrow */
-  int xlo, xhi;
-  const unsigned entries = entries_of(t, p->nt, &xlo, &xhi);
+  const unsigned entries = narrow_entries(p, t);
   for (int64_t k = 0; k < nchunks; ++k) {
-    const int64_t n0 = N * k / nchunks, cnt = N * (k + 1) / nchunks - n0, cols = cnt * p->tiles;
+    const int64_t n0 = N * k / nchunks, cnt = N * (k + 1) / nchunks - n0;
     /* the largest chunk's strides for every chunk: entry xi's V and W stay where they were (another
      * thread may still read its own entries of the last chunk) */
     const int64_t vstride = p->cin * p->chunk * p->tiles + WINO_SKEW, wstride = p->cout * p->chunk * p->tiles + WINO_SKEW;
@@ -1153,9 +1242,15 @@ static void dw_narrow(const wino_plan *p, int64_t N, const float *x, const float
     chunk_transform(p, 0, x, n0, cnt, plane, V, vstride, entries);
     chunk_transform(p, 1, dy, n0, cnt, plane, W, wstride, entries);
     /* dU_xi (O, C) (+)= W_xi (O, cols) . V_xi^T (cols, C): the chunks in order, whatever the threads */
-    for (int xi = xlo; xi < xhi; ++xi)
-      dp_gemm(p->own_gemm, 0, 1, p->cout, p->cin, cols, W + xi * wstride, cols, V + xi * vstride, cols,
-              dU + xi * ustride, p->cin, k > 0, pack);
+    for (int xi = 0; xi < 16; ++xi) {
+      if (!(entries >> xi & 1u)) continue;
+      const int64_t kc = cnt * kept_tiles(p, xi); /* the entry's columns (odd planes' edges skipped) */
+      if (kc) /* (else no tile keeps it, a 1x1 plane's 3, 7, 11-15: zero, the BLAS taking no empty matrix) */
+        dp_gemm(p->own_gemm, 0, 1, p->cout, p->cin, kc, W + xi * wstride, kc, V + xi * vstride, kc,
+                dU + xi * ustride, p->cin, k > 0, pack);
+      else if (k == 0)
+        memset(dU + xi * ustride, 0, sizeof(float) * (size_t)p->cout * p->cin);
+    }
     if (!TILES_AVX512) {
 #pragma omp barrier /* the GEMMs read before the next chunk's transforms overwrite */
     }

@@ -5,7 +5,9 @@
  * AVX-512 every thread also transforms the entries of its own GEMMs, each at
  * the largest chunk's place: 1, 2, 3, 5 and 17 threads (17: more threads than
  * the 16 entries) on wide and narrow planes with chunks of unequal sizes, and
- * small planes in lanes (plane_lanes) in groups of unequal sizes.
+ * small planes in lanes (plane_lanes) in groups of unequal sizes, odd ones
+ * with their edge tiles' unused entries skipped (the threads' entries then
+ * split by their columns).
  * tests/test_small_gemm.py builds it for this CPU (-march=native, as the
  * extension) under ASan and UBSan. Without AVX-512 the GEMMs are OpenBLAS's:
  * the same bits too, as long as they run single-threaded (inside an active
@@ -103,6 +105,8 @@ int main(void) {
   check_geometry(2, 64, 9, 65);    /* wide, odd sides and channels */
   check_geometry(11, 64, 3, 64);   /* narrow, groups of 4 3x3 planes in lanes (4, 4, 3), through a buffer */
   check_geometry(21, 64, 2, 72);   /* narrow, groups of 16 2x2 planes (16, 5) */
+  check_geometry(6, 64, 5, 64);    /* narrow, odd 5x5: the edge tiles' entries 3, 7, 11-15 skipped (9, 6, 4 tiles) */
+  check_geometry(19, 64, 1, 64);   /* 1x1 planes (16, 3): entries 3, 7, 11-15 kept by no tile */
   printf(failures ? "winograd_threads: FAILED\n" : "winograd_threads: ok\n");
   return failures ? 1 : 0;
 }
