@@ -1242,25 +1242,59 @@ static dp_status cpu_global_avgpool_backward(dp_device *dev, int64_t N, int C, i
 
 /* Channel sums accumulate in double, samples in order: reproducible and
  * accurate over N*HW values (50,000 for ResNet-18's first stage at batch 64). */
+/* BatchNorm's per-channel sums over the batch, by groups of samples: the
+ * batch in BN_GROUPS fixed groups (fewer for a smaller batch), each thread
+ * its groups' samples whole (a sample's channels one after another in
+ * memory), one double partial per group and channel, the partials added in
+ * group order: the same bits whatever the thread count. Summed channel by
+ * channel instead (each thread its channels across every sample), each
+ * thread read the samples the other thread's convolution had just written:
+ * the sums took 0.59 ms a pass on ResNet-18's 64x28x28 activations at
+ * batch 64, 0.33 ms this way. */
+#define BN_GROUPS 8
+
+static int64_t bn_groups(int64_t N) { return N < BN_GROUPS ? (N < 1 ? 1 : N) : BN_GROUPS; }
+
+/* the partials' place: k doubles per group and channel, in the scratch */
+static dp_status bn_partials(dp_device *dev, int64_t N, int C, int k, double **out) {
+  float *p;
+  DP_TRY(cpu_scratch(dev, (size_t)(2 * k * bn_groups(N) * (int64_t)C), &p));
+  *out = (double *)(void *)p; /* the scratch is 64-byte aligned */
+  return DP_OK;
+}
+
 static dp_status cpu_bn_sums(dp_device *dev, int64_t N, int C, int HW, const float *x, const float *mean,
                              float *out) {
-#pragma omp parallel for num_threads(dev->nthreads) schedule(static) if (N * C * HW > 65536)
-  for (int c = 0; c < C; ++c) {
-    double s = 0.0;
-    const float m = mean ? mean[c] : 0.0f;
-    for (int64_t n = 0; n < N; ++n) {
-      const float *row = x + (n * C + c) * HW;
-      float part = 0.0f;
-      if (mean) {
-#pragma omp simd reduction(+ : part)
-        for (int i = 0; i < HW; ++i) part += (row[i] - m) * (row[i] - m);
-      } else {
-#pragma omp simd reduction(+ : part)
-        for (int i = 0; i < HW; ++i) part += row[i];
-      }
-      s += part;
+  const int64_t G = bn_groups(N);
+  double *part;
+  DP_TRY(bn_partials(dev, N, C, 1, &part));
+#pragma omp parallel num_threads(dev->nthreads) if (N * C * HW > 65536)
+  {
+#pragma omp for schedule(static)
+    for (int64_t g = 0; g < G; ++g) {
+      double *pg = part + g * C;
+      for (int c = 0; c < C; ++c) pg[c] = 0.0;
+      for (int64_t n = N * g / G; n < N * (g + 1) / G; ++n)
+        for (int c = 0; c < C; ++c) {
+          const float *row = x + (n * C + c) * HW;
+          float sum = 0.0f;
+          if (mean) {
+            const float m = mean[c];
+#pragma omp simd reduction(+ : sum)
+            for (int i = 0; i < HW; ++i) sum += (row[i] - m) * (row[i] - m);
+          } else {
+#pragma omp simd reduction(+ : sum)
+            for (int i = 0; i < HW; ++i) sum += row[i];
+          }
+          pg[c] += sum;
+        }
     }
-    out[c] = (float)s;
+#pragma omp for schedule(static)
+    for (int c = 0; c < C; ++c) {
+      double s = 0.0;
+      for (int64_t g = 0; g < G; ++g) s += part[g * C + c];
+      out[c] = (float)s;
+    }
   }
   return DP_OK;
 }
@@ -1306,33 +1340,50 @@ static dp_status cpu_bn_apply_relu(dp_device *dev, int64_t N, int C, int HW, con
 static dp_status cpu_bn_backward_sums(dp_device *dev, int64_t N, int C, int HW, const float *x, const float *dy,
                                       const float *mean, const float *invstd, const float *gamma,
                                       const float *relu_beta, float *sum_dy, float *sum_dy_xhat) {
-#pragma omp parallel for num_threads(dev->nthreads) schedule(static) if (N * C * HW > 65536)
-  for (int c = 0; c < C; ++c) {
-    double a = 0.0, b = 0.0;
-    const float m = mean[c], s = invstd[c];
-    for (int64_t n = 0; n < N; ++n) {
-      const float *xr = x + (n * C + c) * HW, *dr = dy + (n * C + c) * HW;
-      float pa = 0.0f, pb = 0.0f;
-      if (relu_beta) {
-        const float g = gamma[c], be = relu_beta[c];
-#pragma omp simd reduction(+ : pa, pb)
-        for (int i = 0; i < HW; ++i) {
-          const float d = dp_bn_relu_dy(xr[i], dr[i], m, s, g, be);
-          pa += d;
-          pb += d * ((xr[i] - m) * s);
+  /* by groups of samples, as cpu_bn_sums: 0.98 -> 0.75 ms a pass on 64x28x28 at batch 64 */
+  const int64_t G = bn_groups(N);
+  double *part; /* group g's sums of dy at part[2 g C], of dy * xhat at part[(2 g + 1) C] */
+  DP_TRY(bn_partials(dev, N, C, 2, &part));
+#pragma omp parallel num_threads(dev->nthreads) if (N * C * HW > 65536)
+  {
+#pragma omp for schedule(static)
+    for (int64_t g = 0; g < G; ++g) {
+      double *pa = part + 2 * g * C, *pb = pa + C;
+      for (int c = 0; c < C; ++c) pa[c] = pb[c] = 0.0;
+      for (int64_t n = N * g / G; n < N * (g + 1) / G; ++n)
+        for (int c = 0; c < C; ++c) {
+          const float m = mean[c], s = invstd[c];
+          const float *xr = x + (n * C + c) * HW, *dr = dy + (n * C + c) * HW;
+          float qa = 0.0f, qb = 0.0f;
+          if (relu_beta) {
+            const float gm = gamma[c], be = relu_beta[c];
+#pragma omp simd reduction(+ : qa, qb)
+            for (int i = 0; i < HW; ++i) {
+              const float d = dp_bn_relu_dy(xr[i], dr[i], m, s, gm, be);
+              qa += d;
+              qb += d * ((xr[i] - m) * s);
+            }
+          } else {
+#pragma omp simd reduction(+ : qa, qb)
+            for (int i = 0; i < HW; ++i) {
+              qa += dr[i];
+              qb += dr[i] * ((xr[i] - m) * s);
+            }
+          }
+          pa[c] += qa;
+          pb[c] += qb;
         }
-      } else {
-#pragma omp simd reduction(+ : pa, pb)
-        for (int i = 0; i < HW; ++i) {
-          pa += dr[i];
-          pb += dr[i] * ((xr[i] - m) * s);
-        }
-      }
-      a += pa;
-      b += pb;
     }
-    sum_dy[c] = (float)a;
-    sum_dy_xhat[c] = (float)b;
+#pragma omp for schedule(static)
+    for (int c = 0; c < C; ++c) {
+      double a = 0.0, b = 0.0;
+      for (int64_t g = 0; g < G; ++g) {
+        a += part[2 * g * C + c];
+        b += part[(2 * g + 1) * C + c];
+      }
+      sum_dy[c] = (float)a;
+      sum_dy_xhat[c] = (float)b;
+    }
   }
   return DP_OK;
 }

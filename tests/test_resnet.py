@@ -417,6 +417,35 @@ def test_batchnorm_training_matches_numpy(name, batch, seed):
         assert np.array_equal(Wd[n], W[n])  # forward_backward takes no step
 
 
+@pytest.mark.parametrize("n,shape", [(37, (8, 15, 15)), (64, (32, 7, 7)), (5, (3, 4, 4)), (1, (4, 6, 6))])
+def test_batchnorm_sums_do_not_depend_on_the_thread_count(n, shape):
+    """The CPU BatchNorm's sums (forward: the mean and the squared deviations;
+    backward: dy and dy * xhat, here with the ReLU fused) add fixed groups of
+    samples in group order, whatever the threads: the same bits on 1, 2 and 3
+    threads, batches above the parallel threshold, smaller than the groups
+    and of one sample (statistics over its plane)."""
+    rng = np.random.default_rng(n)
+    X = (rng.standard_normal((n,) + shape) * 3 + 1).astype(np.float32)
+    dy = rng.standard_normal((n,) + shape).astype(np.float32)
+    params = None  # gamma and beta (and the layout's padding), the same for every model
+    runs = []
+    for threads in (1, 2, 3):
+        out = []
+        for layers in ([("batchnorm",)], [("batchnorm",), ("relu",)]):
+            m = dp._core.Model(shape, layers, threads=threads, headless=True, input_grad=True)
+            if params is None:
+                params = rng.uniform(0.5, 1.5, m.nparams).astype(np.float32)
+            m.set_params(params)
+            y = m.stage_forward(0, X, training=True)[0]
+            dx = m.stage_backward(0, n, dy, input_grad=True)
+            out += [y, dx, m.get_grads(), m.get_state()]
+        runs.append(out)
+    assert np.isfinite(runs[0][1]).all() and np.abs(runs[0][1]).max() > 0
+    for other in runs[1:]:
+        for a, b in zip(runs[0], other):
+            np.testing.assert_array_equal(a, b)
+
+
 @pytest.mark.parametrize("name,batch,seed", CASES)
 def test_batchnorm_evaluation_uses_running_statistics(name, batch, seed):
     ref, net, W = build(name, seed)
