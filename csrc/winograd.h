@@ -86,9 +86,15 @@ DP_MUST_CHECK dp_status dp_winograd_backward_dx(const dp_conv_geom *g, int64_t N
 DP_MUST_CHECK dp_status dp_winograd_backward_dw(const dp_conv_geom *g, int64_t N, const float *x, const float *dy,
                                                 float *dw, float *db, int nthreads, float *scratch);
 
-/* db[o] = the sum of dy (N, O, P) over n and p, in double (16 lanes, added
- * pairwise at the end): the Winograd paths' bias gradient (winograd_s2.c's
- * too). A worksharing loop of a parallel region. */
-void dp_winograd_bias_grad(const float *dy, int64_t N, int O, int64_t P, float *db);
+/* db[o] = the sum of dy (N, O, P) over n and p: the Winograd paths' bias
+ * gradient (winograd_s2.c's too). The batch in at most DP_BIAS_GROUPS fixed
+ * groups of samples, each thread its groups' samples whole (the samples its
+ * core's dx wrote, where a channel at a time read the other core's), each
+ * plane's sum in double (16 lanes, added pairwise), a double partial per
+ * group and channel in part (DP_BIAS_GROUPS * O doubles, 64-byte aligned:
+ * the callers' dU once read), added in group order: the same bits whatever
+ * the thread count. Worksharing loops of a parallel region. */
+#define DP_BIAS_GROUPS 8
+void dp_winograd_bias_grad(const float *dy, int64_t N, int O, int64_t P, double *part, float *db);
 
 #endif

@@ -746,8 +746,8 @@ dp_status dp_s2_backward(const dp_conv_geom *g, int64_t N, const float *x, const
         dU[e] = sum;
       }
     }
-    filter_gradient(&q, dU, dw);
-    if (db) dp_winograd_bias_grad(dy, N, g->O, P, db);
+    filter_gradient(&q, dU, dw); /* ends in a barrier: dU read, its floats free for db's partials */
+    if (db) dp_winograd_bias_grad(dy, N, g->O, P, (double *)(void *)dU, db);
   }
   return DP_OK;
 }
