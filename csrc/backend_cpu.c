@@ -1242,30 +1242,19 @@ static dp_status cpu_global_avgpool_backward(dp_device *dev, int64_t N, int C, i
 
 /* Channel sums accumulate in double, samples in order: reproducible and
  * accurate over N*HW values (50,000 for ResNet-18's first stage at batch 64). */
-/* BatchNorm's per-channel sums over the batch, by groups of samples: the
- * batch in BN_GROUPS fixed groups (fewer for a smaller batch), each thread
- * its groups' samples whole (a sample's channels one after another in
- * memory), one double partial per group and channel, the partials added in
- * group order: the same bits whatever the thread count. Summed channel by
- * channel instead (each thread its channels across every sample), each
- * thread read the samples the other thread's convolution had just written:
- * the sums took 0.59 ms a pass on ResNet-18's 64x28x28 activations at
- * batch 64, 0.33 ms this way. */
-#define BN_GROUPS 8
-
-static int64_t bn_groups(int64_t N) { return N < BN_GROUPS ? (N < 1 ? 1 : N) : BN_GROUPS; }
-
-/* the partials' place: k doubles per group and channel, in the scratch */
+/* BatchNorm's per-channel sums over the batch, by groups of samples
+ * (winograd.h: dp_sample_groups); the partials' place, k doubles per group
+ * and channel, in the scratch */
 static dp_status bn_partials(dp_device *dev, int64_t N, int C, int k, double **out) {
   float *p;
-  DP_TRY(cpu_scratch(dev, (size_t)(2 * k * bn_groups(N) * (int64_t)C), &p));
+  DP_TRY(cpu_scratch(dev, (size_t)(2 * k * dp_sample_groups(N) * (int64_t)C), &p));
   *out = (double *)(void *)p; /* the scratch is 64-byte aligned */
   return DP_OK;
 }
 
 static dp_status cpu_bn_sums(dp_device *dev, int64_t N, int C, int HW, const float *x, const float *mean,
                              float *out) {
-  const int64_t G = bn_groups(N);
+  const int64_t G = dp_sample_groups(N);
   double *part;
   DP_TRY(bn_partials(dev, N, C, 1, &part));
 #pragma omp parallel num_threads(dev->nthreads) if (N * C * HW > 65536)
@@ -1341,7 +1330,7 @@ static dp_status cpu_bn_backward_sums(dp_device *dev, int64_t N, int C, int HW, 
                                       const float *mean, const float *invstd, const float *gamma,
                                       const float *relu_beta, float *sum_dy, float *sum_dy_xhat) {
   /* by groups of samples, as cpu_bn_sums: 0.98 -> 0.75 ms a pass on 64x28x28 at batch 64 */
-  const int64_t G = bn_groups(N);
+  const int64_t G = dp_sample_groups(N);
   double *part; /* group g's sums of dy at part[2 g C], of dy * xhat at part[(2 g + 1) C] */
   DP_TRY(bn_partials(dev, N, C, 2, &part));
 #pragma omp parallel num_threads(dev->nthreads) if (N * C * HW > 65536)

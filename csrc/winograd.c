@@ -1284,7 +1284,7 @@ dp_status dp_winograd_backward_dw(const dp_conv_geom *g, int64_t N, const float 
 }
 
 void dp_winograd_bias_grad(const float *dy, int64_t N, int O, int64_t P, double *part, float *db) {
-  const int64_t G = N < DP_BIAS_GROUPS ? (N < 1 ? 1 : N) : DP_BIAS_GROUPS;
+  const int64_t G = dp_sample_groups(N);
 #pragma omp for schedule(static)
   for (int64_t g = 0; g < G; ++g) {
     double *pg = part + g * O;
