@@ -167,6 +167,11 @@ struct dp_backend {
                                                     const float *guard);
   /* y (n) = a + b; y may alias a. */
   DP_MUST_CHECK dp_status (*add)(dp_device *dev, int64_t n, const float *a, const float *b, float *y);
+  /* add followed by ReLU in one pass, y = relu(a + b) element by element (the
+   * separate ops' bits), the add's own output never written: an add whose
+   * only reader is a ReLU right after it (model.c mark_fusions; the ReLU's
+   * backward reads its own output). */
+  DP_MUST_CHECK dp_status (*add_relu)(dp_device *dev, int64_t n, const float *a, const float *b, float *y);
   /* x (n) *= alpha */
   DP_MUST_CHECK dp_status (*scale)(dp_device *dev, int64_t n, float *x, float alpha);
   /* Global average pooling: y (N, C) = mean of x (N, C, HW) over HW; backward dx = dy / HW. */

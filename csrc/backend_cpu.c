@@ -1220,6 +1220,12 @@ static dp_status cpu_add(dp_device *dev, int64_t n, const float *a, const float 
   return DP_OK;
 }
 
+static dp_status cpu_add_relu(dp_device *dev, int64_t n, const float *a, const float *b, float *y) {
+#pragma omp parallel for simd num_threads(dev->nthreads) schedule(static) if (n > 65536)
+  for (int64_t i = 0; i < n; ++i) y[i] = dp_relu_forward_elem(dp_add_elem(a[i], b[i]));
+  return DP_OK;
+}
+
 static dp_status cpu_scale(dp_device *dev, int64_t n, float *x, float alpha) {
   for (int64_t i = 0; i < n; ++i) x[i] *= alpha;
   return DP_OK;
@@ -1459,6 +1465,7 @@ static const dp_backend cpu_backend = {
     .loss_flag = cpu_loss_flag,
     .restore_unless_allowed = cpu_restore_unless_allowed,
     .add = cpu_add,
+    .add_relu = cpu_add_relu,
     .scale = cpu_scale,
     .global_avgpool_forward = cpu_global_avgpool_forward,
     .global_avgpool_backward = cpu_global_avgpool_backward,

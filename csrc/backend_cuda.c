@@ -791,6 +791,12 @@ static dp_status cuda_add(dp_device *dev, int64_t n, const float *a, const float
   return DP_OK;
 }
 
+static dp_status cuda_add_relu(dp_device *dev, int64_t n, const float *a, const float *b, float *y) {
+  CUDA_ENTER(dev, c);
+  DP_LAUNCH_CHECK(dp_cuda_add_relu(c->stream, n, a, b, y));
+  return DP_OK;
+}
+
 static dp_status cuda_scale(dp_device *dev, int64_t n, float *x, float alpha) {
   CUDA_ENTER(dev, c);
   DP_LAUNCH_CHECK(dp_cuda_scale(c->stream, n, x, alpha));
@@ -981,6 +987,7 @@ static const dp_backend cuda_backend = {
     .loss_flag = cuda_loss_flag,
     .restore_unless_allowed = cuda_restore_unless_allowed,
     .add = cuda_add,
+    .add_relu = cuda_add_relu,
     .scale = cuda_scale,
     .global_avgpool_forward = cuda_global_avgpool_forward,
     .global_avgpool_backward = cuda_global_avgpool_backward,

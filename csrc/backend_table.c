@@ -16,7 +16,7 @@ static const struct {
     DP_ENTRY(dense_backward), DP_ENTRY(relu_forward), DP_ENTRY(relu_backward), DP_ENTRY(avgpool_forward),
     DP_ENTRY(avgpool_backward), DP_ENTRY(relu_avgpool_forward), DP_ENTRY(avgpool_relu_backward),
     DP_ENTRY(maxpool_forward), DP_ENTRY(maxpool_backward), DP_ENTRY(softmax_xent),
-    DP_ENTRY(sgd_update), DP_ENTRY(loss_flag), DP_ENTRY(restore_unless_allowed), DP_ENTRY(add), DP_ENTRY(scale), DP_ENTRY(global_avgpool_forward),
+    DP_ENTRY(sgd_update), DP_ENTRY(loss_flag), DP_ENTRY(restore_unless_allowed), DP_ENTRY(add), DP_ENTRY(add_relu), DP_ENTRY(scale), DP_ENTRY(global_avgpool_forward),
     DP_ENTRY(global_avgpool_backward), DP_ENTRY(bn_sums), DP_ENTRY(bn_finalize), DP_ENTRY(bn_apply), DP_ENTRY(bn_apply_relu),
     DP_ENTRY(bn_backward_sums), DP_ENTRY(bn_backward_dx), DP_ENTRY(metrics_read), DP_ENTRY(synchronize), DP_ENTRY(stream_create),
     DP_ENTRY(stream_destroy), DP_ENTRY(event_create), DP_ENTRY(event_destroy), DP_ENTRY(event_record), DP_ENTRY(event_wait),

@@ -46,8 +46,9 @@ typedef struct dp_layer {
   int64_t state_off;        /* batchnorm: running mean (C) then running var (C) in m->state */
   float eps, momentum;      /* batchnorm */
   int fused;                /* set by dp_model_finalize: a relu whose one reader, the next layer, is an
-                             * avgpool, or a batchnorm whose one reader, the next layer, is a relu; the
-                             * two run as one op (backend.h: relu_avgpool_forward, bn_apply_relu) */
+                             * avgpool, or a batchnorm or an add whose one reader, the next layer, is a
+                             * relu; the two run as one op (backend.h: relu_avgpool_forward,
+                             * bn_apply_relu, add_relu) */
 } dp_layer;
 
 #define DP_LAYER_MAX_ARGS 4

@@ -330,6 +330,16 @@ static void mark_fusions(dp_model *m) {
     if (l->kind == DP_LAYER_BATCHNORM && next->kind == DP_LAYER_RELU && next->src == i && !next->fused)
       l->fused = readers_of(m, i) == 1;
   }
+  /* and each add whose output only the next layer, a relu not fused itself,
+   * reads (a residual block's end): add_relu writes the relu's output, not
+   * the add's, which nothing else reads (the relu's backward reads its own
+   * output, the add's none) */
+  for (int i = 0; on && i + 1 < m->nlayers; ++i) {
+    dp_layer *l = &m->layers[i];
+    const dp_layer *next = &m->layers[i + 1];
+    if (l->kind == DP_LAYER_ADD && next->kind == DP_LAYER_RELU && next->src == i && !next->fused)
+      l->fused = readers_of(m, i) == 1;
+  }
 }
 
 dp_status dp_model_finalize(dp_model *m) {
@@ -611,6 +621,11 @@ static dp_status forward(dp_model *m, int64_t N, const dp_collective *coll) {
         DP_TRY(batchnorm_forward(m, l, N, coll, x, y, 0));
         break;
       case DP_LAYER_ADD:
+        if (l->fused && !m->unfused) { /* and the relu after it (its output written, not this layer's) */
+          DP_TRY(be->add_relu(dev, N * layer_out_size(l), x, output_of(m, l->src2), m->acts[i + 1]));
+          ++i;
+          break;
+        }
         DP_TRY(be->add(dev, N * layer_out_size(l), x, output_of(m, l->src2), y));
         break;
       case DP_LAYER_GLOBAL_AVGPOOL:

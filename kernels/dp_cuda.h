@@ -49,6 +49,7 @@ int dp_cuda_bias_fill(dp_cuda_stream s, int64_t n, int64_t C, int64_t HW, const 
 /* kernels/layers.cu */
 int dp_cuda_fill(dp_cuda_stream s, int64_t n, float *x, float value);
 int dp_cuda_add(dp_cuda_stream s, int64_t n, const float *a, const float *b, float *y);
+int dp_cuda_add_relu(dp_cuda_stream s, int64_t n, const float *a, const float *b, float *y);
 int dp_cuda_scale(dp_cuda_stream s, int64_t n, float *x, float alpha);
 /* x (planes, HW) -> y (planes); backward dx (planes, HW) = dy / HW */
 int dp_cuda_global_avgpool_forward(dp_cuda_stream s, int64_t planes, int HW, const float *x, float *y);

@@ -26,6 +26,9 @@ __global__ void fill_kernel(int64_t n, float *x, float value) {
 __global__ void add_kernel(int64_t n, const float *a, const float *b, float *y) {
   DP_GRID_STRIDE(i, n) y[i] = dp_add_elem(a[i], b[i]);
 }
+__global__ void add_relu_kernel(int64_t n, const float *a, const float *b, float *y) {
+  DP_GRID_STRIDE(i, n) y[i] = dp_relu_forward_elem(dp_add_elem(a[i], b[i]));
+}
 __global__ void scale_kernel(int64_t n, float *x, float alpha) {
   DP_GRID_STRIDE(i, n) x[i] *= alpha;
 }
@@ -130,6 +133,11 @@ int dp_cuda_fill(dp_cuda_stream s, int64_t n, float *x, float value) {
 int dp_cuda_add(dp_cuda_stream s, int64_t n, const float *a, const float *b, float *y) {
   if (n <= 0) return 0;
   add_kernel<<<grid_for(n), kThreads, 0, s>>>(n, a, b, y);
+  return launched();
+}
+int dp_cuda_add_relu(dp_cuda_stream s, int64_t n, const float *a, const float *b, float *y) {
+  if (n <= 0) return 0;
+  add_relu_kernel<<<grid_for(n), kThreads, 0, s>>>(n, a, b, y);
   return launched();
 }
 int dp_cuda_scale(dp_cuda_stream s, int64_t n, float *x, float alpha) {

@@ -15,6 +15,9 @@ A batchnorm whose only reader is the relu right after it (one not fused with
 a pool itself) runs with it as bn_apply_relu: the relu's output is written
 and the batchnorm's is not (its backward reads its input, the relu's backward
 the relu's output); the same bits as the two ops apart, checked the same way.
+So does an add whose only reader is the relu right after it (a residual
+block's end) as add_relu: the add's output is never written (its backward
+reads no output, the relu's its own).
 """
 import numpy as np
 import pytest
@@ -128,8 +131,8 @@ def test_check_numerics_same_diagnosis(monkeypatch):
     assert found[1][0] >= 0
 
 
-# a ResNet-style block: conv, batchnorm + relu (fused), conv, batchnorm, add, relu (the add's reads
-# keep the second batchnorm apart), then a batchnorm + relu + avgpool (the relu fused with the pool)
+# a ResNet-style block: conv, batchnorm + relu (fused), conv, batchnorm, add + relu (fused; the add's
+# reads keep the second batchnorm apart), then a batchnorm + relu + avgpool (the relu fused with the pool)
 RESBLOCK = [("conv2d", 4, 3, 1, 1), ("batchnorm",), ("relu",), ("conv2d", 4, 3, 1, 1), ("batchnorm",),
             ("add", 4, 0), ("relu",), ("batchnorm",), ("relu",), ("avgpool", 2, 2, 0), ("flatten",), ("dense", 10)]
 
@@ -137,16 +140,27 @@ RESBLOCK = [("conv2d", 4, 3, 1, 1), ("batchnorm",), ("relu",), ("conv2d", 4, 3, 
 def test_batchnorm_relu_fused_and_bit_identical(monkeypatch):
     nets = train_both(monkeypatch, RESBLOCK, (2, 8, 6), sources=[None] * len(RESBLOCK))
     assert fused_pairs(nets[0]) == []
-    assert fused_pairs(nets[1]) == [(1, 2), (8, 9)]
+    assert fused_pairs(nets[1]) == [(1, 2), (5, 6), (8, 9)]
     assert_same_bits(nets, (2, 8, 6))
 
 
-def test_resnet18_batchnorm_relu_pairs_fused():
+def test_resnet18_batchnorm_relu_and_add_relu_pairs_fused():
     net = dp.models.ResNet18(devices=["cpu:0"])
     layers = net._model.layers()
     pairs = fused_pairs(net)
-    assert len(pairs) == 9  # the stem's and each block's first
-    assert all(layers[i][0] == "batchnorm" and layers[j][0] == "relu" for i, j in pairs)
+    assert all(layers[j][0] == "relu" and j == i + 1 for i, j in pairs)
+    assert sum(layers[i][0] == "batchnorm" for i, _ in pairs) == 9  # the stem's and each block's first
+    assert sum(layers[i][0] == "add" for i, _ in pairs) == 8  # each block's end
+    assert len(pairs) == 17
+
+
+def test_add_with_two_readers_is_not_fused(monkeypatch):
+    # the first add's output is read by the relu after it and by the second add: written, kept apart
+    layers = [("conv2d", 4, 3, 1, 1), ("batchnorm",), ("add", 1, 0), ("relu",), ("add", 3, 2), ("relu",),
+              ("flatten",), ("dense", 10)]
+    nets = train_both(monkeypatch, layers, (1, 5, 5), sources=[None] * len(layers))
+    assert fused_pairs(nets[1]) == [(4, 5)]
+    assert_same_bits(nets, (1, 5, 5))
 
 
 def test_batchnorm_with_two_readers_is_not_fused(monkeypatch):
@@ -170,7 +184,7 @@ def test_two_replicas_sync_batchnorm_relu_fused_and_bit_identical(monkeypatch, l
     for s in range(2):
         X, y = batch((2, 8, 6), 24, seed=s)
         assert nets[0].train_step(X, y, lr=0.05) == nets[1].train_step(X, y, lr=0.05)
-    assert fused_pairs(nets[1]) == [(1, 2), (8, 9)]
+    assert fused_pairs(nets[1]) == [(1, 2), (5, 6), (8, 9)]
     assert_same_bits(nets, (2, 8, 6))
 
 
