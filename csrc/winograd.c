@@ -124,7 +124,9 @@ dp_status dp_winograd_takes(const dp_conv_geom *g, int *takes) {
  * Narrow planes: the threads together take the batch in chunks of at most
  * `chunk` samples, all of a chunk's tiles side by side in each GEMM, the 16
  * GEMMs dealt to the threads (each U_xi packed once, not once per thread, and
- * 128 columns on ResNet-18's 4x4 stage at batch 32 instead of 64). */
+ * 128 columns on ResNet-18's 4x4 stage at batch 32 instead of 64); or, in
+ * lanes with a small U (narrow_own), forward and dx, each thread its own
+ * samples in chunks of chunk / nt. */
 /* Small planes in lanes (with AVX-512; planes of at most 16 tiles, narrow):
  * a group of P planes, consecutive samples of one channel (adjacent columns
  * of V, W and M), is read into a 64-float window (plane p at p * h * w) and
@@ -257,7 +259,7 @@ static wino_plan wino_plan_make(int cin, int cout, int h, int w, int64_t N, int 
   p.chunk = WINO_CHUNK_FLOATS / per_sample;
   if (p.chunk < 1) p.chunk = 1;
   if (p.chunk > N) p.chunk = N < 1 ? 1 : N;
-  p.shared = p.chunk * per_sample + 32 * WINO_SKEW;
+  p.shared = p.chunk * per_sample + 32 * WINO_SKEW * (int64_t)p.nt; /* (the threads' own chunks: a skew each) */
   p.own = per_sample + 32 * WINO_SKEW;
   p.block = WIDE_BLOCK_FLOATS / (16 * ((int64_t)cin + cout)) / 32 * 32;
   if (p.block < 32) p.block = 32;
@@ -890,6 +892,25 @@ static unsigned entries_of(int t, int nt, int *lo, int *hi) {
   return ((1u << *hi) - 1u) & ~((1u << *lo) - 1u);
 }
 
+#if TILES_AVX512
+/* Narrow planes in lanes whose filter transform is at most NARROW_OWN_U
+ * floats (8 MiB: ResNet-18's 7x7 stage, 4 MiB), forward and dx: each thread
+ * its own samples, in chunks of chunk / nt, its transforms (every entry), the
+ * 16 products and the outputs, no barrier. Every thread then reads all of U
+ * for each of its chunks, but only the samples its own core's passes before
+ * wrote: where the threads shared a chunk (each its entries), each read the
+ * other core's half of every plane, and the entries' uneven columns (odd
+ * planes' edges) left one waiting at the barrier. ResNet-18 at batch 64:
+ * each 7x7 layer's forward 5.5 -> 4.9-5.1 ms, its dx 0.5 ms less; at 4x4
+ * (16 MiB of U read again for every chunk) 5.6 -> 6.4 ms, so it keeps the
+ * shared chunks. The same bits either way (a GEMM column's sums do not depend
+ * on the columns beside it). */
+#define NARROW_OWN_U ((int64_t)1 << 21)
+static int narrow_own(const wino_plan *p) {
+  return p->lanes.P && p->nt > 1 && p->chunk >= p->nt && 16 * (int64_t)p->cin * p->cout <= NARROW_OWN_U;
+}
+#endif
+
 /* Thread t's entries of a narrow plan (bit xi): entries_of's, or where the
  * entries keep different numbers of tiles (odd planes' edges) consecutive
  * entries again, each thread's last where the columns so far come nearest to
@@ -971,6 +992,32 @@ static void chunk_transform(const wino_plan *p, int dy, const float *src, int64_
   }
 }
 
+#if TILES_AVX512
+/* narrow_own's chunks: the calling thread's samples of in into out (U made;
+ * shared: the threads' V and M, p->shared floats; plane: the thread's own) */
+static void own_chunks(const wino_plan *p, int64_t N, const float *in, int flip, const float *b, float *out,
+                       const float *U, float *shared, float *plane) {
+  const int t = omp_get_thread_num();
+  const int64_t hw = (int64_t)p->h * p->w, out_sz = p->cout * hw, P = p->lanes.P;
+  const int64_t ct = p->chunk / p->nt, vs = p->cin * ct * p->tiles + WINO_SKEW, ms = p->cout * ct * p->tiles + WINO_SKEW;
+  float *V = shared + t * 16 * (vs + ms), *M = V + 16 * vs; /* nt of them fit in p->shared */
+  const int64_t s0 = N * t / p->nt, mine = N * (t + 1) / p->nt - s0, nch = (mine + ct - 1) / ct;
+  for (int64_t k = 0; k < nch; ++k) {
+    const int64_t n0 = s0 + mine * k / nch, cnt = s0 + mine * (k + 1) / nch - n0, groups = (cnt + P - 1) / P;
+    chunk_transform(p, 0, in, n0, cnt, plane, V, vs, ALL_ENTRIES);
+    for (int xi = 0; xi < 16; ++xi) /* (an entry no tile keeps: a 1x1 plane's 3, 7, 11-15) */
+      if (kept_tiles(p, xi)) wino_gemm(p, flip, xi, U, V, vs, M, ms, cnt * kept_tiles(p, xi));
+    for (int64_t og = 0; og < p->cout * groups; ++og) {
+      const int64_t o = og / groups, s = og % groups * P;
+      const int pc = cnt - s < P ? (int)(cnt - s) : (int)P;
+      __m512 W[4];
+      output_group_lanes(&p->lanes, M, ms, o * cnt + s, dp_lanes_upto(pc * p->tiles), b ? b[o] : 0.0f, W);
+      lanes_store((int)hw, out + (n0 + s) * out_sz + o * hw, out_sz, pc, W);
+    }
+  }
+}
+#endif
+
 /* out (N, cout, h, w) = the convolution of in (N, cin, h, w) with w (+ b).
  * u_out: where the filter transform goes (NULL: the scratch's start); u_in
  * (NULL: none): the transform already made (a forward pass's, kept). */
@@ -1036,6 +1083,10 @@ static void wino_conv(const wino_plan *p, int64_t N, const float *in, const floa
         for (int o = 0; o < p->cout; ++o)
           output_plane(p, M + o * cols, mstride, b ? b[o] : 0.0f, out + n * out_sz + o * hw);
       }
+#endif
+#if TILES_AVX512
+    } else if (narrow_own(p)) {
+      own_chunks(p, N, in, flip, b, out, U, shared, plane);
 #endif
     } else {
       float *V = shared;
