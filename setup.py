@@ -195,6 +195,13 @@ def make_config():
 
 CONFIG = make_config()
 VARIANT = ("cuda" if CONFIG["cuda"] else "cpu") + ("" if CONFIG["mpi"] else "-nompi") + ("-asan" if SANITIZE else "")
+# and the code generation: objects compiled for another -march (DPCORE_NATIVE=0, CFLAGS=-march=...)
+# or -O0 were reused by the next build of the same variant (their sources unchanged), so that
+# a "-march=haswell" build shipped the generic build's SSE2 objects
+_codegen = "|".join(os.environ.get(k, "") for k in ("DPCORE_NATIVE", "DPCORE_DEBUG", "CFLAGS", "CPPFLAGS"))
+if _codegen != "|||":
+    import hashlib
+    VARIANT += "-" + hashlib.sha256(_codegen.encode()).hexdigest()[:8]
 
 
 def extension():
