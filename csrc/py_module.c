@@ -426,7 +426,9 @@ static PyObject *mod_runtime_info(PyObject *m, PyObject *unused) {
                        dp_cpu_core_count(), "openmp", (int)_OPENMP, "blas_config", openblas_get_config(),
                        "cudnn_version", (Py_ssize_t)dp_cudnn_version(), "mpi_library", dp_dist_library_version(),
                        "mpi_cuda_aware", dp_dist_cuda_aware(), "cpu_gemm",
-                       dp_small_gemm_built() ? "dpcore AVX-512 8x32 (DPCORE_OWN_GEMM=0: the BLAS)" : "the BLAS");
+                       dp_small_gemm_built() == 2   ? "dpcore AVX-512 8x32 (DPCORE_OWN_GEMM=0: the BLAS)"
+                       : dp_small_gemm_built() == 1 ? "dpcore AVX2 6x16 (DPCORE_OWN_GEMM=0: the BLAS)"
+                                                    : "the BLAS");
 }
 
 /* backend_null_entries(name) -> [names of the entries the backend table leaves NULL];

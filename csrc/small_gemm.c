@@ -23,7 +23,7 @@
 /* the NT product's K block: a packed panel of NR x KC floats (64 KiB) */
 #define KC (DP_SMALL_GEMM_PACK_FLOATS / NR)
 
-int dp_small_gemm_built(void) { return 1; }
+int dp_small_gemm_built(void) { return 2; }
 
 dp_status dp_small_gemm_on(int *on) {
   DP_TRY(dp_env_switch("DPCORE_OWN_GEMM", DP_SG_DEFAULT, on));
@@ -198,7 +198,187 @@ static void kernel_gemm(int ta, int tb, int64_t M, int64_t N, int64_t K, const f
   }
 }
 
-#else /* no AVX-512 in this build: CBLAS */
+#elif defined(__AVX2__) && defined(__FMA__)
+/* AVX2 + FMA (no AVX-512): the same kernel at half the width, a 6 x 16
+ * block (12 of the 16 vector registers accumulate, two hold B's row k, one
+ * the broadcast); a panel of at most 8 columns on one vector of columns.
+ * Each output the same sequence of fused multiply-adds in k order as the
+ * AVX-512 kernel's: the same bits. Against OpenBLAS's AVX2 kernels, which
+ * pack both operands on every call: benchmarks/RESULTS.md, "An AVX2-only
+ * machine". */
+#define DP_SG_DEFAULT 1
+#define MR 6
+#define NR 16
+#define KC (DP_SMALL_GEMM_PACK_FLOATS / NR)
+
+int dp_small_gemm_built(void) { return 1; }
+
+dp_status dp_small_gemm_on(int *on) {
+  DP_TRY(dp_env_switch("DPCORE_OWN_GEMM", DP_SG_DEFAULT, on));
+  return DP_OK;
+}
+
+/* lanes l < n of 8 (vmaskmov's masks) */
+static inline __m256i lanes8(int64_t n) {
+  const int c = n < 0 ? 0 : n > 8 ? 8 : (int)n;
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(c), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+/* C[0..R)[cols] (+)= A[0..R)[0..K) . B[0..K)[cols], R <= 6 (a constant at
+ * each call, as wide and full): A's element (r, k) at A[r * rs + k * ks] (as
+ * the AVX-512 kernel's); full: 16 columns, plain loads and stores; else the
+ * columns of m0 (and, wide, m1 from column 8) under masks */
+static inline __attribute__((always_inline)) void mk16(const int R, int64_t K, const float *A, int64_t rs, int64_t ks,
+                                                       const float *B, int64_t ldb, float *C, int64_t ldc,
+                                                       __m256i m0, __m256i m1, int acc, const int wide,
+                                                       const int full) {
+  __m256 c[MR][2];
+  for (int r = 0; r < R; ++r) {
+    c[r][0] = !acc ? _mm256_setzero_ps() : full ? _mm256_loadu_ps(C + r * ldc) : _mm256_maskload_ps(C + r * ldc, m0);
+    c[r][1] = !acc || !wide ? _mm256_setzero_ps()
+              : full        ? _mm256_loadu_ps(C + r * ldc + 8)
+                            : _mm256_maskload_ps(C + r * ldc + 8, m1);
+  }
+  for (int64_t k = 0; k < K; ++k) {
+    const float *bk = B + k * ldb, *ak = A + k * ks;
+    const __m256 b0 = full ? _mm256_loadu_ps(bk) : _mm256_maskload_ps(bk, m0);
+    const __m256 b1 = !wide ? b0 : full ? _mm256_loadu_ps(bk + 8) : _mm256_maskload_ps(bk + 8, m1);
+    for (int r = 0; r < R; ++r) {
+      const __m256 s = _mm256_broadcast_ss(ak + r * rs);
+      c[r][0] = _mm256_fmadd_ps(s, b0, c[r][0]);
+      if (wide) c[r][1] = _mm256_fmadd_ps(s, b1, c[r][1]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    if (full) {
+      _mm256_storeu_ps(C + r * ldc, c[r][0]);
+      _mm256_storeu_ps(C + r * ldc + 8, c[r][1]);
+    } else {
+      _mm256_maskstore_ps(C + r * ldc, m0, c[r][0]);
+      if (wide) _mm256_maskstore_ps(C + r * ldc + 8, m1, c[r][1]);
+    }
+  }
+}
+
+/* rows [0, M) of C against one panel of nj <= 16 columns */
+static inline __attribute__((always_inline)) void panel(int64_t M, int64_t nj, int64_t K, const float *A, int64_t rs,
+                                                        int64_t ks, const float *B, int64_t ldb, float *C,
+                                                        int64_t ldc, int acc) {
+  const __m256i m0 = lanes8(nj), m1 = lanes8(nj - 8);
+  int64_t i = 0;
+  if (nj == NR) {
+    for (; i + MR <= M; i += MR) mk16(MR, K, A + i * rs, rs, ks, B, ldb, C + i * ldc, ldc, m0, m1, acc, 1, 1);
+  } else if (nj > 8) {
+    for (; i + MR <= M; i += MR) mk16(MR, K, A + i * rs, rs, ks, B, ldb, C + i * ldc, ldc, m0, m1, acc, 1, 0);
+  } else {
+    for (; i + MR <= M; i += MR) mk16(MR, K, A + i * rs, rs, ks, B, ldb, C + i * ldc, ldc, m0, m1, acc, 0, 0);
+  }
+  switch (M - i) { /* the last rows, a block of their own size */
+    case 5:
+      mk16(5, K, A + i * rs, rs, ks, B, ldb, C + i * ldc, ldc, m0, m1, acc, 1, 0);
+      break;
+    case 4:
+      mk16(4, K, A + i * rs, rs, ks, B, ldb, C + i * ldc, ldc, m0, m1, acc, 1, 0);
+      break;
+    case 3:
+      mk16(3, K, A + i * rs, rs, ks, B, ldb, C + i * ldc, ldc, m0, m1, acc, 1, 0);
+      break;
+    case 2:
+      mk16(2, K, A + i * rs, rs, ks, B, ldb, C + i * ldc, ldc, m0, m1, acc, 1, 0);
+      break;
+    case 1:
+      mk16(1, K, A + i * rs, rs, ks, B, ldb, C + i * ldc, ldc, m0, m1, acc, 1, 0);
+      break;
+    default:
+      break;
+  }
+}
+
+/* blocks of KB k by MB rows (a multiple of 6), as the AVX-512 kernel's */
+#define KB 256
+#define MB 120
+
+static inline __attribute__((always_inline)) void drive(int64_t M, int64_t N, int64_t K, const float *A, int64_t rs,
+                                                        int64_t ks, const float *B, int64_t ldb, float *C,
+                                                        int64_t ldc, int acc) {
+  for (int64_t k0 = 0; k0 < K; k0 += KB) {
+    const int64_t kc = K - k0 < KB ? K - k0 : KB;
+    for (int64_t i0 = 0; i0 < M; i0 += MB) {
+      const int64_t mc = M - i0 < MB ? M - i0 : MB;
+      for (int64_t j = 0; j < N; j += NR)
+        panel(mc, N - j < NR ? N - j : NR, kc, A + i0 * rs + k0 * ks, rs, ks, B + k0 * ldb + j, ldb,
+              C + i0 * ldc + j, ldc, acc || k0 > 0);
+    }
+  }
+}
+
+/* out[k * out_ld + r] = src[r * ld + k], r, k < 8: an 8 x 8 transpose in registers */
+static inline void transpose8(const float *src, int64_t ld, float *out, int64_t out_ld) {
+  __m256 r[8], t[8];
+  for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(src + i * ld);
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 8; i += 4) {
+    r[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
+    r[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
+    r[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+    r[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+  }
+  /* r[0..3]: columns {0, 1, 2, 3} of rows 0-3 (low half) and 4-7 of rows 0-3 (high half); r[4..7] the same
+   * for rows 4-7: the 128-bit halves recombined */
+  for (int i = 0; i < 4; ++i) {
+    _mm256_storeu_ps(out + i * out_ld, _mm256_permute2f128_ps(r[i], r[i + 4], 0x20));
+    _mm256_storeu_ps(out + (i + 4) * out_ld, _mm256_permute2f128_ps(r[i], r[i + 4], 0x31));
+  }
+}
+
+/* pack[k * NR + jj] = B[jj * ldb + k], jj < nj, k < kc: 8 x 8 blocks in
+ * registers, the edges one float at a time */
+static void pack_transposed(const float *B, int64_t ldb, int64_t nj, int64_t kc, float *pack) {
+  const int64_t kfull = kc & ~(int64_t)7, jfull = nj & ~(int64_t)7;
+  for (int64_t jj = 0; jj < jfull; jj += 8)
+    for (int64_t k = 0; k < kfull; k += 8) transpose8(B + jj * ldb + k, ldb, pack + k * NR + jj, NR);
+  for (int64_t jj = 0; jj < nj; ++jj) {
+    const float *src = B + jj * ldb;
+    for (int64_t k = jj < jfull ? kfull : 0; k < kc; ++k) pack[k * NR + jj] = src[k];
+  }
+}
+
+/* C (+)= A . B^T, B stored (N, K): B^T packed a panel of NR columns by KC k at a time */
+static void gemm_nt(int64_t M, int64_t N, int64_t K, const float *A, int64_t lda, const float *B, int64_t ldb,
+                    float *C, int64_t ldc, int accumulate, float *pack) {
+  for (int64_t k0 = 0; k0 < K; k0 += KC) {
+    const int64_t kc = K - k0 < KC ? K - k0 : KC;
+    for (int64_t j = 0; j < N; j += NR) {
+      const int64_t nj = N - j < NR ? N - j : NR;
+      pack_transposed(B + j * ldb + k0, ldb, nj, kc, pack);
+      for (int64_t i0 = 0; i0 < M; i0 += MB) {
+        const int64_t mc = M - i0 < MB ? M - i0 : MB;
+        panel(mc, nj, kc, A + i0 * lda + k0, lda, 1, pack, NR, C + i0 * ldc + j, ldc, accumulate || k0 > 0);
+      }
+    }
+  }
+}
+
+static int kernel_takes(int own, int ta, int tb) { return own && !(ta && tb); }
+
+static void kernel_gemm(int ta, int tb, int64_t M, int64_t N, int64_t K, const float *A, int64_t lda, const float *B,
+                        int64_t ldb, float *C, int64_t ldc, int accumulate, float *pack) {
+  if (K <= 0) {
+    if (!accumulate)
+      for (int64_t i = 0; i < M; ++i) memset(C + i * ldc, 0, sizeof(float) * (size_t)N);
+  } else if (tb) {
+    gemm_nt(M, N, K, A, lda, B, ldb, C, ldc, accumulate, pack);
+  } else if (ta) {
+    drive(M, N, K, A, 1, lda, B, ldb, C, ldc, accumulate);
+  } else {
+    drive(M, N, K, A, lda, 1, B, ldb, C, ldc, accumulate);
+  }
+}
+
+#else /* neither AVX-512 nor AVX2 + FMA in this build: CBLAS */
 
 int dp_small_gemm_built(void) { return 0; }
 

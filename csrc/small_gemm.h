@@ -1,7 +1,8 @@
 /* small_gemm.h — the CPU convolutions' GEMMs (Winograd F(2x2, 3x3)'s
  * products, winograd.c; the im2col GEMMs, backend_cpu.c): dpcore's own
- * single-threaded SGEMM where the compiler targets AVX-512, CBLAS elsewhere
- * or when DPCORE_OWN_GEMM=0.
+ * single-threaded SGEMM where the compiler targets AVX-512 (or AVX2 and FMA:
+ * the same kernel at half the width, a 6 x 16 block), CBLAS elsewhere or
+ * when DPCORE_OWN_GEMM=0.
  *
  * Why not only the BLAS: the products are small GEMMs (64..512 channels by
  * a few dozen to a few hundred tiles) called from inside dpcore's own
@@ -15,7 +16,8 @@
  * AVX-512 GEMM kernel A/B").
  *
  * On the kernel each output is one sequential sum of fused multiply-adds in k
- * order (the same bits whatever the blocking and the thread).
+ * order (the same bits whatever the blocking and the thread, and the same on
+ * the AVX2 kernel as on the AVX-512 one).
  */
 #ifndef DP_SMALL_GEMM_H
 #define DP_SMALL_GEMM_H
@@ -24,10 +26,11 @@
 
 #include "dp_status.h"
 
-/* 1 where this build has the kernel (whatever the switch says), else 0 */
+/* 2 where this build has the AVX-512 kernel, 1 the AVX2 + FMA one (whatever
+ * the switch says), else 0 */
 int dp_small_gemm_built(void);
 
-/* 1 where this build has the kernel (AVX-512F) and DPCORE_OWN_GEMM is not 0;
+/* 1 where this build has a kernel (AVX-512F, or AVX2 and FMA) and DPCORE_OWN_GEMM is not 0;
  * else 0: the callers use the BLAS. Fails only for a malformed switch. */
 DP_MUST_CHECK dp_status dp_small_gemm_on(int *on);
 

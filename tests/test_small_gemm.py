@@ -32,7 +32,8 @@ import dpcore as dp
 from test_conv_cpu import TOL_LONG, TOL_SHORT, assert_switch_rejects, assert_within_bound, err, make, reference
 
 ops = dp.ops
-BUILT = "AVX-512" in dp.build_info()["cpu_gemm"]
+BUILT = dp.build_info()["cpu_gemm"] != "the BLAS"       # a kernel of dpcore's (AVX-512 or AVX2 + FMA)
+AVX512 = "AVX-512" in dp.build_info()["cpu_gemm"]
 
 # (N, C, H, W, O, K, stride, pad): each on the im2col path (O > 64: not the implicit GEMM's)
 CASES = [
@@ -81,7 +82,7 @@ def test_within_the_bounds(monkeypatch, own, case):
     check(case, seed=sum(case))
 
 
-@pytest.mark.skipif(not BUILT, reason="this build has no dpcore GEMM kernel (no AVX-512): the switch has nothing to turn")
+@pytest.mark.skipif(not BUILT, reason="this build has no dpcore GEMM kernel (no AVX-512, no AVX2 + FMA): the switch has nothing to turn")
 def test_the_switch_reaches_the_kernel(monkeypatch):
     """On and off give other bits (another summation order than the BLAS's), so
     the bounds above held for both; each repeatable."""
@@ -99,7 +100,8 @@ def test_the_switch_reaches_the_kernel(monkeypatch):
 
 
 def test_build_info_names_the_kernel():
-    assert dp.build_info()["cpu_gemm"] in ("dpcore AVX-512 8x32 (DPCORE_OWN_GEMM=0: the BLAS)", "the BLAS")
+    assert dp.build_info()["cpu_gemm"] in ("dpcore AVX-512 8x32 (DPCORE_OWN_GEMM=0: the BLAS)",
+                                           "dpcore AVX2 6x16 (DPCORE_OWN_GEMM=0: the BLAS)", "the BLAS")
 
 
 @pytest.mark.parametrize("value", ["yes", "2", "-1"])
@@ -130,16 +132,16 @@ def test_benchmark_quick_run():
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=root)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     for row in ("| 64 -> 64, 3x3 on 28x28 (Winograd F(2x2, 3x3)) | 2 |", "| 64 -> 128, 1x1 stride 2 on 28x28 (im2col) |",
-                "whole ResNet-18 train_step", "OpenBLAS (dpcore's choice) / dpcore's", "SkylakeX" if BUILT else ""):
+                "whole ResNet-18 train_step", "OpenBLAS (dpcore's choice) / dpcore's", "SkylakeX" if AVX512 else ""):
         assert row in proc.stdout, proc.stdout
 
 
-def run_native_c_check(tmp_path, program, core_sources):
+def run_native_c_check(tmp_path, program, core_sources, march="native"):
     """tests/c/<program>.c with the named csrc/ files, built for this CPU (-march=native, as the
-    extension is: its AVX-512 code, where the CPU has it) under ASan and UBSan, run; it must say
-    "<program>: ok" with no sanitizer report. Returns its output."""
+    extension is: its AVX-512 code, where the CPU has it; or the given -march) under ASan and
+    UBSan, run; it must say "<program>: ok" with no sanitizer report. Returns its output."""
     from test_sanitizers import ASAN_UBSAN, clean_env, compile_program
-    exe = compile_program(tmp_path, program, core_sources, ASAN_UBSAN, link_flags=["-march=native"])
+    exe = compile_program(tmp_path, program, core_sources, ASAN_UBSAN, link_flags=["-march=" + march])
     proc = subprocess.run([str(exe)], capture_output=True, text=True, timeout=600,
                           env=clean_env(ASAN_OPTIONS="detect_leaks=1:halt_on_error=1",
                                         UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1"))
@@ -158,9 +160,21 @@ def test_kernel_against_float64_under_the_sanitizers(tmp_path):
     the extension is) with ASan and UBSan. Without AVX-512 it checks that the
     kernel reports itself not built."""
     report = run_native_c_check(tmp_path, "small_gemm_check", ["small_gemm.c", "status.c"])
-    # -march=native targets AVX-512 exactly where this CPU has it (whatever the extension's build did)
+    # -march=native targets AVX-512 (or AVX2 and FMA) exactly where this CPU has it (whatever the
+    # extension's build did)
     from dpcore._blas_kernels import cpu_flags
-    assert ("not built" in report) == ("avx512f" not in cpu_flags()), report
+    flags = cpu_flags()
+    assert ("not built" in report) == ("avx512f" not in flags and not {"avx2", "fma"} <= flags), report
+
+
+def test_avx2_kernel_against_float64_under_the_sanitizers(tmp_path):
+    """The same check of the AVX2 + FMA kernel (6x16 block; what an AVX2-only machine's
+    -march=native build runs), built with -march=haswell on a CPU that has AVX2 and FMA."""
+    from dpcore._blas_kernels import cpu_flags
+    if not {"avx2", "fma"} <= cpu_flags():
+        pytest.skip("this CPU has no AVX2 + FMA: a -march=haswell program cannot run here")
+    report = run_native_c_check(tmp_path, "small_gemm_check", ["small_gemm.c", "status.c"], march="haswell")
+    assert "not built" not in report, report
 
 
 def test_winograd_bits_do_not_depend_on_the_thread_count(tmp_path):

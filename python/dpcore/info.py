@@ -21,7 +21,7 @@ def build_info():
     ``cuda_devices`` (each physical GPU's name, memory_bytes and
     compute_capability), ``cuda_why`` (why no CUDA device is usable, e.g. no
     driver), ``cpu_gemm`` (whose kernel runs the CPU convolutions' GEMMs:
-    dpcore's own AVX-512 one where the build targets AVX-512, else the BLAS),
+    dpcore's own AVX-512 or AVX2 one where the build targets them, else the BLAS),
     and ``summary``, a one-line dict for logs.
     """
     info = dict(build_flags())

@@ -1,7 +1,8 @@
 /* small_gemm_check.c — csrc/small_gemm.c's kernel (dp_gemm with own = 1) in its three products against a double
  * reference, built with the CPU's own instruction set (tests/test_small_gemm.py
- * compiles it with -march=native under ASan and UBSan; without AVX-512 the
- * kernel is not built and the program checks that the switch says so).
+ * compiles it with -march=native under ASan and UBSan, and with -march=haswell
+ * for the AVX2 + FMA kernel; without either the kernel is not built and the
+ * program checks that the switch says so).
  *
  * For each shape (M, N, K) (the kernel's edges: rows around its 8-row block,
  * columns around its 16 and 32 lanes, K around its blocks of 256 and 512,
@@ -90,15 +91,17 @@ static void check_product(int mode, int64_t M, int64_t N, int64_t K, int accumul
 int main(void) {
   int on = -1;
   CHECK(dp_small_gemm_on(&on) == DP_OK);
-  CHECK(on == dp_small_gemm_built());
+  CHECK(on == (dp_small_gemm_built() != 0));
   if (!dp_small_gemm_built()) {
-    printf("small_gemm_check: the kernel is not built (no AVX-512): nothing else to check\n");
+    printf("small_gemm_check: the kernel is not built (no AVX-512, no AVX2 + FMA): nothing else to check\n");
     printf(failures ? "small_gemm_check: FAILED\n" : "small_gemm_check: ok\n");
     return failures ? 1 : 0;
   }
   const int64_t shapes[][3] = {
       {1, 1, 1},     {8, 32, 64},   {7, 31, 5},    {9, 33, 257},  {16, 16, 256}, {17, 15, 513}, {64, 196, 64},
       {67, 90, 360}, {129, 47, 3},  {3, 200, 600}, {8, 1, 1000},  {1, 64, 1},    {150, 8, 297}, {24, 48, 1100},
+      /* the AVX2 kernel's: rows around its 6-row block and 120-row blocks, columns around 8 and 16 */
+      {6, 8, 33},    {13, 9, 70},   {11, 17, 256}, {121, 7, 5},   {12, 16, 2100},
   };
   for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; ++s)
     for (int mode = 0; mode < 3; ++mode) {
