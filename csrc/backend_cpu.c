@@ -1246,11 +1246,12 @@ static dp_status cpu_global_avgpool_backward(dp_device *dev, int64_t N, int C, i
   return DP_OK;
 }
 
-/* Channel sums accumulate in double, samples in order: reproducible and
- * accurate over N*HW values (50,000 for ResNet-18's first stage at batch 64). */
-/* BatchNorm's per-channel sums over the batch, by groups of samples
- * (winograd.h: dp_sample_groups); the partials' place, k doubles per group
- * and channel, in the scratch */
+/* BatchNorm's per-channel sums over the batch accumulate in double, by fixed
+ * groups of samples (winograd.h: dp_sample_groups), each group's samples in
+ * order and the groups in order: reproducible whatever the threads, and
+ * accurate over N*HW values (50,000 for ResNet-18's first stage at batch
+ * 64). bn_partials: the groups' partials, k doubles per group and channel,
+ * in the scratch. */
 static dp_status bn_partials(dp_device *dev, int64_t N, int C, int k, double **out) {
   float *p;
   DP_TRY(cpu_scratch(dev, (size_t)(2 * k * dp_sample_groups(N) * (int64_t)C), &p));
