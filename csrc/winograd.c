@@ -706,6 +706,54 @@ static void input_segment(const wino_plan *p, const float *src, int ti, int tj0,
 }
 #endif
 
+#if defined(__AVX2__) && !defined(__AVX512F__)
+/* lanes l < n of 8 (vmaskmov's masks) */
+static inline __m256i lanes8_of(int64_t n) {
+  const int c = n < 0 ? 0 : n > 8 ? 8 : (int)n;
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(c), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+/* columns s, s + 2, ..., s + 14 of a row from its 8 + 8 floats lo, hi (s = 0 even, 1 odd) */
+static inline __m256 cols_of(__m256 lo, __m256 hi, int odd) {
+  const __m256 t = odd ? _mm256_shuffle_ps(lo, hi, 0xDD) : _mm256_shuffle_ps(lo, hi, 0x88);
+  return _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(t), 0xD8));
+}
+
+/* The tiles tj0 .. tj0 + min(n, 8) - 1 of a tile row of the zero-bordered
+ * plane (its rows r0..r3 from tile tj0's first column, left floats of each
+ * row from there): input_plane_bordered's scalar arithmetic per tile in its
+ * order (the same bits), 8 tiles a vector, loads and stores masked to the row
+ * and to the tiles */
+static inline void input_tiles_avx2(const float *r0, const float *r1, const float *r2, const float *r3,
+                                    int64_t left, int tj0, int n, float *vt, int64_t vs) {
+  const float *rows[4] = {r0 + 2 * tj0, r1 + 2 * tj0, r2 + 2 * tj0, r3 + 2 * tj0};
+  const __m256i m0 = lanes8_of(left), m8 = lanes8_of(left - 8), m2 = lanes8_of(left - 2), m10 = lanes8_of(left - 10);
+  __m256 d[4][4]; /* d[row][s]: column s of each of the 8 tiles */
+  for (int r = 0; r < 4; ++r) {
+    const __m256 a = _mm256_maskload_ps(rows[r], m0), b = _mm256_maskload_ps(rows[r] + 8, m8);
+    const __m256 c = _mm256_maskload_ps(rows[r] + 2, m2), e = _mm256_maskload_ps(rows[r] + 10, m10);
+    d[r][0] = cols_of(a, b, 0);
+    d[r][1] = cols_of(a, b, 1);
+    d[r][2] = cols_of(c, e, 0);
+    d[r][3] = cols_of(c, e, 1);
+  }
+  const __m256i sm = lanes8_of(n);
+  float *o = vt + tj0;
+  for (int i = 0; i < 4; ++i) {
+    __m256 t[4];
+    for (int k = 0; k < 4; ++k)
+      t[k] = i == 0   ? _mm256_sub_ps(d[0][k], d[2][k])
+             : i == 1 ? _mm256_add_ps(d[1][k], d[2][k])
+             : i == 2 ? _mm256_sub_ps(d[2][k], d[1][k])
+                      : _mm256_sub_ps(d[1][k], d[3][k]);
+    _mm256_maskstore_ps(o + (4 * i + 0) * vs, sm, _mm256_sub_ps(t[0], t[2]));
+    _mm256_maskstore_ps(o + (4 * i + 1) * vs, sm, _mm256_add_ps(t[1], t[2]));
+    _mm256_maskstore_ps(o + (4 * i + 2) * vs, sm, _mm256_sub_ps(t[2], t[1]));
+    _mm256_maskstore_ps(o + (4 * i + 3) * vs, sm, _mm256_sub_ps(t[1], t[3]));
+  }
+}
+#endif
+
 /* v[xi*vstride + tile] = (B^T d B)[xi] for every tile d of one (h, w) plane
  * src: with AVX-512 read in place (every plane) and only the entries xi in
  * xmask written; else copied into plane (hp, wp), its border zero (only the
@@ -725,8 +773,12 @@ static void input_plane_bordered(const wino_plan *p, const float *src, float *pl
   for (int ti = 0; ti < p->th; ++ti) {
     const float *r0 = plane + (int64_t)2 * ti * p->wp, *r1 = r0 + p->wp, *r2 = r1 + p->wp, *r3 = r2 + p->wp;
     float *vt = v + (int64_t)ti * p->tw;
+    int tj = 0;
+#if defined(__AVX2__) && !defined(__AVX512F__) /* 8 tiles a vector */
+    for (; tj < p->tw; tj += 8) input_tiles_avx2(r0, r1, r2, r3, p->wp - 2 * tj, tj, p->tw - tj, vt, vstride);
+#endif
     DP_IVDEP
-    for (int tj = 0; tj < p->tw; ++tj) {
+    for (; tj < p->tw; ++tj) {
       const int j = 2 * tj;
       float t[4][4]; /* B^T d: the rows combined */
       for (int k = 0; k < 4; ++k) {
@@ -817,6 +869,32 @@ static void output_segment(const wino_plan *p, const float *m, int64_t mstride, 
 }
 #endif
 
+#if defined(__AVX2__) && !defined(__AVX512F__)
+/* output_tile for the min(n, 8) tiles of a tile row (tile k's entry xi at
+ * m[xi*ms + k]) into rows y0 and y1 (NULL: past the plane's bottom), cols
+ * outputs of each row stored: output_tile's arithmetic in its order (the
+ * same bits), the even and odd columns interleaved in registers */
+static inline void output_tiles_avx2(const float *m, int64_t ms, int n, int cols, float bias, float *y0, float *y1) {
+  const __m256i lm = lanes8_of(n), s0 = lanes8_of(cols), s1 = lanes8_of(cols - 8);
+  __m256 v[16];
+  for (int xi = 0; xi < 16; ++xi) v[xi] = _mm256_maskload_ps(m + xi * ms, lm);
+  const __m256 bv = _mm256_set1_ps(bias);
+  for (int i = 0; i < 2; ++i) {
+    float *y = i == 0 ? y0 : y1;
+    if (!y) break;
+    __m256 t[4];
+    for (int k = 0; k < 4; ++k)
+      t[k] = i == 0 ? _mm256_add_ps(_mm256_add_ps(v[k], v[4 + k]), v[8 + k])
+                    : _mm256_sub_ps(_mm256_sub_ps(v[4 + k], v[8 + k]), v[12 + k]);
+    const __m256 even = _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(t[0], t[1]), t[2]), bv);
+    const __m256 odd = _mm256_add_ps(_mm256_sub_ps(_mm256_sub_ps(t[1], t[2]), t[3]), bv);
+    const __m256 lo = _mm256_unpacklo_ps(even, odd), hi = _mm256_unpackhi_ps(even, odd);
+    _mm256_maskstore_ps(y, s0, _mm256_permute2f128_ps(lo, hi, 0x20));
+    _mm256_maskstore_ps(y + 8, s1, _mm256_permute2f128_ps(lo, hi, 0x31));
+  }
+}
+#endif
+
 static void output_plane(const wino_plan *p, const float *m, int64_t mstride, float bias, float *y) {
   const int w = p->w, full = w / 2; /* tile columns with both outputs inside */
 #if defined(__AVX512F__)
@@ -825,6 +903,16 @@ static void output_plane(const wino_plan *p, const float *m, int64_t mstride, fl
   return;
 #endif
   if (w < WINO_ROW_MIN) { /* short rows: a tile at a time (the row loops measured slower) */
+#if defined(__AVX2__) && !defined(__AVX512F__) /* or 8 tiles a vector */
+    for (int ti = 0; ti < p->th; ++ti) {
+      float *y0 = y + (int64_t)2 * ti * w, *y1 = 2 * ti + 1 < p->h ? y0 + w : NULL;
+      for (int tj = 0; tj < p->tw; tj += 8)
+        output_tiles_avx2(m + (int64_t)ti * p->tw + tj, mstride, p->tw - tj, w - 2 * tj, bias, y0 + 2 * tj,
+                          y1 ? y1 + 2 * tj : NULL);
+    }
+    (void)full;
+    return;
+#endif
     for (int ti = 0; ti < p->th; ++ti)
       for (int tj = 0; tj < p->tw; ++tj) {
         float o[2][2];
@@ -999,7 +1087,8 @@ static void own_chunks(const wino_plan *p, int64_t N, const float *in, int flip,
                        const float *U, float *shared, float *plane) {
   const int t = omp_get_thread_num();
   const int64_t hw = (int64_t)p->h * p->w, out_sz = p->cout * hw, P = p->lanes.P;
-  const int64_t ct = p->chunk / p->nt, vs = p->cin * ct * p->tiles + WINO_SKEW, ms = p->cout * ct * p->tiles + WINO_SKEW;
+  const int64_t ct = p->chunk / p->nt, vs = p->cin * ct * p->tiles + WINO_SKEW,
+                ms = p->cout * ct * p->tiles + WINO_SKEW;
   float *V = shared + t * 16 * (vs + ms), *M = V + 16 * vs; /* nt of them fit in p->shared */
   const int64_t s0 = N * t / p->nt, mine = N * (t + 1) / p->nt - s0, nch = (mine + ct - 1) / ct;
   for (int64_t k = 0; k < nch; ++k) {
@@ -1146,6 +1235,27 @@ static void dy_cols(const float *restrict r0, const float *restrict r1, int n, f
   }
 }
 
+#if defined(__AVX2__) && !defined(__AVX512F__)
+/* dy_cols for the min(n, 8) tiles from dy's rows r0, r1 (columns at or past
+ * cols read as zero: an odd width's last tile): its arithmetic in its order
+ * (the same bits), 8 tiles a vector */
+static inline void dy_tiles_avx2(const float *r0, const float *r1, int cols, int n, float *wt, int64_t ws) {
+  const __m256i c0 = lanes8_of(cols), c8 = lanes8_of(cols - 8), sm = lanes8_of(n);
+  const __m256 x0 = _mm256_maskload_ps(r0, c0), x1 = _mm256_maskload_ps(r0 + 8, c8);
+  const __m256 y0 = _mm256_maskload_ps(r1, c0), y1 = _mm256_maskload_ps(r1 + 8, c8);
+  const __m256 a = cols_of(x0, x1, 0), b = cols_of(x0, x1, 1), c = cols_of(y0, y1, 0), d = cols_of(y0, y1, 1);
+  const __m256 sign = _mm256_set1_ps(-0.0f); /* -x as the scalar code's: the sign bit flipped */
+  const __m256 t0[4] = {a, _mm256_add_ps(a, c), _mm256_sub_ps(a, c), _mm256_xor_ps(c, sign)};
+  const __m256 t1[4] = {b, _mm256_add_ps(b, d), _mm256_sub_ps(b, d), _mm256_xor_ps(d, sign)};
+  for (int i = 0; i < 4; ++i) {
+    _mm256_maskstore_ps(wt + (4 * i + 0) * ws, sm, t0[i]);
+    _mm256_maskstore_ps(wt + (4 * i + 1) * ws, sm, _mm256_add_ps(t0[i], t1[i]));
+    _mm256_maskstore_ps(wt + (4 * i + 2) * ws, sm, _mm256_sub_ps(t0[i], t1[i]));
+    _mm256_maskstore_ps(wt + (4 * i + 3) * ws, sm, _mm256_xor_ps(t1[i], sign));
+  }
+}
+#endif
+
 /* w[xi*wstride + tile] = (A dY A^T)[xi] for every 2x2 block dY of one (h, w)
  * plane of dy, zero past the plane's edge (the forward pass dropped those
  * outputs): the gradient of the tile's M given its outputs' gradients. zrow:
@@ -1165,6 +1275,12 @@ static void dy_plane(const wino_plan *p, const float *src, const float *zrow, fl
     continue;
 #else
     (void)xmask; /* the scalar code writes all 16 entries */
+#endif
+#if defined(__AVX2__) && !defined(__AVX512F__) /* 8 tiles a vector */
+    for (int tj = 0; tj < p->tw; tj += 8)
+      dy_tiles_avx2(r0 + 2 * tj, r1 + 2 * tj, p->w - 2 * tj, p->tw - tj, wt + tj, wstride);
+    (void)full;
+    continue;
 #endif
     dy_cols(r0, r1, full, wt, wstride);
     if (full < p->tw) { /* odd w: the last tile's second column is outside */

@@ -185,6 +185,16 @@ def test_winograd_bits_do_not_depend_on_the_thread_count(tmp_path):
     run_native_c_check(tmp_path, "winograd_threads", ["winograd.c", "small_gemm.c", "status.c"])
 
 
+def test_winograd_avx2_forms_bits_do_not_depend_on_the_thread_count(tmp_path):
+    """The same program built with -march=haswell (an AVX2-only machine's build: the AVX2 GEMM
+    kernel, the bordered planes' input and the short rows' output transforms 8 tiles a vector,
+    masked to the rows and tiles), under ASan and UBSan, on a CPU that has AVX2 and FMA."""
+    from dpcore._blas_kernels import cpu_flags
+    if not {"avx2", "fma"} <= cpu_flags():
+        pytest.skip("this CPU has no AVX2 + FMA: a -march=haswell program cannot run here")
+    run_native_c_check(tmp_path, "winograd_threads", ["winograd.c", "small_gemm.c", "status.c"], march="haswell")
+
+
 def test_stride2_winograd_bits_and_blocks(tmp_path):
     """tests/c/winograd_s2_threads.c: the stride-2 Winograd (csrc/winograd_s2.c) with its
     groups, blocks and rounds made small: y, dx, dw and db against a double direct
