@@ -44,6 +44,16 @@ static inline void dp_transpose16(const __m512 in[16], __m512 out[16]) {
 }
 #endif
 
+#if defined(__AVX2__) && !defined(__AVX512F__)
+#include <immintrin.h>
+
+/* lanes [0, n) of 8 as a vmaskmov mask (AVX2 builds' kernels: small_gemm.c, winograd.c) */
+static inline __m256i dp_lanes8_upto(int64_t n) {
+  const int c = n < 0 ? 0 : n > 8 ? 8 : (int)n;
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(c), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+#endif
+
 /* Planes with 16 samples in the lanes (winograd_s2.c, winograd_lanes.c):
  * dst's pixel (i + off, j + off) (a plane of rows of dwp pixels, 16 floats
  * each), lane s = src[s * sstride + i * w + j] for i < h, j < w, s < cnt;

@@ -17,18 +17,11 @@
 #include "gemm_kernel.h"
 
 #if defined(__AVX512F__)
-#define DP_SG_DEFAULT 1
+#define DP_SG_KERNEL 2 /* dp_small_gemm_built's answer */
 #define MR 8
 #define NR 32
-/* the NT product's K block: a packed panel of NR x KC floats (64 KiB) */
-#define KC (DP_SMALL_GEMM_PACK_FLOATS / NR)
-
-int dp_small_gemm_built(void) { return 2; }
-
-dp_status dp_small_gemm_on(int *on) {
-  DP_TRY(dp_env_switch("DPCORE_OWN_GEMM", DP_SG_DEFAULT, on));
-  return DP_OK;
-}
+#define MB 128 /* rows a block (A's block, 128 KiB at K = 256, in the L2 cache) */
+#define TB 16  /* the NT packing's register transpose: TB x TB */
 
 /* A's element (row r, k) is a[r * rs + k * ks]: rs = lda and ks = 1 for A
  * as stored (NN), rs = 1 and ks = lda for A stored transposed (TN); each
@@ -122,80 +115,14 @@ static inline __attribute__((always_inline)) void panel(int64_t M, int64_t nj, i
   for (; i < M; ++i) mk1x32(K, A + i * rs, ks, B, ldb, C + i * ldc, m0, m1, acc);
 }
 
-/* blocks of KB k by MB rows: A's block (128 KiB) in the L2 cache, B's
- * panel (KB x 32: 32 KiB) in the L1 while the block's rows pass over it */
-#define KB 256
-#define MB 128
-
-/* C (+)= op(A) . B, A's element (r, k) at A[r * rs + k * ks] (A as stored: rs
- * = lda, ks = 1; A stored transposed: rs = 1, ks = lda; the callers pass the
- * 1 as a constant) */
-static inline __attribute__((always_inline)) void drive(int64_t M, int64_t N, int64_t K, const float *A, int64_t rs,
-                                                        int64_t ks, const float *B, int64_t ldb, float *C,
-                                                        int64_t ldc, int acc) {
-  for (int64_t k0 = 0; k0 < K; k0 += KB) {
-    const int64_t kc = K - k0 < KB ? K - k0 : KB;
-    for (int64_t i0 = 0; i0 < M; i0 += MB) {
-      const int64_t mc = M - i0 < MB ? M - i0 : MB;
-      for (int64_t j = 0; j < N; j += NR)
-        panel(mc, N - j < NR ? N - j : NR, kc, A + i0 * rs + k0 * ks, rs, ks, B + k0 * ldb + j, ldb,
-              C + i0 * ldc + j, ldc, acc || k0 > 0);
-    }
-  }
-}
-
 /* out[k * 16 + r] = rows[r][k], r, k < 16 (rows[r] = src + r * ld): a
  * 16 x 16 transpose in registers (pairs unpacked, then 4-float and 128-bit
  * blocks shuffled) */
-static inline void transpose16(const float *src, int64_t ld, float *out, int64_t out_ld) {
+static inline void transpose_block(const float *src, int64_t ld, float *out, int64_t out_ld) {
   __m512 r[16], c[16];
   for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(src + i * ld);
   dp_transpose16(r, c);
   for (int k = 0; k < 16; ++k) _mm512_storeu_ps(out + k * out_ld, c[k]);
-}
-
-/* pack[k * 32 + jj] = B[jj * ldb + k], jj < nj, k < kc: 16 x 16 blocks in
- * registers, the edges one float at a time */
-static void pack_transposed(const float *B, int64_t ldb, int64_t nj, int64_t kc, float *pack) {
-  const int64_t kfull = kc & ~(int64_t)15, jfull = nj & ~(int64_t)15;
-  for (int64_t jj = 0; jj < jfull; jj += 16)
-    for (int64_t k = 0; k < kfull; k += 16) transpose16(B + jj * ldb + k, ldb, pack + k * NR + jj, NR);
-  for (int64_t jj = 0; jj < nj; ++jj) {
-    const float *src = B + jj * ldb;
-    for (int64_t k = jj < jfull ? kfull : 0; k < kc; ++k) pack[k * NR + jj] = src[k];
-  }
-}
-
-/* C (+)= A . B^T, B stored (N, K): B^T packed a panel of NR columns by KC k at a time */
-static void gemm_nt(int64_t M, int64_t N, int64_t K, const float *A, int64_t lda, const float *B, int64_t ldb,
-                    float *C, int64_t ldc, int accumulate, float *pack) {
-  for (int64_t k0 = 0; k0 < K; k0 += KC) {
-    const int64_t kc = K - k0 < KC ? K - k0 : KC;
-    for (int64_t j = 0; j < N; j += NR) {
-      const int64_t nj = N - j < NR ? N - j : NR;
-      pack_transposed(B + j * ldb + k0, ldb, nj, kc, pack);
-      for (int64_t i0 = 0; i0 < M; i0 += MB) {
-        const int64_t mc = M - i0 < MB ? M - i0 : MB;
-        panel(mc, nj, kc, A + i0 * lda + k0, lda, 1, pack, NR, C + i0 * ldc + j, ldc, accumulate || k0 > 0);
-      }
-    }
-  }
-}
-
-static int kernel_takes(int own, int ta, int tb) { return own && !(ta && tb); }
-
-static void kernel_gemm(int ta, int tb, int64_t M, int64_t N, int64_t K, const float *A, int64_t lda, const float *B,
-                        int64_t ldb, float *C, int64_t ldc, int accumulate, float *pack) {
-  if (K <= 0) {
-    if (!accumulate)
-      for (int64_t i = 0; i < M; ++i) memset(C + i * ldc, 0, sizeof(float) * (size_t)N);
-  } else if (tb) {
-    gemm_nt(M, N, K, A, lda, B, ldb, C, ldc, accumulate, pack);
-  } else if (ta) {
-    drive(M, N, K, A, 1, lda, B, ldb, C, ldc, accumulate);
-  } else {
-    drive(M, N, K, A, lda, 1, B, ldb, C, ldc, accumulate);
-  }
 }
 
 #elif defined(__AVX2__) && defined(__FMA__)
@@ -206,23 +133,11 @@ static void kernel_gemm(int ta, int tb, int64_t M, int64_t N, int64_t K, const f
  * AVX-512 kernel's: the same bits. Against OpenBLAS's AVX2 kernels, which
  * pack both operands on every call: benchmarks/RESULTS.md, "An AVX2-only
  * machine". */
-#define DP_SG_DEFAULT 1
+#define DP_SG_KERNEL 1
 #define MR 6
 #define NR 16
-#define KC (DP_SMALL_GEMM_PACK_FLOATS / NR)
-
-int dp_small_gemm_built(void) { return 1; }
-
-dp_status dp_small_gemm_on(int *on) {
-  DP_TRY(dp_env_switch("DPCORE_OWN_GEMM", DP_SG_DEFAULT, on));
-  return DP_OK;
-}
-
-/* lanes l < n of 8 (vmaskmov's masks) */
-static inline __m256i lanes8(int64_t n) {
-  const int c = n < 0 ? 0 : n > 8 ? 8 : (int)n;
-  return _mm256_cmpgt_epi32(_mm256_set1_epi32(c), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-}
+#define MB 120 /* a multiple of 6 */
+#define TB 8
 
 /* C[0..R)[cols] (+)= A[0..R)[0..K) . B[0..K)[cols], R <= 6 (a constant at
  * each call, as wide and full): A's element (r, k) at A[r * rs + k * ks] (as
@@ -264,7 +179,7 @@ static inline __attribute__((always_inline)) void mk16(const int R, int64_t K, c
 static inline __attribute__((always_inline)) void panel(int64_t M, int64_t nj, int64_t K, const float *A, int64_t rs,
                                                         int64_t ks, const float *B, int64_t ldb, float *C,
                                                         int64_t ldc, int acc) {
-  const __m256i m0 = lanes8(nj), m1 = lanes8(nj - 8);
+  const __m256i m0 = dp_lanes8_upto(nj), m1 = dp_lanes8_upto(nj - 8);
   int64_t i = 0;
   if (nj == NR) {
     for (; i + MR <= M; i += MR) mk16(MR, K, A + i * rs, rs, ks, B, ldb, C + i * ldc, ldc, m0, m1, acc, 1, 1);
@@ -294,26 +209,8 @@ static inline __attribute__((always_inline)) void panel(int64_t M, int64_t nj, i
   }
 }
 
-/* blocks of KB k by MB rows (a multiple of 6), as the AVX-512 kernel's */
-#define KB 256
-#define MB 120
-
-static inline __attribute__((always_inline)) void drive(int64_t M, int64_t N, int64_t K, const float *A, int64_t rs,
-                                                        int64_t ks, const float *B, int64_t ldb, float *C,
-                                                        int64_t ldc, int acc) {
-  for (int64_t k0 = 0; k0 < K; k0 += KB) {
-    const int64_t kc = K - k0 < KB ? K - k0 : KB;
-    for (int64_t i0 = 0; i0 < M; i0 += MB) {
-      const int64_t mc = M - i0 < MB ? M - i0 : MB;
-      for (int64_t j = 0; j < N; j += NR)
-        panel(mc, N - j < NR ? N - j : NR, kc, A + i0 * rs + k0 * ks, rs, ks, B + k0 * ldb + j, ldb,
-              C + i0 * ldc + j, ldc, acc || k0 > 0);
-    }
-  }
-}
-
 /* out[k * out_ld + r] = src[r * ld + k], r, k < 8: an 8 x 8 transpose in registers */
-static inline void transpose8(const float *src, int64_t ld, float *out, int64_t out_ld) {
+static inline void transpose_block(const float *src, int64_t ld, float *out, int64_t out_ld) {
   __m256 r[8], t[8];
   for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(src + i * ld);
   for (int i = 0; i < 8; i += 2) {
@@ -334,12 +231,45 @@ static inline void transpose8(const float *src, int64_t ld, float *out, int64_t 
   }
 }
 
-/* pack[k * NR + jj] = B[jj * ldb + k], jj < nj, k < kc: 8 x 8 blocks in
+#endif
+
+#if defined(DP_SG_KERNEL)
+/* the NT product's K block: a packed panel of NR x KC floats (64 KiB) */
+#define KC (DP_SMALL_GEMM_PACK_FLOATS / NR)
+/* blocks of KB k by MB rows: A's block in the L2 cache, B's panel (KB x NR)
+ * in the L1 while the block's rows pass over it */
+#define KB 256
+
+int dp_small_gemm_built(void) { return DP_SG_KERNEL; }
+
+dp_status dp_small_gemm_on(int *on) {
+  DP_TRY(dp_env_switch("DPCORE_OWN_GEMM", 1, on));
+  return DP_OK;
+}
+
+/* C (+)= op(A) . B, A's element (r, k) at A[r * rs + k * ks] (A as stored: rs
+ * = lda, ks = 1; A stored transposed: rs = 1, ks = lda; the callers pass the
+ * 1 as a constant) */
+static inline __attribute__((always_inline)) void drive(int64_t M, int64_t N, int64_t K, const float *A, int64_t rs,
+                                                        int64_t ks, const float *B, int64_t ldb, float *C,
+                                                        int64_t ldc, int acc) {
+  for (int64_t k0 = 0; k0 < K; k0 += KB) {
+    const int64_t kc = K - k0 < KB ? K - k0 : KB;
+    for (int64_t i0 = 0; i0 < M; i0 += MB) {
+      const int64_t mc = M - i0 < MB ? M - i0 : MB;
+      for (int64_t j = 0; j < N; j += NR)
+        panel(mc, N - j < NR ? N - j : NR, kc, A + i0 * rs + k0 * ks, rs, ks, B + k0 * ldb + j, ldb,
+              C + i0 * ldc + j, ldc, acc || k0 > 0);
+    }
+  }
+}
+
+/* pack[k * NR + jj] = B[jj * ldb + k], jj < nj, k < kc: TB x TB blocks in
  * registers, the edges one float at a time */
 static void pack_transposed(const float *B, int64_t ldb, int64_t nj, int64_t kc, float *pack) {
-  const int64_t kfull = kc & ~(int64_t)7, jfull = nj & ~(int64_t)7;
-  for (int64_t jj = 0; jj < jfull; jj += 8)
-    for (int64_t k = 0; k < kfull; k += 8) transpose8(B + jj * ldb + k, ldb, pack + k * NR + jj, NR);
+  const int64_t kfull = kc / TB * TB, jfull = nj / TB * TB;
+  for (int64_t jj = 0; jj < jfull; jj += TB)
+    for (int64_t k = 0; k < kfull; k += TB) transpose_block(B + jj * ldb + k, ldb, pack + k * NR + jj, NR);
   for (int64_t jj = 0; jj < nj; ++jj) {
     const float *src = B + jj * ldb;
     for (int64_t k = jj < jfull ? kfull : 0; k < kc; ++k) pack[k * NR + jj] = src[k];

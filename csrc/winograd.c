@@ -707,12 +707,6 @@ static void input_segment(const wino_plan *p, const float *src, int ti, int tj0,
 #endif
 
 #if defined(__AVX2__) && !defined(__AVX512F__)
-/* lanes l < n of 8 (vmaskmov's masks) */
-static inline __m256i lanes8_of(int64_t n) {
-  const int c = n < 0 ? 0 : n > 8 ? 8 : (int)n;
-  return _mm256_cmpgt_epi32(_mm256_set1_epi32(c), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-}
-
 /* columns s, s + 2, ..., s + 14 of a row from its 8 + 8 floats lo, hi (s = 0 even, 1 odd) */
 static inline __m256 cols_of(__m256 lo, __m256 hi, int odd) {
   const __m256 t = odd ? _mm256_shuffle_ps(lo, hi, 0xDD) : _mm256_shuffle_ps(lo, hi, 0x88);
@@ -727,7 +721,8 @@ static inline __m256 cols_of(__m256 lo, __m256 hi, int odd) {
 static inline void input_tiles_avx2(const float *r0, const float *r1, const float *r2, const float *r3,
                                     int64_t left, int tj0, int n, float *vt, int64_t vs) {
   const float *rows[4] = {r0 + 2 * tj0, r1 + 2 * tj0, r2 + 2 * tj0, r3 + 2 * tj0};
-  const __m256i m0 = lanes8_of(left), m8 = lanes8_of(left - 8), m2 = lanes8_of(left - 2), m10 = lanes8_of(left - 10);
+  const __m256i m0 = dp_lanes8_upto(left), m8 = dp_lanes8_upto(left - 8), m2 = dp_lanes8_upto(left - 2),
+                m10 = dp_lanes8_upto(left - 10);
   __m256 d[4][4]; /* d[row][s]: column s of each of the 8 tiles */
   for (int r = 0; r < 4; ++r) {
     const __m256 a = _mm256_maskload_ps(rows[r], m0), b = _mm256_maskload_ps(rows[r] + 8, m8);
@@ -737,7 +732,7 @@ static inline void input_tiles_avx2(const float *r0, const float *r1, const floa
     d[r][2] = cols_of(c, e, 0);
     d[r][3] = cols_of(c, e, 1);
   }
-  const __m256i sm = lanes8_of(n);
+  const __m256i sm = dp_lanes8_upto(n);
   float *o = vt + tj0;
   for (int i = 0; i < 4; ++i) {
     __m256 t[4];
@@ -875,7 +870,7 @@ static void output_segment(const wino_plan *p, const float *m, int64_t mstride, 
  * outputs of each row stored: output_tile's arithmetic in its order (the
  * same bits), the even and odd columns interleaved in registers */
 static inline void output_tiles_avx2(const float *m, int64_t ms, int n, int cols, float bias, float *y0, float *y1) {
-  const __m256i lm = lanes8_of(n), s0 = lanes8_of(cols), s1 = lanes8_of(cols - 8);
+  const __m256i lm = dp_lanes8_upto(n), s0 = dp_lanes8_upto(cols), s1 = dp_lanes8_upto(cols - 8);
   __m256 v[16];
   for (int xi = 0; xi < 16; ++xi) v[xi] = _mm256_maskload_ps(m + xi * ms, lm);
   const __m256 bv = _mm256_set1_ps(bias);
@@ -1081,12 +1076,25 @@ static void chunk_transform(const wino_plan *p, int dy, const float *src, int64_
 }
 
 #if TILES_AVX512
+/* The outputs of group og (output channel og / groups, its group og % groups
+ * of P samples) of a chunk of cnt samples from n0 (planes in lanes): A^T m A
+ * + bias from M's entries (stride ms), into out (N, cout, h, w) */
+static void output_group(const wino_plan *p, const float *M, int64_t ms, int64_t n0, int64_t cnt, int64_t og,
+                         const float *b, float *out) {
+  const int64_t P = p->lanes.P, groups = (cnt + P - 1) / P, o = og / groups, s = og % groups * P;
+  const int64_t hw = (int64_t)p->h * p->w, out_sz = p->cout * hw;
+  const int pc = cnt - s < P ? (int)(cnt - s) : (int)P;
+  __m512 W[4];
+  output_group_lanes(&p->lanes, M, ms, o * cnt + s, dp_lanes_upto(pc * p->tiles), b ? b[o] : 0.0f, W);
+  lanes_store((int)hw, out + (n0 + s) * out_sz + o * hw, out_sz, pc, W);
+}
+
 /* narrow_own's chunks: the calling thread's samples of in into out (U made;
  * shared: the threads' V and M, p->shared floats; plane: the thread's own) */
 static void own_chunks(const wino_plan *p, int64_t N, const float *in, int flip, const float *b, float *out,
                        const float *U, float *shared, float *plane) {
   const int t = omp_get_thread_num();
-  const int64_t hw = (int64_t)p->h * p->w, out_sz = p->cout * hw, P = p->lanes.P;
+  const int64_t P = p->lanes.P;
   const int64_t ct = p->chunk / p->nt, vs = p->cin * ct * p->tiles + WINO_SKEW,
                 ms = p->cout * ct * p->tiles + WINO_SKEW;
   float *V = shared + t * 16 * (vs + ms), *M = V + 16 * vs; /* nt of them fit in p->shared */
@@ -1096,13 +1104,7 @@ static void own_chunks(const wino_plan *p, int64_t N, const float *in, int flip,
     chunk_transform(p, 0, in, n0, cnt, plane, V, vs, ALL_ENTRIES);
     for (int xi = 0; xi < 16; ++xi) /* (an entry no tile keeps: a 1x1 plane's 3, 7, 11-15) */
       if (kept_tiles(p, xi)) wino_gemm(p, flip, xi, U, V, vs, M, ms, cnt * kept_tiles(p, xi));
-    for (int64_t og = 0; og < p->cout * groups; ++og) {
-      const int64_t o = og / groups, s = og % groups * P;
-      const int pc = cnt - s < P ? (int)(cnt - s) : (int)P;
-      __m512 W[4];
-      output_group_lanes(&p->lanes, M, ms, o * cnt + s, dp_lanes_upto(pc * p->tiles), b ? b[o] : 0.0f, W);
-      lanes_store((int)hw, out + (n0 + s) * out_sz + o * hw, out_sz, pc, W);
-    }
+    for (int64_t og = 0; og < p->cout * groups; ++og) output_group(p, M, ms, n0, cnt, og, b, out);
   }
 }
 #endif
@@ -1196,14 +1198,7 @@ static void wino_conv(const wino_plan *p, int64_t N, const float *in, const floa
         if (p->lanes.P) {
           const int64_t P = p->lanes.P, groups = (cnt + P - 1) / P;
 #pragma omp for schedule(static)
-          for (int64_t og = 0; og < p->cout * groups; ++og) {
-            const int64_t o = og / groups, s = og % groups * P;
-            const int pc = cnt - s < P ? (int)(cnt - s) : (int)P;
-            __m512 W[4];
-            output_group_lanes(&p->lanes, M, mstride, o * cnt + s, dp_lanes_upto(pc * p->tiles), b ? b[o] : 0.0f,
-                               W);
-            lanes_store((int)hw, out + (n0 + s) * out_sz + o * hw, out_sz, pc, W);
-          }
+          for (int64_t og = 0; og < p->cout * groups; ++og) output_group(p, M, mstride, n0, cnt, og, b, out);
           continue;
         }
 #endif
@@ -1240,7 +1235,7 @@ static void dy_cols(const float *restrict r0, const float *restrict r1, int n, f
  * cols read as zero: an odd width's last tile): its arithmetic in its order
  * (the same bits), 8 tiles a vector */
 static inline void dy_tiles_avx2(const float *r0, const float *r1, int cols, int n, float *wt, int64_t ws) {
-  const __m256i c0 = lanes8_of(cols), c8 = lanes8_of(cols - 8), sm = lanes8_of(n);
+  const __m256i c0 = dp_lanes8_upto(cols), c8 = dp_lanes8_upto(cols - 8), sm = dp_lanes8_upto(n);
   const __m256 x0 = _mm256_maskload_ps(r0, c0), x1 = _mm256_maskload_ps(r0 + 8, c8);
   const __m256 y0 = _mm256_maskload_ps(r1, c0), y1 = _mm256_maskload_ps(r1 + 8, c8);
   const __m256 a = cols_of(x0, x1, 0), b = cols_of(x0, x1, 1), c = cols_of(y0, y1, 0), d = cols_of(y0, y1, 1);
