@@ -73,14 +73,16 @@ BENCH_SCRIPT_DESELECT := \
 # Tests whose result does not depend on the extension build under test, which the plain run runs:
 # tests/test_sanitizers.py (and two tests of tests/test_small_gemm.py) compile the C programs of tests/c
 # from csrc/ with their own sanitizer flags,
-# and test_core_compiles_warning_free compiles the core with -Werror in each configuration; the same
+# and test_core_compiles_warning_free compiles the core with -Werror in each configuration,
+# tests/test_avx2_build.py builds the extension for an AVX2-only CPU and runs the numeric tests on it; the same
 # commands with the same sources would only repeat them in the ASan and CPU-only runs (2.5 minutes
 # each).
 BUILD_INDEPENDENT_DESELECT := \
   --deselect tests/test_sanitizers.py \
   --deselect tests/test_small_gemm.py::test_kernel_against_float64_under_the_sanitizers \
   --deselect tests/test_small_gemm.py::test_winograd_bits_do_not_depend_on_the_thread_count \
-  --deselect tests/test_cuda_build.py::test_core_compiles_warning_free
+  --deselect tests/test_cuda_build.py::test_core_compiles_warning_free \
+  --deselect tests/test_avx2_build.py
 ASAN_DESELECT := $(BENCH_SCRIPT_DESELECT) $(BUILD_INDEPENDENT_DESELECT) \
   --deselect tests/test_benchmarks.py::test_gpu_benchmark_dry_run_on_cpu_devices \
   --deselect "tests/test_pipeline.py::test_resnet_pipeline_gradient_is_the_sum_of_its_micro_batches[2-2]" \

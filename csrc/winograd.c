@@ -94,6 +94,19 @@
 #else
 #define TILES_AVX512 0
 #endif
+/* The wide planes in blocks of tiles (p->block), read and written in place
+ * by input_segment and output_segment: with AVX-512, and with AVX2 on planes
+ * of fewer than AVX2_SAMPLE_TILES tiles (ResNet-18's 14x14 stage, batch 64:
+ * each layer's forward 8.9 -> 7.9 ms, its backward 17.0 -> 16.0; a sample's
+ * 49 tiles filled 49 of the GEMM's 64 columns). With AVX2 the 28x28 planes
+ * keep a sample at a time and input_plane's row transforms (blocks measured
+ * 0.1-0.3 ms slower a forward pass there, 0.4 ms a backward). */
+#if defined(__AVX512F__) || defined(__AVX2__)
+#define WIDE_BLOCKS 1
+#else
+#define WIDE_BLOCKS 0
+#endif
+#define AVX2_SAMPLE_TILES 128
 /* The scalar tile loops below write 16 streams a stride apart (never
  * overlapping within a row of tiles, nor the rows they read): GCC 12
  * vectorizes them only when told there is no dependence between iterations
@@ -171,7 +184,8 @@ typedef struct wino_plan {
   int nt;              /* threads */
   int64_t shared;      /* floats of a chunk's V and M (narrow) or V and W (dw), shared by the threads */
   int64_t own;         /* floats of one sample's V and M (wide), a thread's own; with AVX-512 a block's */
-  int64_t block;       /* wide, with AVX-512: tiles a block (a multiple of 32) */
+  int64_t block;       /* wide, with blocks: tiles a block (a multiple of 32) */
+  int blocks;          /* wide planes in blocks of tiles (WIDE_BLOCKS), else a sample at a time */
   int own_gemm;        /* the products on small_gemm.h's kernel (else the BLAS) */
   plane_lanes lanes;   /* narrow planes of at most 16 tiles, with AVX-512 */
   int64_t plane_floats; /* the zero-bordered plane (hp, wp) (without AVX-512), then wp zeros (dw's zrow) */
@@ -265,7 +279,8 @@ static wino_plan wino_plan_make(int cin, int cout, int h, int w, int64_t N, int 
   if (p.block < 32) p.block = 32;
   if (p.block > (WIDE_BLOCK_MAX_RUNS - 2) * (int64_t)p.tw / 32 * 32)
     p.block = (WIDE_BLOCK_MAX_RUNS - 2) * (int64_t)p.tw / 32 * 32;
-  if (TILES_AVX512) p.own = 16 * ((int64_t)cin + cout) * p.block + 32 * WINO_SKEW;
+  p.blocks = TILES_AVX512 || (WIDE_BLOCKS && p.tiles < AVX2_SAMPLE_TILES);
+  if (p.blocks) p.own = 16 * ((int64_t)cin + cout) * p.block + 32 * WINO_SKEW;
   p.plane_floats = (int64_t)p.hp * p.wp + p.wp;
   p.per_thread = ((p.narrow ? 0 : p.own) + p.plane_floats + 15) & ~(int64_t)15;
   p.own_gemm = 0;
@@ -375,7 +390,7 @@ static void filter_transform(const float *w, int O, int C, float *U, int64_t ust
   }
 }
 
-#if !defined(__AVX512F__) /* the wide planes' row transforms (with AVX-512: input_segment) */
+#if !TILES_AVX512 /* the wide planes' row transforms, a sample at a time (with AVX-512: input_segment) */
 /* B^T d's rows over a row of the plane: o0 = r0 - r2, o1 = r1 + r2, o2 = r2 - r1, o3 = r1 - r3 (vectorized). */
 static void input_rows(const float *restrict r0, const float *restrict r1, const float *restrict r2,
                        const float *restrict r3, int w, float *restrict o0, float *restrict o1, float *restrict o2,
@@ -401,6 +416,7 @@ static void input_rows_edge(const float *r0, const float *r1, const float *r2, c
   }
 }
 
+#if !defined(__AVX2__) /* (with AVX2: input_cols_avx2) */
 /* B^T d B's columns over a tile row: t the row-combined row (column j of the plane at j + 1), tw tiles. */
 static void input_cols(const float *restrict t, int tw, float *restrict v0, float *restrict v1, float *restrict v2,
                        float *restrict v3) {
@@ -412,6 +428,36 @@ static void input_cols(const float *restrict t, int tw, float *restrict v0, floa
     v3[tj] = b - d;
   }
 }
+#endif
+
+
+#if defined(__AVX2__)
+/* columns s, s + 2, ..., s + 14 of a row from its 8 + 8 floats lo, hi (s = 0 even, 1 odd) */
+static inline __m256 cols_of(__m256 lo, __m256 hi, int odd) {
+  const __m256 t = odd ? _mm256_shuffle_ps(lo, hi, 0xDD) : _mm256_shuffle_ps(lo, hi, 0x88);
+  return _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(t), 0xD8));
+}
+
+/* input_cols for the tiles tj0 .. tj0 + min(n, 8) - 1 of a row-combined row t
+ * of wp floats: input_cols's arithmetic (the same bits), 8 tiles a vector,
+ * the columns picked by shuffles (GCC vectorized input_cols's stride-2 reads
+ * with gathers, slow on AMD: a quarter of the 28x28 forward pass's time), the
+ * loads masked to the row, the stores to the tiles */
+static inline void input_cols_avx2(const float *t, int wp, int tj0, int n, float *v, int64_t vs) {
+  const float *r = t + 2 * tj0;
+  const int left = wp - 2 * tj0;
+  const __m256 a = _mm256_maskload_ps(r, dp_lanes8_upto(left)), b = _mm256_maskload_ps(r + 8, dp_lanes8_upto(left - 8));
+  const __m256 c = _mm256_maskload_ps(r + 2, dp_lanes8_upto(left - 2)),
+               e = _mm256_maskload_ps(r + 10, dp_lanes8_upto(left - 10));
+  const __m256 d0 = cols_of(a, b, 0), d1 = cols_of(a, b, 1), d2 = cols_of(c, e, 0), d3 = cols_of(c, e, 1);
+  const __m256i sm = dp_lanes8_upto(n);
+  float *o = v + tj0;
+  _mm256_maskstore_ps(o, sm, _mm256_sub_ps(d0, d2));
+  _mm256_maskstore_ps(o + vs, sm, _mm256_add_ps(d1, d2));
+  _mm256_maskstore_ps(o + 2 * vs, sm, _mm256_sub_ps(d2, d1));
+  _mm256_maskstore_ps(o + 3 * vs, sm, _mm256_sub_ps(d1, d3));
+}
+#endif
 
 /* v[xi*vstride + tile] = (B^T d B)[xi] for every tile d of one (h, w) plane
  * src, read in place (the zero border handled at the edges, no copy): per
@@ -437,9 +483,14 @@ static void input_plane(const wino_plan *p, const float *src, float *buf, float 
       input_rows_edge(r0, r1, r2, r3, w, t0 + 1, t1 + 1, t2 + 1, t3 + 1);
     float *vt = v + (int64_t)ti * p->tw;
     const float *tr[4] = {t0, t1, t2, t3};
+#if defined(__AVX2__)
+    for (int i = 0; i < 4; ++i)
+      for (int tj = 0; tj < p->tw; tj += 8) input_cols_avx2(tr[i], wp, tj, p->tw - tj, vt + 4 * i * vstride, vstride);
+#else
     for (int i = 0; i < 4; ++i)
       input_cols(tr[i], p->tw, vt + (4 * i + 0) * vstride, vt + (4 * i + 1) * vstride, vt + (4 * i + 2) * vstride,
                  vt + (4 * i + 3) * vstride);
+#endif
   }
 }
 #endif
@@ -707,33 +758,42 @@ static void input_segment(const wino_plan *p, const float *src, int ti, int tj0,
 #endif
 
 #if defined(__AVX2__) && !defined(__AVX512F__)
-/* columns s, s + 2, ..., s + 14 of a row from its 8 + 8 floats lo, hi (s = 0 even, 1 odd) */
-static inline __m256 cols_of(__m256 lo, __m256 hi, int odd) {
-  const __m256 t = odd ? _mm256_shuffle_ps(lo, hi, 0xDD) : _mm256_shuffle_ps(lo, hi, 0x88);
-  return _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(t), 0xD8));
+
+/* 8 floats of a row from column col0, the columns outside [0, w) (and a NULL
+ * row) zero, nothing read there (the address is an integer's: col0 may lie
+ * before the row, or far past it with every lane masked) */
+static inline __m256 row8(const float *row, int col0, int w) {
+  if (!row) return _mm256_setzero_ps();
+  const __m256i k = _mm256_add_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(col0));
+  const __m256i in = _mm256_andnot_si256(_mm256_cmpgt_epi32(_mm256_setzero_si256(), k),
+                                         _mm256_cmpgt_epi32(_mm256_set1_epi32(w), k));
+  return _mm256_maskload_ps((const float *)(uintptr_t)((uintptr_t)row + (uintptr_t)((intptr_t)col0 * 4)), in);
 }
 
-/* The tiles tj0 .. tj0 + min(n, 8) - 1 of a tile row of the zero-bordered
- * plane (its rows r0..r3 from tile tj0's first column, left floats of each
- * row from there): input_plane_bordered's scalar arithmetic per tile in its
- * order (the same bits), 8 tiles a vector, loads and stores masked to the row
- * and to the tiles */
-static inline void input_tiles_avx2(const float *r0, const float *r1, const float *r2, const float *r3,
-                                    int64_t left, int tj0, int n, float *vt, int64_t vs) {
-  const float *rows[4] = {r0 + 2 * tj0, r1 + 2 * tj0, r2 + 2 * tj0, r3 + 2 * tj0};
-  const __m256i m0 = dp_lanes8_upto(left), m8 = dp_lanes8_upto(left - 8), m2 = dp_lanes8_upto(left - 2),
-                m10 = dp_lanes8_upto(left - 10);
+/* The tiles (B^T d B) of min(n, 8) consecutive tiles of a tile row, the
+ * first tile's first column col0 of the rows r[0..3] (w floats each, a NULL
+ * row zero; columns outside [0, w) zero): input_plane_bordered's scalar
+ * arithmetic per tile in its order (the same bits), 8 tiles a vector, the
+ * stores masked to the tiles. The rows of the zero-bordered plane (col0 = 2
+ * tj, w = wp) or of the plane itself, read in place (col0 = 2 tj - 1). */
+static inline void input_tiles_avx2(const float *const r[4], int col0, int w, int n, float *o, int64_t vs) {
   __m256 d[4][4]; /* d[row][s]: column s of each of the 8 tiles */
-  for (int r = 0; r < 4; ++r) {
-    const __m256 a = _mm256_maskload_ps(rows[r], m0), b = _mm256_maskload_ps(rows[r] + 8, m8);
-    const __m256 c = _mm256_maskload_ps(rows[r] + 2, m2), e = _mm256_maskload_ps(rows[r] + 10, m10);
-    d[r][0] = cols_of(a, b, 0);
-    d[r][1] = cols_of(a, b, 1);
-    d[r][2] = cols_of(c, e, 0);
-    d[r][3] = cols_of(c, e, 1);
+  const int inside = col0 >= 0 && col0 + 18 <= w; /* no column outside: plain loads */
+  for (int k = 0; k < 4; ++k) {
+    __m256 a, b, c, e;
+    if (inside && r[k]) {
+      a = _mm256_loadu_ps(r[k] + col0), b = _mm256_loadu_ps(r[k] + col0 + 8);
+      c = _mm256_loadu_ps(r[k] + col0 + 2), e = _mm256_loadu_ps(r[k] + col0 + 10);
+    } else {
+      a = row8(r[k], col0, w), b = row8(r[k], col0 + 8, w);
+      c = row8(r[k], col0 + 2, w), e = row8(r[k], col0 + 10, w);
+    }
+    d[k][0] = cols_of(a, b, 0);
+    d[k][1] = cols_of(a, b, 1);
+    d[k][2] = cols_of(c, e, 0);
+    d[k][3] = cols_of(c, e, 1);
   }
   const __m256i sm = dp_lanes8_upto(n);
-  float *o = vt + tj0;
   for (int i = 0; i < 4; ++i) {
     __m256 t[4];
     for (int k = 0; k < 4; ++k)
@@ -746,6 +806,18 @@ static inline void input_tiles_avx2(const float *r0, const float *r1, const floa
     _mm256_maskstore_ps(o + (4 * i + 2) * vs, sm, _mm256_sub_ps(t[2], t[1]));
     _mm256_maskstore_ps(o + (4 * i + 3) * vs, sm, _mm256_sub_ps(t[1], t[3]));
   }
+}
+
+/* input_segment (below) without AVX-512: 8 tiles at a time, read in place */
+static void input_segment(const wino_plan *p, const float *src, int ti, int tj0, int tj1, float *v, int64_t vstride,
+                          unsigned xmask) {
+  (void)xmask; /* every entry */
+  const float *rows[4];
+  for (int k = 0; k < 4; ++k) {
+    const int i = 2 * ti - 1 + k;
+    rows[k] = i >= 0 && i < p->h ? src + (int64_t)i * p->w : NULL;
+  }
+  for (int tj = tj0; tj < tj1; tj += 8) input_tiles_avx2(rows, 2 * tj - 1, p->w, tj1 - tj, v + tj - tj0, vstride);
 }
 #endif
 
@@ -770,7 +842,8 @@ static void input_plane_bordered(const wino_plan *p, const float *src, float *pl
     float *vt = v + (int64_t)ti * p->tw;
     int tj = 0;
 #if defined(__AVX2__) && !defined(__AVX512F__) /* 8 tiles a vector */
-    for (; tj < p->tw; tj += 8) input_tiles_avx2(r0, r1, r2, r3, p->wp - 2 * tj, tj, p->tw - tj, vt, vstride);
+    const float *rows[4] = {r0, r1, r2, r3};
+    for (; tj < p->tw; tj += 8) input_tiles_avx2(rows, 2 * tj, p->wp, p->tw - tj, vt + tj, vstride);
 #endif
     DP_IVDEP
     for (; tj < p->tw; ++tj) {
@@ -810,6 +883,7 @@ static inline void output_tile(const float *mt, int64_t mstride, float bias, flo
   }
 }
 
+#if !defined(__AVX2__) || defined(__AVX512F__) /* (with AVX2 alone: output_tiles_avx2) */
 /* Two full output rows of n tile columns each (2n outputs a row): output_tile's
  * arithmetic over the tile row, in a form the compiler vectorizes. */
 static void output_row(const float *restrict m, int64_t ms, int n, float bias, float *restrict y0,
@@ -826,6 +900,7 @@ static void output_row(const float *restrict m, int64_t ms, int n, float bias, f
     y1[2 * tj + 1] = (b1 - b2 - b3) + bias;
   }
 }
+#endif
 
 #if defined(__AVX512F__)
 /* The outputs of the n <= 16 tiles of a tile row (m: tile k's entry xi at
@@ -890,6 +965,17 @@ static inline void output_tiles_avx2(const float *m, int64_t ms, int n, int cols
 }
 #endif
 
+#if defined(__AVX2__) && !defined(__AVX512F__)
+/* output_segment (above) without AVX-512: 8 tiles at a time */
+static void output_segment(const wino_plan *p, const float *m, int64_t mstride, float bias, float *y, int ti, int tj0,
+                           int tj1) {
+  const int w = p->w;
+  float *y0 = y + (int64_t)2 * ti * w, *y1 = 2 * ti + 1 < p->h ? y0 + w : NULL;
+  for (int tj = tj0; tj < tj1; tj += 8)
+    output_tiles_avx2(m + tj - tj0, mstride, tj1 - tj, w - 2 * tj, bias, y0 + 2 * tj, y1 ? y1 + 2 * tj : NULL);
+}
+#endif
+
 static void output_plane(const wino_plan *p, const float *m, int64_t mstride, float bias, float *y) {
   const int w = p->w, full = w / 2; /* tile columns with both outputs inside */
 #if defined(__AVX512F__)
@@ -897,8 +983,9 @@ static void output_plane(const wino_plan *p, const float *m, int64_t mstride, fl
   (void)full;
   return;
 #endif
-  if (w < WINO_ROW_MIN) { /* short rows: a tile at a time (the row loops measured slower) */
-#if defined(__AVX2__) && !defined(__AVX512F__) /* or 8 tiles a vector */
+#if defined(__AVX2__) && !defined(__AVX512F__) /* 8 tiles a vector, every width (output_row's remainder \
+                                                   ran scalar: 6 of a 28x28 plane's 14 tiles a row) */
+  {
     for (int ti = 0; ti < p->th; ++ti) {
       float *y0 = y + (int64_t)2 * ti * w, *y1 = 2 * ti + 1 < p->h ? y0 + w : NULL;
       for (int tj = 0; tj < p->tw; tj += 8)
@@ -907,7 +994,9 @@ static void output_plane(const wino_plan *p, const float *m, int64_t mstride, fl
     }
     (void)full;
     return;
-#endif
+  }
+#else
+  if (w < WINO_ROW_MIN) { /* short rows: a tile at a time (the row loops measured slower) */
     for (int ti = 0; ti < p->th; ++ti)
       for (int tj = 0; tj < p->tw; ++tj) {
         float o[2][2];
@@ -943,6 +1032,7 @@ static void output_plane(const wino_plan *p, const float *m, int64_t mstride, fl
       }
     }
   }
+#endif
 }
 
 /* M_xi (cout, cols) = U_xi (cout, cin) . V_xi (cin, cols); the matrices xi
@@ -1109,12 +1199,72 @@ static void own_chunks(const wino_plan *p, int64_t N, const float *in, int flip,
 }
 #endif
 
+#if WIDE_BLOCKS
+/* Wide planes, thread t's samples' tiles in blocks of p->block (tile k: sample
+ * n0 + k / tiles, its tile k % tiles), whatever the samples and tile rows they
+ * span: V and M in L2, and the GEMMs on whole 32-column panels of the kernel
+ * (a 14x14 plane's 49 tiles filled 49 of 64 columns). V: the thread's own
+ * p->own floats. */
+static void wide_blocks(const wino_plan *p, int64_t N, int t, const float *in, int flip, const float *U,
+                        const float *b, float *out, float *V) {
+  const int64_t hw = (int64_t)p->h * p->w, in_sz = p->cin * hw, out_sz = p->cout * hw;
+  const int64_t n0 = N * t / p->nt, total = (N * (t + 1) / p->nt - n0) * p->tiles;
+  for (int64_t k0 = 0; k0 < total; k0 += p->block) {
+    const int64_t bc = total - k0 < p->block ? total - k0 : p->block, bvs = p->cin * bc + WINO_SKEW,
+                  bms = p->cout * bc + WINO_SKEW;
+    float *M = V + 16 * bvs;
+    /* the block's runs of a tile row: sample, tile row, first and end tile column, column in the block */
+    int seg[WIDE_BLOCK_MAX_RUNS][5], nseg = 0;
+    for (int64_t k = k0; k < k0 + bc; ++nseg) {
+      const int r = (int)(k % p->tiles), tj0 = r % p->tw;
+      const int tj1 = k0 + bc - k < p->tw - tj0 ? tj0 + (int)(k0 + bc - k) : p->tw;
+      seg[nseg][0] = (int)(k / p->tiles), seg[nseg][1] = r / p->tw, seg[nseg][2] = tj0, seg[nseg][3] = tj1;
+      seg[nseg][4] = (int)(k - k0);
+      k += tj1 - tj0;
+    }
+    const float *src = in + n0 * in_sz;
+    for (int c = 0; c < p->cin; ++c)
+      for (int q = 0; q < nseg; ++q)
+        input_segment(p, src + seg[q][0] * in_sz + c * hw, seg[q][1], seg[q][2], seg[q][3], V + c * bc + seg[q][4],
+                      bvs, ALL_ENTRIES);
+    for (int xi = 0; xi < 16; ++xi) wino_gemm(p, flip, xi, U, V, bvs, M, bms, bc);
+    float *dst = out + n0 * out_sz;
+    for (int o = 0; o < p->cout; ++o)
+      for (int q = 0; q < nseg; ++q)
+        output_segment(p, M + o * bc + seg[q][4], bms, b ? b[o] : 0.0f, dst + seg[q][0] * out_sz + o * hw,
+                       seg[q][1], seg[q][2], seg[q][3]);
+  }
+}
+#endif
+
+#if !TILES_AVX512
+/* Wide planes, a sample at a time (thread t's samples; V: its own p->own
+ * floats, plane: its buffer for the row transforms) */
+static void wide_samples(const wino_plan *p, int64_t N, int t, const float *in, int flip, const float *U,
+                         const float *b, float *out, float *V, float *plane) {
+  const int64_t hw = (int64_t)p->h * p->w, in_sz = p->cin * hw, out_sz = p->cout * hw;
+  const int64_t cols = p->tiles, vstride = p->cin * cols + WINO_SKEW, mstride = p->cout * cols + WINO_SKEW;
+  float *M = V + 16 * vstride;
+  for (int64_t n = N * t / p->nt; n < N * (t + 1) / p->nt; ++n) {
+    for (int c = 0; c < p->cin; ++c) {
+      if (p->w >= WINO_ROW_MIN)
+        input_plane(p, in + n * in_sz + c * hw, plane, V + c * cols, vstride);
+      else
+        input_plane_bordered(p, in + n * in_sz + c * hw, plane, V + c * cols, vstride, ALL_ENTRIES);
+    }
+    for (int xi = 0; xi < 16; ++xi) wino_gemm(p, flip, xi, U, V, vstride, M, mstride, cols);
+    for (int o = 0; o < p->cout; ++o)
+      output_plane(p, M + o * cols, mstride, b ? b[o] : 0.0f, out + n * out_sz + o * hw);
+  }
+}
+#endif
+
 /* out (N, cout, h, w) = the convolution of in (N, cin, h, w) with w (+ b).
  * u_out: where the filter transform goes (NULL: the scratch's start); u_in
  * (NULL: none): the transform already made (a forward pass's, kept). */
 static void wino_conv(const wino_plan *p, int64_t N, const float *in, const float *w, int flip, const float *b,
                       float *out, float *scratch, float *u_out, const float *u_in) {
-  const int64_t hw = (int64_t)p->h * p->w, in_sz = p->cin * hw, out_sz = p->cout * hw;
+  const int64_t hw = (int64_t)p->h * p->w, out_sz = p->cout * hw;
   float *Uw = u_out ? u_out : scratch;
   const float *U = u_in ? u_in : Uw;
   const int64_t ustride = (int64_t)p->cin * p->cout + WINO_SKEW;
@@ -1129,51 +1279,11 @@ static void wino_conv(const wino_plan *p, int64_t N, const float *in, const floa
     float *plane = mine + (p->narrow ? 0 : p->own);
     if (p->w < WINO_ROW_MIN && !TILES_AVX512) memset(plane, 0, sizeof(float) * (size_t)p->plane_floats);
     if (!p->narrow) {
-      float *V = mine;
-#if defined(__AVX512F__)
-      /* the thread's samples' tiles in blocks of p->block (tile k: sample n0 + k / tiles, its tile
-       * k % tiles), whatever the samples and tile rows they span: V and M in L2, and the GEMMs on
-       * whole 32-column panels of the kernel (a 14x14 plane's 49 tiles filled 49 of 64 columns) */
-      const int64_t n0 = N * t / p->nt, total = (N * (t + 1) / p->nt - n0) * p->tiles;
-      for (int64_t k0 = 0; k0 < total; k0 += p->block) {
-        const int64_t bc = total - k0 < p->block ? total - k0 : p->block, bvs = p->cin * bc + WINO_SKEW,
-                      bms = p->cout * bc + WINO_SKEW;
-        float *M = V + 16 * bvs;
-        /* the block's runs of a tile row: sample, tile row, first and end tile column, column in the block */
-        int seg[WIDE_BLOCK_MAX_RUNS][5], nseg = 0;
-        for (int64_t k = k0; k < k0 + bc; ++nseg) {
-          const int r = (int)(k % p->tiles), tj0 = r % p->tw;
-          const int tj1 = k0 + bc - k < p->tw - tj0 ? tj0 + (int)(k0 + bc - k) : p->tw;
-          seg[nseg][0] = (int)(k / p->tiles), seg[nseg][1] = r / p->tw, seg[nseg][2] = tj0, seg[nseg][3] = tj1;
-          seg[nseg][4] = (int)(k - k0);
-          k += tj1 - tj0;
-        }
-        const float *src = in + n0 * in_sz;
-        for (int c = 0; c < p->cin; ++c)
-          for (int q = 0; q < nseg; ++q)
-            input_segment(p, src + seg[q][0] * in_sz + c * hw, seg[q][1], seg[q][2], seg[q][3], V + c * bc + seg[q][4],
-                          bvs, ALL_ENTRIES);
-        for (int xi = 0; xi < 16; ++xi) wino_gemm(p, flip, xi, U, V, bvs, M, bms, bc);
-        float *dst = out + n0 * out_sz;
-        for (int o = 0; o < p->cout; ++o)
-          for (int q = 0; q < nseg; ++q)
-            output_segment(p, M + o * bc + seg[q][4], bms, b ? b[o] : 0.0f, dst + seg[q][0] * out_sz + o * hw,
-                           seg[q][1], seg[q][2], seg[q][3]);
-      }
-#else
-      const int64_t cols = p->tiles, vstride = p->cin * cols + WINO_SKEW, mstride = p->cout * cols + WINO_SKEW;
-      float *M = V + 16 * vstride;
-      for (int64_t n = N * t / p->nt; n < N * (t + 1) / p->nt; ++n) {
-        for (int c = 0; c < p->cin; ++c) {
-          if (p->w >= WINO_ROW_MIN)
-            input_plane(p, in + n * in_sz + c * hw, plane, V + c * cols, vstride);
-          else
-            input_plane_bordered(p, in + n * in_sz + c * hw, plane, V + c * cols, vstride, ALL_ENTRIES);
-        }
-        for (int xi = 0; xi < 16; ++xi) wino_gemm(p, flip, xi, U, V, vstride, M, mstride, cols);
-        for (int o = 0; o < p->cout; ++o)
-          output_plane(p, M + o * cols, mstride, b ? b[o] : 0.0f, out + n * out_sz + o * hw);
-      }
+#if WIDE_BLOCKS
+      if (p->blocks) wide_blocks(p, N, t, in, flip, U, b, out, mine);
+#endif
+#if !TILES_AVX512
+      if (!p->blocks) wide_samples(p, N, t, in, flip, U, b, out, mine, plane);
 #endif
 #if TILES_AVX512
     } else if (narrow_own(p)) {

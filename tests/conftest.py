@@ -26,3 +26,4 @@ def pytest_terminal_summary(terminalreporter):
     forced = os.environ.get("OPENBLAS_CORETYPE")
     terminalreporter.write_line(f"dpcore BLAS: {info.get('blas_config', info['blas'])}"
                                 + (f" (OPENBLAS_CORETYPE={forced})" if forced else " (this CPU's own kernels)"))
+    terminalreporter.write_line(f"dpcore build: {os.path.dirname(dp.__file__)}, CPU GEMM {info.get('cpu_gemm')}")

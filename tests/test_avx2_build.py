@@ -1,0 +1,67 @@
+"""The build an AVX2-only machine makes (an EPYC before Zen 4, a Xeon before
+Skylake-SP): its -march=native build has no AVX-512, so the extension runs the
+AVX2 forms of the CPU code (small_gemm.c's 6x16 kernel, winograd.c's 8-tile
+transforms and its wide planes' blocks, the AVX2 paths of the other kernels),
+which the build under test never runs on an AVX-512 machine.
+
+Here the extension is built with -march=haswell (AVX2 + FMA, no AVX-512:
+checked in the library's machine code) without CUDA into a temporary folder,
+and the numeric test files run against it in a subprocess, with their own
+derived bounds and the PyTorch fixtures' tolerances: the convolutions (GEMM,
+implicit GEMM, both Winograd kinds, stride 2), LeNet and ResNet-18, the
+fusions. Skipped, with the reason, on a CPU without AVX2 and FMA (where such
+a build cannot run).
+"""
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+NUMERIC_FILES = ["test_conv_cpu.py", "test_implicit_gemm.py", "test_winograd.py", "test_winograd_lanes.py",
+                 "test_winograd_s2.py", "test_lenet.py", "test_resnet.py", "test_fusion.py", "test_fixtures.py"]
+# the benchmark scripts' runs and the Sandybridge subprocess: the plain run's, on its own build
+DESELECT = ["test_winograd.py::test_benchmark_quick_run", "test_winograd_lanes.py::test_benchmark_quick_run",
+            "test_implicit_gemm.py::test_benchmark_quick_run",
+            "test_winograd.py::test_under_openblas_sandybridge_kernels"]
+
+
+def test_avx2_build_passes_the_numeric_tests(tmp_path):
+    from dpcore._blas_kernels import cpu_flags
+    if not {"avx2", "fma"} <= cpu_flags():
+        pytest.skip("this CPU has no AVX2 + FMA: a -march=haswell build cannot run here")
+    target = tmp_path / "avx2"
+    env = dict(os.environ, CFLAGS="-march=haswell", DPCORE_NATIVE="0", DPCORE_CUDA="0", DPCORE_MPI="0")
+    env.pop("CPPFLAGS", None)
+    build = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-build-isolation", "--no-deps",
+                            "--no-cache-dir", "--target", str(target), ROOT], env=env, capture_output=True,
+                           text=True, timeout=900)
+    assert build.returncode == 0, build.stdout[-3000:] + build.stderr[-3000:]
+    libs = [os.path.join(dp, f) for dp, _, fs in os.walk(target / "dpcore") for f in fs if f.endswith(".so")]
+    assert libs, "the build made no extension library"
+    objdump = shutil.which("objdump")
+    if objdump:  # binutils: an AVX-512 instruction names a zmm (or k) register
+        for lib in libs:
+            dis = subprocess.run([objdump, "-d", lib], capture_output=True, text=True).stdout
+            assert "zmm" not in dis, f"{lib}: AVX-512 code in the -march=haswell build"
+    run_env = dict(os.environ, PYTHONPATH=str(target))
+    for k in ("DPCORE_WINOGRAD", "DPCORE_WINOGRAD_F43", "DPCORE_OWN_GEMM", "DPCORE_FUSE"):
+        run_env.pop(k, None)
+    probe = subprocess.run([sys.executable, "-c", "import dpcore; print(dpcore.__file__); "
+                            "print(dpcore.build_info()['cpu_gemm'])"], env=run_env, capture_output=True, text=True,
+                           cwd=str(tmp_path))
+    assert probe.returncode == 0, probe.stderr
+    where, gemm = probe.stdout.split("\n")[:2]
+    assert where.startswith(str(target)), where
+    assert "AVX2" in gemm and "AVX-512" not in gemm, gemm
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not slow"]
+    cmd += [os.path.join(ROOT, "tests", f) for f in NUMERIC_FILES]
+    for d in DESELECT:
+        cmd += ["--deselect", os.path.join(ROOT, "tests", d)]
+    run = subprocess.run(cmd, env=run_env, capture_output=True, text=True, cwd=ROOT, timeout=1800)
+    assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-3000:]
+    assert " passed" in run.stdout and " failed" not in run.stdout, run.stdout[-3000:]
+    assert f"dpcore build: {target / 'dpcore'}," in run.stdout, run.stdout[-3000:]  # (tests/conftest.py)
