@@ -107,6 +107,16 @@
 #define WIDE_BLOCKS 0
 #endif
 #define AVX2_SAMPLE_TILES 128
+/* Without AVX-512, with AVX2: narrow planes with the samples in lanes (8
+ * planes of one channel, consecutive samples, one a lane; see sample_lanes
+ * below) */
+#if defined(__AVX2__) && !defined(__AVX512F__)
+#define SAMPLE_LANES 1
+#else
+#define SAMPLE_LANES 0
+#endif
+/* narrow planes have at most this many tiles (h w < 64: 1x63's 32) */
+#define NARROW_MAX_TILES 32
 /* The scalar tile loops below write 16 streams a stride apart (never
  * overlapping within a row of tiles, nor the rows they read): GCC 12
  * vectorizes them only when told there is no dependence between iterations
@@ -172,7 +182,7 @@ typedef struct plane_lanes {
   int32_t in[16][16], dy[4][16], out[4][16];
   uint16_t in_ok[16], dy_ok[4];
   uint16_t keep[16];      /* entry xi: the group's lanes (tiles) that keep it */
-  int kt[16];             /* entry xi: the tiles of a plane that keep it */
+  int kt[16];             /* entry xi: the tiles of a plane that keep it (the plan's kt) */
 } plane_lanes;
 
 typedef struct wino_plan {
@@ -188,11 +198,28 @@ typedef struct wino_plan {
   int blocks;          /* wide planes in blocks of tiles (WIDE_BLOCKS), else a sample at a time */
   int own_gemm;        /* the products on small_gemm.h's kernel (else the BLAS) */
   plane_lanes lanes;   /* narrow planes of at most 16 tiles, with AVX-512 */
+  int sl;              /* narrow planes with the samples in lanes (SAMPLE_LANES) */
+  int kt[16];          /* entry xi: the tiles of a plane that keep it (plane_lanes's kt, or sample lanes') */
+  int8_t kidx[16][NARROW_MAX_TILES]; /* sample lanes: tile's column block in entry xi (-1: not kept) */
   int64_t plane_floats; /* the zero-bordered plane (hp, wp) (without AVX-512), then wp zeros (dw's zrow) */
   int64_t per_thread;  /* floats a thread has alone: V and M (wide), the plane (input_plane's 4 rows, or
                           input_plane_bordered's zero-bordered plane), then wp zeros (dw's dy_plane); a
                           multiple of 16 (64 bytes) */
 } wino_plan;
+
+/* The edge tiles' kept entries (plane_lanes's doc): kt, and (sample lanes)
+ * each kept tile's place among its entry's in tile order, kidx */
+static void edge_keep_make(wino_plan *p) {
+  for (int xi = 0; xi < 16; ++xi) {
+    p->kt[xi] = 0;
+    for (int tile = 0; tile < p->tiles && tile < NARROW_MAX_TILES; ++tile) {
+      const int ti = tile / p->tw, tj = tile % p->tw;
+      const int kept = !((xi / 4 == 3 && p->h % 2 && ti == p->th - 1) || (xi % 4 == 3 && p->w % 2 && tj == p->tw - 1));
+      p->kidx[xi][tile] = (int8_t)(kept ? p->kt[xi] : -1);
+      p->kt[xi] += kept;
+    }
+  }
+}
 
 static void plane_lanes_make(wino_plan *p) {
   plane_lanes *L = &p->lanes;
@@ -223,19 +250,17 @@ static void plane_lanes_make(wino_plan *p) {
     const int pl = e / hw, y = e % hw / p->w, x = e % p->w;
     L->out[e / 16][e % 16] = (2 * (y % 2) + x % 2) * 16 + pl * T + y / 2 * p->tw + x / 2;
   }
-  for (int xi = 0; xi < 16; ++xi) {
-    L->kt[xi] = 0;
-    for (int tile = 0; tile < T; ++tile) {
-      const int ti = tile / p->tw, tj = tile % p->tw;
-      if ((xi / 4 == 3 && p->h % 2 && ti == p->th - 1) || (xi % 4 == 3 && p->w % 2 && tj == p->tw - 1)) continue;
-      ++L->kt[xi];
-      for (int pl = 0; pl < L->P; ++pl) L->keep[xi] |= (uint16_t)(1u << (pl * T + tile));
-    }
-  }
+  edge_keep_make(p);
+  memcpy(L->kt, p->kt, sizeof L->kt);
+  for (int xi = 0; xi < 16; ++xi)
+    for (int tile = 0; tile < T; ++tile)
+      if (p->kidx[xi][tile] >= 0)
+        for (int pl = 0; pl < L->P; ++pl) L->keep[xi] |= (uint16_t)(1u << (pl * T + tile));
 }
 
 /* the tiles of a sample that entry xi of a narrow plan keeps (plane_lanes) */
-static int64_t kept_tiles(const wino_plan *p, int xi) { return p->lanes.P ? p->lanes.kt[xi] : p->tiles; }
+static int64_t kept_tiles(const wino_plan *p, int xi) { return p->lanes.P || p->sl ? p->kt[xi] : p->tiles; }
+
 
 /* Planes in lanes whose groups fill every lane and keep every entry (an
  * entry of a group: one whole cache line of V, W or M, 16 floats at a
@@ -251,7 +276,7 @@ static int64_t kept_tiles(const wino_plan *p, int xi) { return p->lanes.P ? p->l
 static int lanes_sample_major(const wino_plan *p) {
   if (!p->lanes.P || p->lanes.P * p->tiles != 16) return 0;
   for (int xi = 0; xi < 16; ++xi)
-    if (p->lanes.kt[xi] != p->tiles) return 0;
+    if (p->kt[xi] != p->tiles) return 0;
   return 1;
 }
 #endif
@@ -282,6 +307,11 @@ static wino_plan wino_plan_make(int cin, int cout, int h, int w, int64_t N, int 
   p.blocks = TILES_AVX512 || (WIDE_BLOCKS && p.tiles < AVX2_SAMPLE_TILES);
   if (p.blocks) p.own = 16 * ((int64_t)cin + cout) * p.block + 32 * WINO_SKEW;
   p.plane_floats = (int64_t)p.hp * p.wp + p.wp;
+  p.sl = SAMPLE_LANES && p.narrow;
+  if (p.sl) { /* the bordered input planes, dy's, and the outputs, 8 lanes a position (sample_lanes) */
+    p.plane_floats = 8 * (2 * (int64_t)p.hp * p.wp + (int64_t)h * w);
+    edge_keep_make(&p);
+  }
   p.per_thread = ((p.narrow ? 0 : p.own) + p.plane_floats + 15) & ~(int64_t)15;
   p.own_gemm = 0;
   plane_lanes_make(&p);
@@ -1109,6 +1139,155 @@ static unsigned narrow_entries(const wino_plan *p, int t) {
   return ((1u << first[1]) - 1u) & ~((1u << first[0]) - 1u);
 }
 
+#if SAMPLE_LANES
+/* Narrow planes with the samples in lanes (AVX2 without AVX-512): a group of
+ * up to 8 planes, one channel of consecutive samples, is transposed into 8
+ * lanes a plane position (8x8 register transposes), so that every tile's
+ * transform is the scalar code's arithmetic, in its order, on whole vectors
+ * (the same bits as the tile-at-a-time forms; they took 43 cycles a tile of
+ * a 7x7 plane, a quarter of its row of 8 lanes used). Entry xi's columns in
+ * a chunk of cnt samples: kept tile k's samples side by side, column k cnt
+ * + s, so that a group's entry is one store of 8 floats, and odd planes'
+ * edge tiles skip the entries they do not use (plane_lanes's doc; 7x7: 225
+ * products for 256). The buffers, a thread's (plane_floats): the input
+ * planes zero-bordered (hp, wp, 8: position (i, j) at (i + 1, j + 1)), dy's
+ * (hp, wp, 8: zero past the plane), the outputs (h, w, 8). */
+static inline void transpose8(__m256 r[8]) {
+  __m256 t[8], u[8];
+  for (int i = 0; i < 4; ++i) {
+    t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 2; ++i) {
+    u[4 * i + 0] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
+    u[4 * i + 1] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0xEE);
+    u[4 * i + 2] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+    u[4 * i + 3] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[i] = _mm256_permute2f128_ps(u[i], u[4 + i], 0x20);
+    r[4 + i] = _mm256_permute2f128_ps(u[i], u[4 + i], 0x31);
+  }
+}
+
+/* pc <= 8 planes of hw floats, plane l at src + l * stride, into buf: position
+ * e's 8 lanes at buf + 8 (e / w * bw + e % w + off) (the lanes past pc zero) */
+static void lanes_in(const float *src, int64_t stride, int pc, int hw, int w, int bw, int off, float *buf) {
+  for (int e0 = 0; e0 < hw; e0 += 8) {
+    const __m256i m = dp_lanes8_upto(hw - e0);
+    __m256 r[8];
+    for (int l = 0; l < 8; ++l) r[l] = l < pc ? _mm256_maskload_ps(src + l * stride + e0, m) : _mm256_setzero_ps();
+    transpose8(r);
+    for (int j = 0; j < 8 && e0 + j < hw; ++j) {
+      const int e = e0 + j;
+      _mm256_storeu_ps(buf + 8 * (e / w * bw + e % w + off), r[j]);
+    }
+  }
+}
+
+/* lanes_in's inverse for the outputs: buf (hw, 8) into the pc planes at dst + l * stride */
+static void lanes_out(const float *buf, int pc, int hw, float *dst, int64_t stride) {
+  for (int e0 = 0; e0 < hw; e0 += 8) {
+    const __m256i m = dp_lanes8_upto(hw - e0);
+    __m256 r[8];
+    for (int j = 0; j < 8; ++j) r[j] = e0 + j < hw ? _mm256_loadu_ps(buf + 8 * (e0 + j)) : _mm256_setzero_ps();
+    transpose8(r);
+    for (int l = 0; l < pc; ++l) _mm256_maskstore_ps(dst + l * stride + e0, m, r[l]);
+  }
+}
+
+static inline void lanes_put8(float *p, __m256i m, int pc, __m256 v) {
+  if (pc == 8)
+    _mm256_storeu_ps(p, v);
+  else
+    _mm256_maskstore_ps(p, m, v);
+}
+
+static inline __m256 flip_sign(__m256 x) { return _mm256_xor_ps(x, _mm256_set1_ps(-0.0f)); }
+
+/* The transforms of group (c, s) (pc planes from sample s of the chunk, plane
+ * l at src + l * stride) into T's entries (stride ts; entry xi's columns cnt
+ * kt[xi] a row): B^T d B of the input (dy = 0) or A dY A^T of dy. */
+static void group_transform(const wino_plan *p, int dy, const float *src, int64_t stride, int pc, int64_t c,
+                            int64_t s, int64_t cnt, float *buf, float *T, int64_t ts) {
+  const int hw = p->h * p->w, wp = p->wp;
+  float *b = dy ? buf + 8 * (int64_t)p->hp * wp : buf;
+  lanes_in(src, stride, pc, hw, p->w, wp, dy ? 0 : wp + 1, b);
+  const __m256i m = dp_lanes8_upto(pc);
+  for (int ti = 0; ti < p->th; ++ti)
+    for (int tj = 0; tj < p->tw; ++tj) {
+      const int tile = ti * p->tw + tj;
+      __m256 e[16];
+      if (dy) {
+        const float *q = b + 8 * (2 * ti * wp + 2 * tj);
+        const __m256 a = _mm256_loadu_ps(q), bb = _mm256_loadu_ps(q + 8), cc = _mm256_loadu_ps(q + 8 * wp),
+                     d = _mm256_loadu_ps(q + 8 * wp + 8);
+        const __m256 t0[4] = {a, _mm256_add_ps(a, cc), _mm256_sub_ps(a, cc), flip_sign(cc)};
+        const __m256 t1[4] = {bb, _mm256_add_ps(bb, d), _mm256_sub_ps(bb, d), flip_sign(d)};
+        for (int i = 0; i < 4; ++i) {
+          e[4 * i + 0] = t0[i];
+          e[4 * i + 1] = _mm256_add_ps(t0[i], t1[i]);
+          e[4 * i + 2] = _mm256_sub_ps(t0[i], t1[i]);
+          e[4 * i + 3] = flip_sign(t1[i]);
+        }
+      } else {
+        __m256 d[4][4], t[4][4];
+        for (int a = 0; a < 4; ++a)
+          for (int k = 0; k < 4; ++k) d[a][k] = _mm256_loadu_ps(b + 8 * ((2 * ti + a) * wp + 2 * tj + k));
+        for (int k = 0; k < 4; ++k) {
+          t[0][k] = _mm256_sub_ps(d[0][k], d[2][k]);
+          t[1][k] = _mm256_add_ps(d[1][k], d[2][k]);
+          t[2][k] = _mm256_sub_ps(d[2][k], d[1][k]);
+          t[3][k] = _mm256_sub_ps(d[1][k], d[3][k]);
+        }
+        for (int i = 0; i < 4; ++i) {
+          e[4 * i + 0] = _mm256_sub_ps(t[i][0], t[i][2]);
+          e[4 * i + 1] = _mm256_add_ps(t[i][1], t[i][2]);
+          e[4 * i + 2] = _mm256_sub_ps(t[i][2], t[i][1]);
+          e[4 * i + 3] = _mm256_sub_ps(t[i][1], t[i][3]);
+        }
+      }
+      for (int xi = 0; xi < 16; ++xi) {
+        const int k = p->kidx[xi][tile];
+        if (k >= 0) lanes_put8(T + xi * ts + (c * p->kt[xi] + k) * cnt + s, m, pc, e[xi]);
+      }
+    }
+}
+
+/* The outputs of group (o, s) of a chunk of cnt samples from n0 (M's entry xi
+ * at M + xi ms, its columns as group_transform's): A^T m A + bias, output_tile's
+ * arithmetic in its order, into out (N, cout, h, w) */
+static void group_output(const wino_plan *p, const float *M, int64_t ms, int64_t n0, int64_t cnt, int64_t o,
+                         int64_t s, float bias, float *buf, float *out) {
+  const int hw = p->h * p->w, w = p->w;
+  const int pc = cnt - s < 8 ? (int)(cnt - s) : 8;
+  const __m256i m = dp_lanes8_upto(pc);
+  const __m256 bv = _mm256_set1_ps(bias);
+  float *ob = buf + 16 * (int64_t)p->hp * p->wp;
+  for (int ti = 0; ti < p->th; ++ti)
+    for (int tj = 0; tj < p->tw; ++tj) {
+      const int tile = ti * p->tw + tj;
+      __m256 v[16];
+      for (int xi = 0; xi < 16; ++xi) {
+        const int k = p->kidx[xi][tile]; /* (a skipped entry feeds only outputs past the plane) */
+        const float *q = M + xi * ms + (o * p->kt[xi] + k) * cnt + s;
+        v[xi] = k < 0 ? _mm256_setzero_ps() : pc == 8 ? _mm256_loadu_ps(q) : _mm256_maskload_ps(q, m);
+      }
+      for (int i = 0; i < 2 && 2 * ti + i < p->h; ++i) {
+        __m256 t[4];
+        for (int k = 0; k < 4; ++k)
+          t[k] = i == 0 ? _mm256_add_ps(_mm256_add_ps(v[k], v[4 + k]), v[8 + k])
+                        : _mm256_sub_ps(_mm256_sub_ps(v[4 + k], v[8 + k]), v[12 + k]);
+        float *row = ob + 8 * ((2 * ti + i) * w + 2 * tj);
+        _mm256_storeu_ps(row, _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(t[0], t[1]), t[2]), bv));
+        if (2 * tj + 1 < w) _mm256_storeu_ps(row + 8, _mm256_add_ps(_mm256_sub_ps(_mm256_sub_ps(t[1], t[2]), t[3]), bv));
+      }
+    }
+  const int64_t out_sz = p->cout * (int64_t)hw;
+  lanes_out(ob, pc, hw, out + (n0 + s) * out_sz + o * hw, out_sz);
+}
+#endif
+
 static void dy_plane(const wino_plan *p, const float *src, const float *zrow, float *wv, int64_t wstride,
                      unsigned xmask);
 
@@ -1145,6 +1324,19 @@ static void chunk_transform(const wino_plan *p, int dy, const float *src, int64_
         dy_group_lanes(&p->lanes, R, m, T, tstride, c * cnt + s, entries);
       else
         input_group_lanes(&p->lanes, R, m, T, tstride, c * cnt + s, entries);
+    }
+    return;
+  }
+#endif
+#if SAMPLE_LANES
+  if (p->sl) { /* the groups of 8 samples of a channel dealt to the threads, channel-major */
+    (void)entries;
+    const int64_t groups = (cnt + 7) / 8;
+#pragma omp for schedule(static)
+    for (int64_t k = 0; k < planes * groups; ++k) {
+      const int64_t c = k / groups, s = k % groups * 8;
+      group_transform(p, dy, src + ((n0 + s) * planes + c) * hw, planes * hw, cnt - s < 8 ? (int)(cnt - s) : 8, c, s,
+                      cnt, plane, T, tstride);
     }
     return;
   }
@@ -1277,7 +1469,7 @@ static void wino_conv(const wino_plan *p, int64_t N, const float *in, const floa
     if (!u_in) filter_transform(w, flip ? p->cin : p->cout, flip ? p->cout : p->cin, Uw, ustride); /* ends in a barrier */
     float *mine = own + t * p->per_thread;
     float *plane = mine + (p->narrow ? 0 : p->own);
-    if (p->w < WINO_ROW_MIN && !TILES_AVX512) memset(plane, 0, sizeof(float) * (size_t)p->plane_floats);
+    if ((p->w < WINO_ROW_MIN || p->sl) && !TILES_AVX512) memset(plane, 0, sizeof(float) * (size_t)p->plane_floats);
     if (!p->narrow) {
 #if WIDE_BLOCKS
       if (p->blocks) wide_blocks(p, N, t, in, flip, U, b, out, mine);
@@ -1304,6 +1496,15 @@ static void wino_conv(const wino_plan *p, int64_t N, const float *in, const floa
           if (entries >> xi & 1u && kept_tiles(p, xi))
             wino_gemm(p, flip, xi, U, V, vstride, M, mstride, cnt * kept_tiles(p, xi));
 #pragma omp barrier /* every entry's products, for the output transforms */
+#if SAMPLE_LANES
+        if (p->sl) {
+          const int64_t groups = (cnt + 7) / 8;
+#pragma omp for schedule(static)
+          for (int64_t og = 0; og < p->cout * groups; ++og)
+            group_output(p, M, mstride, n0, cnt, og / groups, og % groups * 8, b ? b[og / groups] : 0.0f, plane, out);
+          continue;
+        }
+#endif
 #if TILES_AVX512
         if (p->lanes.P) {
           const int64_t P = p->lanes.P, groups = (cnt + P - 1) / P;
