@@ -1152,24 +1152,6 @@ static unsigned narrow_entries(const wino_plan *p, int t) {
  * products for 256). The buffers, a thread's (plane_floats): the input
  * planes zero-bordered (hp, wp, 8: position (i, j) at (i + 1, j + 1)), dy's
  * (hp, wp, 8: zero past the plane), the outputs (h, w, 8). */
-static inline void transpose8(__m256 r[8]) {
-  __m256 t[8], u[8];
-  for (int i = 0; i < 4; ++i) {
-    t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
-    t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
-  }
-  for (int i = 0; i < 2; ++i) {
-    u[4 * i + 0] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
-    u[4 * i + 1] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0xEE);
-    u[4 * i + 2] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
-    u[4 * i + 3] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
-  }
-  for (int i = 0; i < 4; ++i) {
-    r[i] = _mm256_permute2f128_ps(u[i], u[4 + i], 0x20);
-    r[4 + i] = _mm256_permute2f128_ps(u[i], u[4 + i], 0x31);
-  }
-}
-
 /* pc <= 8 planes of hw floats, plane l at src + l * stride, into buf: position
  * e's 8 lanes at buf + 8 (e / w * bw + e % w + off) (the lanes past pc zero) */
 static void lanes_in(const float *src, int64_t stride, int pc, int hw, int w, int bw, int off, float *buf) {
@@ -1177,7 +1159,7 @@ static void lanes_in(const float *src, int64_t stride, int pc, int hw, int w, in
     const __m256i m = dp_lanes8_upto(hw - e0);
     __m256 r[8];
     for (int l = 0; l < 8; ++l) r[l] = l < pc ? _mm256_maskload_ps(src + l * stride + e0, m) : _mm256_setzero_ps();
-    transpose8(r);
+    dp_transpose8(r);
     for (int j = 0; j < 8 && e0 + j < hw; ++j) {
       const int e = e0 + j;
       _mm256_storeu_ps(buf + 8 * (e / w * bw + e % w + off), r[j]);
@@ -1191,7 +1173,7 @@ static void lanes_out(const float *buf, int pc, int hw, float *dst, int64_t stri
     const __m256i m = dp_lanes8_upto(hw - e0);
     __m256 r[8];
     for (int j = 0; j < 8; ++j) r[j] = e0 + j < hw ? _mm256_loadu_ps(buf + 8 * (e0 + j)) : _mm256_setzero_ps();
-    transpose8(r);
+    dp_transpose8(r);
     for (int l = 0; l < pc; ++l) _mm256_maskstore_ps(dst + l * stride + e0, m, r[l]);
   }
 }

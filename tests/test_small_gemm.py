@@ -202,3 +202,13 @@ def test_stride2_winograd_bits_and_blocks(tmp_path):
     scratch that the pass did not write (it starts as NaN). Built for this CPU under
     ASan and UBSan."""
     run_native_c_check(tmp_path, "winograd_s2_threads", ["winograd.c", "small_gemm.c", "status.c"])
+
+
+def test_stride2_winograd_avx2_forms(tmp_path):
+    """The same program built with -march=haswell (an AVX2-only machine's build: the AVX2
+    GEMM kernel, the lane planes' 8x8 register transposes, the filter transform 8 pairs a
+    vector), under ASan and UBSan, on a CPU that has AVX2 and FMA."""
+    from dpcore._blas_kernels import cpu_flags
+    if not {"avx2", "fma"} <= cpu_flags():
+        pytest.skip("this CPU has no AVX2 + FMA: a -march=haswell program cannot run here")
+    run_native_c_check(tmp_path, "winograd_s2_threads", ["winograd.c", "small_gemm.c", "status.c"], march="haswell")
