@@ -115,6 +115,7 @@
 #else
 #define SAMPLE_LANES 0
 #endif
+#define SL 8 /* sample lanes: samples a vector */
 /* narrow planes have at most this many tiles (h w < 64: 1x63's 32) */
 #define NARROW_MAX_TILES 32
 /* The scalar tile loops below write 16 streams a stride apart (never
@@ -225,7 +226,7 @@ static void plane_lanes_make(wino_plan *p) {
   plane_lanes *L = &p->lanes;
   memset(L, 0, sizeof *L);
   const int hw = p->h * p->w, T = (int)p->tiles;
-  if (!TILES_AVX512 || !p->narrow || T > 16) return;
+  if (!TILES_AVX512 || !p->narrow || p->sl || T > 16) return;
   L->P = 16 / T < 64 / hw ? 16 / T : 64 / hw;
   for (int pl = 0; pl < L->P; ++pl)
     for (int ti = 0; ti < p->th; ++ti)
@@ -309,7 +310,7 @@ static wino_plan wino_plan_make(int cin, int cout, int h, int w, int64_t N, int 
   p.plane_floats = (int64_t)p.hp * p.wp + p.wp;
   p.sl = SAMPLE_LANES && p.narrow;
   if (p.sl) { /* the bordered input planes, dy's, and the outputs, 8 lanes a position (sample_lanes) */
-    p.plane_floats = 8 * (2 * (int64_t)p.hp * p.wp + (int64_t)h * w);
+    p.plane_floats = SL * (2 * (int64_t)p.hp * p.wp + (int64_t)h * w);
     edge_keep_make(&p);
   }
   p.per_thread = ((p.narrow ? 0 : p.own) + p.plane_floats + 15) & ~(int64_t)15;
@@ -1141,51 +1142,58 @@ static unsigned narrow_entries(const wino_plan *p, int t) {
 
 #if SAMPLE_LANES
 /* Narrow planes with the samples in lanes (AVX2 without AVX-512): a group of
- * up to 8 planes, one channel of consecutive samples, is transposed into 8
- * lanes a plane position (8x8 register transposes), so that every tile's
- * transform is the scalar code's arithmetic, in its order, on whole vectors
- * (the same bits as the tile-at-a-time forms; they took 43 cycles a tile of
- * a 7x7 plane, a quarter of its row of 8 lanes used). Entry xi's columns in
- * a chunk of cnt samples: kept tile k's samples side by side, column k cnt
- * + s, so that a group's entry is one store of 8 floats, and odd planes'
- * edge tiles skip the entries they do not use (plane_lanes's doc; 7x7: 225
- * products for 256). The buffers, a thread's (plane_floats): the input
- * planes zero-bordered (hp, wp, 8: position (i, j) at (i + 1, j + 1)), dy's
- * (hp, wp, 8: zero past the plane), the outputs (h, w, 8). */
-/* pc <= 8 planes of hw floats, plane l at src + l * stride, into buf: position
- * e's 8 lanes at buf + 8 (e / w * bw + e % w + off) (the lanes past pc zero) */
+ * up to SL = 8 planes, one channel of consecutive samples, is transposed
+ * into SL lanes a plane position (8x8 register transposes), so that
+ * every tile's transform is the scalar code's arithmetic, in its order, on
+ * whole vectors (the same bits as the tile-at-a-time forms; with AVX2 those
+ * took 43 cycles a tile of a 7x7 plane, a quarter of a row of 8 lanes used).
+ * Entry xi's columns in a chunk of cnt samples: kept tile k's samples side by
+ * side, column k cnt + s, so that a group's entry is one store, and odd
+ * planes' edge tiles skip the entries they do not use (plane_lanes's doc;
+ * 7x7: 225 products for 256). The buffers, a thread's (plane_floats): the
+ * input planes zero-bordered (hp, wp, SL: position (i, j) at (i + 1, j +
+ * 1)), dy's (hp, wp, SL: zero past the plane), the outputs (h, w, SL).
+ * With AVX-512 the same in 16 lanes measured no faster than plane_lanes
+ * (ResNet-18's 7x7 and 4x4 layers within +-5% either way over two runs). */
+typedef __m256 slv;
+typedef __m256i slm;
+#define SL_MASK(n) dp_lanes8_upto(n)
+#define SL_LOAD(p) _mm256_loadu_ps(p)
+#define SL_STORE(p, v) _mm256_storeu_ps(p, v)
+#define SL_MLOAD(p, m) _mm256_maskload_ps(p, m)
+#define SL_MSTORE(p, m, v) _mm256_maskstore_ps(p, m, v)
+#define SL_ADD _mm256_add_ps
+#define SL_SUB _mm256_sub_ps
+#define SL_ZERO _mm256_setzero_ps
+#define SL_SET1 _mm256_set1_ps
+static inline slv sl_neg(slv x) { return _mm256_xor_ps(x, _mm256_set1_ps(-0.0f)); } /* the sign flipped, as -x */
+static inline void sl_transpose(slv r[SL]) { dp_transpose8(r); }
+
+/* pc <= SL planes of hw floats, plane l at src + l * stride, into buf:
+ * position e's lanes at buf + SL (e / w * bw + e % w + off) (past pc zero) */
 static void lanes_in(const float *src, int64_t stride, int pc, int hw, int w, int bw, int off, float *buf) {
-  for (int e0 = 0; e0 < hw; e0 += 8) {
-    const __m256i m = dp_lanes8_upto(hw - e0);
-    __m256 r[8];
-    for (int l = 0; l < 8; ++l) r[l] = l < pc ? _mm256_maskload_ps(src + l * stride + e0, m) : _mm256_setzero_ps();
-    dp_transpose8(r);
-    for (int j = 0; j < 8 && e0 + j < hw; ++j) {
+  for (int e0 = 0; e0 < hw; e0 += SL) {
+    const slm m = SL_MASK(hw - e0);
+    slv r[SL];
+    for (int l = 0; l < SL; ++l) r[l] = l < pc ? SL_MLOAD(src + l * stride + e0, m) : SL_ZERO();
+    sl_transpose(r);
+    for (int j = 0; j < SL && e0 + j < hw; ++j) {
       const int e = e0 + j;
-      _mm256_storeu_ps(buf + 8 * (e / w * bw + e % w + off), r[j]);
+      SL_STORE(buf + SL * (e / w * bw + e % w + off), r[j]);
     }
   }
 }
 
-/* lanes_in's inverse for the outputs: buf (hw, 8) into the pc planes at dst + l * stride */
+/* lanes_in's inverse for the outputs: buf (hw, SL) into the pc planes at dst + l * stride */
 static void lanes_out(const float *buf, int pc, int hw, float *dst, int64_t stride) {
-  for (int e0 = 0; e0 < hw; e0 += 8) {
-    const __m256i m = dp_lanes8_upto(hw - e0);
-    __m256 r[8];
-    for (int j = 0; j < 8; ++j) r[j] = e0 + j < hw ? _mm256_loadu_ps(buf + 8 * (e0 + j)) : _mm256_setzero_ps();
-    dp_transpose8(r);
-    for (int l = 0; l < pc; ++l) _mm256_maskstore_ps(dst + l * stride + e0, m, r[l]);
+  for (int e0 = 0; e0 < hw; e0 += SL) {
+    const slm m = SL_MASK(hw - e0);
+    slv r[SL];
+    for (int j = 0; j < SL; ++j) r[j] = e0 + j < hw ? SL_LOAD(buf + SL * (e0 + j)) : SL_ZERO();
+    sl_transpose(r);
+    for (int l = 0; l < pc; ++l) SL_MSTORE(dst + l * stride + e0, m, r[l]);
   }
 }
-
-static inline void lanes_put8(float *p, __m256i m, int pc, __m256 v) {
-  if (pc == 8)
-    _mm256_storeu_ps(p, v);
-  else
-    _mm256_maskstore_ps(p, m, v);
-}
-
-static inline __m256 flip_sign(__m256 x) { return _mm256_xor_ps(x, _mm256_set1_ps(-0.0f)); }
 
 /* The transforms of group (c, s) (pc planes from sample s of the chunk, plane
  * l at src + l * stride) into T's entries (stride ts; entry xi's columns cnt
@@ -1193,45 +1201,49 @@ static inline __m256 flip_sign(__m256 x) { return _mm256_xor_ps(x, _mm256_set1_p
 static void group_transform(const wino_plan *p, int dy, const float *src, int64_t stride, int pc, int64_t c,
                             int64_t s, int64_t cnt, float *buf, float *T, int64_t ts) {
   const int hw = p->h * p->w, wp = p->wp;
-  float *b = dy ? buf + 8 * (int64_t)p->hp * wp : buf;
+  float *b = dy ? buf + SL * (int64_t)p->hp * wp : buf;
   lanes_in(src, stride, pc, hw, p->w, wp, dy ? 0 : wp + 1, b);
-  const __m256i m = dp_lanes8_upto(pc);
+  const slm m = SL_MASK(pc);
   for (int ti = 0; ti < p->th; ++ti)
     for (int tj = 0; tj < p->tw; ++tj) {
       const int tile = ti * p->tw + tj;
-      __m256 e[16];
+      slv e[16];
       if (dy) {
-        const float *q = b + 8 * (2 * ti * wp + 2 * tj);
-        const __m256 a = _mm256_loadu_ps(q), bb = _mm256_loadu_ps(q + 8), cc = _mm256_loadu_ps(q + 8 * wp),
-                     d = _mm256_loadu_ps(q + 8 * wp + 8);
-        const __m256 t0[4] = {a, _mm256_add_ps(a, cc), _mm256_sub_ps(a, cc), flip_sign(cc)};
-        const __m256 t1[4] = {bb, _mm256_add_ps(bb, d), _mm256_sub_ps(bb, d), flip_sign(d)};
+        const float *q = b + SL * (2 * ti * wp + 2 * tj);
+        const slv a = SL_LOAD(q), bb = SL_LOAD(q + SL), cc = SL_LOAD(q + SL * wp), d = SL_LOAD(q + SL * wp + SL);
+        const slv t0[4] = {a, SL_ADD(a, cc), SL_SUB(a, cc), sl_neg(cc)};
+        const slv t1[4] = {bb, SL_ADD(bb, d), SL_SUB(bb, d), sl_neg(d)};
         for (int i = 0; i < 4; ++i) {
           e[4 * i + 0] = t0[i];
-          e[4 * i + 1] = _mm256_add_ps(t0[i], t1[i]);
-          e[4 * i + 2] = _mm256_sub_ps(t0[i], t1[i]);
-          e[4 * i + 3] = flip_sign(t1[i]);
+          e[4 * i + 1] = SL_ADD(t0[i], t1[i]);
+          e[4 * i + 2] = SL_SUB(t0[i], t1[i]);
+          e[4 * i + 3] = sl_neg(t1[i]);
         }
       } else {
-        __m256 d[4][4], t[4][4];
+        slv d[4][4], t[4][4];
         for (int a = 0; a < 4; ++a)
-          for (int k = 0; k < 4; ++k) d[a][k] = _mm256_loadu_ps(b + 8 * ((2 * ti + a) * wp + 2 * tj + k));
+          for (int k = 0; k < 4; ++k) d[a][k] = SL_LOAD(b + SL * ((2 * ti + a) * wp + 2 * tj + k));
         for (int k = 0; k < 4; ++k) {
-          t[0][k] = _mm256_sub_ps(d[0][k], d[2][k]);
-          t[1][k] = _mm256_add_ps(d[1][k], d[2][k]);
-          t[2][k] = _mm256_sub_ps(d[2][k], d[1][k]);
-          t[3][k] = _mm256_sub_ps(d[1][k], d[3][k]);
+          t[0][k] = SL_SUB(d[0][k], d[2][k]);
+          t[1][k] = SL_ADD(d[1][k], d[2][k]);
+          t[2][k] = SL_SUB(d[2][k], d[1][k]);
+          t[3][k] = SL_SUB(d[1][k], d[3][k]);
         }
         for (int i = 0; i < 4; ++i) {
-          e[4 * i + 0] = _mm256_sub_ps(t[i][0], t[i][2]);
-          e[4 * i + 1] = _mm256_add_ps(t[i][1], t[i][2]);
-          e[4 * i + 2] = _mm256_sub_ps(t[i][2], t[i][1]);
-          e[4 * i + 3] = _mm256_sub_ps(t[i][1], t[i][3]);
+          e[4 * i + 0] = SL_SUB(t[i][0], t[i][2]);
+          e[4 * i + 1] = SL_ADD(t[i][1], t[i][2]);
+          e[4 * i + 2] = SL_SUB(t[i][2], t[i][1]);
+          e[4 * i + 3] = SL_SUB(t[i][1], t[i][3]);
         }
       }
       for (int xi = 0; xi < 16; ++xi) {
         const int k = p->kidx[xi][tile];
-        if (k >= 0) lanes_put8(T + xi * ts + (c * p->kt[xi] + k) * cnt + s, m, pc, e[xi]);
+        if (k < 0) continue;
+        float *dst = T + xi * ts + (c * p->kt[xi] + k) * cnt + s;
+        if (pc == SL)
+          SL_STORE(dst, e[xi]);
+        else
+          SL_MSTORE(dst, m, e[xi]);
       }
     }
 }
@@ -1242,27 +1254,26 @@ static void group_transform(const wino_plan *p, int dy, const float *src, int64_
 static void group_output(const wino_plan *p, const float *M, int64_t ms, int64_t n0, int64_t cnt, int64_t o,
                          int64_t s, float bias, float *buf, float *out) {
   const int hw = p->h * p->w, w = p->w;
-  const int pc = cnt - s < 8 ? (int)(cnt - s) : 8;
-  const __m256i m = dp_lanes8_upto(pc);
-  const __m256 bv = _mm256_set1_ps(bias);
-  float *ob = buf + 16 * (int64_t)p->hp * p->wp;
+  const int pc = cnt - s < SL ? (int)(cnt - s) : SL;
+  const slm m = SL_MASK(pc);
+  const slv bv = SL_SET1(bias);
+  float *ob = buf + 2 * SL * (int64_t)p->hp * p->wp;
   for (int ti = 0; ti < p->th; ++ti)
     for (int tj = 0; tj < p->tw; ++tj) {
       const int tile = ti * p->tw + tj;
-      __m256 v[16];
+      slv v[16];
       for (int xi = 0; xi < 16; ++xi) {
         const int k = p->kidx[xi][tile]; /* (a skipped entry feeds only outputs past the plane) */
         const float *q = M + xi * ms + (o * p->kt[xi] + k) * cnt + s;
-        v[xi] = k < 0 ? _mm256_setzero_ps() : pc == 8 ? _mm256_loadu_ps(q) : _mm256_maskload_ps(q, m);
+        v[xi] = k < 0 ? SL_ZERO() : pc == SL ? SL_LOAD(q) : SL_MLOAD(q, m);
       }
       for (int i = 0; i < 2 && 2 * ti + i < p->h; ++i) {
-        __m256 t[4];
+        slv t[4];
         for (int k = 0; k < 4; ++k)
-          t[k] = i == 0 ? _mm256_add_ps(_mm256_add_ps(v[k], v[4 + k]), v[8 + k])
-                        : _mm256_sub_ps(_mm256_sub_ps(v[4 + k], v[8 + k]), v[12 + k]);
-        float *row = ob + 8 * ((2 * ti + i) * w + 2 * tj);
-        _mm256_storeu_ps(row, _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(t[0], t[1]), t[2]), bv));
-        if (2 * tj + 1 < w) _mm256_storeu_ps(row + 8, _mm256_add_ps(_mm256_sub_ps(_mm256_sub_ps(t[1], t[2]), t[3]), bv));
+          t[k] = i == 0 ? SL_ADD(SL_ADD(v[k], v[4 + k]), v[8 + k]) : SL_SUB(SL_SUB(v[4 + k], v[8 + k]), v[12 + k]);
+        float *row = ob + SL * ((2 * ti + i) * w + 2 * tj);
+        SL_STORE(row, SL_ADD(SL_ADD(SL_ADD(t[0], t[1]), t[2]), bv));
+        if (2 * tj + 1 < w) SL_STORE(row + SL, SL_ADD(SL_SUB(SL_SUB(t[1], t[2]), t[3]), bv));
       }
     }
   const int64_t out_sz = p->cout * (int64_t)hw;
@@ -1311,13 +1322,13 @@ static void chunk_transform(const wino_plan *p, int dy, const float *src, int64_
   }
 #endif
 #if SAMPLE_LANES
-  if (p->sl) { /* the groups of 8 samples of a channel dealt to the threads, channel-major */
+  if (p->sl) { /* the groups of SL samples of a channel dealt to the threads, channel-major */
     (void)entries;
-    const int64_t groups = (cnt + 7) / 8;
+    const int64_t groups = (cnt + SL - 1) / SL;
 #pragma omp for schedule(static)
     for (int64_t k = 0; k < planes * groups; ++k) {
-      const int64_t c = k / groups, s = k % groups * 8;
-      group_transform(p, dy, src + ((n0 + s) * planes + c) * hw, planes * hw, cnt - s < 8 ? (int)(cnt - s) : 8, c, s,
+      const int64_t c = k / groups, s = k % groups * SL;
+      group_transform(p, dy, src + ((n0 + s) * planes + c) * hw, planes * hw, cnt - s < SL ? (int)(cnt - s) : SL, c, s,
                       cnt, plane, T, tstride);
     }
     return;
@@ -1451,7 +1462,7 @@ static void wino_conv(const wino_plan *p, int64_t N, const float *in, const floa
     if (!u_in) filter_transform(w, flip ? p->cin : p->cout, flip ? p->cout : p->cin, Uw, ustride); /* ends in a barrier */
     float *mine = own + t * p->per_thread;
     float *plane = mine + (p->narrow ? 0 : p->own);
-    if ((p->w < WINO_ROW_MIN || p->sl) && !TILES_AVX512) memset(plane, 0, sizeof(float) * (size_t)p->plane_floats);
+    if (p->sl || (p->w < WINO_ROW_MIN && !TILES_AVX512)) memset(plane, 0, sizeof(float) * (size_t)p->plane_floats);
     if (!p->narrow) {
 #if WIDE_BLOCKS
       if (p->blocks) wide_blocks(p, N, t, in, flip, U, b, out, mine);
@@ -1480,10 +1491,10 @@ static void wino_conv(const wino_plan *p, int64_t N, const float *in, const floa
 #pragma omp barrier /* every entry's products, for the output transforms */
 #if SAMPLE_LANES
         if (p->sl) {
-          const int64_t groups = (cnt + 7) / 8;
+          const int64_t groups = (cnt + SL - 1) / SL;
 #pragma omp for schedule(static)
           for (int64_t og = 0; og < p->cout * groups; ++og)
-            group_output(p, M, mstride, n0, cnt, og / groups, og % groups * 8, b ? b[og / groups] : 0.0f, plane, out);
+            group_output(p, M, mstride, n0, cnt, og / groups, og % groups * SL, b ? b[og / groups] : 0.0f, plane, out);
           continue;
         }
 #endif
@@ -1726,7 +1737,7 @@ static void dw_narrow(const wino_plan *p, int64_t N, const float *x, const float
       else if (k == 0)
         memset(dU + xi * ustride, 0, sizeof(float) * (size_t)p->cout * p->cin);
     }
-    if (!TILES_AVX512) {
+    if (!TILES_AVX512 || p->sl) {
 #pragma omp barrier /* the GEMMs read before the next chunk's transforms overwrite */
     }
   }
