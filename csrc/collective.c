@@ -57,7 +57,14 @@ static dp_status barrier_wait(dp_barrier *b) {
   }
   for (int spin = 1; spin <= BARRIER_SPINS; ++spin) {
     if (atomic_load_explicit(&b->generation, memory_order_acquire) != gen) return DP_OK;
-    if (atomic_load_explicit(&b->broken, memory_order_acquire)) return barrier_broken();
+    if (atomic_load_explicit(&b->broken, memory_order_acquire)) {
+      /* the generation may have completed between the two loads, and a replica
+       * gone on from it then failed: a completed generation wins, as below (the
+       * stress test once saw a peer told "aborted" by a barrier every replica
+       * had passed) */
+      if (atomic_load_explicit(&b->generation, memory_order_acquire) != gen) return DP_OK;
+      return barrier_broken();
+    }
     if (spin % BARRIER_YIELD_EVERY == 0) sched_yield();
 #if defined(__x86_64__) || defined(__i386__)
     __builtin_ia32_pause();
