@@ -108,8 +108,8 @@
 #endif
 #define AVX2_SAMPLE_TILES 128
 /* Without AVX-512, with AVX2: narrow planes with the samples in lanes (8
- * planes of one channel, consecutive samples, one a lane; see sample_lanes
- * below) */
+ * planes of one channel, consecutive samples, one a lane; the doc above
+ * group_transform) */
 #if defined(__AVX2__) && !defined(__AVX512F__)
 #define SAMPLE_LANES 1
 #else
@@ -194,7 +194,7 @@ typedef struct wino_plan {
   int64_t chunk;       /* narrow, and dw: samples per chunk, at most */
   int nt;              /* threads */
   int64_t shared;      /* floats of a chunk's V and M (narrow) or V and W (dw), shared by the threads */
-  int64_t own;         /* floats of one sample's V and M (wide), a thread's own; with AVX-512 a block's */
+  int64_t own;         /* floats of one sample's V and M (wide), a thread's own; with blocks a block's */
   int64_t block;       /* wide, with blocks: tiles a block (a multiple of 32) */
   int blocks;          /* wide planes in blocks of tiles (WIDE_BLOCKS), else a sample at a time */
   int own_gemm;        /* the products on small_gemm.h's kernel (else the BLAS) */
@@ -202,7 +202,8 @@ typedef struct wino_plan {
   int sl;              /* narrow planes with the samples in lanes (SAMPLE_LANES) */
   int kt[16];          /* entry xi: the tiles of a plane that keep it (plane_lanes's kt, or sample lanes') */
   int8_t kidx[16][NARROW_MAX_TILES]; /* sample lanes: tile's column block in entry xi (-1: not kept) */
-  int64_t plane_floats; /* the zero-bordered plane (hp, wp) (without AVX-512), then wp zeros (dw's zrow) */
+  int64_t plane_floats; /* the zero-bordered plane (hp, wp) (without AVX-512), then wp zeros (dw's zrow);
+                           sample lanes: their three buffers (group_transform's doc) */
   int64_t per_thread;  /* floats a thread has alone: V and M (wide), the plane (input_plane's 4 rows, or
                           input_plane_bordered's zero-bordered plane), then wp zeros (dw's dy_plane); a
                           multiple of 16 (64 bytes) */
@@ -262,7 +263,6 @@ static void plane_lanes_make(wino_plan *p) {
 /* the tiles of a sample that entry xi of a narrow plan keeps (plane_lanes) */
 static int64_t kept_tiles(const wino_plan *p, int xi) { return p->lanes.P || p->sl ? p->kt[xi] : p->tiles; }
 
-
 /* Planes in lanes whose groups fill every lane and keep every entry (an
  * entry of a group: one whole cache line of V, W or M, 16 floats at a
  * multiple of 16): their transforms go a sample group at a time through the
@@ -309,7 +309,7 @@ static wino_plan wino_plan_make(int cin, int cout, int h, int w, int64_t N, int 
   if (p.blocks) p.own = 16 * ((int64_t)cin + cout) * p.block + 32 * WINO_SKEW;
   p.plane_floats = (int64_t)p.hp * p.wp + p.wp;
   p.sl = SAMPLE_LANES && p.narrow;
-  if (p.sl) { /* the bordered input planes, dy's, and the outputs, 8 lanes a position (sample_lanes) */
+  if (p.sl) { /* the bordered input planes, dy's, and the outputs, SL lanes a position (group_transform) */
     p.plane_floats = SL * (2 * (int64_t)p.hp * p.wp + (int64_t)h * w);
     edge_keep_make(&p);
   }
@@ -460,7 +460,6 @@ static void input_cols(const float *restrict t, int tw, float *restrict v0, floa
   }
 }
 #endif
-
 
 #if defined(__AVX2__)
 /* columns s, s + 2, ..., s + 14 of a row from its 8 + 8 floats lo, hi (s = 0 even, 1 odd) */
@@ -789,7 +788,6 @@ static void input_segment(const wino_plan *p, const float *src, int ti, int tj0,
 #endif
 
 #if defined(__AVX2__) && !defined(__AVX512F__)
-
 /* 8 floats of a row from column col0, the columns outside [0, w) (and a NULL
  * row) zero, nothing read there (the address is an integer's: col0 may lie
  * before the row, or far past it with every lane masked) */
