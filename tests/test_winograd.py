@@ -143,6 +143,8 @@ ODD_CASES = [              # at least 64 channels in and out (DP_WINOGRAD_MIN_CH
     (5, 64, 64, 64, 64),     # dw over five chunks of one sample (WINO_CHUNK_FLOATS), summed on in the GEMM
     (7, 64, 40, 40, 64),     # chunks of 2 samples: 1, 2, 2, 2 (unequal: each entry keeps the largest's place)
     (17, 256, 7, 7, 256),    # narrow: chunks of 8 and 9 samples, forward and dx too
+    (3, 64, 1, 63, 64),      # narrow with 32 tiles, the most a narrow plane has (AVX2's sample lanes: NARROW_MAX_TILES)
+    (2, 64, 63, 1, 64),      # the same standing: 32 tile rows of one tile
 ]
 
 
