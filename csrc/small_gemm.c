@@ -209,26 +209,12 @@ static inline __attribute__((always_inline)) void panel(int64_t M, int64_t nj, i
   }
 }
 
-/* out[k * out_ld + r] = src[r * ld + k], r, k < 8: an 8 x 8 transpose in registers */
+/* out[k * out_ld + r] = src[r * ld + k], r, k < 8: an 8 x 8 transpose in registers (lanes.h) */
 static inline void transpose_block(const float *src, int64_t ld, float *out, int64_t out_ld) {
-  __m256 r[8], t[8];
+  __m256 r[8];
   for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(src + i * ld);
-  for (int i = 0; i < 8; i += 2) {
-    t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
-    t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
-  }
-  for (int i = 0; i < 8; i += 4) {
-    r[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
-    r[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
-    r[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
-    r[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
-  }
-  /* r[0..3]: columns {0, 1, 2, 3} of rows 0-3 (low half) and 4-7 of rows 0-3 (high half); r[4..7] the same
-   * for rows 4-7: the 128-bit halves recombined */
-  for (int i = 0; i < 4; ++i) {
-    _mm256_storeu_ps(out + i * out_ld, _mm256_permute2f128_ps(r[i], r[i + 4], 0x20));
-    _mm256_storeu_ps(out + (i + 4) * out_ld, _mm256_permute2f128_ps(r[i], r[i + 4], 0x31));
-  }
+  dp_transpose8(r);
+  for (int k = 0; k < 8; ++k) _mm256_storeu_ps(out + k * out_ld, r[k]);
 }
 
 #endif

@@ -183,7 +183,7 @@ typedef struct plane_lanes {
   int32_t in[16][16], dy[4][16], out[4][16];
   uint16_t in_ok[16], dy_ok[4];
   uint16_t keep[16];      /* entry xi: the group's lanes (tiles) that keep it */
-  int kt[16];             /* entry xi: the tiles of a plane that keep it (the plan's kt) */
+  int kt[16];             /* entry xi: the tiles of a plane that keep it (also with sample lanes, P 0) */
 } plane_lanes;
 
 typedef struct wino_plan {
@@ -200,7 +200,6 @@ typedef struct wino_plan {
   int own_gemm;        /* the products on small_gemm.h's kernel (else the BLAS) */
   plane_lanes lanes;   /* narrow planes of at most 16 tiles, with AVX-512 */
   int sl;              /* narrow planes with the samples in lanes (SAMPLE_LANES) */
-  int kt[16];          /* entry xi: the tiles of a plane that keep it (plane_lanes's kt, or sample lanes') */
   int8_t kidx[16][NARROW_MAX_TILES]; /* sample lanes: tile's column block in entry xi (-1: not kept) */
   int64_t plane_floats; /* the zero-bordered plane (hp, wp) (without AVX-512), then wp zeros (dw's zrow);
                            sample lanes: their three buffers (group_transform's doc) */
@@ -209,16 +208,17 @@ typedef struct wino_plan {
                           multiple of 16 (64 bytes) */
 } wino_plan;
 
-/* The edge tiles' kept entries (plane_lanes's doc): kt, and (sample lanes)
- * each kept tile's place among its entry's in tile order, kidx */
+/* The edge tiles' kept entries (plane_lanes's doc): lanes.kt, and each kept
+ * tile's place among its entry's in tile order, kidx (sample lanes) */
 static void edge_keep_make(wino_plan *p) {
+  int *kt = p->lanes.kt;
   for (int xi = 0; xi < 16; ++xi) {
-    p->kt[xi] = 0;
+    kt[xi] = 0;
     for (int tile = 0; tile < p->tiles && tile < NARROW_MAX_TILES; ++tile) {
       const int ti = tile / p->tw, tj = tile % p->tw;
       const int kept = !((xi / 4 == 3 && p->h % 2 && ti == p->th - 1) || (xi % 4 == 3 && p->w % 2 && tj == p->tw - 1));
-      p->kidx[xi][tile] = (int8_t)(kept ? p->kt[xi] : -1);
-      p->kt[xi] += kept;
+      p->kidx[xi][tile] = (int8_t)(kept ? kt[xi] : -1);
+      kt[xi] += kept;
     }
   }
 }
@@ -253,7 +253,6 @@ static void plane_lanes_make(wino_plan *p) {
     L->out[e / 16][e % 16] = (2 * (y % 2) + x % 2) * 16 + pl * T + y / 2 * p->tw + x / 2;
   }
   edge_keep_make(p);
-  memcpy(L->kt, p->kt, sizeof L->kt);
   for (int xi = 0; xi < 16; ++xi)
     for (int tile = 0; tile < T; ++tile)
       if (p->kidx[xi][tile] >= 0)
@@ -261,7 +260,7 @@ static void plane_lanes_make(wino_plan *p) {
 }
 
 /* the tiles of a sample that entry xi of a narrow plan keeps (plane_lanes) */
-static int64_t kept_tiles(const wino_plan *p, int xi) { return p->lanes.P || p->sl ? p->kt[xi] : p->tiles; }
+static int64_t kept_tiles(const wino_plan *p, int xi) { return p->lanes.P || p->sl ? p->lanes.kt[xi] : p->tiles; }
 
 /* Planes in lanes whose groups fill every lane and keep every entry (an
  * entry of a group: one whole cache line of V, W or M, 16 floats at a
@@ -277,7 +276,7 @@ static int64_t kept_tiles(const wino_plan *p, int xi) { return p->lanes.P || p->
 static int lanes_sample_major(const wino_plan *p) {
   if (!p->lanes.P || p->lanes.P * p->tiles != 16) return 0;
   for (int xi = 0; xi < 16; ++xi)
-    if (p->kt[xi] != p->tiles) return 0;
+    if (p->lanes.kt[xi] != p->tiles) return 0;
   return 1;
 }
 #endif
@@ -309,13 +308,12 @@ static wino_plan wino_plan_make(int cin, int cout, int h, int w, int64_t N, int 
   if (p.blocks) p.own = 16 * ((int64_t)cin + cout) * p.block + 32 * WINO_SKEW;
   p.plane_floats = (int64_t)p.hp * p.wp + p.wp;
   p.sl = SAMPLE_LANES && p.narrow;
-  if (p.sl) { /* the bordered input planes, dy's, and the outputs, SL lanes a position (group_transform) */
+  if (p.sl) /* the bordered input planes, dy's, and the outputs, SL lanes a position (group_transform) */
     p.plane_floats = SL * (2 * (int64_t)p.hp * p.wp + (int64_t)h * w);
-    edge_keep_make(&p);
-  }
   p.per_thread = ((p.narrow ? 0 : p.own) + p.plane_floats + 15) & ~(int64_t)15;
   p.own_gemm = 0;
   plane_lanes_make(&p);
+  if (p.sl) edge_keep_make(&p); /* (after plane_lanes_make, which clears lanes) */
   return p;
 }
 
@@ -1153,31 +1151,20 @@ static unsigned narrow_entries(const wino_plan *p, int t) {
  * 1)), dy's (hp, wp, SL: zero past the plane), the outputs (h, w, SL).
  * With AVX-512 the same in 16 lanes measured no faster than plane_lanes
  * (ResNet-18's 7x7 and 4x4 layers within +-5% either way over two runs). */
-typedef __m256 slv;
-typedef __m256i slm;
-#define SL_MASK(n) dp_lanes8_upto(n)
-#define SL_LOAD(p) _mm256_loadu_ps(p)
-#define SL_STORE(p, v) _mm256_storeu_ps(p, v)
-#define SL_MLOAD(p, m) _mm256_maskload_ps(p, m)
-#define SL_MSTORE(p, m, v) _mm256_maskstore_ps(p, m, v)
-#define SL_ADD _mm256_add_ps
-#define SL_SUB _mm256_sub_ps
-#define SL_ZERO _mm256_setzero_ps
-#define SL_SET1 _mm256_set1_ps
-static inline slv sl_neg(slv x) { return _mm256_xor_ps(x, _mm256_set1_ps(-0.0f)); } /* the sign flipped, as -x */
-static inline void sl_transpose(slv r[SL]) { dp_transpose8(r); }
+/* -x: the sign flipped (0 - x would turn -0 into +0) */
+static inline __m256 negated8(__m256 x) { return _mm256_xor_ps(x, _mm256_set1_ps(-0.0f)); }
 
 /* pc <= SL planes of hw floats, plane l at src + l * stride, into buf:
  * position e's lanes at buf + SL (e / w * bw + e % w + off) (past pc zero) */
 static void lanes_in(const float *src, int64_t stride, int pc, int hw, int w, int bw, int off, float *buf) {
   for (int e0 = 0; e0 < hw; e0 += SL) {
-    const slm m = SL_MASK(hw - e0);
-    slv r[SL];
-    for (int l = 0; l < SL; ++l) r[l] = l < pc ? SL_MLOAD(src + l * stride + e0, m) : SL_ZERO();
-    sl_transpose(r);
+    const __m256i m = dp_lanes8_upto(hw - e0);
+    __m256 r[SL];
+    for (int l = 0; l < SL; ++l) r[l] = l < pc ? _mm256_maskload_ps(src + l * stride + e0, m) : _mm256_setzero_ps();
+    dp_transpose8(r);
     for (int j = 0; j < SL && e0 + j < hw; ++j) {
       const int e = e0 + j;
-      SL_STORE(buf + SL * (e / w * bw + e % w + off), r[j]);
+      _mm256_storeu_ps(buf + SL * (e / w * bw + e % w + off), r[j]);
     }
   }
 }
@@ -1185,11 +1172,11 @@ static void lanes_in(const float *src, int64_t stride, int pc, int hw, int w, in
 /* lanes_in's inverse for the outputs: buf (hw, SL) into the pc planes at dst + l * stride */
 static void lanes_out(const float *buf, int pc, int hw, float *dst, int64_t stride) {
   for (int e0 = 0; e0 < hw; e0 += SL) {
-    const slm m = SL_MASK(hw - e0);
-    slv r[SL];
-    for (int j = 0; j < SL; ++j) r[j] = e0 + j < hw ? SL_LOAD(buf + SL * (e0 + j)) : SL_ZERO();
-    sl_transpose(r);
-    for (int l = 0; l < pc; ++l) SL_MSTORE(dst + l * stride + e0, m, r[l]);
+    const __m256i m = dp_lanes8_upto(hw - e0);
+    __m256 r[SL];
+    for (int j = 0; j < SL; ++j) r[j] = e0 + j < hw ? _mm256_loadu_ps(buf + SL * (e0 + j)) : _mm256_setzero_ps();
+    dp_transpose8(r);
+    for (int l = 0; l < pc; ++l) _mm256_maskstore_ps(dst + l * stride + e0, m, r[l]);
   }
 }
 
@@ -1201,47 +1188,47 @@ static void group_transform(const wino_plan *p, int dy, const float *src, int64_
   const int hw = p->h * p->w, wp = p->wp;
   float *b = dy ? buf + SL * (int64_t)p->hp * wp : buf;
   lanes_in(src, stride, pc, hw, p->w, wp, dy ? 0 : wp + 1, b);
-  const slm m = SL_MASK(pc);
+  const __m256i m = dp_lanes8_upto(pc);
   for (int ti = 0; ti < p->th; ++ti)
     for (int tj = 0; tj < p->tw; ++tj) {
       const int tile = ti * p->tw + tj;
-      slv e[16];
+      __m256 e[16];
       if (dy) {
         const float *q = b + SL * (2 * ti * wp + 2 * tj);
-        const slv a = SL_LOAD(q), bb = SL_LOAD(q + SL), cc = SL_LOAD(q + SL * wp), d = SL_LOAD(q + SL * wp + SL);
-        const slv t0[4] = {a, SL_ADD(a, cc), SL_SUB(a, cc), sl_neg(cc)};
-        const slv t1[4] = {bb, SL_ADD(bb, d), SL_SUB(bb, d), sl_neg(d)};
+        const __m256 a = _mm256_loadu_ps(q), bb = _mm256_loadu_ps(q + SL), cc = _mm256_loadu_ps(q + SL * wp), d = _mm256_loadu_ps(q + SL * wp + SL);
+        const __m256 t0[4] = {a, _mm256_add_ps(a, cc), _mm256_sub_ps(a, cc), negated8(cc)};
+        const __m256 t1[4] = {bb, _mm256_add_ps(bb, d), _mm256_sub_ps(bb, d), negated8(d)};
         for (int i = 0; i < 4; ++i) {
           e[4 * i + 0] = t0[i];
-          e[4 * i + 1] = SL_ADD(t0[i], t1[i]);
-          e[4 * i + 2] = SL_SUB(t0[i], t1[i]);
-          e[4 * i + 3] = sl_neg(t1[i]);
+          e[4 * i + 1] = _mm256_add_ps(t0[i], t1[i]);
+          e[4 * i + 2] = _mm256_sub_ps(t0[i], t1[i]);
+          e[4 * i + 3] = negated8(t1[i]);
         }
       } else {
-        slv d[4][4], t[4][4];
+        __m256 d[4][4], t[4][4];
         for (int a = 0; a < 4; ++a)
-          for (int k = 0; k < 4; ++k) d[a][k] = SL_LOAD(b + SL * ((2 * ti + a) * wp + 2 * tj + k));
+          for (int k = 0; k < 4; ++k) d[a][k] = _mm256_loadu_ps(b + SL * ((2 * ti + a) * wp + 2 * tj + k));
         for (int k = 0; k < 4; ++k) {
-          t[0][k] = SL_SUB(d[0][k], d[2][k]);
-          t[1][k] = SL_ADD(d[1][k], d[2][k]);
-          t[2][k] = SL_SUB(d[2][k], d[1][k]);
-          t[3][k] = SL_SUB(d[1][k], d[3][k]);
+          t[0][k] = _mm256_sub_ps(d[0][k], d[2][k]);
+          t[1][k] = _mm256_add_ps(d[1][k], d[2][k]);
+          t[2][k] = _mm256_sub_ps(d[2][k], d[1][k]);
+          t[3][k] = _mm256_sub_ps(d[1][k], d[3][k]);
         }
         for (int i = 0; i < 4; ++i) {
-          e[4 * i + 0] = SL_SUB(t[i][0], t[i][2]);
-          e[4 * i + 1] = SL_ADD(t[i][1], t[i][2]);
-          e[4 * i + 2] = SL_SUB(t[i][2], t[i][1]);
-          e[4 * i + 3] = SL_SUB(t[i][1], t[i][3]);
+          e[4 * i + 0] = _mm256_sub_ps(t[i][0], t[i][2]);
+          e[4 * i + 1] = _mm256_add_ps(t[i][1], t[i][2]);
+          e[4 * i + 2] = _mm256_sub_ps(t[i][2], t[i][1]);
+          e[4 * i + 3] = _mm256_sub_ps(t[i][1], t[i][3]);
         }
       }
       for (int xi = 0; xi < 16; ++xi) {
         const int k = p->kidx[xi][tile];
         if (k < 0) continue;
-        float *dst = T + xi * ts + (c * p->kt[xi] + k) * cnt + s;
+        float *dst = T + xi * ts + (c * p->lanes.kt[xi] + k) * cnt + s;
         if (pc == SL)
-          SL_STORE(dst, e[xi]);
+          _mm256_storeu_ps(dst, e[xi]);
         else
-          SL_MSTORE(dst, m, e[xi]);
+          _mm256_maskstore_ps(dst, m, e[xi]);
       }
     }
 }
@@ -1253,25 +1240,25 @@ static void group_output(const wino_plan *p, const float *M, int64_t ms, int64_t
                          int64_t s, float bias, float *buf, float *out) {
   const int hw = p->h * p->w, w = p->w;
   const int pc = cnt - s < SL ? (int)(cnt - s) : SL;
-  const slm m = SL_MASK(pc);
-  const slv bv = SL_SET1(bias);
+  const __m256i m = dp_lanes8_upto(pc);
+  const __m256 bv = _mm256_set1_ps(bias);
   float *ob = buf + 2 * SL * (int64_t)p->hp * p->wp;
   for (int ti = 0; ti < p->th; ++ti)
     for (int tj = 0; tj < p->tw; ++tj) {
       const int tile = ti * p->tw + tj;
-      slv v[16];
+      __m256 v[16];
       for (int xi = 0; xi < 16; ++xi) {
         const int k = p->kidx[xi][tile]; /* (a skipped entry feeds only outputs past the plane) */
-        const float *q = M + xi * ms + (o * p->kt[xi] + k) * cnt + s;
-        v[xi] = k < 0 ? SL_ZERO() : pc == SL ? SL_LOAD(q) : SL_MLOAD(q, m);
+        const float *q = M + xi * ms + (o * p->lanes.kt[xi] + k) * cnt + s;
+        v[xi] = k < 0 ? _mm256_setzero_ps() : pc == SL ? _mm256_loadu_ps(q) : _mm256_maskload_ps(q, m);
       }
       for (int i = 0; i < 2 && 2 * ti + i < p->h; ++i) {
-        slv t[4];
+        __m256 t[4];
         for (int k = 0; k < 4; ++k)
-          t[k] = i == 0 ? SL_ADD(SL_ADD(v[k], v[4 + k]), v[8 + k]) : SL_SUB(SL_SUB(v[4 + k], v[8 + k]), v[12 + k]);
+          t[k] = i == 0 ? _mm256_add_ps(_mm256_add_ps(v[k], v[4 + k]), v[8 + k]) : _mm256_sub_ps(_mm256_sub_ps(v[4 + k], v[8 + k]), v[12 + k]);
         float *row = ob + SL * ((2 * ti + i) * w + 2 * tj);
-        SL_STORE(row, SL_ADD(SL_ADD(SL_ADD(t[0], t[1]), t[2]), bv));
-        if (2 * tj + 1 < w) SL_STORE(row + SL, SL_ADD(SL_SUB(SL_SUB(t[1], t[2]), t[3]), bv));
+        _mm256_storeu_ps(row, _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(t[0], t[1]), t[2]), bv));
+        if (2 * tj + 1 < w) _mm256_storeu_ps(row + SL, _mm256_add_ps(_mm256_sub_ps(_mm256_sub_ps(t[1], t[2]), t[3]), bv));
       }
     }
   const int64_t out_sz = p->cout * (int64_t)hw;

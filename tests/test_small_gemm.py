@@ -136,6 +136,12 @@ def test_benchmark_quick_run():
         assert row in proc.stdout, proc.stdout
 
 
+def skip_without_avx2_fma():
+    from dpcore._blas_kernels import cpu_flags
+    if not {"avx2", "fma"} <= cpu_flags():
+        pytest.skip("this CPU has no AVX2 + FMA: a -march=haswell program cannot run here")
+
+
 def run_native_c_check(tmp_path, program, core_sources, march="native"):
     """tests/c/<program>.c with the named csrc/ files, built for this CPU (-march=native, as the
     extension is: its AVX-512 code, where the CPU has it; or the given -march) under ASan and
@@ -170,9 +176,7 @@ def test_kernel_against_float64_under_the_sanitizers(tmp_path):
 def test_avx2_kernel_against_float64_under_the_sanitizers(tmp_path):
     """The same check of the AVX2 + FMA kernel (6x16 block; what an AVX2-only machine's
     -march=native build runs), built with -march=haswell on a CPU that has AVX2 and FMA."""
-    from dpcore._blas_kernels import cpu_flags
-    if not {"avx2", "fma"} <= cpu_flags():
-        pytest.skip("this CPU has no AVX2 + FMA: a -march=haswell program cannot run here")
+    skip_without_avx2_fma()
     report = run_native_c_check(tmp_path, "small_gemm_check", ["small_gemm.c", "status.c"], march="haswell")
     assert "not built" not in report, report
 
@@ -189,9 +193,7 @@ def test_winograd_avx2_forms_bits_do_not_depend_on_the_thread_count(tmp_path):
     """The same program built with -march=haswell (an AVX2-only machine's build: the AVX2 GEMM
     kernel, the bordered planes' input and the short rows' output transforms 8 tiles a vector,
     masked to the rows and tiles), under ASan and UBSan, on a CPU that has AVX2 and FMA."""
-    from dpcore._blas_kernels import cpu_flags
-    if not {"avx2", "fma"} <= cpu_flags():
-        pytest.skip("this CPU has no AVX2 + FMA: a -march=haswell program cannot run here")
+    skip_without_avx2_fma()
     run_native_c_check(tmp_path, "winograd_threads", ["winograd.c", "small_gemm.c", "status.c"], march="haswell")
 
 
@@ -208,7 +210,5 @@ def test_stride2_winograd_avx2_forms(tmp_path):
     """The same program built with -march=haswell (an AVX2-only machine's build: the AVX2
     GEMM kernel, the lane planes' 8x8 register transposes, the filter transform 8 pairs a
     vector), under ASan and UBSan, on a CPU that has AVX2 and FMA."""
-    from dpcore._blas_kernels import cpu_flags
-    if not {"avx2", "fma"} <= cpu_flags():
-        pytest.skip("this CPU has no AVX2 + FMA: a -march=haswell program cannot run here")
+    skip_without_avx2_fma()
     run_native_c_check(tmp_path, "winograd_s2_threads", ["winograd.c", "small_gemm.c", "status.c"], march="haswell")
