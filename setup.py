@@ -8,6 +8,7 @@ Environment:
   DPCORE_BLAS_INC / DPCORE_BLAS_LIB   CBLAS header dir / library file (default: Debian's OpenBLAS)
   DPCORE_CUDA_ARCHS="90"  cubins for these compute capabilities only (default: 7.5 8.0 8.6 8.9 9.0 + PTX)
   DPCORE_DEBUG=1       -O0 -g
+  DPCORE_BUILD_JOBS=N  compile N sources at a time (default: the CPUs this process may use)
   DPCORE_SANITIZE=1    AddressSanitizer + UndefinedBehaviorSanitizer (-g, UB fatal), CPU-only, in its
                        own build tree (build/cpu-asan, build/cpu-nompi-asan); Python must preload the
                        sanitizer runtime (make test-asan does)
@@ -20,6 +21,7 @@ import shutil
 import subprocess
 import sys
 import sysconfig
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy
 from setuptools import Extension, setup
@@ -142,22 +144,56 @@ class Build(build):
         super().finalize_options()
 
 
+def build_jobs():
+    text = os.environ.get("DPCORE_BUILD_JOBS", "").strip()
+    if text:
+        if not text.isdigit() or int(text) < 1:
+            raise SystemExit("dpcore build: DPCORE_BUILD_JOBS=%r: expected a positive integer" % text)
+        return int(text)
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def parallel_compile(compiler, jobs):
+    """Makes compiler.compile build its sources `jobs` at a time: setuptools compiles the sources
+    of one extension one after another (its --parallel builds whole extensions in parallel, and
+    dpcore has one)."""
+    def compile(sources, output_dir=None, macros=None, include_dirs=None, debug=0, extra_preargs=None,
+                extra_postargs=None, depends=None):
+        macros, objects, extra_postargs, pp_opts, build = compiler._setup_compile(
+            output_dir, macros, include_dirs, sources, depends, extra_postargs)
+        cc_args = compiler._get_cc_args(pp_opts, debug, extra_preargs)
+
+        def one(obj):
+            if obj in build:
+                src, ext = build[obj]
+                compiler._compile(obj, src, ext, cc_args, extra_postargs, pp_opts)
+
+        with ThreadPoolExecutor(jobs) as pool:
+            list(pool.map(one, objects))  # list(): the first compile error is raised here
+        return objects
+    compiler.compile = compile
+
+
 class BuildExt(build_ext):
-    """Compiles kernels/*.cu with nvcc into objects linked into the extension."""
+    """Compiles kernels/*.cu with nvcc into objects linked into the extension, and the C sources
+    DPCORE_BUILD_JOBS at a time."""
 
     def finalize_options(self):
         super().finalize_options()
         self.build_temp = os.path.join(self.build_temp, VARIANT)
 
     def build_extension(self, ext):
+        jobs = build_jobs()
+        if jobs > 1:
+            parallel_compile(self.compiler, jobs)
         cuda = CONFIG["cuda"]
         if cuda:
-            objs = []
             os.makedirs(self.build_temp, exist_ok=True)
             gencode = []
             for a in CUDA_ARCHS:
                 gencode += ["-gencode", f"arch=compute_{a},code=sm_{a}"]
             gencode += ["-gencode", f"arch=compute_{CUDA_ARCHS[-1]},code=compute_{CUDA_ARCHS[-1]}"]
+            commands = []
             for src in sorted(glob.glob(os.path.join(HERE, "kernels", "*.cu"))):
                 obj = os.path.join(self.build_temp, os.path.basename(src) + ".o")
                 # --fmad=false: nvcc contracts a * b + c into one FMA by default, the C
@@ -172,9 +208,14 @@ class BuildExt(build_ext):
                        "--Werror", "all-warnings",
                        "-Xcompiler", "-fPIC,-Wall,-Wextra", "-I" + os.path.join(HERE, "kernels"),
                        "-I" + os.path.join(HERE, "csrc"), "--threads", "0"] + gencode
-                log(" ".join(cmd))
-                subprocess.run(cmd, check=True)
-                objs.append(obj)
+                commands.append((cmd, obj))
+
+            def nvcc(job):
+                log(" ".join(job[0]))
+                subprocess.run(job[0], check=True)
+                return job[1]
+            with ThreadPoolExecutor(jobs) as pool:
+                objs = list(pool.map(nvcc, commands))
             # before the static cudart archive, which resolves their symbols
             ext.extra_objects = objs + list(ext.extra_objects or [])
         super().build_extension(ext)

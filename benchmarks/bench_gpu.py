@@ -196,6 +196,20 @@ def main():
            dpcore_lenet_epoch(first, args.epochs, args.batch, False, args.max_batches), "s")
     resnet = dpcore_resnet_images_per_s(first, args.resnet_steps, 64)
     report(f"dpcore ResNet-18 training, {kind}:0, batch 64", resnet, "images/s")
+    # PyTorch right after dpcore's one-device numbers: the ratios come first if time runs out
+    torch = import_torch() if kind == "cuda" else None
+    ratios = []
+    if torch is None:
+        print("PyTorch with CUDA is not installed: no comparison")
+    else:
+        t_lenet = torch_lenet_epoch(torch, args.epochs, args.batch)
+        report(f"PyTorch {torch.__version__} LeNet epoch, dataset on the GPU", t_lenet, "s")
+        t_resnet = torch_resnet_images_per_s(torch, args.resnet_steps, 64)
+        report(f"PyTorch {torch.__version__} ResNet-18 training, batch 64", t_resnet, "images/s")
+        ratios = [("LeNet epoch seconds, dpcore (resident) / PyTorch", resident / t_lenet),
+                  ("ResNet-18 images/s, dpcore / PyTorch", resnet / t_resnet)]
+        for name, r in ratios:
+            print(f"{name}: {r:.3f}")
     if args.logical > 1:
         dp.set_logical_devices(kind, args.logical)
         devices = [f"{kind}:{i}" for i in range(args.logical)]
@@ -212,19 +226,6 @@ def main():
                 rate = dpcore_resnet_images_per_s(None, args.resnet_steps, 64)
             report(f"dpcore ResNet-18 training, {name} logical {kind} devices, batch 64", rate, "images/s")
         dp.set_logical_devices(kind, 1)
-    torch = import_torch() if kind == "cuda" else None
-    ratios = []
-    if torch is None:
-        print("PyTorch with CUDA is not installed: no comparison")
-    else:
-        t_lenet = torch_lenet_epoch(torch, args.epochs, args.batch)
-        report(f"PyTorch {torch.__version__} LeNet epoch, dataset on the GPU", t_lenet, "s")
-        t_resnet = torch_resnet_images_per_s(torch, args.resnet_steps, 64)
-        report(f"PyTorch {torch.__version__} ResNet-18 training, batch 64", t_resnet, "images/s")
-        ratios = [("LeNet epoch seconds, dpcore (resident) / PyTorch", resident / t_lenet),
-                  ("ResNet-18 images/s, dpcore / PyTorch", resnet / t_resnet)]
-        for name, r in ratios:
-            print(f"{name}: {r:.3f}")
     if args.write:
         lines = ["## GPU (dpcore vs PyTorch, same GPU, same run)", "",
                  f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",

@@ -1,0 +1,651 @@
+#!/usr/bin/env python3
+"""The GPU day: build dpcore on a bare GPU machine and run its GPU tests and benchmark in one
+command, leaving everything a developer needs in one folder (scripts/gpu-day.sh runs this).
+
+    scripts/gpu-day.sh [OUTDIR]                     # on the GPU machine
+    scripts/gpu-day.sh --rehearse [OUTDIR]          # on a CPU machine: every step up to the device
+
+The machine it is made for (docs/gpu-day.md): no package registry, a Python that is itself a
+venv with numpy, pytest, torch and NVIDIA's cuDNN / cuBLAS / NCCL wheels, nvcc, no OpenBLAS, no
+Fashion-MNIST, no mpicc; at most 10 minutes a command, 15 in all; only files under $OUT come
+back (at most 8, two folders deep). So:
+
+  1. the machine is recorded (machine.txt);
+  2. the .debs that scripts/gpu-day-prepare.sh fetched (.gpu/debs: OpenBLAS, its Fortran
+     runtime, Fashion-MNIST) are unpacked into a prefix with dpkg-deb -x, never into /, and the
+     build (DPCORE_BLAS_INC / DPCORE_BLAS_LIB) and dp.data (DPCORE_DATA) pointed there;
+  3. a CUDA_HOME is assembled from the toolkit and the Python's NVIDIA wheels (the newest
+     version of each library), whose folders are appended to LD_LIBRARY_PATH;
+  4. dpcore is built for the GPU present only (DPCORE_CUDA_ARCHS from nvidia-smi), without MPI
+     when there is no mpicc, into a folder put on PYTHONPATH (the image's Python is left as it
+     is), and the run stops, loudly, unless the CUDA backend, cuDNN, cuBLAS and NCCL are built
+     in and a device is visible;
+  5. the GPU tests run in priority order, one pytest process per group (a sticky CUDA error
+     ends its group only), each group with a time budget and every test with a timeout;
+  6. with the time left: bench_gpu.py (dpcore against the image's PyTorch on the same GPU) and
+     compute-sanitizer's memcheck over the smoke group;
+  7. summary.txt (machine, build, each group's counts and failures' first lines, the
+     benchmark), build.log, tests.log, bench.log, memcheck.log and junit.tar.gz are written to
+     OUTDIR ($OUT, else ./gpu-day-out) and the summary printed.
+
+The rehearsal (--rehearse, in every CI run: tests/test_gpu_day.py) does steps 1-4 in the same
+layout on a CPU machine, up to the first step that needs a device, then collects every GPU test
+(pytest --collect-only -m gpu) and each group's selection, and says where it stopped.
+
+Exit status: 0 when everything that ran passed (the rehearsal: when every step up to the device
+did); 3 when the build is not what the day needs (no CUDA backend, no cuDNN / cuBLAS / NCCL);
+4 when no device is visible; 1 when a test group or the memcheck failed; 2 on bad usage.
+"""
+import argparse
+import glob
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tarfile
+import time
+import xml.etree.ElementTree as ET
+
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# The test groups, in priority order: (name, pytest arguments, seconds for the group, seconds a
+# test). Each runs in its own process; every selection is of tests marked gpu.
+SMOKE = ["tests/test_devices.py::test_tensor_round_trips_through_gpu_memory",
+         "tests/test_gpu.py::test_every_layer_matches_the_cpu_backend",
+         "tests/test_gpu.py::test_residual_add_matches_the_cpu_backend",
+         "tests/test_gpu.py::test_training_step_on_cuda_matches_cpu"]
+GROUPS = [
+    ("smoke", SMOKE + ["-k", "not ResNet18 and (not test_every_layer or 7-)"], 75, 60),
+    ("ops", ["tests/test_gpu.py", "-m", "gpu and not slow"], 100, 60),
+    ("fixtures", ["tests/test_fixtures.py", "-m", "gpu"], 60, 45),
+    ("multi", ["tests/test_devices.py", "tests/test_comm.py", "tests/test_resident.py", "tests/test_pipeline.py",
+               "tests/test_tensor_parallel.py", "tests/test_timeline.py", "tests/test_distributed.py",
+               "-m", "gpu"], 90, 45),
+    ("book", ["tests/test_gpu.py::test_book_lenet_accuracy_on_the_gpu"], 90, 85),
+]
+BENCH_SECONDS = 120
+MEMCHECK_SECONDS = 90
+# what the build, the checks and the summary need after the last group
+RESERVE_SECONDS = 15
+
+
+class Day:
+    def __init__(self, args):
+        self.args = args
+        self.start = time.monotonic()
+        self.deadline = self.start + args.budget
+        self.out = os.path.abspath(args.outdir or os.environ.get("OUT") or os.path.join(HERE, "gpu-day-out"))
+        self.work = os.path.abspath(args.work)
+        self.python = args.python
+        self.env = dict(os.environ)
+        self.facts = {}       # machine and build facts for the summary
+        self.groups = []      # (name, status, counts, failures, seconds)
+        self.notes = []       # what the summary must say (skips, stops, fallbacks)
+        self.bench = None
+        self.memcheck = None
+        os.makedirs(self.out, exist_ok=True)
+        if os.path.exists(self.work):
+            shutil.rmtree(self.work)
+        os.makedirs(os.path.join(self.work, "junit"))
+        for name in ("build.log", "tests.log", "bench.log", "memcheck.log"):
+            open(os.path.join(self.out, name), "w").close()
+
+    def left(self):
+        return self.deadline - time.monotonic()
+
+    def say(self, text):
+        print("gpu-day: " + text, flush=True)
+
+    def note(self, text):
+        self.notes.append(text)
+        self.say(text)
+
+    def run(self, cmd, log, seconds, env=None, cwd=HERE):
+        """Runs cmd with its output appended to OUTDIR/log (and echoed); (exit status or None when
+        it ran out of time, seconds taken)."""
+        t = time.monotonic()
+        with open(os.path.join(self.out, log), "a") as f:
+            f.write("\n$ " + " ".join(cmd) + "\n")
+            f.flush()
+            try:
+                p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env or self.env,
+                                     cwd=cwd, start_new_session=True, text=True, errors="replace")
+            except OSError as e:
+                f.write(f"cannot run: {e}\n")
+                return 127, 0.0
+            deadline = t + max(1.0, seconds)
+            timed_out = False
+            import selectors
+            sel = selectors.DefaultSelector()
+            sel.register(p.stdout, selectors.EVENT_READ)
+            while True:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    timed_out = True
+                    break
+                if sel.select(timeout=min(remaining, 1.0)):
+                    line = p.stdout.readline()
+                    if not line:
+                        break
+                    f.write(line)
+                    f.flush()
+                    if self.args.verbose:
+                        sys.stdout.write(line)
+            if timed_out:
+                f.write(f"\n[gpu-day: stopped after {seconds:.0f} s]\n")
+                try:
+                    os.killpg(p.pid, 9)
+                except ProcessLookupError:
+                    pass
+            p.wait()
+            return (None if timed_out else p.returncode), time.monotonic() - t
+
+    def capture(self, cmd, env=None):
+        try:
+            return subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=env or self.env,
+                                  errors="replace").stdout.strip()
+        except (OSError, subprocess.SubprocessError) as e:
+            return f"({cmd[0]}: {e})"
+
+    # ---- 1. the machine ----
+    def record_machine(self):
+        lines = []
+        smi = shutil.which("nvidia-smi")
+        if smi:
+            q = self.capture([smi, "--query-gpu=name,compute_cap,driver_version,memory.total",
+                              "--format=csv,noheader"])
+            self.facts["gpu"] = q
+            lines += ["== nvidia-smi --query-gpu", q, "== nvidia-smi", self.capture([smi])]
+        else:
+            self.facts["gpu"] = "none (no nvidia-smi)"
+            lines += ["== nvidia-smi: not found"]
+        nvcc = self.find_nvcc()
+        self.facts["nvcc"] = (self.capture([nvcc, "--version"]).splitlines() or ["?"])[-1] if nvcc else "not found"
+        lines += ["== nvcc", nvcc or "not found", self.facts["nvcc"]]
+        osr = {}
+        if os.path.exists("/etc/os-release"):
+            for line in open("/etc/os-release"):
+                k, _, v = line.strip().partition("=")
+                osr[k] = v.strip('"')
+        self.facts["os"] = osr.get("PRETTY_NAME", "?")
+        self.facts["kernel"] = self.capture(["uname", "-r"])
+        self.facts["cpus"] = str(os.cpu_count())
+        self.facts["gcc"] = (self.capture(["gcc", "--version"]).splitlines() or ["?"])[0]
+        pyinfo = self.capture([self.python, "-c", "import sys; print(sys.version.split()[0], sys.executable, "
+                               "sys.prefix != sys.base_prefix)"]).split()
+        self.facts["python"] = " ".join(pyinfo[:2]) + (" (a venv)" if pyinfo[-1:] == ["True"] else "")
+        wheels = self.capture([self.python, "-m", "pip", "list", "--format=freeze", "--disable-pip-version-check"])
+        keep = [w for w in wheels.splitlines()
+                if re.match(r"(nvidia-|torch|numpy|pytest|safetensors|setuptools|wheel|mpi4py|cuda-)", w.lower())]
+        self.facts["wheels"] = ", ".join(keep)
+        lines += ["== os", self.facts["os"], self.facts["kernel"], "cpus: " + self.facts["cpus"],
+                  "== gcc", self.facts["gcc"], "== python", self.facts["python"], "== wheels"] + keep
+        with open(os.path.join(self.out, "machine.txt"), "w") as f:
+            f.write("\n".join(lines) + "\n")
+        self.say(f"machine: {self.facts['gpu']}; {self.facts['os']}; python {self.facts['python']}; "
+                 f"nvcc {self.facts['nvcc']}")
+
+    def find_nvcc(self):
+        candidates = [shutil.which("nvcc", path=self.env.get("PATH", ""))]
+        for home in (self.env.get("CUDA_HOME"), self.env.get("CUDA_PATH"), "/usr/local/cuda"):
+            if home:
+                candidates.append(os.path.join(home, "bin", "nvcc"))
+        candidates += sorted(glob.glob("/usr/local/cuda-*/bin/nvcc"), key=version_key, reverse=True)
+        for site in self.sites():
+            candidates += sorted(glob.glob(os.path.join(site, "nvidia", "*", "bin", "nvcc")), key=version_key,
+                                 reverse=True)
+        return next((c for c in candidates if c and os.access(c, os.X_OK)), None)
+
+    def sites(self):
+        if not hasattr(self, "_sites"):
+            text = self.capture([self.python, "-c", "import site, sys; print('\\n'.join(site.getsitepackages()"
+                                 " + [site.getusersitepackages()] + sys.path))"])
+            seen, sites = set(), []
+            for d in text.splitlines() + self.args.wheel_site:
+                d = os.path.abspath(d)
+                if d not in seen and os.path.isdir(os.path.join(d, "nvidia")):
+                    seen.add(d)
+                    sites.append(d)
+            self._sites = sites
+        return self._sites
+
+    # ---- 2. the .debs ----
+    def unpack_debs(self):
+        debs = sorted(glob.glob(os.path.join(self.args.debs, "*.deb")))
+        if not debs:
+            return self.fail(3, f"no .deb in {self.args.debs}: run scripts/gpu-day-prepare.sh on a machine with "
+                                "Debian's registry, and carry .gpu with the tree")
+        prefix = os.path.join(self.work, "prefix")
+        for deb in debs:
+            st, _ = self.run(["dpkg-deb", "-x", deb, prefix], "build.log", 120)
+            if st != 0:
+                return self.fail(3, f"dpkg-deb -x {os.path.basename(deb)} failed (build.log)")
+        multiarch = "x86_64-linux-gnu"
+        inc = os.path.join(prefix, "usr/include", multiarch, "openblas-openmp")
+        lib = os.path.join(prefix, "usr/lib", multiarch, "openblas-openmp", "libopenblas.so")
+        if not (os.path.exists(os.path.join(inc, "cblas.h")) and os.path.exists(lib)):
+            return self.fail(3, f"the .debs in {self.args.debs} hold no OpenBLAS (openmp) headers and library")
+        self.env["DPCORE_BLAS_INC"], self.env["DPCORE_BLAS_LIB"] = inc, lib
+        # libopenblas.so.0 finds libgfortran / libquadmath here (the extension's rpath has OpenBLAS's own folder)
+        self.append_path("LD_LIBRARY_PATH", [os.path.join(prefix, "usr/lib", multiarch),
+                                             os.path.dirname(lib)])
+        data = os.path.join(prefix, "usr/share/datasets/fashion-mnist")
+        if os.path.isdir(data):
+            self.env["DPCORE_DATA"] = data
+        else:
+            self.note("no Fashion-MNIST among the .debs: the book group and the LeNet benchmark will fail")
+        self.say(f"unpacked {len(debs)} .debs into {prefix}")
+        return True
+
+    def append_path(self, var, dirs):
+        parts = [p for p in self.env.get(var, "").split(":") if p]
+        for d in dirs:
+            if d not in parts:
+                parts.append(d)
+        self.env[var] = ":".join(parts)
+
+    # ---- 3. CUDA_HOME ----
+    def assemble_cuda_home(self):
+        nvcc = self.find_nvcc()
+        if not nvcc:
+            return self.fail(3, "no nvcc on PATH, in $CUDA_HOME, /usr/local/cuda* or the Python's wheels: "
+                                "dpcore would build CPU-only")
+        toolkit = os.path.dirname(os.path.dirname(os.path.realpath(nvcc)))
+        home = os.path.join(self.work, "cuda-home")
+        plan, why = assemble_cuda_home(toolkit, self.sites(), home)
+        for line in why:
+            self.say(line)
+        self.facts["cuda_libs"] = "; ".join(why)
+        if plan is None:
+            return self.fail(3, "cannot assemble CUDA_HOME: " + " ".join(why))
+        if plan["fallback"]:
+            self.note("not from wheels: " + ", ".join(plan["fallback"]) + " (the Python has no such wheel; "
+                      "the toolkit's own are used)")
+        self.env["CUDA_HOME"] = home
+        self.env.pop("CUDA_PATH", None)
+        self.env["PATH"] = os.path.join(home, "bin") + ":" + self.env.get("PATH", "")
+        self.append_path("LD_LIBRARY_PATH", plan["libdirs"])
+        return True
+
+    # ---- 4. the build ----
+    def build(self):
+        archs = self.args.arch
+        if not archs:
+            cc = self.capture(["nvidia-smi", "--query-gpu=compute_cap", "--format=csv,noheader"]) \
+                if shutil.which("nvidia-smi") else ""
+            archs = " ".join(sorted({c.strip().replace(".", "") for c in cc.splitlines()
+                                     if re.fullmatch(r"\d+\.\d+", c.strip())}))
+        if not archs:
+            return self.fail(4, "nvidia-smi names no GPU (no --arch given): no device to build for")
+        self.env["DPCORE_CUDA_ARCHS"] = archs
+        self.env["DPCORE_CUDA"] = "1"
+        if not shutil.which("mpicc", path=self.env.get("PATH", "")):
+            self.env["DPCORE_MPI"] = "0"
+            self.note("no mpicc: built without MPI (the multi-process tests skip with that reason)")
+        site = os.path.join(self.work, "site")
+        self.env["PYTHONPATH"] = site + (":" + self.env["PYTHONPATH"] if self.env.get("PYTHONPATH") else "")
+        self.env["PYTHONUNBUFFERED"] = "1"
+        self.env["PYTHONDONTWRITEBYTECODE"] = "1"
+        self.env.setdefault("DPCORE_BUILD_JOBS", str(os.cpu_count() or 1))
+        st, secs = self.run([self.python, "-m", "pip", "install", "--no-deps", "--no-build-isolation",
+                             "--disable-pip-version-check", "--no-cache-dir", "--target", site, "--upgrade", HERE],
+                            "build.log", min(self.left() - RESERVE_SECONDS, 420))
+        self.facts["build_seconds"] = f"{secs:.0f}"
+        if st != 0:
+            tail = "".join(open(os.path.join(self.out, "build.log")).readlines()[-15:])
+            return self.fail(3, f"the build failed ({'out of time' if st is None else 'status %d' % st}); "
+                                f"build.log ends:\n{tail}")
+        check = ("import dpcore, json; b = dpcore.build_info(); r = dpcore._core.runtime_info(); "
+                 "print(json.dumps({'build': b, 'runtime': r}, default=str))")
+        text = self.capture([self.python, "-c", check])
+        try:
+            info = json.loads(text.splitlines()[-1])
+        except (ValueError, IndexError):
+            return self.fail(3, f"import dpcore failed after the build: {text[-2000:]}")
+        b, r = info["build"], info["runtime"]
+        self.facts["build"] = (f"CUDA {b.get('cuda_toolkit')}, archs {' '.join(b.get('cuda_archs', []))}; "
+                               f"cuda_backend={b.get('cuda_backend')} cudnn={b.get('cudnn_linked')} "
+                               f"cublas={b.get('cublas_linked')} nccl={b.get('nccl_linked')} "
+                               f"mpi={b.get('mpi_linked')}; BLAS {b.get('blas')}; {self.facts['build_seconds']} s")
+        with open(os.path.join(self.out, "build.log"), "a") as f:
+            f.write("\n== build_info\n" + json.dumps(info, indent=1, default=str) + "\n")
+        self.say("build: " + self.facts["build"])
+        core = glob.glob(os.path.join(site, "dpcore", "_core*.so"))
+        if core:
+            ldd = self.capture(["ldd", core[0]])
+            linked = [x.strip() for x in ldd.splitlines() if re.search(r"cudnn|cublas|nccl|openblas|gfortran|not found", x)]
+            self.facts["linked"] = "; ".join(linked)
+            with open(os.path.join(self.out, "build.log"), "a") as f:
+                f.write("\n== ldd " + core[0] + "\n" + ldd + "\n")
+        missing = [k for k in ("cuda_backend", "cudnn_linked", "cublas_linked", "nccl_linked") if not b.get(k)]
+        if missing:
+            return self.fail(3, "the build lacks " + ", ".join(missing) + f" ({b.get('cuda_why')}): the GPU "
+                                "tests would all skip; stopping rather than reporting a false green")
+        self.facts["devices"] = f"{r.get('cuda_device_count')} visible ({r.get('cuda_why') or 'ok'})"
+        if self.args.rehearse:
+            return True
+        if not r.get("cuda_device_count"):
+            return self.fail(4, f"no CUDA device visible to dpcore: {r.get('cuda_why')}")
+        return True
+
+    # ---- the rehearsal's last step ----
+    def collect(self):
+        """Every GPU test and each group's selection, collected (no device needed)."""
+        st, _ = self.run([self.python, "-m", "pytest", "--collect-only", "-q", "-m", "gpu", "tests",
+                          "-p", "no:cacheprovider"], "tests.log", max(30, self.left()))
+        lines = open(os.path.join(self.out, "tests.log")).read().splitlines()
+        ids = [x for x in lines if "::" in x and not x.startswith("$")]
+        self.facts["gpu_tests"] = str(len(ids))
+        ok = st == 0 and len(ids) > 0
+        self.say(f"collected {len(ids)} GPU tests" + ("" if st == 0 else f" (pytest status {st})"))
+        for name, args, _, _ in GROUPS:
+            text = self.capture([self.python, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider"]
+                                + args)
+            n = len([x for x in text.splitlines() if "::" in x])
+            self.groups.append((name, "collected" if n else "EMPTY", {"collected": n}, [] if n else [text[-800:]], 0))
+            ok = ok and n > 0
+        return ok
+
+    # ---- 5. the groups ----
+    def pytest_timeout_args(self, per_test):
+        has = self.capture([self.python, "-c", "import pytest_timeout; print('yes')"]) == "yes"
+        if not has:
+            if "no-timeout" not in self.facts:
+                self.facts["no-timeout"] = True
+                self.note("pytest-timeout is not installed: only the group budgets bound a hung test")
+            return []
+        return ["--timeout", str(per_test), "--timeout-method", "signal"]
+
+    def run_group(self, name, args, budget, per_test, prefix=(), log="tests.log"):
+        seconds = min(budget, self.left() - RESERVE_SECONDS)
+        if seconds < 10:
+            self.groups.append((name, "not run (out of time)", {}, [], 0))
+            return False
+        junit = os.path.join(self.work, "junit", name + ".xml")
+        cmd = list(prefix) + [self.python, "-m", "pytest", "-q", "-ra", "--tb=short", "-p", "no:cacheprovider",
+                              f"--junitxml={junit}", "-o", "junit_family=xunit1"] + \
+            self.pytest_timeout_args(per_test) + args
+        self.say(f"group {name}: up to {seconds:.0f} s")
+        st, secs = self.run(cmd, log, seconds)
+        counts, failures = read_junit(junit)
+        if st is None:
+            status = "TIMED OUT"
+        elif st == 0:
+            status = "passed"
+        elif st == 5:
+            status = "NO TESTS"
+        else:
+            status = "FAILED"
+        if counts.get("tests", 0) and counts.get("skipped", 0) == counts.get("tests") and status == "passed":
+            status = "ALL SKIPPED"  # the device check above makes this a defect, not a green
+        self.groups.append((name, status, counts, failures, secs))
+        self.say(f"group {name}: {status} {fmt_counts(counts)} in {secs:.0f} s")
+        return status == "passed"
+
+    def bench_run(self):
+        seconds = min(BENCH_SECONDS, self.left() - RESERVE_SECONDS)
+        if seconds < 20:
+            self.bench = ("not run (out of time)", [])
+            return
+        st, secs = self.run([self.python, "benchmarks/bench_gpu.py", "--epochs", "2", "--resnet-steps", "20",
+                             "--write"], "bench.log", seconds)
+        lines = [x.rstrip() for x in open(os.path.join(self.out, "bench.log")) if re.search(r": [\d.]+( |$)", x)]
+        self.bench = ("done" if st == 0 else ("TIMED OUT" if st is None else f"status {st}"), lines)
+        results = os.path.join(HERE, "benchmarks", "RESULTS.md")
+        if st == 0 and os.path.exists(results):
+            text = open(results).read()
+            i = text.find("## GPU (dpcore vs PyTorch")
+            if i >= 0:
+                j = text.find("\n## ", i + 1)
+                with open(os.path.join(self.out, "RESULTS-gpu.md"), "w") as f:
+                    f.write(text[i:j if j > 0 else None])
+
+    def memcheck_run(self):
+        sanitizer = shutil.which("compute-sanitizer", path=self.env.get("PATH", ""))
+        if not sanitizer:
+            home = self.env.get("CUDA_HOME", "")
+            c = os.path.join(home, "bin", "compute-sanitizer")
+            sanitizer = c if os.access(c, os.X_OK) else None
+        if not sanitizer:
+            self.memcheck = "not run: compute-sanitizer not found"
+            return
+        before = len(self.groups)
+        ok = self.run_group("memcheck", SMOKE + ["-k", "LeNet or 7-conv_dense or round_trips"],
+                            MEMCHECK_SECONDS, MEMCHECK_SECONDS,
+                            prefix=[sanitizer, "--tool", "memcheck", "--error-exitcode", "86",
+                                    "--leak-check", "no", "--target-processes", "all"], log="memcheck.log")
+        text = open(os.path.join(self.out, "memcheck.log")).read()
+        summary = re.findall(r"ERROR SUMMARY: \d+ errors?", text)
+        self.memcheck = (summary[-1] if summary else "no ERROR SUMMARY line") + ("" if ok else " (group failed)")
+        if len(self.groups) > before:
+            self.groups[-1] = self.groups[-1][:1] + (self.groups[-1][1] + "; " + self.memcheck,) + self.groups[-1][2:]
+
+    def commit(self):
+        """The tree's commit: git's where the tree has its .git, else GPU_DAY_COMMIT (the device
+        machine gets a copy of the working tree without its history)."""
+        if shutil.which("git") and os.path.isdir(os.path.join(HERE, ".git")):
+            head = self.capture(["git", "-C", HERE, "rev-parse", "--short", "HEAD"])
+            dirty = self.capture(["git", "-C", HERE, "status", "--porcelain", "--untracked-files=no"])
+            return head + (" (+ uncommitted changes)" if dirty else "")
+        return os.environ.get("GPU_DAY_COMMIT", "unknown (no .git here; set GPU_DAY_COMMIT)")
+
+    def fail(self, code, text):
+        self.note("STOP: " + text)
+        self.code = code
+        return False
+
+    # ---- 7. the summary ----
+    def summary(self):
+        L = [f"dpcore GPU day, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}"
+             + (" (REHEARSAL on a CPU machine: stops at the first step that needs a device)"
+                if self.args.rehearse else ""),
+             f"commit: {self.commit()}",
+             "", "== machine"]
+        for k in ("gpu", "nvcc", "os", "kernel", "cpus", "gcc", "python", "wheels"):
+            L.append(f"{k}: {self.facts.get(k, '?')}")
+        L += ["", "== build", self.facts.get("build", "not built"), "libraries: " + self.facts.get("cuda_libs", "?"),
+              "loaded (ldd): " + self.facts.get("linked", "?"),
+              "devices: " + self.facts.get("devices", "?")]
+        if "gpu_tests" in self.facts:
+            L.append(f"GPU tests collected: {self.facts['gpu_tests']}")
+        L += ["", "== test groups (priority order)"]
+        for name, status, counts, failures, secs in self.groups:
+            L.append(f"{name:9s} {status:12s} {fmt_counts(counts)}" + (f"  {secs:.0f} s" if secs else ""))
+            for fail in failures[:12]:
+                L += ["    " + x for x in fail.splitlines()[:6]]
+            if len(failures) > 12:
+                L.append(f"    ... and {len(failures) - 12} more (tests.log)")
+        if self.bench:
+            L += ["", f"== benchmark (bench_gpu.py, same GPU, same run): {self.bench[0]}"] + self.bench[1]
+        if self.memcheck:
+            L += ["", "== compute-sanitizer memcheck over the smoke tests: " + self.memcheck]
+        if self.notes:
+            L += ["", "== notes"] + ["- " + n for n in self.notes]
+        L += ["", f"total: {time.monotonic() - self.start:.0f} s; exit status {self.code}",
+              "files: summary.txt machine.txt build.log tests.log bench.log memcheck.log junit.tar.gz"
+              + (" RESULTS-gpu.md" if os.path.exists(os.path.join(self.out, "RESULTS-gpu.md")) else "")]
+        text = "\n".join(L) + "\n"
+        with open(os.path.join(self.out, "summary.txt"), "w") as f:
+            f.write(text)
+        with tarfile.open(os.path.join(self.out, "junit.tar.gz"), "w:gz") as tar:
+            tar.add(os.path.join(self.work, "junit"), arcname="junit")
+        print("\n" + text, flush=True)
+
+    def main(self):
+        self.code = 0
+        self.record_machine()
+        if self.unpack_debs() and self.assemble_cuda_home() and self.build():
+            if self.args.rehearse:
+                if self.collect():
+                    self.note("rehearsal: stopped before the first step that needs a device (the test groups, "
+                              "the benchmark, memcheck); every GPU test and each group's selection collected")
+                else:
+                    self.fail(1, "a group's selection collects no test, or collection failed (tests.log)")
+            else:
+                for name, args, budget, per_test in GROUPS:
+                    if not self.run_group(name, args, budget, per_test):
+                        self.code = 1
+                self.bench_run()
+                self.memcheck_run()
+                if self.memcheck and not self.memcheck.startswith(("ERROR SUMMARY: 0 ", "not run")):
+                    self.code = 1
+        self.summary()
+        return self.code
+
+
+def version_key(path):
+    return [int(x) for x in re.findall(r"\d+", path)]
+
+
+def so_version(path, stem):
+    """(13, 1, 0) for libcublas.so.13.1.0; () for libcublas.so."""
+    tail = os.path.basename(path)[len(stem) + 3:]
+    return tuple(int(x) for x in tail.split(".") if x.isdigit()) if tail.startswith(".") else ()
+
+
+# library stem -> (header that must sit in the include folder beside it, component, the headers
+# of its own to take from there: a wheel's include folder is shared with other wheels, such as
+# the CUDA runtime's, whose headers must not shadow the toolkit's that nvcc compiles with)
+LIBRARIES = {"libcudnn": ("cudnn.h", "cudnn", "cudnn*.h"), "libcublas": ("cublas_v2.h", "cublas", "cublas*.h"),
+             "libcublasLt": ("cublasLt.h", "cublas", "cublasLt*.h"), "libnccl": ("nccl.h", "nccl", "nccl*")}
+
+
+def find_wheel_library(sites, stem, header):
+    """The newest (version, lib folder, include folder, file) of stem among the NVIDIA wheels of
+    these site folders, or None: a library file stem.so.N... whose folder's ../include holds
+    header (cuDNN, NCCL and cuBLAS wheels lay themselves out so, under nvidia/)."""
+    best = None
+    for site in sites:
+        for f in glob.glob(os.path.join(site, "nvidia", "**", stem + ".so*"), recursive=True):
+            v = so_version(f, stem)
+            libdir = os.path.dirname(f)
+            inc = os.path.join(os.path.dirname(libdir), "include")
+            if not v or not os.path.exists(os.path.join(inc, header)):
+                continue
+            cand = (v, libdir, inc, f)
+            if best is None or cand[0] > best[0]:
+                best = cand
+    return best
+
+
+def link_all(src_dir, dst_dir):
+    os.makedirs(dst_dir, exist_ok=True)
+    for e in os.listdir(src_dir):
+        d = os.path.join(dst_dir, e)
+        if not os.path.lexists(d):
+            os.symlink(os.path.join(src_dir, e), d)
+
+
+def assemble_cuda_home(toolkit, sites, home):
+    """A CUDA_HOME at home: the toolkit's bin, include and lib64, with cuDNN's, cuBLAS's and
+    NCCL's headers and libraries taken from the newest wheel of each among sites (the toolkit's
+    own where no wheel has one). Returns ({'libdirs': folders for LD_LIBRARY_PATH, 'fallback':
+    components from the toolkit}, lines saying where each came from), or (None, why)."""
+    why = []
+    tlib = next((os.path.join(toolkit, d) for d in ("lib64", "lib") if os.path.exists(
+        os.path.join(toolkit, d, "libcudart_static.a"))), None)
+    if tlib is None:
+        return None, [f"no libcudart_static.a under {toolkit}/lib64 or lib"]
+    if os.path.lexists(home):
+        shutil.rmtree(home)
+    os.makedirs(home)
+    for e in os.listdir(toolkit):
+        if e not in ("include", "lib64", "lib"):
+            os.symlink(os.path.join(toolkit, e), os.path.join(home, e))
+    inc, lib = os.path.join(home, "include"), os.path.join(home, "lib64")
+    os.makedirs(inc)
+    os.makedirs(lib)
+    libdirs, fallback = [], []
+    chosen = {}
+    for stem, (header, component, _) in LIBRARIES.items():
+        found = find_wheel_library(sites, stem, header)
+        if found:
+            chosen[stem] = found
+    for stem, (header, component, headers) in LIBRARIES.items():
+        if stem in chosen:
+            v, libdir, winc, f = chosen[stem]
+            # the wheel's own headers before the toolkit's (the library's version of them)
+            for h in glob.glob(os.path.join(winc, headers)):
+                d = os.path.join(inc, os.path.basename(h))
+                if not os.path.lexists(d):
+                    os.symlink(h, d)
+            for g in glob.glob(os.path.join(libdir, stem + ".so*")) + glob.glob(os.path.join(libdir, stem + "_*.so*")):
+                d = os.path.join(lib, os.path.basename(g))
+                if not os.path.lexists(d):
+                    os.symlink(g, d)
+            unversioned = os.path.join(lib, stem + ".so")
+            if os.path.lexists(unversioned):
+                os.remove(unversioned)
+            os.symlink(f, unversioned)  # what -l links: the newest version's soname goes in
+            if libdir not in libdirs:
+                libdirs.append(libdir)
+            why.append(f"{stem}: {os.path.basename(f)} from {libdir}")
+        else:
+            if os.path.exists(os.path.join(toolkit, "include", header)) and glob.glob(
+                    os.path.join(tlib, stem + ".so*")):
+                if component not in fallback:
+                    fallback.append(component)
+                why.append(f"{stem}: the toolkit's ({tlib})")
+            else:
+                return None, why + [f"{stem}: neither a wheel nor the toolkit ({toolkit}) has it with {header}"]
+    link_all(os.path.join(toolkit, "include"), inc)
+    link_all(tlib, lib)
+    return {"libdirs": libdirs, "fallback": fallback}, why
+
+
+def read_junit(path):
+    counts, failures = {}, []
+    try:
+        root = ET.parse(path).getroot()
+    except (OSError, ET.ParseError):
+        return counts, failures
+    for case in root.iter("testcase"):
+        counts["tests"] = counts.get("tests", 0) + 1
+        name = case.get("classname", "") + "::" + case.get("name", "")
+        for kind in ("failure", "error", "skipped"):
+            el = case.find(kind)
+            if el is not None:
+                counts[kind] = counts.get(kind, 0) + 1
+                if kind != "skipped":
+                    msg = (el.get("message") or "") + "\n" + (el.text or "")
+                    failures.append(f"{kind.upper()} {name}\n" + "\n".join(
+                        x for x in msg.strip().splitlines() if x.strip())[:1500])
+                else:
+                    failures.append(f"skipped {name}: {(el.get('message') or '')[:300]}")
+                break
+        else:
+            counts["passed"] = counts.get("passed", 0) + 1
+    failures.sort(key=lambda x: x.startswith("skipped"))  # failures first
+    return counts, failures
+
+
+def fmt_counts(c):
+    return ", ".join(f"{c[k]} {k}" for k in ("collected", "passed", "failure", "error", "skipped") if c.get(k))
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("outdir", nargs="?", help="where the files go (default: $OUT, else ./gpu-day-out)")
+    p.add_argument("--rehearse", action="store_true",
+                   help="on a CPU machine: every step up to the first that needs a device")
+    p.add_argument("--debs", default=os.path.join(HERE, ".gpu", "debs"),
+                   help="the .debs of scripts/gpu-day-prepare.sh (default .gpu/debs)")
+    p.add_argument("--arch", default=os.environ.get("GPU_DAY_ARCH", ""),
+                   help="compute capability to build for (default: the GPU's, from nvidia-smi)")
+    p.add_argument("--python", default=os.environ.get("GPU_DAY_PYTHON") or shutil.which("python3") or sys.executable,
+                   help="the Python to build into and test with (default: python3 on PATH)")
+    p.add_argument("--wheel-site", action="append", default=[],
+                   help="another folder holding NVIDIA wheels' nvidia/ tree (pip install --target)")
+    p.add_argument("--work", default=os.environ.get("GPU_DAY_WORK", "/tmp/dpcore-gpu-day"),
+                   help="scratch folder (the prefix, CUDA_HOME, the installed dpcore); emptied first")
+    p.add_argument("--budget", type=float, default=float(os.environ.get("GPU_DAY_BUDGET", 450)),
+                   help="seconds for the whole run (default 450: 7.5 minutes)")
+    p.add_argument("--verbose", action="store_true", help="echo every command's output")
+    args = p.parse_args(argv)
+    return Day(args).main()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
