@@ -11,7 +11,7 @@ export VENV
 export OMPI_ALLOW_RUN_AS_ROOT := 1
 export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
 
-.PHONY: setup train train-mpi test test-cpu-only test-asan test-gpu bench bench-gpu clean
+.PHONY: setup train train-mpi test test-cpu-only test-asan test-gpu gpu-day-prepare gpu-day gpu-day-rehearse bench bench-gpu clean
 
 setup:
 	scripts/bootstrap.sh
@@ -82,7 +82,8 @@ BUILD_INDEPENDENT_DESELECT := \
   --deselect tests/test_small_gemm.py::test_kernel_against_float64_under_the_sanitizers \
   --deselect tests/test_small_gemm.py::test_winograd_bits_do_not_depend_on_the_thread_count \
   --deselect tests/test_cuda_build.py::test_core_compiles_warning_free \
-  --deselect tests/test_avx2_build.py
+  --deselect tests/test_avx2_build.py \
+  --deselect tests/test_gpu_day.py
 ASAN_DESELECT := $(BENCH_SCRIPT_DESELECT) $(BUILD_INDEPENDENT_DESELECT) \
   --deselect tests/test_benchmarks.py::test_gpu_benchmark_dry_run_on_cpu_devices \
   --deselect "tests/test_pipeline.py::test_resnet_pipeline_gradient_is_the_sum_of_its_micro_batches[2-2]" \
@@ -99,6 +100,16 @@ test-asan:
 # The GPU tests of every file (skipped, with the reason, where no CUDA device is usable).
 test-gpu: setup
 	$(PY) -m pytest -m gpu tests -ra $(PYTEST_ARGS)
+
+# The GPU day (docs/gpu-day.md): fetch the .debs a bare GPU machine lacks into .gpu/ (here), then on
+# the GPU machine build, run the GPU tests by priority, the benchmark and memcheck in one command;
+# gpu-day-rehearse runs it here in the GPU machine's layout, up to the first step that needs a device.
+gpu-day-prepare:
+	scripts/gpu-day-prepare.sh
+gpu-day:
+	scripts/gpu-day.sh
+gpu-day-rehearse:
+	scripts/gpu-day-rehearse.sh
 
 # The GPU benchmark: LeNet epochs, ResNet-18 images/s, logical-GPU all-reduce; PyTorch beside when installed.
 bench-gpu: setup

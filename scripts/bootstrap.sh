@@ -44,7 +44,7 @@ fi
 vpy="$venv/bin/python"
 # Build and test requirements (PyTorch is a benchmark-only dependency and is
 # never installed here).
-# DPCORE_OFFLINE=1 (scripts/offline-gpu.sh): no registry to reach, so use the
+# DPCORE_OFFLINE=1 (a machine without a registry): use the
 # Python packages already there and install dpcore without its dependencies.
 if [ "${DPCORE_OFFLINE:-0}" = 1 ]; then
   echo "bootstrap: offline: using the installed Python packages"

@@ -280,7 +280,6 @@ class Day:
         if not archs:
             return self.fail(4, "nvidia-smi names no GPU (no --arch given): no device to build for")
         self.env["DPCORE_CUDA_ARCHS"] = archs
-        self.env["DPCORE_CUDA"] = "1"
         if not shutil.which("mpicc", path=self.env.get("PATH", "")):
             self.env["DPCORE_MPI"] = "0"
             self.note("no mpicc: built without MPI (the multi-process tests skip with that reason)")
