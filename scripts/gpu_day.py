@@ -37,10 +37,12 @@ did); 3 when the build is not what the day needs (no CUDA backend, no cuDNN / cu
 4 when no device is visible; 1 when a test group or the memcheck failed; 2 on bad usage.
 """
 import argparse
+import codecs
 import glob
 import json
 import os
 import re
+import select
 import shutil
 import subprocess
 import sys
@@ -79,7 +81,7 @@ class Day:
         self.out = os.path.abspath(args.outdir or os.environ.get("OUT") or os.path.join(HERE, "gpu-day-out"))
         self.work = os.path.abspath(args.work)
         self.python = args.python
-        self.env = dict(os.environ)
+        self.env = dict(os.environ, PYTHONUNBUFFERED="1")  # each line in the logs as it is printed
         self.facts = {}       # machine and build facts for the summary
         self.groups = []      # (name, status, counts, failures, seconds)
         self.notes = []       # what the summary must say (skips, stops, fallbacks)
@@ -111,28 +113,31 @@ class Day:
             f.flush()
             try:
                 p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env or self.env,
-                                     cwd=cwd, start_new_session=True, text=True, errors="replace")
+                                     cwd=cwd, start_new_session=True)
             except OSError as e:
                 f.write(f"cannot run: {e}\n")
                 return 127, 0.0
             deadline = t + max(1.0, seconds)
             timed_out = False
-            import selectors
-            sel = selectors.DefaultSelector()
-            sel.register(p.stdout, selectors.EVENT_READ)
+            fd = p.stdout.fileno()
+            decoder = codecs.getincrementaldecoder("utf-8")("replace")
+            # raw reads, not lines: a test that hangs after printing half a line (pytest -v's
+            # test id) must neither block the reader past the deadline nor lose that half line
             while True:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     timed_out = True
                     break
-                if sel.select(timeout=min(remaining, 1.0)):
-                    line = p.stdout.readline()
-                    if not line:
+                ready, _, _ = select.select([fd], [], [], min(remaining, 1.0))
+                if ready:
+                    chunk = os.read(fd, 65536)
+                    if not chunk:
                         break
-                    f.write(line)
+                    text = decoder.decode(chunk)
+                    f.write(text)
                     f.flush()
                     if self.args.verbose:
-                        sys.stdout.write(line)
+                        sys.stdout.write(text)
             if timed_out:
                 f.write(f"\n[gpu-day: stopped after {seconds:.0f} s]\n")
                 try:
@@ -140,6 +145,7 @@ class Day:
                 except ProcessLookupError:
                     pass
             p.wait()
+            p.stdout.close()
             return (None if timed_out else p.returncode), time.monotonic() - t
 
     def capture(self, cmd, env=None):
@@ -285,7 +291,6 @@ class Day:
             self.note("no mpicc: built without MPI (the multi-process tests skip with that reason)")
         site = os.path.join(self.work, "site")
         self.env["PYTHONPATH"] = site + (":" + self.env["PYTHONPATH"] if self.env.get("PYTHONPATH") else "")
-        self.env["PYTHONUNBUFFERED"] = "1"
         self.env["PYTHONDONTWRITEBYTECODE"] = "1"
         self.env.setdefault("DPCORE_BUILD_JOBS", str(os.cpu_count() or 1))
         st, secs = self.run([self.python, "-m", "pip", "install", "--no-deps", "--no-build-isolation",
@@ -363,12 +368,21 @@ class Day:
             self.groups.append((name, "not run (out of time)", {}, [], 0))
             return False
         junit = os.path.join(self.work, "junit", name + ".xml")
-        cmd = list(prefix) + [self.python, "-m", "pytest", "-q", "-ra", "--tb=short", "-p", "no:cacheprovider",
+        # -v: each test's outcome is in the log as it ends, so a group killed at its budget (a hang
+        # inside C, which the per-test timeout's signal cannot interrupt; no JUnit file then) still
+        # shows what passed and which test hung
+        cmd = list(prefix) + [self.python, "-m", "pytest", "-v", "-ra", "--tb=short", "-p", "no:cacheprovider",
                               f"--junitxml={junit}", "-o", "junit_family=xunit1"] + \
             self.pytest_timeout_args(per_test) + args
         self.say(f"group {name}: up to {seconds:.0f} s")
+        logpath = os.path.join(self.out, log)
+        offset = os.path.getsize(logpath) if os.path.exists(logpath) else 0
         st, secs = self.run(cmd, log, seconds)
         counts, failures = read_junit(junit)
+        if not counts:
+            with open(logpath, errors="replace") as f:
+                f.seek(offset)
+                counts, failures = read_verbose(f.read())
         if st is None:
             status = "TIMED OUT"
         elif st == 0:
@@ -483,11 +497,14 @@ class Day:
                 else:
                     self.fail(1, "a group's selection collects no test, or collection failed (tests.log)")
             else:
+                only = self.args.only
                 for name, args, budget, per_test in GROUPS:
-                    if not self.run_group(name, args, budget, per_test):
+                    if (only is None or name in only) and not self.run_group(name, args, budget, per_test):
                         self.code = 1
-                self.bench_run()
-                self.memcheck_run()
+                if only is None or "bench" in only:
+                    self.bench_run()
+                if only is None or "memcheck" in only:
+                    self.memcheck_run()
                 if self.memcheck and not self.memcheck.startswith(("ERROR SUMMARY: 0 ", "not run")):
                     self.code = 1
         self.summary()
@@ -620,6 +637,32 @@ def read_junit(path):
     return counts, failures
 
 
+def read_verbose(text):
+    """Counts and failures from pytest -v's lines, for a run that wrote no JUnit file (killed):
+    the test whose line has no outcome is the one that was running."""
+    counts, failures = {}, []
+    names = {"PASSED": "passed", "FAILED": "failure", "ERROR": "error", "SKIPPED": "skipped"}
+    pending = None
+    for line in text.splitlines():
+        m = re.match(r"^(\S+::\S+)(?: (PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\b)?", line)
+        if not m:
+            continue
+        if m.group(2):
+            kind = names.get(m.group(2), "passed")
+            counts["tests"] = counts.get("tests", 0) + 1
+            counts[kind] = counts.get(kind, 0) + 1
+            if kind in ("failure", "error"):
+                failures.append(f"{kind.upper()} {m.group(1)} (no JUnit file: see the log)")
+            pending = None
+        else:
+            pending = m.group(1)
+    if pending:
+        counts["tests"] = counts.get("tests", 0) + 1
+        counts["error"] = counts.get("error", 0) + 1
+        failures.insert(0, f"HUNG {pending}: still running when the group was stopped")
+    return counts, failures
+
+
 def fmt_counts(c):
     return ", ".join(f"{c[k]} {k}" for k in ("collected", "passed", "failure", "error", "skipped") if c.get(k))
 
@@ -641,8 +684,14 @@ def main(argv=None):
                    help="scratch folder (the prefix, CUDA_HOME, the installed dpcore); emptied first")
     p.add_argument("--budget", type=float, default=float(os.environ.get("GPU_DAY_BUDGET", 450)),
                    help="seconds for the whole run (default 450: 7.5 minutes)")
+    p.add_argument("--only", type=lambda t: [x for x in t.split(",") if x],
+                   help="a short rerun: these steps only, comma-separated (%s, bench, memcheck)"
+                   % ", ".join(g[0] for g in GROUPS))
     p.add_argument("--verbose", action="store_true", help="echo every command's output")
     args = p.parse_args(argv)
+    names = [g[0] for g in GROUPS] + ["bench", "memcheck"]
+    if args.only is not None and (not args.only or set(args.only) - set(names)):
+        p.error(f"--only {','.join(args.only)}: expected some of {', '.join(names)}")
     return Day(args).main()
 
 

@@ -175,3 +175,37 @@ def test_no_debs_is_a_stop_with_the_way_to_get_them(tmp_path):
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 3
     assert "scripts/gpu-day-prepare.sh" in (tmp_path / "out" / "summary.txt").read_text()
+
+
+def test_a_group_reports_passes_failures_and_a_hung_test(tmp_path):
+    """run_group on a stand-in test file: counts from its JUnit file, each failure's first
+    lines in the summary, a hung test ended by its per-test timeout (pytest-timeout) and a group
+    that overruns its budget stopped and said so."""
+    tests = tmp_path / "t"
+    tests.mkdir()
+    (tests / "test_stand_in.py").write_text(
+        "import time\n"
+        "def test_ok():\n    pass\n"
+        "def test_wrong():\n    assert 0.5 <= 1e-4, 'rel 0.5 above the bound'\n"
+        "def test_hangs():\n    time.sleep(600)\n")
+    ns = gpu_day.argparse.Namespace()
+    ns.outdir, ns.work, ns.python, ns.rehearse, ns.verbose, ns.budget = (
+        str(tmp_path / "out"), str(tmp_path / "work"), sys.executable, False, False, 300)
+    ns.wheel_site, ns.only = [], None
+    day = gpu_day.Day(ns)
+    day.code = 0
+    day.env["PYTHONPATH"] = ""
+    assert not day.run_group("standin", [str(tests / "test_stand_in.py"), "-p", "no:randomly"], 120, 3)
+    name, status, counts, failures, secs = day.groups[-1]
+    assert status == "FAILED" and counts == {"tests": 3, "passed": 1, "failure": 2}
+    assert secs < 60
+    assert any("rel 0.5 above the bound" in f for f in failures)
+    assert any("test_hangs" in f and "Timeout" in f for f in failures)
+    # a group past its budget: stopped, reported as such, the running test named from the log
+    assert not day.run_group("overrun", [str(tests / "test_stand_in.py")], 10, 600)
+    name, status, counts, failures, secs = day.groups[-1]
+    assert status == "TIMED OUT" and counts == {"tests": 3, "passed": 1, "failure": 1, "error": 1}
+    assert failures[0].startswith("HUNG ") and "test_hangs" in failures[0]
+    day.summary()
+    text = (tmp_path / "out" / "summary.txt").read_text()
+    assert "standin   FAILED" in text and "overrun   TIMED OUT" in text and "rel 0.5 above the bound" in text
