@@ -254,12 +254,36 @@ DP_MUST_CHECK dp_status dp_cuda_set_deterministic(dp_device *dev, int determinis
  * stay in float32 FMA arithmetic (the default). */
 DP_MUST_CHECK dp_status dp_cuda_set_allow_tf32(dp_device *dev, int allow);
 /* Process-wide settings for every CUDA device: devices created afterwards
- * start with them, existing ones take them before their next convolution or
- * dense layer. Defaults: deterministic = 1, allow_tf32 = 0. A later
+ * start with them, existing ones take them when the next call or step on
+ * them begins (dp_cuda_take_defaults). Defaults: deterministic = 1, allow_tf32 = 0. A later
  * dp_cuda_set_deterministic / dp_cuda_set_allow_tf32 on one device overrides
  * them for that device until the next call here. Exist in every build. */
 void dp_cuda_set_defaults(int deterministic, int allow_tf32);
 void dp_cuda_get_defaults(int *deterministic, int *allow_tf32);
+/* One reading of the process-wide settings, for dp_cuda_take_defaults: bit 0
+ * deterministic, bit 1 allow_tf32, the bits above count the
+ * dp_cuda_set_defaults calls. Exists in every build. */
+unsigned long long dp_cuda_defaults_snapshot(void);
+/* dev takes the settings of snapshot if they changed since it last took
+ * some: the one place a device follows dp_cuda_set_defaults. Called where a
+ * call or a step on dev begins, with dev's step lock held and none of the
+ * call's work queued yet (devices_run_without_gil in the binding; the
+ * mirrored runner before its warm-up). The convolutions and dense layers use
+ * what the device took, so a change made by another thread meanwhile waits
+ * for the next call instead of rebuilding plans, and growing the workspace,
+ * part way through a step. DP_OK at once for a CPU device and without CUDA. */
+DP_MUST_CHECK dp_status dp_cuda_take_defaults(dp_device *dev, unsigned long long snapshot);
+/* Waits until the work queued on dev's own stream has finished, polling it
+ * (cudaStreamQuery) for at most timeout seconds: DP_OK when it has (at once
+ * for a CPU device, whose calls run to completion, and without CUDA);
+ * DP_ERR_RUNTIME at the deadline, DP_ERR_CUDA for the stream's error. For
+ * a free that must not hang (the binding's deallocation): the caller holds
+ * dev's step lock, so nothing is queued meanwhile. */
+DP_MUST_CHECK dp_status dp_cuda_wait_idle(dp_device *dev, double timeout);
+/* Frees of CUDA device or pinned memory that failed in this process (each
+ * one's memory lost), and the last one's CUDA error name in last_error (""
+ * when none; may be NULL). */
+unsigned long long dp_cuda_failed_frees(char *last_error, size_t len);
 /* The statistics of a CUDA device's arena (csrc/arena.c over its cudaMalloc
  * chunks). DP_ERR_VALUE for another kind of device; DP_ERR_UNSUPPORTED without CUDA. */
 DP_MUST_CHECK dp_status dp_cuda_memory_stats(dp_device *dev, dp_arena_stats *out);

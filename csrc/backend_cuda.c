@@ -18,8 +18,9 @@
  * - Ordering: every kernel, cuDNN and cuBLAS call is issued on the device's
  *   stream, so the calls of one replica are ordered among themselves without
  *   host synchronization. The host waits (cudaStreamSynchronize) only where it
- *   reads device data (copy_to_host, evaluation's softmax_xent sums), before a
- *   released block can be handed out again, and when settings change. A
+ *   reads device data (copy_to_host, evaluation's softmax_xent sums) and before
+ *   a released block can be handed out again (never for a cuDNN plan, which
+ *   is host state: plans_clear). A
  *   training step's loss is read last (metrics_read waits for an event after
  *   the forward pass), so the host queues the whole step without waiting.
  * - A step whose loss is not finite applies nothing, decided on the device:
@@ -47,8 +48,8 @@
  * - Settings: deterministic algorithms and TF32 per device
  *   (dp_cuda_set_deterministic, dp_cuda_set_allow_tf32) and process-wide
  *   (dp_cuda_set_defaults, which dpcore.set_deterministic / set_allow_tf32
- *   call): a device takes a process-wide change before its next convolution or
- *   dense layer (cuda_follow_defaults).
+ *   call): a device takes a process-wide change where a call or a step on it
+ *   begins (dp_cuda_take_defaults), never inside one.
  * - Our own kernels (kernels/ .cu files) run the DP_HD bodies of kernels/dp_kernels.h,
  *   the arithmetic the CPU backend runs.
  */
@@ -75,6 +76,10 @@ void dp_cuda_get_defaults(int *deterministic, int *allow_tf32) {
   const unsigned long long s = atomic_load(&cuda_defaults);
   *deterministic = (int)(s & 1u);
   *allow_tf32 = (int)((s >> 1) & 1u);
+}
+
+unsigned long long dp_cuda_defaults_snapshot(void) {
+  return atomic_load_explicit(&cuda_defaults, memory_order_acquire);
 }
 
 #if defined(DP_HAVE_CUDA) && defined(DP_HAVE_CUDNN) && defined(DP_HAVE_CUBLAS)
@@ -144,6 +149,20 @@ typedef struct cuda_ctx {
   int next_plan;           /* round-robin eviction */
 } cuda_ctx;
 
+/* Frees of device or pinned host memory that CUDA refused (a broken
+ * context): a free path has no caller to report to, so each is counted here,
+ * the last one's error kept, for dp_cuda_failed_frees; the memory is lost,
+ * nothing crashes. */
+static _Atomic unsigned long long cuda_failed_frees;
+static _Atomic int cuda_last_free_error;
+
+static void note_free(cudaError_t e) {
+  if (e == cudaSuccess) return;
+  atomic_fetch_add(&cuda_failed_frees, 1u);
+  atomic_store(&cuda_last_free_error, (int)e);
+  cudaGetLastError(); /* cleared unless sticky */
+}
+
 /* Every entry point: the device's context, its GPU made current on this thread. */
 #define CUDA_ENTER(dev, c)          \
   cuda_ctx *c = (cuda_ctx *)(dev)->ctx; \
@@ -166,7 +185,7 @@ static dp_status cuda_chunk_alloc(void *ctx, size_t bytes, void **out) {
 
 static void cuda_chunk_free(void *ctx, void *chunk) {
   (void)ctx;
-  cudaFree(chunk);
+  note_free(cudaFree(chunk));
 }
 
 /* A block of the device's arena, contents undefined: the scratch buffers.
@@ -240,9 +259,11 @@ static dp_status staging_reserve(const dp_device *dev, cuda_ctx *c, size_t want)
   if (c->staging) {
     DP_CUDA_CHECK(cudaEventSynchronize(c->staged[0]));
     DP_CUDA_CHECK(cudaEventSynchronize(c->staged[1]));
-    DP_CUDA_CHECK(cudaFreeHost(c->staging));
+    const cudaError_t freed = cudaFreeHost(c->staging);
     c->staging = NULL;
     c->region_bytes = 0;
+    note_free(freed);
+    DP_CUDA_CHECK(freed);
   }
   void *p = NULL;
   cudaError_t e = cudaHostAlloc(&p, 2 * region, cudaHostAllocDefault);
@@ -360,13 +381,13 @@ static void plans_clear(cuda_ctx *c);
 /* cuBLAS: CUBLAS_DEFAULT_MATH keeps float32 GEMMs in float32 (its precision
  * is at least the one asked for); CUBLAS_TF32_TENSOR_OP_MATH lets single
  * precision routines use TF32 tensor cores (cuBLAS Library User Guide,
- * cublasMath_t). cuDNN: the plans are made again with the new rules. */
+ * cublasMath_t). cuDNN: the plans are made again with the new rules. Neither
+ * waits for the stream: the math mode is the handle's host state, read by the
+ * calls made after it, and a plan holds no device memory (plans_clear). */
 static dp_status cuda_apply_settings(cuda_ctx *c, int deterministic, int allow_tf32) {
   deterministic = !!deterministic;
   allow_tf32 = !!allow_tf32;
   if (deterministic == c->deterministic && allow_tf32 == c->allow_tf32) return DP_OK;
-  /* the plans' descriptors are destroyed below: let the work queued with them finish first */
-  DP_CUDA_CHECK(cudaStreamSynchronize(c->stream));
   if (allow_tf32 != c->allow_tf32)
     DP_CUBLAS_CHECK(cublasSetMathMode(c->cublas, allow_tf32 ? CUBLAS_TF32_TENSOR_OP_MATH : CUBLAS_DEFAULT_MATH));
   plans_clear(c);
@@ -375,10 +396,10 @@ static dp_status cuda_apply_settings(cuda_ctx *c, int deterministic, int allow_t
   return DP_OK;
 }
 
-/* Takes the process-wide settings if they changed since this device last did
- * (dp_cuda_set_defaults); called before every convolution and dense layer. */
-static dp_status cuda_follow_defaults(cuda_ctx *c) {
-  const unsigned long long s = atomic_load_explicit(&cuda_defaults, memory_order_acquire);
+/* Takes the process-wide settings of snapshot (dp_cuda_defaults_snapshot) if
+ * they changed since this device last did; see dp_cuda_take_defaults for
+ * where. The entry points of a step never call it. */
+static dp_status cuda_follow_defaults(cuda_ctx *c, unsigned long long s) {
   if (s == c->defaults_seen) return DP_OK;
   DP_TRY(cuda_apply_settings(c, (int)(s & 1u), (int)((s >> 1) & 1u)));
   c->defaults_seen = s;
@@ -470,6 +491,13 @@ static dp_status plan_algorithms(cuda_ctx *c, conv_plan *p) {
   return DP_OK;
 }
 
+/* A plan is host state only: cuDNN descriptors (host objects that a cuDNN
+ * call reads while it is made; the kernels it queues take their arguments by
+ * value, so PyTorch, for one, destroys its descriptors as each call returns),
+ * algorithm choices and sizes. So a plan is destroyed, evicted or cleared
+ * without waiting for the stream; only device memory that queued work may
+ * use (the workspace, an arena block) waits for it (cuda_workspace,
+ * cuda_release). */
 static void plans_clear(cuda_ctx *c) {
   for (int i = 0; i < CUDA_PLANS; ++i) {
     if (c->plans[i].used) dp_cudnn_conv_descs_destroy(&c->plans[i].d);
@@ -480,7 +508,6 @@ static void plans_clear(cuda_ctx *c) {
 
 static dp_status conv_plan_for(dp_device *dev, cuda_ctx *c, const dp_conv_geom *g, int64_t N, conv_plan **out) {
   if (N > 0x7fffffff) return DP_FAIL(DP_ERR_VALUE, "conv2d on %s: batch %lld is too large for cuDNN", dev->name, (long long)N);
-  DP_TRY(cuda_follow_defaults(c));
   for (int i = 0; i < CUDA_PLANS; ++i) {
     conv_plan *p = &c->plans[i];
     if (p->used && p->N == (int)N && memcmp(&p->g, g, sizeof *g) == 0) {
@@ -490,7 +517,7 @@ static dp_status conv_plan_for(dp_device *dev, cuda_ctx *c, const dp_conv_geom *
   }
   conv_plan *p = &c->plans[c->next_plan];
   c->next_plan = (c->next_plan + 1) % CUDA_PLANS;
-  if (p->used) dp_cudnn_conv_descs_destroy(&p->d);
+  if (p->used) dp_cudnn_conv_descs_destroy(&p->d); /* no wait: see plans_clear */
   memset(p, 0, sizeof *p);
   dp_status st = dp_cudnn_conv_descs_make(g, (int)N, &p->d);
   if (st == DP_OK) st = plan_algorithms(c, p);
@@ -571,7 +598,6 @@ static dp_status cuda_dense_forward(dp_device *dev, int64_t N, int nin, int nout
                                     const float *b, float *y) {
   CUDA_ENTER(dev, c);
   if (N == 0) return DP_OK;
-  DP_TRY(cuda_follow_defaults(c));
   if (N > 0x7fffffff) return DP_FAIL(DP_ERR_VALUE, "dense on %s: batch %lld is too large for cuBLAS", dev->name, (long long)N);
   const float one = 1.0f, zero = 0.0f;
   if (b) DP_LAUNCH_CHECK(dp_cuda_bias_fill(c->stream, N * nout, nout, 1, b, y));
@@ -592,7 +618,6 @@ static dp_status cuda_dense_backward(dp_device *dev, int64_t N, int nin, int nou
     return DP_OK;
   }
   if (N > 0x7fffffff) return DP_FAIL(DP_ERR_VALUE, "dense on %s: batch %lld is too large for cuBLAS", dev->name, (long long)N);
-  DP_TRY(cuda_follow_defaults(c));
   const float one = 1.0f, zero = 0.0f;
   /* dw (nout, nin) = dy^T (nout, N) x (N, nin)  <=>  dw^T (nin, nout) = x^T (nin, N) dy (N, nout).
    * Column-major views: x is (nin, N) ld nin, op = N; dy is (nout, N) ld nout,
@@ -699,13 +724,18 @@ static dp_status cuda_softmax_xent(dp_device *dev, int64_t N, int K, const float
     DP_CUDA_CHECK(cudaStreamSynchronize(c->stream)); /* the old buffers may be in use */
     DP_TRY(dp_arena_release(c->arena, c->row_loss));
     DP_TRY(dp_arena_release(c->arena, c->row_hit));
-    if (c->host_loss) cudaFreeHost(c->host_loss);
-    if (c->host_hit) cudaFreeHost(c->host_hit);
+    const cudaError_t freed_loss = c->host_loss ? cudaFreeHost(c->host_loss) : cudaSuccess;
+    const cudaError_t freed_hit = c->host_hit ? cudaFreeHost(c->host_hit) : cudaSuccess;
     c->row_loss = NULL;
     c->row_hit = NULL;
     c->host_loss = NULL;
     c->host_hit = NULL;
     c->rows = 0;
+    /* the buffers are gone from the context either way; a refused free is this call's error */
+    note_free(freed_loss);
+    note_free(freed_hit);
+    DP_CUDA_CHECK(freed_loss);
+    DP_CUDA_CHECK(freed_hit);
     DP_TRY(cuda_scratch(dev, c, sizeof(float) * (size_t)N, "the loss rows", (void **)&c->row_loss));
     DP_TRY(cuda_scratch(dev, c, sizeof(int32_t) * (size_t)N, "the hit rows", (void **)&c->row_hit));
     DP_CUDA_CHECK(cudaHostAlloc((void **)&c->host_loss, sizeof(float) * (size_t)N, cudaHostAllocDefault));
@@ -726,6 +756,23 @@ static dp_status cuda_softmax_xent(dp_device *dev, int64_t N, int K, const float
   return DP_OK;
 }
 
+/* Polls event e (or, when e is NULL, stream s) with cudaEventQuery /
+ * cudaStreamQuery every 100 us until its work has finished or `timeout`
+ * seconds have passed: cudaSuccess, the query's error, or cudaErrorNotReady
+ * at the deadline; *waited: the seconds it took. */
+static cudaError_t poll_done(cudaEvent_t e, cudaStream_t s, double timeout, double *waited) {
+  struct timespec t0, now;
+  clock_gettime(CLOCK_MONOTONIC, &t0);
+  for (;;) {
+    const cudaError_t q = e ? cudaEventQuery(e) : cudaStreamQuery(s);
+    clock_gettime(CLOCK_MONOTONIC, &now);
+    *waited = (double)(now.tv_sec - t0.tv_sec) + 1e-9 * (double)(now.tv_nsec - t0.tv_nsec);
+    if (q != cudaErrorNotReady || *waited > timeout) return q;
+    const struct timespec nap = {0, 100000L}; /* 100 us */
+    nanosleep(&nap, NULL);
+  }
+}
+
 /* cudaEventSynchronize, or with dev->wait_timeout set, cudaEventQuery polled
  * until the deadline: the event's work may wait on an NCCL peer in another
  * process that stopped, and the host must not wait for it forever. */
@@ -734,20 +781,13 @@ static dp_status wait_event(dp_device *dev, cudaEvent_t e, const char *what) {
     DP_CUDA_CHECK(cudaEventSynchronize(e));
     return DP_OK;
   }
-  struct timespec t0, now;
-  clock_gettime(CLOCK_MONOTONIC, &t0);
-  for (;;) {
-    const cudaError_t q = cudaEventQuery(e);
-    if (q == cudaSuccess) return DP_OK;
-    if (q != cudaErrorNotReady) DP_CUDA_CHECK(q);
-    clock_gettime(CLOCK_MONOTONIC, &now);
-    const double waited = (double)(now.tv_sec - t0.tv_sec) + 1e-9 * (double)(now.tv_nsec - t0.tv_nsec);
-    if (waited > dev->wait_timeout)
-      return DP_FAIL(DP_ERR_DIST, "%s: waited %.0f s for %s; its NCCL collectives wait for a process that stopped or "
-                     "hung (the limit is the strategy's timeout=%g s)", dev->name, waited, what, dev->wait_timeout);
-    const struct timespec nap = {0, 100000L}; /* 100 us */
-    nanosleep(&nap, NULL);
-  }
+  double waited = 0.0;
+  const cudaError_t q = poll_done(e, NULL, dev->wait_timeout, &waited);
+  if (q == cudaErrorNotReady)
+    return DP_FAIL(DP_ERR_DIST, "%s: waited %.0f s for %s; its NCCL collectives wait for a process that stopped or "
+                   "hung (the limit is the strategy's timeout=%g s)", dev->name, waited, what, dev->wait_timeout);
+  DP_CUDA_CHECK(q);
+  return DP_OK;
 }
 
 static dp_status cuda_metrics_read(dp_device *dev, double *loss_sum, int64_t *correct) {
@@ -944,9 +984,9 @@ static void cuda_destroy(dp_device *dev) {
     plans_clear(c);
     for (int r = 0; r < 2; ++r)
       if (c->staged[r]) cudaEventDestroy(c->staged[r]);
-    if (c->staging) cudaFreeHost(c->staging);
-    if (c->host_loss) cudaFreeHost(c->host_loss);
-    if (c->host_hit) cudaFreeHost(c->host_hit);
+    if (c->staging) note_free(cudaFreeHost(c->staging));
+    if (c->host_loss) note_free(cudaFreeHost(c->host_loss));
+    if (c->host_hit) note_free(cudaFreeHost(c->host_hit));
     if (c->metrics_ready) cudaEventDestroy(c->metrics_ready);
     if (c->cublas) cublasDestroy(c->cublas);
     if (c->cudnn) cudnnDestroy(c->cudnn);
@@ -1030,7 +1070,7 @@ static dp_status cuda_ctx_init(dp_device *dev, cuda_ctx *c) {
   DP_CUBLAS_CHECK(cublasCreate(&c->cublas));
   DP_CUBLAS_CHECK(cublasSetStream(c->cublas, c->stream));
   /* the process-wide settings as they are now (see cuda_apply_settings for the math modes) */
-  const unsigned long long s = atomic_load_explicit(&cuda_defaults, memory_order_acquire);
+  const unsigned long long s = dp_cuda_defaults_snapshot();
   c->deterministic = (int)(s & 1u);
   c->allow_tf32 = (int)((s >> 1) & 1u);
   c->defaults_seen = s;
@@ -1069,15 +1109,40 @@ dp_status dp_cuda_device_init(dp_device *dev, int index, int physical_gpu) {
 dp_status dp_cuda_set_deterministic(dp_device *dev, int deterministic) {
   if (dev->kind != DP_DEVICE_CUDA) return DP_FAIL(DP_ERR_VALUE, "%s is not a CUDA device", dev->name);
   CUDA_ENTER(dev, c);
-  DP_TRY(cuda_follow_defaults(c));
+  DP_TRY(cuda_follow_defaults(c, dp_cuda_defaults_snapshot()));
   return cuda_apply_settings(c, deterministic, c->allow_tf32);
 }
 
 dp_status dp_cuda_set_allow_tf32(dp_device *dev, int allow) {
   if (dev->kind != DP_DEVICE_CUDA) return DP_FAIL(DP_ERR_VALUE, "%s is not a CUDA device", dev->name);
   CUDA_ENTER(dev, c);
-  DP_TRY(cuda_follow_defaults(c));
+  DP_TRY(cuda_follow_defaults(c, dp_cuda_defaults_snapshot()));
   return cuda_apply_settings(c, c->deterministic, allow);
+}
+
+dp_status dp_cuda_wait_idle(dp_device *dev, double timeout) {
+  if (dev->kind != DP_DEVICE_CUDA || !dev->ctx) return DP_OK;
+  CUDA_ENTER(dev, c);
+  double waited = 0.0;
+  const cudaError_t q = poll_done(NULL, c->stream, timeout, &waited);
+  if (q == cudaErrorNotReady)
+    return DP_FAIL(DP_ERR_RUNTIME, "%s: the work queued on its stream has not finished after %.0f s (an NCCL "
+                   "collective waiting for a peer that stopped, or a kernel that hangs)", dev->name, waited);
+  DP_CUDA_CHECK(q);
+  return DP_OK;
+}
+
+unsigned long long dp_cuda_failed_frees(char *last_error, size_t len) {
+  const unsigned long long n = atomic_load(&cuda_failed_frees);
+  const cudaError_t e = (cudaError_t)atomic_load(&cuda_last_free_error);
+  if (last_error && len) snprintf(last_error, len, "%s", n ? cudaGetErrorName(e) : "");
+  return n;
+}
+
+dp_status dp_cuda_take_defaults(dp_device *dev, unsigned long long snapshot) {
+  if (dev->kind != DP_DEVICE_CUDA || !dev->ctx) return DP_OK;
+  CUDA_ENTER(dev, c);
+  return cuda_follow_defaults(c, snapshot);
 }
 
 dp_status dp_cuda_memory_stats(dp_device *dev, dp_arena_stats *out) {
@@ -1113,6 +1178,23 @@ dp_status dp_cuda_set_deterministic(dp_device *dev, int deterministic) {
 dp_status dp_cuda_set_allow_tf32(dp_device *dev, int allow) {
   (void)allow;
   return DP_FAIL(DP_ERR_UNSUPPORTED, "%s: dpcore was built without the CUDA backend", dev->name);
+}
+
+dp_status dp_cuda_take_defaults(dp_device *dev, unsigned long long snapshot) {
+  (void)dev;
+  (void)snapshot;
+  return DP_OK;
+}
+
+dp_status dp_cuda_wait_idle(dp_device *dev, double timeout) {
+  (void)dev;
+  (void)timeout;
+  return DP_OK;
+}
+
+unsigned long long dp_cuda_failed_frees(char *last_error, size_t len) {
+  if (last_error && len) last_error[0] = '\0';
+  return 0;
 }
 
 dp_status dp_cuda_memory_stats(dp_device *dev, dp_arena_stats *out) {

@@ -513,20 +513,44 @@ static const comm_ops kernel_ops = {kernel_create,      kernel_destroy,     kern
 
 #if defined(DP_HAVE_NCCL)
 
+/* What the process of replica 0 (MPI rank 0) broadcasts: the communicators'
+ * unique id, or why it could not make one, so that every process fails with
+ * that reason instead of its peers waiting out the timeout for an id. */
+typedef struct nccl_id_message {
+  int32_t ok;
+  char why[480];
+  ncclUniqueId id;
+} nccl_id_message;
+
+/* Collective over every process of the job, like the communicators it serves. */
+static dp_status nccl_unique_id_bcast(const dp_comm *c, ncclUniqueId *out) {
+  nccl_id_message msg;
+  memset(&msg, 0, sizeof msg);
+  if (c->first == 0) {
+    const ncclResult_t rc = ncclGetUniqueId(&msg.id);
+    msg.ok = rc == ncclSuccess;
+    if (!msg.ok) {
+      /* ncclGetLastError(NULL): the last error message of a call outside a communicator (NCCL API) */
+      const char *last = ncclGetLastError(NULL);
+      snprintf(msg.why, sizeof msg.why, "ncclGetUniqueId failed: NCCL error %d: %s%s%s", (int)rc,
+               ncclGetErrorString(rc), last && last[0] ? ": " : "", last ? last : "");
+    }
+  }
+  DP_TRY(dp_dist_bcast(&msg, (int64_t)sizeof msg, 0, c->timeout, "the NCCL unique id"));
+  if (!msg.ok) {
+    msg.why[sizeof msg.why - 1] = '\0'; /* another process's bytes: terminated here whatever they hold */
+    return DP_FAIL(DP_ERR_CUDA, "NCCL across processes: the process of rank 0 has no unique id for the "
+                   "communicators (%s)", msg.why);
+  }
+  *out = msg.id;
+  return DP_OK;
+}
+
 static dp_status nccl_create(dp_comm *c) {
   DP_TRY(ranks_create(c));
   int gpus[DP_COMM_MAX_REPLICAS];
   ncclComm_t comms[DP_COMM_MAX_REPLICAS];
   for (int r = 0; r < c->k; ++r) gpus[r] = c->ranks[r].gpu;
-  /* Since NCCL 2.22 peers connect lazily, inside the first collective that
-   * needs them (NCCL_RUNTIME_CONNECT=1, the default), and connecting
-   * allocates device memory. Our replica threads keep every allocation out of
-   * the step (the mirrored warm-up), so NCCL must not allocate in the middle
-   * of one either: connect at initialisation instead, unless the user chose
-   * otherwise (setenv does not overwrite). NCCL reads the variable when the
-   * communicators are made. */
-  if (setenv("NCCL_RUNTIME_CONNECT", "0", 0) != 0)
-    return DP_FAIL(DP_ERR_RUNTIME, "nccl: cannot set NCCL_RUNTIME_CONNECT=0 before ncclCommInitAll");
   if (c->total > c->k) {
     /* Across processes: one communicator of every replica of the job, rank
      * first + r here, from a unique id made by the process holding replica 0
@@ -536,9 +560,7 @@ static dp_status nccl_create(dp_comm *c) {
      * devices). NCCL builds its own hierarchy (NVLink within a host, the
      * network between hosts) inside the communicator. */
     ncclUniqueId id;
-    memset(&id, 0, sizeof id);
-    if (c->first == 0) DP_NCCL_CHECK(ncclGetUniqueId(&id));
-    DP_TRY(dp_dist_bcast(&id, (int64_t)sizeof id, 0, c->timeout, "the NCCL unique id"));
+    DP_TRY(nccl_unique_id_bcast(c, &id));
     DP_NCCL_CHECK(ncclGroupStart());
     ncclResult_t rc = ncclSuccess;
     cudaError_t ce = cudaSuccess;
@@ -735,6 +757,20 @@ static dp_status choose_kind(dp_device *const *devs, int k, dp_comm_kind want, i
       *out = want;
       return DP_OK;
   }
+}
+
+dp_status dp_comm_process_init(void) {
+#if defined(DP_HAVE_NCCL)
+  /* Since NCCL 2.22 peers connect lazily, inside the first collective that
+   * needs them (NCCL_RUNTIME_CONNECT=1, the default), and connecting
+   * allocates device memory. Our replica threads keep every allocation out of
+   * the step (the mirrored warm-up), so NCCL must not allocate in the middle
+   * of one either: connect when the communicators are made (NCCL reads the
+   * variable then), unless the user chose otherwise (overwrite = 0). */
+  if (setenv("NCCL_RUNTIME_CONNECT", "0", 0) != 0)
+    return DP_FAIL(DP_ERR_RUNTIME, "cannot set NCCL_RUNTIME_CONNECT=0 for NCCL (setenv failed)");
+#endif
+  return DP_OK;
 }
 
 dp_status dp_comm_create(dp_device *const *devs, int k, dp_comm_kind want, dp_barrier *bar, dp_comm **out) {

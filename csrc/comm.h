@@ -74,6 +74,13 @@ typedef struct dp_grad_bucket {
   int ready_layer;
 } dp_grad_bucket;
 
+/* The process's settings for the NCCL kind, made once before any thread of
+ * dpcore starts (the binding's module init calls it): NCCL_RUNTIME_CONNECT=0
+ * unless the environment has a value already. setenv may move environ while
+ * another thread reads it (getenv: the DPCORE_* switches), so it is never
+ * called once threads run. Nothing to do without NCCL. */
+DP_MUST_CHECK dp_status dp_comm_process_init(void);
+
 /* devs[r]: replica r's device (borrowed; outlives the comm). bar: the barrier
  * of the group's k replica threads (borrowed). want: DP_COMM_AUTO, or a kind
  * to insist on (DP_ERR_VALUE / DP_ERR_UNSUPPORTED when it cannot serve these

@@ -31,7 +31,8 @@ static device_entry *live;   /* every device with a reference */
 int dp_devices_gpu_count(char *why, size_t why_len) {
 #ifdef DP_DEVICE_HAVE_CUDA_BACKEND
   int count = 0, runtime = 0, driver = 0;
-  dp_cuda_probe(&count, why, why_len, &runtime, &driver); /* never fails: count 0 and why say what is missing */
+  /* fails only as "no GPU": count 0 and why say what is missing */
+  if (dp_cuda_probe(&count, why, why_len, &runtime, &driver) != 0) return 0;
   return count;
 #else
   if (why && why_len) snprintf(why, why_len, "built without the CUDA backend");

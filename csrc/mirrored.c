@@ -507,10 +507,9 @@ static dp_status warm_shard(void *arg, int rank) {
   return st;
 }
 
-static dp_warm_key warm_key_of(const dp_batch *b) {
-  int deterministic, allow_tf32;
-  dp_cuda_get_defaults(&deterministic, &allow_tf32);
-  dp_warm_key key = {b->n, b->rows ? 2 : b->x_is_u8 ? 1 : 0, deterministic | allow_tf32 << 1};
+/* settings: the dp_cuda_defaults_snapshot the replicas' devices took for this step */
+static dp_warm_key warm_key_of(const dp_batch *b, unsigned long long settings) {
+  dp_warm_key key = {b->n, b->rows ? 2 : b->x_is_u8 ? 1 : 0, (int)(settings & 3u)};
   return key;
 }
 
@@ -692,11 +691,15 @@ static dp_status run_step_here(dp_mirrored *m, const dp_batch *b, int evaluate_o
       t.shard_n[r] = end - begin;
     }
   }
+  /* the process-wide CUDA settings, read once: the warm-up and the step run
+   * with the same ones, whatever another thread sets meanwhile */
+  const unsigned long long settings = dp_cuda_defaults_snapshot();
+  for (int r = 0; r < m->k; ++r) DP_TRY(dp_cuda_take_defaults(m->models[r]->dev, settings));
   dp_status st;
   if (evaluate_only) {
     st = dp_group_run(m->group, run_shard, &t); /* no collectives */
   } else {
-    const dp_warm_key key = warm_key_of(b);
+    const dp_warm_key key = warm_key_of(b, settings);
     DP_TRY(warm_up(m, &t, key));
     for (int r = 0; r < m->k; ++r) dp_trace_count_step(&m->models[r]->trace);
     dp_comm_step_begin(m->comm);

@@ -12,9 +12,13 @@
 #include <stdio.h>
 #include <string.h>
 
+static void model_destroy_in_dealloc(void *model) { dp_model_destroy(model); }
+
 static void Model_dealloc(ModelObject *self) {
-  dp_model_destroy(self->model);
-  dp_device_put(self->device); /* after the model, whose buffers are the device's */
+  /* the model before the device reference, since its buffers are the device's; both
+   * stay when the device's work does not finish (device_free_in_dealloc) */
+  if (self->device)
+    device_free_in_dealloc(self->device, model_destroy_in_dealloc, self->model, 1, "a Model's memory");
   Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
@@ -727,9 +731,12 @@ static PyObject *Model_memory_stats(ModelObject *self, PyObject *unused) {
   dp_arena_stats s;
   dp_status st = dp_cuda_memory_stats(self->model->dev, &s);
   if (st != DP_OK) return raise_from_status(st);
-  return Py_BuildValue("{s:n,s:n,s:n,s:n,s:n}", "reserved_bytes", (Py_ssize_t)s.reserved_bytes, "in_use_bytes",
-                       (Py_ssize_t)s.in_use_bytes, "peak_in_use_bytes", (Py_ssize_t)s.peak_in_use_bytes, "chunks",
-                       (Py_ssize_t)s.chunks, "blocks", (Py_ssize_t)s.blocks);
+  char last_failed_free[64];
+  const unsigned long long failed_frees = dp_cuda_failed_frees(last_failed_free, sizeof last_failed_free);
+  return Py_BuildValue("{s:n,s:n,s:n,s:n,s:n,s:K,s:s}", "reserved_bytes", (Py_ssize_t)s.reserved_bytes,
+                       "in_use_bytes", (Py_ssize_t)s.in_use_bytes, "peak_in_use_bytes",
+                       (Py_ssize_t)s.peak_in_use_bytes, "chunks", (Py_ssize_t)s.chunks, "blocks",
+                       (Py_ssize_t)s.blocks, "failed_frees", failed_frees, "last_failed_free", last_failed_free);
 }
 
 static PyObject *Model_get_nparams(ModelObject *self, void *c) {
@@ -762,8 +769,8 @@ static PyObject *Model_get_input_shape(ModelObject *self, void *c) {
 
 static PyMethodDef Model_methods[] = {
     {"memory_stats", (PyCFunction)Model_memory_stats, METH_NOARGS,
-     "the device arena's statistics (reserved_bytes, in_use_bytes, peak_in_use_bytes, chunks, blocks); None on a "
-     "CPU device"},
+     "the device arena's statistics (reserved_bytes, in_use_bytes, peak_in_use_bytes, chunks, blocks) and the "
+     "process's CUDA frees that failed (failed_frees, last_failed_free: the CUDA error); None on a CPU device"},
     {"train_step_rows", (PyCFunction)(void (*)(void))Model_train_step_rows, METH_VARARGS | METH_KEYWORDS,
      "train_step_rows(resident, rows, lr, momentum=0, weight_decay=0) -> (loss_sum, correct): a step on rows of "
      "a Resident dataset"},
@@ -840,8 +847,12 @@ typedef struct {
   dp_resident *data;
 } ResidentObject;
 
+static void resident_destroy_in_dealloc(void *data) { dp_resident_destroy(data); }
+
 static void Resident_dealloc(ResidentObject *self) {
-  dp_resident_destroy(self->data);
+  /* the owner model holds the device reference */
+  if (self->data)
+    device_free_in_dealloc(self->data->dev, resident_destroy_in_dealloc, self->data, 0, "a Resident dataset");
   Py_XDECREF(self->owner);
   Py_TYPE(self)->tp_free((PyObject *)self);
 }

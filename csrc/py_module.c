@@ -12,6 +12,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "comm.h"
 #include "dist.h"
 #include "dp_limits.h"
 #include "small_gemm.h"
@@ -56,6 +57,29 @@ static int device_address_order(const void *a, const void *b) {
   return (uintptr_t)*x < (uintptr_t)*y ? -1 : (uintptr_t)*x > (uintptr_t)*y;
 }
 
+/* The one place the GIL is released. Without it: takes the step locks of
+ * locks[0..nlocks-1] (distinct, in address order), has the devices take the
+ * process-wide CUDA settings (once per call, before its work), runs
+ * work(ctx), drops the locks, then runs after(after_ctx, status) unless it is
+ * NULL. The step locks are waited for without the GIL and dropped before it
+ * is taken back: a thread holding one never waits for the GIL. Returns
+ * work's status (or the settings' failure, work not run); its message is this
+ * thread's. */
+static dp_status locked_run_without_gil(dp_device *const *locks, Py_ssize_t nlocks, nogil_work work, void *ctx,
+                                        void (*after)(void *after_ctx, dp_status st), void *after_ctx) {
+  dp_status st;
+  Py_BEGIN_ALLOW_THREADS
+  for (Py_ssize_t i = 0; i < nlocks; ++i) dp_device_lock(locks[i]);
+  const unsigned long long settings = dp_cuda_defaults_snapshot();
+  st = DP_OK;
+  for (Py_ssize_t i = 0; i < nlocks && st == DP_OK; ++i) st = dp_cuda_take_defaults(locks[i], settings);
+  if (st == DP_OK) st = work(ctx);
+  for (Py_ssize_t i = nlocks; i-- > 0;) dp_device_unlock(locks[i]);
+  if (after) after(after_ctx, st);
+  Py_END_ALLOW_THREADS
+  return st;
+}
+
 int devices_run_without_gil(PyObject *const *models, Py_ssize_t n, dp_device *const *devs, Py_ssize_t ndevs,
                             nogil_work work, void *ctx) {
   /* all idle before any is marked, so that a refusal leaves no mark behind */
@@ -75,14 +99,7 @@ int devices_run_without_gil(PyObject *const *models, Py_ssize_t n, dp_device *co
   for (Py_ssize_t i = 0; i < nlocks; ++i)
     if (!distinct || locks[distinct - 1] != locks[i]) locks[distinct++] = locks[i];
   for (Py_ssize_t i = 0; i < n; ++i) ((ModelObject *)models[i])->busy = 1;
-  dp_status st;
-  /* the step locks are waited for without the GIL, and dropped before it is
-   * taken back: a thread holding one never waits for the GIL */
-  Py_BEGIN_ALLOW_THREADS
-  for (Py_ssize_t i = 0; i < distinct; ++i) dp_device_lock(locks[i]);
-  st = work(ctx);
-  for (Py_ssize_t i = distinct; i-- > 0;) dp_device_unlock(locks[i]);
-  Py_END_ALLOW_THREADS
+  const dp_status st = locked_run_without_gil(locks, distinct, work, ctx, NULL, NULL);
   PyMem_Free(locks);
   for (Py_ssize_t i = 0; i < n; ++i) ((ModelObject *)models[i])->busy = 0;
   /* the message is thread-local and the work ran on this thread */
@@ -92,6 +109,67 @@ int devices_run_without_gil(PyObject *const *models, Py_ssize_t n, dp_device *co
 
 int models_run_without_gil(PyObject *const *models, Py_ssize_t n, nogil_work work, void *ctx) {
   return devices_run_without_gil(models, n, NULL, 0, work, ctx);
+}
+
+/* A RuntimeWarning from a tp_dealloc: the exception being raised (if any)
+ * is kept, and a warning that cannot be issued (warnings as errors, or the
+ * interpreter shutting down) is printed as unraisable instead. */
+static void warn_in_dealloc(const char *message) {
+#if PY_VERSION_HEX >= 0x030C0000
+  PyObject *raised = PyErr_GetRaisedException();
+#else
+  PyObject *type, *value, *traceback;
+  PyErr_Fetch(&type, &value, &traceback);
+#endif
+  if (PyErr_WarnEx(PyExc_RuntimeWarning, message, 1) < 0) PyErr_WriteUnraisable(NULL);
+#if PY_VERSION_HEX >= 0x030C0000
+  PyErr_SetRaisedException(raised);
+#else
+  PyErr_Restore(type, value, traceback);
+#endif
+}
+
+/* device_free_in_dealloc's work, under the device's step lock */
+typedef struct dealloc_work {
+  dp_device *dev;
+  void (*free_fn)(void *ctx);
+  void *ctx;
+  int put_device;
+} dealloc_work;
+
+static dp_status dealloc_run(void *p) {
+  const dealloc_work *w = p;
+  DP_TRY(dp_cuda_wait_idle(w->dev, DP_DEALLOC_WAIT_SECONDS));
+  w->free_fn(w->ctx);
+  return DP_OK;
+}
+
+/* after the lock is dropped: the last reference destroys the device (and its
+ * lock), which waits for its GPU too */
+static void dealloc_put(void *p, dp_status st) {
+  const dealloc_work *w = p;
+  if (st == DP_OK && w->put_device) dp_device_put(w->dev);
+}
+
+int device_free_in_dealloc(dp_device *dev, void (*free_fn)(void *ctx), void *ctx, int put_device, const char *what) {
+  if (dev->kind != DP_DEVICE_CUDA) {
+    /* host memory that no queued work reads: freed at once, as ever */
+    free_fn(ctx);
+    if (put_device) dp_device_put(dev);
+    return 1;
+  }
+  char name[sizeof dev->name];
+  memcpy(name, dev->name, sizeof name); /* dev may be gone after the call */
+  dealloc_work w = {dev, free_fn, ctx, put_device};
+  dp_device *const locks[1] = {dev};
+  const dp_status st = locked_run_without_gil(locks, 1, dealloc_run, &w, dealloc_put, &w);
+  if (st == DP_OK) return 1;
+  char message[768];
+  snprintf(message, sizeof message, "dpcore: %s on %s was not freed, and its device memory stays allocated for "
+           "good: %s", what, name, dp_error_message());
+  dp_error_clear();
+  warn_in_dealloc(message);
+  return 0;
 }
 
 /* ---- array converters ----------------------------------------------------- */
@@ -417,7 +495,8 @@ static PyObject *mod_runtime_info(PyObject *m, PyObject *unused) {
   int count = 0, rt = 0, drv = 0;
   char why[256] = "built without CUDA";
 #ifdef DP_HAVE_CUDA
-  dp_cuda_probe(&count, why, sizeof why, &rt, &drv); /* never fails: count 0 and why say what is missing */
+  /* fails only as "no GPU": count 0 and why say what is missing */
+  if (dp_cuda_probe(&count, why, sizeof why, &rt, &drv) != 0) count = 0;
 #endif
   PyObject *gpus = runtime_gpus(count);
   if (!gpus) return NULL;
@@ -536,6 +615,9 @@ PyMODINIT_FUNC PyInit__core(void) {
       PyType_Ready(&ResidentType) < 0)
     return NULL;
   if (ops_init() < 0) return NULL;
+  /* before any thread of dpcore exists: it sets the environment */
+  const dp_status env = dp_comm_process_init();
+  if (env != DP_OK) return raise_from_status(env);
   PyObject *m = PyModule_Create(&module_def);
   if (!m) return NULL;
   if (PyModule_AddFunctions(m, tensor_functions) < 0 || PyModule_AddFunctions(m, ops_functions) < 0 ||

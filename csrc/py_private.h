@@ -129,7 +129,9 @@ typedef dp_status (*nogil_work)(void *ctx);
 
 /* Marks models[0..n-1] (ModelObjects; n may be 0, repeats allowed) busy,
  * releases the GIL, takes the step lock of every model's device (device.h:
- * one call computes on a device at a time), runs work(ctx), drops the locks,
+ * one call computes on a device at a time), has those devices take the
+ * process-wide CUDA settings (dp_cuda_take_defaults: once per call, before
+ * its work), runs work(ctx), drops the locks,
  * takes the GIL back and clears the marks. Another thread that calls into one
  * of those models meanwhile gets RuntimeError from model_ready instead of
  * racing with the work; one that calls into another model on the same device
@@ -141,6 +143,23 @@ DP_PY_LOCAL int models_run_without_gil(PyObject *const *models, Py_ssize_t n, no
  * NULLs and repeats allowed) taken too: work on tensors' devices. */
 DP_PY_LOCAL int devices_run_without_gil(PyObject *const *models, Py_ssize_t n, dp_device *const *devs,
                                         Py_ssize_t ndevs, nogil_work work, void *ctx);
+
+/* Seconds a deallocation waits for its device's queued work before it leaves
+ * the memory allocated (device_free_in_dealloc). */
+#define DP_DEALLOC_WAIT_SECONDS 30.0
+
+/* For a tp_dealloc whose object holds memory of dev (a registry device). A
+ * CPU device's memory is freed at once. A CUDA device's: with the GIL
+ * released (the dying object is out of Python's reach), takes dev's
+ * step lock as every user of the device does, waits at most
+ * DP_DEALLOC_WAIT_SECONDS for the work queued on dev (dp_cuda_wait_idle),
+ * then calls free_fn(ctx) and, when put_device, drops one reference to dev.
+ * When the work did not finish (or the stream failed), nothing is freed and
+ * no reference dropped (the GPU may still use the memory; it stays allocated
+ * for good) and a RuntimeWarning naming `what` says so. Returns 1 when freed,
+ * 0 when left allocated. Keeps any exception that was set. */
+DP_PY_LOCAL int device_free_in_dealloc(dp_device *dev, void (*free_fn)(void *ctx), void *ctx, int put_device,
+                                       const char *what);
 
 /* ---- Tensor (py_tensor.c) --------------------------------------------------- */
 

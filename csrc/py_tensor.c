@@ -27,12 +27,25 @@ typedef struct {
   PyObject *owner;
 } TensorObject;
 
+/* device_free_in_dealloc's work: the tensor's memory */
+typedef struct {
+  dp_device *dev;
+  void *data;
+} tensor_free_work;
+
+static void tensor_free_in_dealloc(void *p) {
+  const tensor_free_work *w = p;
+  dp_device_free(w->dev, w->data);
+}
+
 static void Tensor_dealloc(TensorObject *self) {
   if (self->owner) {
     Py_DECREF(self->owner);
   } else if (self->dev) {
-    dp_device_free(self->dev, self->data);
-    dp_device_put(self->dev);
+    /* the memory, then the device reference; both stay when the device's
+     * work does not finish (device_free_in_dealloc) */
+    tensor_free_work w = {self->dev, self->data};
+    device_free_in_dealloc(self->dev, tensor_free_in_dealloc, &w, 1, "a Tensor's memory");
   }
   Py_TYPE(self)->tp_free((PyObject *)self);
 }

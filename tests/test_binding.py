@@ -83,7 +83,8 @@ def test_the_binding_is_split_by_type_over_one_private_header():
 
 
 def test_the_gil_is_released_in_one_place():
-    """Only devices_run_without_gil (py_module.c) releases the GIL; everything else calls it."""
+    """Only locked_run_without_gil (py_module.c) releases the GIL; everything else calls it (through
+    devices_run_without_gil, or device_free_in_dealloc in a tp_dealloc)."""
     releases = {p.name: len(re.findall(r"Py_BEGIN_ALLOW_THREADS|PyEval_SaveThread|Py_UNBLOCK_THREADS", p.read_text()))
                 for p in CSRC.glob("py_*.c")}
     assert releases == {"py_device.c": 0, "py_dist.c": 0, "py_mirrored.c": 0, "py_model.c": 0, "py_module.c": 1,

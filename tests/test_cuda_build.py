@@ -119,10 +119,13 @@ def test_backend_null_entries_rejects_unknown_names():
 
 
 def test_every_cuda_launcher_is_defined_once():
-    """Each launcher declared in kernels/dp_cuda.h has exactly one definition in kernels/*.cu."""
+    """Each launcher declared in kernels/dp_cuda.h has exactly one definition in kernels/*.cu,
+    and its declaration is DP_MUST_CHECK (a dropped cudaError_t is a compiler error under -Werror)."""
     header = (ROOT / "kernels" / "dp_cuda.h").read_text()
-    declared = re.findall(r"^int (dp_cuda_\w+)\(", header, flags=re.M)
+    declared = re.findall(r"^(?:DP_MUST_CHECK )?int (dp_cuda_\w+)\(", header, flags=re.M)
     assert len(declared) >= 20
+    unchecked = re.findall(r"^int (dp_cuda_\w+)\(", header, flags=re.M)
+    assert not unchecked, f"launchers declared without DP_MUST_CHECK: {unchecked}"
     sources = "\n".join(p.read_text() for p in (ROOT / "kernels").glob("*.cu"))
     for name in declared:
         assert len(re.findall(rf"^int {name}\(", sources, flags=re.M)) == 1, name

@@ -293,6 +293,20 @@ def test_memory_stats_count_the_model_on_the_gpu():
     assert stats["peak_in_use_bytes"] >= stats["in_use_bytes"]
 
 
+def test_deallocation_gives_gpu_memory_back():
+    """A Tensor's deallocation waits for the device's stream (bounded) under its step lock,
+    then gives its block back to the device's arena; no CUDA free failed."""
+    net = dp.models.LeNet(devices=["cuda:0"])
+    (before,) = net.memory_stats()
+    t = dp.tensor(np.ones((1024, 1024), np.float32), device="cuda:0")
+    (held,) = net.memory_stats()
+    assert held["in_use_bytes"] >= before["in_use_bytes"] + 4 * 1024 * 1024
+    del t
+    (after,) = net.memory_stats()
+    assert after["in_use_bytes"] == before["in_use_bytes"]
+    assert after["failed_frees"] == 0, after["last_failed_free"]
+
+
 def test_build_info_describes_every_gpu():
     gpus = dp.build_info()["cuda_devices"]
     assert len(gpus) == GPUS
