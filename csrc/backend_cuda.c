@@ -435,8 +435,13 @@ static cudnnMathType_t plan_math(const cuda_ctx *c, cudnnMathType_t heuristic) {
  * reference: cudnnGetConvolutionForwardAlgorithm_v7 and its BackwardData /
  * BackwardFilter twins fill perfResults with algo, status, memory,
  * determinism and mathType per algorithm. */
+/* The _v7 heuristics apply no memory limit: an FFT algorithm may ask for gigabytes of workspace at
+ * a large batch, which the workspace would then fail to grow to. Algorithms that need more than
+ * DP_CONV_WORKSPACE_LIMIT are passed over for the next in the list. */
+#define DP_CONV_WORKSPACE_LIMIT ((size_t)1 << 30)
 #define DP_ACCEPTABLE(perf, c, nonfused)                                                           \
   ((perf).status == CUDNN_STATUS_SUCCESS && (perf).algo != (nonfused) &&                           \
+   (perf).memory <= DP_CONV_WORKSPACE_LIMIT &&                                                     \
    (!(c)->deterministic || (perf).determinism == CUDNN_DETERMINISTIC) &&                           \
    math_acceptable((perf).mathType, (c)->allow_tf32))
 
@@ -454,7 +459,9 @@ static dp_status plan_algorithms(cuda_ctx *c, conv_plan *p) {
   DP_CUDNN_CHECK(cudnnGetConvolutionForwardAlgorithm_v7(c->cudnn, d->x, d->w, d->conv, d->y, MAX_ALGOS, &got, fwd));
   for (i = 0; i < got && !DP_ACCEPTABLE(fwd[i], c, CUDNN_CONVOLUTION_FWD_ALGO_WINOGRAD_NONFUSED); ++i) {
   }
-  if (i == got) return DP_FAIL(DP_ERR_CUDA, "cuDNN offers no suitable forward algorithm (of %d) for this convolution", got);
+  if (i == got)
+    return DP_FAIL(DP_ERR_CUDA, "cuDNN offers no suitable forward algorithm (of %d, within %zu MiB of workspace)%s",
+                   got, DP_CONV_WORKSPACE_LIMIT >> 20, c->deterministic ? " that is deterministic" : "");
   p->fwd = fwd[i].algo;
   p->fwd_math = plan_math(c, fwd[i].mathType);
   DP_CUDNN_CHECK(cudnnSetConvolutionMathType(d->conv, p->fwd_math));
@@ -768,6 +775,7 @@ static cudaError_t poll_done(cudaEvent_t e, cudaStream_t s, double timeout, doub
     clock_gettime(CLOCK_MONOTONIC, &now);
     *waited = (double)(now.tv_sec - t0.tv_sec) + 1e-9 * (double)(now.tv_nsec - t0.tv_nsec);
     if (q != cudaErrorNotReady || *waited > timeout) return q;
+    (void)cudaGetLastError(); /* "not ready" is no error: the next launch must not report it */
     const struct timespec nap = {0, 100000L}; /* 100 us */
     nanosleep(&nap, NULL);
   }

@@ -8,12 +8,16 @@
 
 #ifdef DP_HAVE_CUDA
 #include <cuda_runtime.h>
+/* A failed call's error is also cleared from the thread's last error (a sticky error stays
+ * sticky): otherwise the next launch, which reports through cudaGetLastError, is blamed for it. */
 #define DP_CUDA_CHECK(call)                                                                                \
   do {                                                                                                     \
     cudaError_t dp_e_ = (call);                                                                            \
-    if (dp_e_ != cudaSuccess)                                                                              \
+    if (dp_e_ != cudaSuccess) {                                                                            \
+      (void)cudaGetLastError();                                                                            \
       return DP_FAIL(DP_ERR_CUDA, "%s failed: %s (%d): %s", #call, cudaGetErrorName(dp_e_), (int)dp_e_,   \
                      cudaGetErrorString(dp_e_));                                                           \
+    }                                                                                                      \
   } while (0)
 #endif
 
