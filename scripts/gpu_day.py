@@ -91,7 +91,7 @@ class Day:
         if os.path.exists(self.work):
             shutil.rmtree(self.work)
         os.makedirs(os.path.join(self.work, "junit"))
-        for name in ("build.log", "tests.log", "bench.log", "memcheck.log"):
+        for name in ("build.log", "tests.log", "bench.log", "memcheck.log") + (("also.log",) if args.also else ()):
             open(os.path.join(self.out, name), "w").close()
 
     def left(self):
@@ -438,11 +438,24 @@ class Day:
     def commit(self):
         """The tree's commit: git's where the tree has its .git, else GPU_DAY_COMMIT (the device
         machine gets a copy of the working tree without its history)."""
+        if os.environ.get("GPU_DAY_COMMIT"):  # the device's copy of the tree may carry a stale .git
+            return os.environ["GPU_DAY_COMMIT"]
         if shutil.which("git") and os.path.isdir(os.path.join(HERE, ".git")):
             head = self.capture(["git", "-C", HERE, "rev-parse", "--short", "HEAD"])
             dirty = self.capture(["git", "-C", HERE, "status", "--porcelain", "--untracked-files=no"])
             return head + (" (+ uncommitted changes)" if dirty else "")
         return os.environ.get("GPU_DAY_COMMIT", "unknown (no .git here; set GPU_DAY_COMMIT)")
+
+    def also_run(self, cmd):
+        """A command of the developer's in the day's build and environment, with the time left
+        (its output in also.log; its status in the summary, not in the exit status)."""
+        seconds = self.left() - RESERVE_SECONDS
+        if seconds < 10:
+            self.notes.append(f"not run (out of time): {cmd}")
+            return
+        st, secs = self.run(["bash", "-c", cmd], "also.log", seconds)
+        self.notes.append(f"--also {cmd!r}: " + ("TIMED OUT" if st is None else f"status {st}") + f" in {secs:.0f} s "
+                          "(also.log)")
 
     def fail(self, code, text):
         self.note("STOP: " + text)
@@ -477,8 +490,8 @@ class Day:
         if self.notes:
             L += ["", "== notes"] + ["- " + n for n in self.notes]
         L += ["", f"total: {time.monotonic() - self.start:.0f} s; exit status {self.code}",
-              "files: summary.txt machine.txt build.log tests.log bench.log memcheck.log junit.tar.gz"
-              + (" RESULTS-gpu.md" if os.path.exists(os.path.join(self.out, "RESULTS-gpu.md")) else "")]
+              "files: " + " ".join(sorted(os.listdir(self.out)) + ["junit.tar.gz"] * (
+                  not os.path.exists(os.path.join(self.out, "junit.tar.gz"))))]
         text = "\n".join(L) + "\n"
         with open(os.path.join(self.out, "summary.txt"), "w") as f:
             f.write(text)
@@ -505,6 +518,8 @@ class Day:
                     self.bench_run()
                 if only is None or "memcheck" in only:
                     self.memcheck_run()
+                for cmd in self.args.also:
+                    self.also_run(cmd)
                 if self.memcheck and not self.memcheck.startswith(("ERROR SUMMARY: 0 ", "not run")):
                     self.code = 1
         self.summary()
@@ -687,6 +702,9 @@ def main(argv=None):
     p.add_argument("--only", type=lambda t: [x for x in t.split(",") if x],
                    help="a short rerun: these steps only, comma-separated (%s, bench, memcheck)"
                    % ", ".join(g[0] for g in GROUPS))
+    p.add_argument("--also", action="append", default=[],
+                   help="a shell command to run last in the day's build (PYTHONPATH, LD_LIBRARY_PATH), "
+                   "with the time left; output in also.log")
     p.add_argument("--verbose", action="store_true", help="echo every command's output")
     args = p.parse_args(argv)
     names = [g[0] for g in GROUPS] + ["bench", "memcheck"]
