@@ -2,9 +2,8 @@
  * physical GPU, with its own cuDNN and cuBLAS handles bound to that stream.
  * Several logical devices may share a physical GPU (set_logical_devices('cuda', k)).
  *
- * Written against documented contracts only; it has never run on a GPU in
- * this repository's CI (see tests/test_gpu.py, which checks it against the CPU
- * backend where a GPU is present).
+ * CI has no GPU: tests/test_gpu.py checks it against the CPU backend where one is
+ * present (scripts/gpu-day.sh, docs/gpu-day.md).
  *
  * - Memory: one arena per logical device (csrc/arena.c) over chunks from
  *   cudaMalloc (never managed memory): every buffer of the device (the model's,

@@ -39,6 +39,6 @@ gpu-day-prepare: .gpu/ holds $(ls "$debs" | wc -l) .debs, $size MiB (the tree: $
 On the GPU machine, from the repository root, with .gpu carried beside the tree:
     scripts/gpu-day.sh            (OUTDIR defaults to \$OUT)
 Give it 510 s (it plans for 450: build, tests by priority, benchmark, memcheck); only OUTDIR's
-files come back: summary.txt, machine.txt, build.log, tests.log, bench.log, memcheck.log,
-junit.tar.gz, RESULTS-gpu.md. Rehearse it here first: scripts/gpu-day.sh --rehearse /tmp/gpu-day-out
+files come back: summary.txt, build.log, tests.log, bench.log, memcheck.log, junit.tar.gz,
+RESULTS-gpu.md (and also.log with --also CMD). Rehearse it here first: scripts/gpu-day.sh --rehearse /tmp/gpu-day-out
 TXT

@@ -10,7 +10,7 @@ venv with numpy, pytest, torch and NVIDIA's cuDNN / cuBLAS / NCCL wheels, nvcc, 
 Fashion-MNIST, no mpicc; at most 10 minutes a command, 15 in all; only files under $OUT come
 back (at most 8, two folders deep). So:
 
-  1. the machine is recorded (machine.txt);
+  1. the machine is recorded (in the summary, and in full at the top of build.log);
   2. the .debs that scripts/gpu-day-prepare.sh fetched (.gpu/debs: OpenBLAS, its Fortran
      runtime, Fashion-MNIST) are unpacked into a prefix with dpkg-deb -x, never into /, and the
      build (DPCORE_BLAS_INC / DPCORE_BLAS_LIB) and dp.data (DPCORE_DATA) pointed there;
@@ -22,11 +22,14 @@ back (at most 8, two folders deep). So:
      in and a device is visible;
   5. the GPU tests run in priority order, one pytest process per group (a sticky CUDA error
      ends its group only), each group with a time budget and every test with a timeout;
-  6. with the time left: bench_gpu.py (dpcore against the image's PyTorch on the same GPU) and
+  6. with the time left: bench_gpu.py (dpcore against the image's PyTorch on the same GPU),
+     gpu_profile.py (both with and without deterministic cuDNN, each one's kernels by time) and
      compute-sanitizer's memcheck over the smoke group;
   7. summary.txt (machine, build, each group's counts and failures' first lines, the
-     benchmark), build.log, tests.log, bench.log, memcheck.log and junit.tar.gz are written to
-     OUTDIR ($OUT, else ./gpu-day-out) and the summary printed.
+     benchmark), build.log (the machine in full, the build), tests.log, bench.log, memcheck.log,
+     junit.tar.gz, RESULTS-gpu.md (the benchmark's section) and also.log (--also) are written to
+     OUTDIR ($OUT, else ./gpu-day-out), at most 8 files as the device returns, and the summary
+     printed.
 
 The rehearsal (--rehearse, in every CI run: tests/test_gpu_day.py) does steps 1-4 in the same
 layout on a CPU machine, up to the first step that needs a device, then collects every GPU test
@@ -188,8 +191,8 @@ class Day:
         self.facts["wheels"] = ", ".join(keep)
         lines += ["== os", self.facts["os"], self.facts["kernel"], "cpus: " + self.facts["cpus"],
                   "== gcc", self.facts["gcc"], "== python", self.facts["python"], "== wheels"] + keep
-        with open(os.path.join(self.out, "machine.txt"), "w") as f:
-            f.write("\n".join(lines) + "\n")
+        with open(os.path.join(self.out, "build.log"), "a") as f:  # at most 8 files come back: no file of its own
+            f.write("\n".join(["== the machine"] + lines) + "\n")
         self.say(f"machine: {self.facts['gpu']}; {self.facts['os']}; python {self.facts['python']}; "
                  f"nvcc {self.facts['nvcc']}")
 
@@ -404,8 +407,18 @@ class Day:
             return
         st, secs = self.run([self.python, "benchmarks/bench_gpu.py", "--epochs", "2", "--resnet-steps", "20",
                              "--write"], "bench.log", seconds)
-        lines = [x.rstrip() for x in open(os.path.join(self.out, "bench.log")) if re.search(r": [\d.]+( |$)", x)]
-        self.bench = ("done" if st == 0 else ("TIMED OUT" if st is None else f"status {st}"), lines)
+        status = "done" if st == 0 else ("TIMED OUT" if st is None else f"status {st}")
+        # then where the time goes: dpcore and PyTorch with and without deterministic cuDNN, the
+        # kernels of each (benchmarks/gpu_profile.py), into the same log
+        if self.left() - RESERVE_SECONDS - MEMCHECK_SECONDS >= 40:
+            pst, _ = self.run([self.python, "benchmarks/gpu_profile.py", "--steps", "20"], "bench.log",
+                              min(120, self.left() - RESERVE_SECONDS - MEMCHECK_SECONDS))
+            status += "; gpu_profile.py " + ("done" if pst == 0 else ("TIMED OUT" if pst is None else f"status {pst}"))
+        text = open(os.path.join(self.out, "bench.log"), errors="replace").read()
+        lines = [x.rstrip() for x in text.splitlines()
+                 if re.search(r": [\d.]+( |$)", x) or re.match(r"(dpcore|torch) +deterministic=", x)
+                 or x.startswith("== dpcore ResNet") or x.startswith("== PyTorch ResNet")]
+        self.bench = (status, lines)
         results = os.path.join(HERE, "benchmarks", "RESULTS.md")
         if st == 0 and os.path.exists(results):
             text = open(results).read()
@@ -425,8 +438,7 @@ class Day:
             self.memcheck = "not run: compute-sanitizer not found"
             return
         before = len(self.groups)
-        ok = self.run_group("memcheck", SMOKE + ["-k", "LeNet or 7-conv_dense or round_trips"],
-                            MEMCHECK_SECONDS, MEMCHECK_SECONDS,
+        ok = self.run_group("memcheck", GROUPS[0][1], MEMCHECK_SECONDS, MEMCHECK_SECONDS,
                             prefix=[sanitizer, "--tool", "memcheck", "--error-exitcode", "86",
                                     "--leak-check", "no", "--target-processes", "all"], log="memcheck.log")
         text = open(os.path.join(self.out, "memcheck.log")).read()
@@ -682,7 +694,7 @@ def fmt_counts(c):
     return ", ".join(f"{c[k]} {k}" for k in ("collected", "passed", "failure", "error", "skipped") if c.get(k))
 
 
-def main(argv=None):
+def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("outdir", nargs="?", help="where the files go (default: $OUT, else ./gpu-day-out)")
     p.add_argument("--rehearse", action="store_true",
@@ -710,7 +722,11 @@ def main(argv=None):
     names = [g[0] for g in GROUPS] + ["bench", "memcheck"]
     if args.only is not None and (not args.only or set(args.only) - set(names)):
         p.error(f"--only {','.join(args.only)}: expected some of {', '.join(names)}")
-    return Day(args).main()
+    return args
+
+
+def main(argv=None):
+    return Day(parse_args(argv)).main()
 
 
 if __name__ == "__main__":
