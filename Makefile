@@ -58,8 +58,8 @@ test-cpu-only:
 # (make test-cpu-only runs those). tests/test_sanitizers.py, in every suite run, builds the C
 # programs of tests/c with ASan/UBSan/LSan and tests/c/tsan_stress.c with ThreadSanitizer.
 # The benchmark scripts' end-to-end runs (Python driving calls the suite's own tests make), and the
-# Winograd tests' own Sandybridge subprocess: the plain run keeps them, the CPU-only run (already on
-# Sandybridge kernels) and the ASan run leave them out, for CI's time.
+# Winograd tests' own subprocess on the BLAS's GEMM: the plain run keeps them, the CPU-only run (CI runs
+# it with DPCORE_OWN_GEMM=0 already) and the ASan run leave them out, for CI's time.
 BENCH_SCRIPT_DESELECT := \
   --deselect tests/test_benchmarks.py::test_thread_placement_benchmark_quick_run \
   --deselect tests/test_benchmarks.py::test_pipeline_benchmark_quick_run \
@@ -69,7 +69,7 @@ BENCH_SCRIPT_DESELECT := \
   --deselect tests/test_implicit_gemm.py::test_benchmark_quick_run \
   --deselect tests/test_winograd_lanes.py::test_benchmark_quick_run \
   --deselect tests/test_small_gemm.py::test_benchmark_quick_run \
-  --deselect tests/test_winograd.py::test_under_openblas_sandybridge_kernels
+  --deselect tests/test_winograd.py::test_on_the_blas_gemm
 # Tests whose result does not depend on the extension build under test, which the plain run runs:
 # tests/test_sanitizers.py (and two tests of tests/test_small_gemm.py) compile the C programs of tests/c
 # from csrc/ with their own sanitizer flags,

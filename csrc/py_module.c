@@ -557,9 +557,13 @@ static PyObject *mod_comm_null_entries(PyObject *m, PyObject *args) {
   return out;
 }
 
-/* debug_counters() -> {'groups_created': replica thread groups made by this process} */
+/* debug_counters() -> {'groups_created': replica thread groups made by this process,
+ * 'gemm_blas' / 'gemm_own': dp_gemm calls sent to the BLAS / to dpcore's kernel} */
 static PyObject *mod_debug_counters(PyObject *m, PyObject *unused) {
-  return Py_BuildValue("{s:l}", "groups_created", dp_group_created_count());
+  long long blas, own;
+  dp_gemm_counts(&blas, &own);
+  return Py_BuildValue("{s:l,s:L,s:L}", "groups_created", dp_group_created_count(), "gemm_blas", blas, "gemm_own",
+                       own);
 }
 
 /* set_cuda_options(deterministic, allow_tf32): the process-wide CUDA settings
@@ -592,7 +596,7 @@ static PyMethodDef module_methods[] = {
     {"shard_ranges", mod_shard_ranges, METH_VARARGS, "shard_ranges(n, k) -> [(begin, end)] per replica"},
     {"comm_null_entries", mod_comm_null_entries, METH_VARARGS,
      "comm_null_entries(kind) -> names of the NULL entries of the all-reduce kind's ops table (None: not built)"},
-    {"debug_counters", mod_debug_counters, METH_NOARGS, "debug_counters() -> {'groups_created': n}"},
+    {"debug_counters", mod_debug_counters, METH_NOARGS, "debug_counters() -> {'groups_created': n, 'gemm_blas': n, 'gemm_own': n}"},
     {"set_cuda_options", mod_set_cuda_options, METH_VARARGS,
      "set_cuda_options(deterministic, allow_tf32): process-wide settings of every CUDA device"},
     {"get_cuda_options", mod_get_cuda_options, METH_NOARGS, "get_cuda_options() -> (deterministic, allow_tf32)"},

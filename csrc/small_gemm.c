@@ -9,6 +9,7 @@
  * panel of B (K x 32 floats: 8 KiB at K = 64, 64 KiB at 512) stays in the
  * cache while all of A's rows pass over it.
  */
+#include <stdatomic.h>
 #include "small_gemm.h"
 
 #include <cblas.h>
@@ -317,9 +318,18 @@ static void kernel_gemm(int ta, int tb, int64_t M, int64_t N, int64_t K, const f
 
 #endif
 
+static _Atomic long long gemm_calls[2]; /* [0] the BLAS, [1] dpcore's kernel */
+
+void dp_gemm_counts(long long *blas, long long *own) {
+  *blas = atomic_load_explicit(&gemm_calls[0], memory_order_relaxed);
+  *own = atomic_load_explicit(&gemm_calls[1], memory_order_relaxed);
+}
+
 void dp_gemm(int own, int ta, int tb, int64_t M, int64_t N, int64_t K, const float *A, int64_t lda, const float *B,
              int64_t ldb, float *C, int64_t ldc, int accumulate, float *pack) {
-  if (kernel_takes(own, ta, tb))
+  const int kernel = kernel_takes(own, ta, tb);
+  atomic_fetch_add_explicit(&gemm_calls[kernel], 1, memory_order_relaxed);
+  if (kernel)
     kernel_gemm(ta, tb, M, N, K, A, lda, B, ldb, C, ldc, accumulate, pack);
   else
     cblas_sgemm(CblasRowMajor, ta ? CblasTrans : CblasNoTrans, tb ? CblasTrans : CblasNoTrans, (int)M, (int)N, (int)K,

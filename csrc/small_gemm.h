@@ -48,4 +48,8 @@ DP_MUST_CHECK dp_status dp_small_gemm_on(int *on);
 void dp_gemm(int own, int ta, int tb, int64_t M, int64_t N, int64_t K, const float *A, int64_t lda, const float *B,
              int64_t ldb, float *C, int64_t ldc, int accumulate, float *pack);
 
+/* How many dp_gemm calls this process has sent to the BLAS and to dpcore's kernel (what the
+ * DPCORE_OWN_GEMM switch switches, observable: _core.debug_counters()). */
+void dp_gemm_counts(long long *blas, long long *own);
+
 #endif

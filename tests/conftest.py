@@ -21,7 +21,8 @@ def logical_cpus():
 
 def pytest_terminal_summary(terminalreporter):
     """Which BLAS kernels this run's numerics went through (shown under -q too): CI runs the suite
-    on this CPU's own kernels and again with OPENBLAS_CORETYPE=Sandybridge (.ci/run)."""
+    on the machine's kernels (OPENBLAS_CORETYPE as the machine has it), and again with the GEMMs on the BLAS
+    instead of dpcore's kernel (DPCORE_OWN_GEMM=0, .ci/run)."""
     info = dp.build_info()
     forced = os.environ.get("OPENBLAS_CORETYPE")
     terminalreporter.write_line(f"dpcore BLAS: {info.get('blas_config', info['blas'])}"

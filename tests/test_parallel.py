@@ -14,12 +14,20 @@ Tolerances (all stated where used):
     and logits LOSS_TOL = 1e-5, from its error analysis), so by the triangle
     inequality the two differ by at most twice that: the all-reduced gradient
     by MIRROR_GRAD_TOL = 2 GRAD_TOL per tensor, losses by 2 LOSS_TOL relative.
-    An SGD update is lr times the (momentum-weighted) gradient, so updates
-    w_end - w_start agree within UPDATE_TOL = 2 GRAD_TOL of the largest update of
-    the tensor, and the parameters after each step within PARAM_TOL = 2 GRAD_TOL
-    of max|w| (the update is at most the weights' scale here).  No tolerance
-    here rests on what one machine printed; the all-reduced gradient is also
-    compared with the float64 reference directly (GRAD_TOL).
+    Training steps are compared ONE STEP AT A TIME FROM THE SAME STATE: before
+    each step the single model gets the mirrored model's parameters and momentum
+    (set_params, set_velocity), so the two steps differ only by this step's
+    gradient rounding. With v' = mu v + g + wd w and w' = w - lr v' from equal
+    (w, v), per tensor
+        max|w'_m - w'_s| <= lr (MIRROR_GRAD_TOL max|g| + 4 eps max|v'|) + eps max|w'|
+    (eps = 2^-24: the roundings of mu v + g + wd w, of lr v' and of the
+    subtraction, each at most half an ulp on each side), STEP_BOUND below. Over
+    several steps the difference is carried through later gradients by the
+    loss's curvature, which no float32 error model bounds (a ReLU unit may flip):
+    an earlier form of this test compared the trajectories with a one-step bound
+    and failed on OpenBLAS's SkylakeX kernels (issue 29). No tolerance here rests
+    on what one machine printed; the all-reduced gradient is also compared with
+    the float64 reference directly (GRAD_TOL).
   * replicas of one mirrored model: BITWISE identical parameters after every step.
   * evaluation: accuracy equal, mean loss 1e-6 relative.
   * the chapter 12.5 loop written with dp pieces vs net.train_step: BITWISE.
@@ -42,8 +50,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CORES = dp._core.runtime_info()["cpu_cores"]
 
 # mirrored vs single replica: twice test_lenet's float64-referenced bounds (triangle inequality)
-PARAM_TOL = 2 * GRAD_TOL        # parameters after a step, per tensor, of max|w|
-UPDATE_TOL = 2 * GRAD_TOL       # w_end - w_start, per tensor, of the largest update
 LOSS_TOL = 2 * LENET_LOSS_TOL   # loss sums, relative
 MIRROR_GRAD_TOL = 2 * GRAD_TOL  # all-reduced gradient vs the single replica's, per tensor
 
@@ -120,6 +126,37 @@ def lenet_pair(k, seed=7, weights_seed=0):
     single.set_weights(W)
     assert_replicas_bitwise(mirrored, "after set_weights")
     return mirrored, single
+
+
+EPS32 = 2.0 ** -24
+
+
+def step_from_the_same_state(mirrored, single, X, y, **kw):
+    """One train_step of each, the single model first given the mirrored model's parameters and
+    momentum; asserts the derived per-step bound (module docstring) on every tensor, the losses
+    and the hit counts, and the replicas bitwise. Returns the (loss, hits) of the mirrored step."""
+    single._model.set_params(mirrored._model.get_params())
+    single._model.set_velocity(mirrored._model.get_velocity())
+    lr = kw["lr"]
+    lm, cm = mirrored.train_step(X, y, **kw)
+    ls, cs = single.train_step(X, y, **kw)
+    assert cm == cs, (cm, cs)
+    assert abs(lm - ls) <= LOSS_TOL * abs(ls), (lm, ls)
+    assert_replicas_bitwise(mirrored, "after the step")
+    wm, ws = mirrored.get_weights(), single.get_weights()
+    g = by_name(single._model.get_grads(), single._layout)
+    v = by_name(single._model.get_velocity(), single._layout)
+    for n in NAMES:
+        diff = float(np.abs(wm[n].astype(np.float64) - ws[n]).max())
+        bound = STEP_BOUND(lr, g[n], v[n], ws[n])
+        assert diff <= bound, f"{n}: |w_m - w_s| {diff:.3g} above the derived bound {bound:.3g}"
+    return lm, cm
+
+
+def STEP_BOUND(lr, g, v, w):
+    """The per-step bound of the module docstring, for one tensor."""
+    m = lambda a: float(np.abs(np.asarray(a, np.float64)).max())  # noqa: E731
+    return lr * (MIRROR_GRAD_TOL * m(g) + 4 * EPS32 * m(v)) + EPS32 * m(w)
 
 
 def images(n, seed):
@@ -355,20 +392,10 @@ def test_mirrored_lenet_matches_single_replica(k):
     # global batches: 64 random images, then the 257-sample batch, then more 64s; the same for both models
     batches = [(X[:64], y[:64]), (X, y), (X[64:128], y[64:128]), (X[100:164], y[100:164]), (X[193:], y[193:])]
     for step, (Xb, yb) in enumerate(batches, 1):
-        lm, cm = mirrored.train_step(Xb, yb, lr=lr, momentum=mu, weight_decay=wd)
-        ls, cs = single.train_step(Xb, yb, lr=lr, momentum=mu, weight_decay=wd)
-        assert cm == cs, (k, step, cm, cs)
-        assert abs(lm - ls) <= LOSS_TOL * abs(ls), (k, step, lm, ls)
-        assert_replicas_bitwise(mirrored, f"after step {step} (k={k})")
-        wm, ws = mirrored.get_weights(), single.get_weights()
-        for n in NAMES:
-            e = rel(wm[n], ws[n])
-            assert e <= PARAM_TOL, f"k={k} step {step} {n}: rel {e:.3g}"
-    wm, ws = mirrored.get_weights(), single.get_weights()
-    for n in NAMES:
-        # the five updates themselves agree (stronger than the weights: w moves little)
-        e = rel(wm[n].astype(np.float64) - W0[n], ws[n].astype(np.float64) - W0[n])
-        assert e <= UPDATE_TOL, f"k={k} update of {n}: rel {e:.3g}"
+        step_from_the_same_state(mirrored, single, Xb, yb, lr=lr, momentum=mu, weight_decay=wd)
+    # the steps moved the weights: the bound above was not met by standing still
+    wm = mirrored.get_weights()
+    assert all(not np.array_equal(wm[n], W0[n].astype(np.float32)) for n in NAMES)
     # every replica holds these weights, not just replica 0
     for r in mirrored.replicas:
         got = by_name(r.params.numpy(), mirrored._layout)
@@ -410,19 +437,16 @@ def test_mirrored_tiny_batches_with_empty_shards(n):
     X, y = images(max(n, 1), seed=30 + n)
     X, y = X[:n], y[:n]
     for step in range(2):
-        rm = mirrored.train_step(X, y, lr=lr, momentum=mu, weight_decay=wd)
-        rs = single.train_step(X, y, lr=lr, momentum=mu, weight_decay=wd)
-        assert rm[1] == rs[1] and abs(rm[0] - rs[0]) <= LOSS_TOL * abs(rs[0]), (rm, rs)
-        assert_replicas_bitwise(mirrored, f"after step {step + 1} with {n} samples")
-        wm, ws = mirrored.get_weights(), single.get_weights()
-        for name in NAMES:
-            if n == 0:
-                # an empty batch is no step at all
-                assert np.array_equal(wm[name], W0[name]) and np.array_equal(ws[name], W0[name])
-            else:
-                assert rel(wm[name], ws[name]) <= PARAM_TOL, (n, step, name, rel(wm[name], ws[name]))
-                d = wm[name].astype(np.float64) - W0[name]
-                assert rel(d, ws[name].astype(np.float64) - W0[name]) <= UPDATE_TOL, (n, step, name)
+        if n == 0:
+            rm = mirrored.train_step(X, y, lr=lr, momentum=mu, weight_decay=wd)
+            rs = single.train_step(X, y, lr=lr, momentum=mu, weight_decay=wd)
+            assert rm == rs == (0.0, 0), (rm, rs)
+            assert_replicas_bitwise(mirrored, f"after step {step + 1} with no samples")
+            # an empty batch is no step at all
+            for name, w in mirrored.get_weights().items():
+                assert np.array_equal(w, W0[name]) and np.array_equal(single.get_weights()[name], W0[name])
+        else:
+            step_from_the_same_state(mirrored, single, X, y, lr=lr, momentum=mu, weight_decay=wd)
 
 
 @pytest.mark.parametrize("all_reduce", ["auto", "host"])  # every kind CPU replicas have
@@ -470,12 +494,7 @@ def test_mirrored_on_a_subset_of_devices_in_any_order():
     single.set_weights(W)
     X, y = images(97, seed=70)
     for step in range(3):
-        mirrored.train_step(X, y, lr=0.05, momentum=0.9)
-        single.train_step(X, y, lr=0.05, momentum=0.9)
-        assert_replicas_bitwise(mirrored, f"after step {step + 1}")
-    wm, ws = mirrored.get_weights(), single.get_weights()
-    for n in NAMES:
-        assert rel(wm[n], ws[n]) <= PARAM_TOL, (n, rel(wm[n], ws[n]))
+        step_from_the_same_state(mirrored, single, X, y, lr=0.05, momentum=0.9)
 
 
 # ---------------------------------------------------------------------------

@@ -142,8 +142,8 @@ def test_build_info_reports_what_was_found():
 
 
 def test_forced_openblas_kernels_take_effect():
-    """CI's second run sets OPENBLAS_CORETYPE to use another CPU's BLAS kernels (other rounding):
-    that only proves portability if Debian's OpenBLAS (a DYNAMIC_ARCH build) really switched."""
+    """Where the machine sets OPENBLAS_CORETYPE (some must: older OpenBLAS builds misbehave on their
+    CPUs), Debian's OpenBLAS (a DYNAMIC_ARCH build) must really run the kernels it names."""
     forced = os.environ.get("OPENBLAS_CORETYPE")
     config = dp.build_info()["blas_config"]
     assert "DYNAMIC_ARCH" in config, config
