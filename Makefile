@@ -97,8 +97,13 @@ test-asan:
 	DPCORE_SANITIZE=1 DPCORE_CUDA=0 VENV=.venv-asan scripts/bootstrap.sh
 	scripts/sanitized-pytest.sh .venv-asan -q -ra -m "not slow" $(ASAN_DESELECT) tests
 
-# The GPU tests of every file (skipped, with the reason, where no CUDA device is usable).
+# The GPU tests of every file. Refused, not skipped into green, when the build has no CUDA backend
+# (no nvcc, cuDNN or cuBLAS found: setup.py then builds CPU-only) or no device is visible.
 test-gpu: setup
+	$(PY) -c "import dpcore, sys; b = dpcore.build_info(); r = dpcore._core.runtime_info(); \
+	  why = None if b.get('cuda_backend') else 'dpcore was built without the CUDA backend: ' + str(b.get('cuda_why')); \
+	  why = why or (None if r['cuda_device_count'] else 'no usable CUDA device: ' + r['cuda_why']); \
+	  sys.exit('make test-gpu: ' + why if why else 0)"
 	$(PY) -m pytest -m gpu tests -ra $(PYTEST_ARGS)
 
 # The GPU day (docs/gpu-day.md): fetch the .debs a bare GPU machine lacks into .gpu/ (here), then on
