@@ -10,8 +10,8 @@
  *   the cuDNN workspace, the loss rows) is a block of it, so growing or
  *   replacing a buffer reuses device memory without a cudaMalloc/cudaFree pair
  *   (each of which synchronizes). dp_cuda_memory_stats reports it. Inside a
- *   mirrored step (dev->in_step) nothing grows: no new chunk, workspace, loss
- *   rows or staging; the runner's warm-up pass sized them, and a growth the
+ *   mirrored step (dev->in_step) nothing grows: no new chunk, workspace,
+ *   partials, loss rows or staging; the runner's warm-up pass sized them, and a growth the
  *   warm-up missed is a reported error naming what grew (backend.h,
  *   dp_device_may_grow), never a cudaMalloc while peers' NCCL kernels wait.
  * - Ordering: every kernel, cuDNN and cuBLAS call is issued on the device's
@@ -136,6 +136,8 @@ typedef struct cuda_ctx {
   int next_region;
   void *workspace;         /* cuDNN workspace, grows on demand */
   size_t workspace_bytes;
+  void *partials;          /* the channel sums' per-part doubles (dp_cuda_sum_partials), grows on demand */
+  size_t partials_bytes;
   float *row_loss;         /* softmax_xent: (rows) on the device */
   int32_t *row_hit;
   float *host_loss;        /* and their host copies, pinned (cudaHostAlloc) so that */
@@ -357,19 +359,38 @@ static dp_status cuda_u8_to_unit(dp_device *dev, float *y, const uint8_t *x, int
   return DP_OK;
 }
 
-/* The cuDNN workspace: at least `bytes`. Growing gives the old block back
- * after the stream's queued work (which may use it) has finished. */
-static dp_status cuda_workspace(dp_device *dev, cuda_ctx *c, size_t bytes, void **out) {
-  if (bytes > c->workspace_bytes) {
-    DP_TRY(dp_device_may_grow(dev, "the cuDNN workspace", c->workspace_bytes, bytes, "bytes"));
+/* A growable scratch block *buf of *have bytes: at least `bytes` on return
+ * (*out NULL when bytes is 0). Growing is a dp_device_may_grow (never inside a
+ * mirrored step: the warm-up sizes it) and gives the old block back after the
+ * stream's queued work (which may use it) has finished. */
+static dp_status cuda_grown(dp_device *dev, cuda_ctx *c, const char *what, size_t bytes, void **buf, size_t *have,
+                            void **out) {
+  if (bytes > *have) {
+    DP_TRY(dp_device_may_grow(dev, what, *have, bytes, "bytes"));
     DP_CUDA_CHECK(cudaStreamSynchronize(c->stream));
-    DP_TRY(dp_arena_release(c->arena, c->workspace));
-    c->workspace = NULL;
-    c->workspace_bytes = 0;
-    DP_TRY(cuda_scratch(dev, c, bytes, "the cuDNN workspace", &c->workspace));
-    c->workspace_bytes = bytes;
+    DP_TRY(dp_arena_release(c->arena, *buf));
+    *buf = NULL;
+    *have = 0;
+    DP_TRY(cuda_scratch(dev, c, bytes, what, buf));
+    *have = bytes;
   }
-  *out = bytes ? c->workspace : NULL;
+  *out = bytes ? *buf : NULL;
+  return DP_OK;
+}
+
+/* The cuDNN workspace: at least `bytes`. */
+static dp_status cuda_workspace(dp_device *dev, cuda_ctx *c, size_t bytes, void **out) {
+  return cuda_grown(dev, c, "the cuDNN workspace", bytes, &c->workspace, &c->workspace_bytes, out);
+}
+
+/* The scratch of the channel sums of x (N, C, HW): dp_cuda_sum_partials(N, C,
+ * HW) doubles (NULL when none are needed). The kernels using it are queued in
+ * order on the device's stream, so one sum's partials never meet another's. */
+static dp_status cuda_partials(dp_device *dev, cuda_ctx *c, int64_t N, int C, int HW, double **out) {
+  const size_t bytes = sizeof(double) * (size_t)dp_cuda_sum_partials(N, C, HW);
+  void *p;
+  DP_TRY(cuda_grown(dev, c, "the channel sums' partials", bytes, &c->partials, &c->partials_bytes, &p));
+  *out = p;
   return DP_OK;
 }
 
@@ -574,7 +595,11 @@ static dp_status cuda_conv2d_backward(dp_device *dev, const dp_conv_geom *g, int
   conv_plan *p;
   DP_TRY(conv_plan_for(dev, c, g, N, &p));
   const float one = 1.0f, zero = 0.0f;
-  if (db) DP_LAUNCH_CHECK(dp_cuda_channel_sums(c->stream, N, g->O, g->OH * g->OW, dy, NULL, db));
+  if (db) {
+    double *partials;
+    DP_TRY(cuda_partials(dev, c, N, g->O, g->OH * g->OW, &partials));
+    DP_LAUNCH_CHECK(dp_cuda_channel_sums(c->stream, N, g->O, g->OH * g->OW, dy, NULL, partials, db));
+  }
   void *ws;
   DP_TRY(cuda_workspace(dev, c, p->bwd_filter_bytes, &ws));
   DP_CUDNN_CHECK(cudnnSetConvolutionMathType(p->d.conv, p->bwd_filter_math));
@@ -631,7 +656,11 @@ static dp_status cuda_dense_backward(dp_device *dev, int64_t N, int nin, int nou
   DP_CUBLAS_CHECK(cublasSgemm(c->cublas, CUBLAS_OP_N, CUBLAS_OP_T, nin, nout, (int)N, &one, x, nin, dy, nout, &zero, dw,
                               nin));
   /* db (nout) = column sums of dy (N, nout): channel sums with C = nout, HW = 1 */
-  if (db) DP_LAUNCH_CHECK(dp_cuda_channel_sums(c->stream, N, nout, 1, dy, NULL, db));
+  if (db) {
+    double *partials;
+    DP_TRY(cuda_partials(dev, c, N, nout, 1, &partials));
+    DP_LAUNCH_CHECK(dp_cuda_channel_sums(c->stream, N, nout, 1, dy, NULL, partials, db));
+  }
   /* dx (N, nin) = dy (N, nout) w (nout, nin)  <=>  dx^T (nin, N) = w^T (nin, nout) dy^T (nout, N).
    * Column-major views: w is (nin, nout) ld nin, op = N; dy is (nout, N) ld
    * nout, op = N; dx^T is (nin, N) ld nin. */
@@ -867,7 +896,9 @@ static dp_status cuda_global_avgpool_backward(dp_device *dev, int64_t N, int C, 
 static dp_status cuda_bn_sums(dp_device *dev, int64_t N, int C, int HW, const float *x, const float *mean,
                               float *out) {
   CUDA_ENTER(dev, c);
-  DP_LAUNCH_CHECK(dp_cuda_channel_sums(c->stream, N, C, HW, x, mean, out));
+  double *partials;
+  DP_TRY(cuda_partials(dev, c, N, C, HW, &partials));
+  DP_LAUNCH_CHECK(dp_cuda_channel_sums(c->stream, N, C, HW, x, mean, partials, out));
   return DP_OK;
 }
 
@@ -898,8 +929,10 @@ static dp_status cuda_bn_backward_sums(dp_device *dev, int64_t N, int C, int HW,
                                        const float *mean, const float *invstd, const float *gamma,
                                        const float *relu_beta, float *sum_dy, float *sum_dy_xhat) {
   CUDA_ENTER(dev, c);
-  DP_LAUNCH_CHECK(
-      dp_cuda_bn_backward_sums(c->stream, N, C, HW, x, dy, mean, invstd, gamma, relu_beta, sum_dy, sum_dy_xhat));
+  double *partials;
+  DP_TRY(cuda_partials(dev, c, N, C, HW, &partials));
+  DP_LAUNCH_CHECK(dp_cuda_bn_backward_sums(c->stream, N, C, HW, x, dy, mean, invstd, gamma, relu_beta, partials,
+                                           sum_dy, sum_dy_xhat));
   return DP_OK;
 }
 
@@ -999,8 +1032,8 @@ static void cuda_destroy(dp_device *dev) {
     if (c->cudnn) cudnnDestroy(c->cudnn);
     if (c->stream) cudaStreamDestroy(c->stream);
   }
-  /* every chunk (the workspace and the loss rows included); the bookkeeping
-   * is host memory and goes even when the GPU could not be made current */
+  /* every chunk (the workspace, the partials and the loss rows included); the
+   * bookkeeping is host memory and goes even when the GPU could not be made current */
   dp_arena_destroy(c->arena);
   cudaGetLastError();
   if (c->staging_mutex_ready) pthread_mutex_destroy(&c->staging_mutex);

@@ -59,15 +59,23 @@ DP_MUST_CHECK int dp_cuda_scale(dp_cuda_stream s, int64_t n, float *x, float alp
 /* x (planes, HW) -> y (planes); backward dx (planes, HW) = dy / HW */
 DP_MUST_CHECK int dp_cuda_global_avgpool_forward(dp_cuda_stream s, int64_t planes, int HW, const float *x, float *y);
 DP_MUST_CHECK int dp_cuda_global_avgpool_backward(dp_cuda_stream s, int64_t planes, int HW, const float *dy, float *dx);
+/* The doubles of device scratch (`partials`) the two channel-sum launchers
+ * below need for (N, C, HW): 2 * C * P where a channel's N * HW values take P > 1
+ * parts (dp_channel_parts), else 0 (partials may then be NULL). */
+DP_MUST_CHECK int64_t dp_cuda_sum_partials(int64_t N, int C, int HW);
 /* out (C) = per-channel sums of x (N, C, HW), of (x - mean)^2 when mean != NULL.
  * Also the bias gradients: conv (dy (N, O, OH*OW)) and dense (dy (N, nout), HW = 1).
- * One block per channel, fixed order: deterministic. */
+ * Fixed order, set by (N, C, HW) alone (layers.cu): deterministic. partials:
+ * dp_cuda_sum_partials(N, C, HW) doubles, used by the queued kernels until the
+ * stream reaches them; N == 0 writes zeros. */
 DP_MUST_CHECK int dp_cuda_channel_sums(dp_cuda_stream s, int64_t N, int C, int HW, const float *x, const float *mean,
-                                       float *out);
-/* relu_beta non-NULL: dy is the gradient of a fused ReLU's output (backend.h) */
+                                       double *partials, float *out);
+/* sum_dy, sum_dy_xhat (C): the same partition and order; partials as above.
+ * relu_beta non-NULL: dy is the gradient of a fused ReLU's output (backend.h) */
 DP_MUST_CHECK int dp_cuda_bn_backward_sums(dp_cuda_stream s, int64_t N, int C, int HW, const float *x, const float *dy,
                                            const float *mean, const float *invstd, const float *gamma,
-                                           const float *relu_beta, float *sum_dy, float *sum_dy_xhat);
+                                           const float *relu_beta, double *partials, float *sum_dy,
+                                           float *sum_dy_xhat);
 DP_MUST_CHECK int dp_cuda_bn_finalize(dp_cuda_stream s, int C, const float *sqdev, float count, const float *mean,
                                       float eps, float momentum, int update_running, float *invstd, float *running_mean,
                                       float *running_var);

@@ -301,6 +301,65 @@ static inline DP_HD float dp_bn_backward_elem(float x, float dy, float mean, flo
   return gamma * invstd * (dy - inv_count * sum_dy - xhat * (inv_count * sum_dy_xhat));
 }
 
+/* ---- the partition of the CUDA channel sums (kernels/layers.cu) --------------
+ *
+ * A channel's count = N * HW values, in (n, i) order (j = n * HW + i), are cut
+ * into P contiguous parts; a block of `stride` threads sums one part, thread t
+ * taking j = begin + t, begin + t + stride, ... below the part's end. P and the
+ * cut depend on count alone, so the summation order (and the bits) does too,
+ * never on the GPU. Aim: about DP_CHANNEL_PART_VALUES values per block (64 per
+ * thread of 256), enough blocks to fill a GPU at ResNet's early stages; at most
+ * DP_CHANNEL_MAX_PARTS parts, which bounds the partials' scratch (C * P * 2
+ * doubles) and the serial add of the second stage. */
+enum { DP_CHANNEL_PART_VALUES = 16384, DP_CHANNEL_MAX_PARTS = 64 };
+
+/* P = clamp(ceil(count / DP_CHANNEL_PART_VALUES), 1, DP_CHANNEL_MAX_PARTS). */
+static inline DP_HD int dp_channel_parts(int64_t count) {
+  if (count <= DP_CHANNEL_PART_VALUES) return 1;
+  const int64_t p = (count + DP_CHANNEL_PART_VALUES - 1) / DP_CHANNEL_PART_VALUES;
+  return p > DP_CHANNEL_MAX_PARTS ? DP_CHANNEL_MAX_PARTS : (int)p;
+}
+
+/* Part p (0 <= p <= parts) begins at min(count, p * ceil(count / parts)); part p
+ * is [begin(p), begin(p + 1)), so begin(parts) = count. No part is empty when
+ * parts = dp_channel_parts(count) and count > 0. */
+static inline DP_HD int64_t dp_channel_part_begin(int64_t count, int parts, int p) {
+  const int64_t len = (count + parts - 1) / parts, b = len * p;
+  return b < count ? b : count;
+}
+
+/* One thread's walk over channel c of x (N, C, HW): `at` is the offset of value
+ * j, (n * C + c) * HW + i with n = j / HW, i = j % HW; each step advances j by
+ * stride with additions only (one division at the start, none per value). */
+typedef struct dp_channel_walk {
+  int64_t at;   /* offset of the current value */
+  int64_t jump; /* (stride / HW) samples and (stride % HW) values: q * C * HW + r */
+  int64_t wrap; /* i passed HW: one more sample, back to the plane's start: C * HW - HW */
+  int i, HW, r;
+} dp_channel_walk;
+
+static inline DP_HD dp_channel_walk dp_channel_walk_start(int C, int HW, int c, int64_t j, int stride) {
+  dp_channel_walk w = {0, 0, 0, 0, HW, 0};
+  if (HW <= 0) return w; /* no values: nothing is walked */
+  const int64_t n = j / HW, plane = (int64_t)C * HW;
+  w.i = (int)(j - n * HW);
+  w.at = (n * C + c) * HW + w.i;
+  w.r = stride % HW;
+  w.jump = (int64_t)(stride / HW) * plane + w.r;
+  w.wrap = plane - HW;
+  return w;
+}
+
+static inline DP_HD void dp_channel_walk_next(dp_channel_walk *w) {
+  w->at += w->jump;
+  if (w->i >= w->HW - w->r) { /* i + r passes the plane (written so that i + r cannot overflow) */
+    w->i -= w->HW - w->r;
+    w->at += w->wrap;
+  } else {
+    w->i += w->r;
+  }
+}
+
 /* ---- residual add ---------------------------------------------------------- */
 
 static inline DP_HD float dp_add_elem(float a, float b) { return a + b; }

@@ -549,6 +549,92 @@ static void check_sum_parts(void) {
   }
 }
 
+/* ---- the CUDA channel sums' partition and walk (kernels/layers.cu) ----------
+ * Exact: each channel's N * HW values fall into contiguous, non-empty parts that
+ * cover them once, in (n, i) order; a thread's walk reaches the offset the
+ * division formula gives, (n * C + c) * HW + i for n = j / HW, i = j % HW. */
+
+static void check_channel_walks(int64_t N, int C, int HW, int stride) {
+  const int64_t count = N * HW;
+  const int P = dp_channel_parts(count);
+  unsigned char *seen = calloc((size_t)(count ? count : 1), 1);
+  const int channels[2] = {0, C - 1};
+  for (int k = 0; k < 2; ++k) {
+    const int c = channels[k];
+    memset(seen, 0, (size_t)(count ? count : 1));
+    if (dp_channel_part_begin(count, P, 0) != 0 || dp_channel_part_begin(count, P, P) != count) {
+      fprintf(stderr, "channel parts of %lld values (P = %d) do not span them\n", (long long)count, P);
+      failures++;
+    }
+    for (int p = 0; p < P; ++p) {
+      const int64_t begin = dp_channel_part_begin(count, P, p), end = dp_channel_part_begin(count, P, p + 1);
+      if (count > 0 && end <= begin) {
+        fprintf(stderr, "channel part %d of %d over %lld values is empty\n", p, P, (long long)count);
+        failures++;
+      }
+      for (int t = 0; t < stride; ++t) {
+        int64_t j = begin + t;
+        dp_channel_walk w = dp_channel_walk_start(C, HW, c, j, stride);
+        for (; j < end; j += stride, dp_channel_walk_next(&w)) {
+          const int64_t n = j / HW, i = j % HW, at = (n * C + c) * HW + i;
+          if (w.at != at || w.i != i || seen[j]) {
+            fprintf(stderr, "channel walk N=%lld C=%d HW=%d stride %d, channel %d part %d thread %d, value %lld: "
+                    "offset %lld (%s), expected %lld\n", (long long)N, C, HW, stride, c, p, t, (long long)j,
+                    (long long)w.at, seen[j] ? "seen before" : "first", (long long)at);
+            failures++;
+            free(seen);
+            return;
+          }
+          seen[j] = 1;
+        }
+      }
+    }
+    for (int64_t j = 0; j < count; ++j)
+      if (!seen[j]) {
+        fprintf(stderr, "channel walk N=%lld C=%d HW=%d: value %lld not summed\n", (long long)N, C, HW, (long long)j);
+        failures++;
+        break;
+      }
+  }
+  free(seen);
+}
+
+static void check_channel_partition(void) {
+  const struct { int64_t count; int parts; } sizes[] = {
+      {0, 1}, {1, 1}, {DP_CHANNEL_PART_VALUES, 1}, {DP_CHANNEL_PART_VALUES + 1, 2}, {256 * 784, 13},
+      {256 * 196, 4}, {256 * 49, 1}, {(int64_t)DP_CHANNEL_MAX_PARTS * DP_CHANNEL_PART_VALUES, DP_CHANNEL_MAX_PARTS},
+      {(int64_t)1 << 40, DP_CHANNEL_MAX_PARTS}};
+  for (size_t k = 0; k < sizeof sizes / sizeof sizes[0]; ++k)
+    if (dp_channel_parts(sizes[k].count) != sizes[k].parts) {
+      fprintf(stderr, "dp_channel_parts(%lld) = %d, expected %d\n", (long long)sizes[k].count,
+              dp_channel_parts(sizes[k].count), sizes[k].parts);
+      failures++;
+    }
+  /* no part empty near the cap's edge, where parts are longest relative to the last */
+  for (int64_t count = 1; count < 3 * DP_CHANNEL_PART_VALUES; count += 977) {
+    const int P = dp_channel_parts(count);
+    for (int p = 0; p < P; ++p)
+      if (dp_channel_part_begin(count, P, p + 1) <= dp_channel_part_begin(count, P, p)) {
+        fprintf(stderr, "channel part %d of %d over %lld values is empty\n", p, P, (long long)count);
+        failures++;
+      }
+  }
+  const int strides[] = {256, 7};
+  for (int k = 0; k < 2; ++k) {
+    const int st = strides[k];
+    check_channel_walks(3, 4, 0, st);            /* no values */
+    check_channel_walks(0, 4, 49, st);           /* no samples */
+    check_channel_walks(5, 3, 4000, st);         /* HW > stride, two parts */
+    check_channel_walks(40, 2, 784, st);         /* two parts */
+    check_channel_walks(256, 3, 49, st);         /* HW < stride, one part */
+    check_channel_walks(300, 2, 256, st);        /* HW == stride, five parts */
+    check_channel_walks(20000, 10, 1, st);       /* a dense bias: HW = 1 */
+    check_channel_walks(4100, 2, 16, st);        /* HW divides the stride */
+  }
+  /* capped: 64 parts longer than DP_CHANNEL_PART_VALUES */
+  check_channel_walks((int64_t)DP_CHANNEL_MAX_PARTS * DP_CHANNEL_PART_VALUES + 4099, 2, 1, 256);
+}
+
 /* ---- the resident dataset's gather: whole rows, byte by byte ---------------- */
 
 static void check_gather(dp_device *dev) {
@@ -586,6 +672,7 @@ int main(void) {
   check_nonfinite(&dev);
   check_batchnorm(&dev);
   check_sum_parts();
+  check_channel_partition();
   check_gather(&dev);
   dp_device_destroy(&dev);
   printf("kernel_bodies: %s\n", failures ? "FAILED" : "ok");
