@@ -350,6 +350,7 @@ typedef struct step_task {
   int evaluate_only, step;
   int64_t shard_begin[DP_COMM_MAX_REPLICAS], shard_n[DP_COMM_MAX_REPLICAS];
   int with_samples;  /* replicas whose shard is not empty */
+  int planted_fail;  /* DPCORE_TEST_FAIL_REPLICA's replica, else -1 (planted_failure) */
   double loss[DP_COMM_MAX_REPLICAS];
   int64_t correct[DP_COMM_MAX_REPLICAS];
 } step_task;
@@ -444,6 +445,8 @@ static dp_status run_shard_steps(void *arg, int rank) {
   dp_collective coll = dp_comm_collective(m->comm, rank);
   coll.sync_batchnorm = m->sync_batchnorm;
   coll.global_batch = t->batch->n;
+  if (rank == t->planted_fail)
+    return DP_FAIL(DP_ERR_RUNTIME, "replica %d: the failure planted by DPCORE_TEST_FAIL_REPLICA", rank);
   /* the loss is read at the end: the host queues the whole step first */
   DP_TRY(dp_model_forward_backward_loaded(model, t->shard_n[rank], t->grad_scale, &coll, NULL, NULL));
   DP_TRY(reduce_and_step(t, rank, &coll));
@@ -669,6 +672,22 @@ static dp_status check_step_loss(const dp_mirrored *m, const step_task *t, doubl
                  dp_loss_text(loss_sum, text), bad == 1 ? "" : "s", names);
 }
 
+/* DPCORE_TEST_FAIL_REPLICA=r, for tests: local replica r fails inside the training step, after
+ * staging its shard, while its peers go on to their first collective (what a device error there
+ * does; the batch checks refuse bad input before any replica starts, so nothing else reaches that
+ * path from Python). Read on the calling thread before the replica threads start. */
+static dp_status planted_failure(const dp_mirrored *m, int *rank) {
+  *rank = -1;
+  const char *v = getenv("DPCORE_TEST_FAIL_REPLICA");
+  if (!v || !*v) return DP_OK;
+  char *end = NULL;
+  const long r = strtol(v, &end, 10);
+  if (*end != '\0' || r < 0 || r >= m->k)
+    return DP_FAIL(DP_ERR_VALUE, "DPCORE_TEST_FAIL_REPLICA=%s: expected a replica index in [0, %d)", v, m->k);
+  *rank = (int)r;
+  return DP_OK;
+}
+
 static dp_status run_step_here(dp_mirrored *m, const dp_batch *b, int evaluate_only, int step, float lr,
                                float momentum, float weight_decay, double *loss_sum, int64_t *correct) {
   if (m->nproc > 1) DP_TRY(agree_on_step(m, b, evaluate_only, step, lr, momentum, weight_decay));
@@ -677,8 +696,9 @@ static dp_status run_step_here(dp_mirrored *m, const dp_batch *b, int evaluate_o
   const dp_model *m0 = m->models[0];
   step_task t = {m, b, (size_t)m0->in_c * m0->in_h * m0->in_w * (b->x_is_u8 ? 1 : sizeof(float)),
                  b->n ? 1.0f / (float)b->n : 0.0f, lr, momentum, weight_decay, evaluate_only, step,
-                 {0}, {0}, 0, {0}, {0}};
+                 {0}, {0}, 0, -1, {0}, {0}};
   if (b->n == 0) t.step = 0; /* an empty batch: zero gradients, nothing to learn */
+  if (!evaluate_only) DP_TRY(planted_failure(m, &t.planted_fail));
   /* the shards of the job's replicas, here on the calling thread: the replica
    * threads only read them */
   for (int g = 0; g < m->total; ++g) {

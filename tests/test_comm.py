@@ -7,6 +7,7 @@ makes its peers give up instead of hanging. The arithmetic of the logical-GPU
 kernel (dp_allreduce_elem) is checked bit for bit against the CPU all-reduce in
 tests/c/kernel_bodies.c; the GPU kinds themselves are at the end (marked gpu).
 """
+import os
 import subprocess
 import sys
 import textwrap
@@ -161,6 +162,7 @@ def test_bucketed_lenet_matches_one_replica():
 # ---- a replica that fails mid-step --------------------------------------------------
 
 FAILING_STEP = textwrap.dedent("""
+    import os
     import numpy as np
     import dpcore as dp
     dp.set_logical_devices("cpu", 3)
@@ -169,19 +171,19 @@ FAILING_STEP = textwrap.dedent("""
     rng = np.random.default_rng(0)
     X = rng.standard_normal((30, 1, 28, 28)).astype(np.float32)
     y = rng.integers(0, 10, 30).astype(np.int64)
-    y[25] = 10  # replica 2's shard: an invalid label, found when it stages its shard
+    assert os.environ["DPCORE_TEST_FAIL_REPLICA"] == "2"
     try:
         net._mirrored.train_step(X, y, 0.1)
-    except ValueError as e:
-        assert "label 10" in str(e), e
-        assert "aborted" not in str(e), e
+    except RuntimeError as e:
+        assert "replica 2: the failure planted" in str(e), e
+        assert "aborted" not in str(e), e  # the cause is reported, not a peer's giving up
     else:
         raise SystemExit("no error")
     # the peers gave up at their first bucket, before any step: nothing changed
     for b, r in zip(before, net._replicas):
         np.testing.assert_array_equal(b, r.get_params())
     # and the group works again
-    y[25] = 3
+    del os.environ["DPCORE_TEST_FAIL_REPLICA"]
     loss, hits = net._mirrored.train_step(X, y, 0.1)
     assert np.isfinite(loss)
     after = [r.get_params() for r in net._replicas]
@@ -191,13 +193,24 @@ FAILING_STEP = textwrap.dedent("""
 
 
 def test_a_failing_replica_never_hangs_its_peers():
-    """Replica 2 fails while staging; replicas 0 and 1 run their forward and
-    backward passes and would wait for it at the first gradient bucket forever
-    but for the broken barrier. Run in a subprocess with a timeout, so that a
-    hang fails the test instead of the suite."""
-    proc = subprocess.run([sys.executable, "-c", FAILING_STEP], capture_output=True, text=True, timeout=120)
+    """Replica 2 fails inside the step (DPCORE_TEST_FAIL_REPLICA, a switch for tests: the batch
+    checks refuse bad input before any replica starts, so a planted failure is how a test reaches
+    this path); replicas 0 and 1 run their forward and backward passes and would wait for it at the
+    first gradient bucket forever but for the broken barrier. Run in a subprocess with a timeout,
+    so that a hang fails the test instead of the suite."""
+    proc = subprocess.run([sys.executable, "-c", FAILING_STEP], capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, DPCORE_TEST_FAIL_REPLICA="2"))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "recovered" in proc.stdout
+
+
+def test_a_bad_planted_replica_index_is_refused():
+    code = ("import dpcore as dp, numpy as np; dp.set_logical_devices('cpu', 2); "
+            "net = dp.models.LeNet(devices=['cpu:0', 'cpu:1']); "
+            "net.train_step(np.zeros((4, 1, 28, 28), np.float32), np.zeros(4, np.int64), lr=0.1)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, DPCORE_TEST_FAIL_REPLICA="5"))
+    assert proc.returncode != 0 and "DPCORE_TEST_FAIL_REPLICA=5: expected a replica index in [0, 2)" in proc.stderr
 
 
 # ---- dp.all_reduce: one kept group per device set -------------------------------------

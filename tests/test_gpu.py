@@ -188,7 +188,13 @@ def test_all_reduce_over_logical_gpus_is_exact(bucket_mb):
 
 @pytest.mark.slow
 def test_book_lenet_accuracy_on_the_gpu():
-    train_iter, test_iter = dp.data.load_fashion_mnist(batch_size=256)
+    try:
+        train_iter, test_iter = dp.data.load_fashion_mnist(batch_size=256)
+    except FileNotFoundError as e:
+        # a GPU machine without the data is a setup to fix, said with the way to fix it (the CPU
+        # suite's book experiment, tests/test_train.py, runs where bootstrap installed the data)
+        pytest.skip(f"no Fashion-MNIST here (scripts/gpu-day-prepare.sh carries it; DPCORE_DATA names a "
+                    f"folder): {e}")
     net = dp.models.LeNet(devices=["cuda:0"])
     start = time.perf_counter()
     dp.train(net, train_iter, test_iter, num_epochs=10, lr=0.2)

@@ -455,7 +455,9 @@ def test_a_bad_batch_leaves_the_strategy_usable(all_reduce, bucket_mb):
     """A bad label or resident row is found on the calling thread before any replica starts (so no
     collective was issued, and an NCCL strategy would not be aborted): ValueError naming it, nothing
     changed, and the SAME strategy then trains the next good batches bitwise as a twin that never saw
-    the bad ones. The next good batch has a new size: its warm-up runs after the failure."""
+    the bad ones. The next good batch has a new size: its warm-up runs after the failure. The label
+    reaches the core's check; the rows, which Python refuses first, are also sent to the core
+    directly. The kinds: every all-reduce CPU replicas have (NCCL needs GPUs: tests/test_gpu.py)."""
     devices = use_devices(2)
     strategy = dp.MirroredStrategy(devices, all_reduce=all_reduce, bucket_mb=bucket_mb)
     with strategy.scope():
@@ -472,6 +474,10 @@ def test_a_bad_batch_leaves_the_strategy_usable(all_reduce, bucket_mb):
     residents = net.make_resident(X, y)
     with pytest.raises(ValueError, match=r"rows must be sample indices in \[0, 64\), got 64 at position 33"):
         net.train_step_rows(residents, np.r_[np.arange(33), 64], lr=0.1, momentum=0.9)
+    # Python refuses those rows before the C core sees them: the core's own check (the one every
+    # process of a job runs on every shard, dp_mirrored_check_batch) reached directly
+    with pytest.raises(ValueError, match=r"sample index 64 at position 33 is outside the resident dataset \[0, 64\)"):
+        net._mirrored.train_step_rows(residents, np.r_[np.arange(33), 64].astype(np.int64), 0.1, 0.9, 0.0)
     assert all(np.array_equal(W[name], w) for name, w in net.get_weights().items())
     X2, y2 = images(37, seed=6)
     for m in (net, twin):
