@@ -18,21 +18,38 @@ def data(n, shape=(1, 28, 28), classes=10, seed=0):
 
 
 def close(got, want, what, w0, rtol=RTOL):
-    """Each tensor's change within rtol of its largest entry, plus 4 ulps of the
-    float32 weights the change is read from (w - w0)."""
-    for name in want:
-        scale = float(np.abs(want[name]).max())
-        ulps = 4 * float(np.spacing(np.float32(np.abs(w0[name]).max() + scale)))
-        err = float(np.abs(got[name] - want[name]).max())
-        assert err <= rtol * scale + ulps, f"{what}: {name} differs by {err:.3g} (largest entry {scale:.3g})"
+    """Each step's change of each tensor within rtol of its largest entry, plus 4 ulps of the
+    float32 weights the change is read from (w - w0). got and want: step_change's lists."""
+    assert len(got) == len(want)
+    for step, (g, wnt) in enumerate(zip(got, want), 1):
+        for name in wnt:
+            scale = float(np.abs(wnt[name]).max())
+            ulps = 4 * float(np.spacing(np.float32(np.abs(w0[name]).max() + scale)))
+            err = float(np.abs(g[name] - wnt[name]).max())
+            assert err <= rtol * scale + ulps, \
+                f"{what}, step {step}: {name} differs by {err:.3g} (largest entry {scale:.3g})"
 
 
-def step_change(net, w0, X, y, steps=2):
-    """The weights' change over `steps` SGD steps (momentum 0.9) from w0, and the (loss, correct) of each."""
+def step_change(net, w0, X, y, steps=2, starts=None):
+    """Each of `steps` SGD steps (momentum 0.9), as (changes, losses, starts): changes[i] the
+    weights' change in step i, losses[i] its (loss, correct), starts[i] the (weights, velocity) it
+    started from. Without starts the net runs its own steps from w0 (zero momentum); with the
+    reference's starts, each step begins from the reference's state, so that the two differ by one
+    step's rounding only: the bound (each file's docstring) is derived for one step, and across
+    steps a difference is carried on by the loss's curvature, which no float32 model bounds."""
+    changes, losses, seen = [], [], []
     net.set_weights(w0)
-    losses = [net.train_step(X, y, lr=0.1, momentum=0.9) for _ in range(steps)]
-    w = net.get_weights()
-    return {k: w[k] - w0[k] for k in w}, losses
+    net._model.set_velocity(np.zeros(net._model.nparams, np.float32))
+    for i in range(steps):
+        if starts is not None:
+            net.set_weights(starts[i][0])
+            net._model.set_velocity(starts[i][1])
+        before = net.get_weights()
+        seen.append((before, net._model.get_velocity()))
+        losses.append(net.train_step(X, y, lr=0.1, momentum=0.9))
+        w = net.get_weights()
+        changes.append({k: w[k] - before[k] for k in w})
+    return changes, losses, seen
 
 
 def resnet(**kw):
