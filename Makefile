@@ -74,7 +74,7 @@ BENCH_SCRIPT_DESELECT := \
 # tests/test_sanitizers.py (and two tests of tests/test_small_gemm.py) compile the C programs of tests/c
 # from csrc/ with their own sanitizer flags,
 # and test_core_compiles_warning_free compiles the core with -Werror in each configuration,
-# tests/test_avx2_build.py builds the extension for an AVX2-only CPU and runs the numeric tests on it; the same
+# tests/test_avx2_build.py builds the extension for an AVX2-only CPU and for generic x86-64 and runs the numeric tests on each; the same
 # commands with the same sources would only repeat them in the ASan and CPU-only runs (2.5 minutes
 # each).
 BUILD_INDEPENDENT_DESELECT := \
