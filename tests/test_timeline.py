@@ -170,9 +170,13 @@ def test_the_verdict_says_why_replicas_do_not_pay():
 @pytest.mark.skipif(GPUS == 0, reason="no usable CUDA device (the CPU twin: "
                     "test_every_replica_and_phase_is_recorded_and_the_phases_add_up_to_the_step)")
 def test_gpu_timeline_phases_add_up_to_the_step():
+    """ResNet-18, not LeNet: the binding's fixed cost of a call (its checks, the shards, waking the
+    replica threads: about 0.1 ms, outside the C timeline) is about a tenth of LeNet's 1 ms GPU step
+    (the H100 runs of 2026-11-28 measured 9-13 %), but under 1 % of ResNet-18's ~15 ms one, so the
+    10 % bound tests what the timeline records, not the binding's cost."""
     dp.set_logical_devices("cuda", 2)
     try:
-        net = dp.models.LeNet(devices=["cuda:0", "cuda:1"])
+        net = dp.models.ResNet18(devices=["cuda:0", "cuda:1"])
         timeline, walls = profiled_steps(net)
         assert {tl.PHASES[p] for p in timeline.events["phase"]} >= {"scatter", "forward", "backward", "allreduce",
                                                                     "update"}
