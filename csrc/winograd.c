@@ -1447,7 +1447,10 @@ static void wino_conv(const wino_plan *p, int64_t N, const float *in, const floa
     if (!u_in) filter_transform(w, flip ? p->cin : p->cout, flip ? p->cout : p->cin, Uw, ustride); /* ends in a barrier */
     float *mine = own + t * p->per_thread;
     float *plane = mine + (p->narrow ? 0 : p->own);
-    if (p->sl || (p->w < WINO_ROW_MIN && !TILES_AVX512)) memset(plane, 0, sizeof(float) * (size_t)p->plane_floats);
+    /* the zero border input_plane_bordered reads without AVX-512 (every narrow plane, whatever its width, and
+       the wide ones narrower than WINO_ROW_MIN; input_plane writes its own), sample lanes' buffers */
+    if (p->sl || (!TILES_AVX512 && (p->narrow || p->w < WINO_ROW_MIN)))
+      memset(plane, 0, sizeof(float) * (size_t)p->plane_floats);
     if (!p->narrow) {
 #if WIDE_BLOCKS
       if (p->blocks) wide_blocks(p, N, t, in, flip, U, b, out, mine);

@@ -219,6 +219,35 @@ def test_repeatable_after_other_shapes(winograd_on):
     np.testing.assert_array_equal(first[1], again[1])
 
 
+# (N, C, H, W, O): narrow planes (h w < 64, WINO_NARROW) with rows of at least 16 (WINO_ROW_MIN)
+NARROW_LONG_ROWS = [
+    (2, 64, 1, 16, 64),      # 8 tiles in one row, even width
+    (3, 64, 1, 33, 64),      # odd width: a last tile half outside
+    (1, 64, 1, 63, 64),      # 32 tiles (NARROW_MAX_TILES), batch 1
+    (2, 64, 2, 31, 64),      # two rows
+    (2, 64, 3, 21, 64),      # three rows: a last tile row half outside
+]
+
+
+@pytest.mark.parametrize("case", NARROW_LONG_ROWS, ids=lambda c: "N{}C{}H{}W{}O{}".format(*c))
+def test_narrow_planes_with_long_rows_after_other_numbers_in_the_scratch(winograd_on, monkeypatch, case):
+    """The portable build (no AVX-512, no AVX2) transforms narrow planes from a
+    zero-bordered copy of each plane in the scratch (input_plane_bordered),
+    whose border wino_conv had zeroed only for rows shorter than WINO_ROW_MIN
+    (the wide planes' rule, where longer rows take input_plane): at 1x63 the
+    numbers the scratch held before were read as the border (errors of 0.1 to
+    3, by the batch's and the earlier calls' data). Here a GEMM-path
+    convolution fills the scratch first. The AVX-512 build reads the planes in
+    place and AVX2's sample lanes zero their buffers, so there these shapes
+    check the narrow paths' edges after the same dirty scratch."""
+    monkeypatch.setenv("DPCORE_WINOGRAD", "0")
+    x, w, b, dy = make(2, 64, 24, 24, 64, 3, 1, 1, seed=11)
+    ops.conv2d(x, w, b, stride=1, padding=1)
+    ops.conv2d_backward(x, w, dy, stride=1, padding=1)
+    monkeypatch.setenv("DPCORE_WINOGRAD", "1")
+    check(case, seed=sum(case))
+
+
 def test_on_the_blas_gemm():
     """The Winograd products on the BLAS's GEMM (DPCORE_OWN_GEMM=0: another summation order than
     dpcore's kernel): the bounds hold there too (the per-sample bits are the kernel's property:
