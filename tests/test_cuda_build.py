@@ -27,15 +27,19 @@ def test_no_gpu_is_not_an_error():
         pytest.skip("a CUDA device is present: this test is about machines without one")
     assert not [d for d in dp.list_devices() if d.startswith("cuda")]
     assert INFO["cuda_devices"] == [] and INFO["summary"]["cuda_devices"] == []
+    # a machine without a GPU is a CPU user's normal case: said where asked for, never warned
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        strategy = dp.MirroredStrategy()
     if INFO["cuda"]:
         assert INFO["cuda_why"], "build_info must say why no CUDA device is usable"
-        with pytest.warns(RuntimeWarning, match="no usable CUDA device"):
-            strategy = dp.MirroredStrategy()
+        assert INFO["summary"]["cuda_why"] == INFO["cuda_why"]
+        assert strategy.no_gpu_reason == "no usable CUDA device: " + INFO["cuda_why"]
     else:
-        with warnings.catch_warnings():
-            warnings.simplefilter("error")
-            strategy = dp.MirroredStrategy()
+        assert "cuda_why" not in INFO["summary"]
+        assert strategy.no_gpu_reason == "dpcore was built without CUDA"
     assert strategy.devices == [d for d in dp.list_devices() if d.startswith("cpu")]
+    assert dp.MirroredStrategy(devices=["cpu:0"]).no_gpu_reason is None  # devices chosen: nothing to explain
 
 
 def convolutions(net):

@@ -22,7 +22,8 @@ def build_info():
     compute_capability), ``cuda_why`` (why no CUDA device is usable, e.g. no
     driver), ``cpu_gemm`` (whose kernel runs the CPU convolutions' GEMMs:
     dpcore's own AVX-512 or AVX2 one where the build targets them, else the BLAS),
-    and ``summary``, a one-line dict for logs.
+    and ``summary``, a one-line dict for logs (with ``cuda_why`` where a CUDA build
+    sees no device: the one place a CPU-only machine's run says so).
     """
     info = dict(build_flags())
     info.update(_core.runtime_info())
@@ -33,6 +34,8 @@ def build_info():
         "openmp": info["openmp"],
         "cpu_cores": info["cpu_cores"],
     }
+    if info["cuda"] and not info["cuda_devices"]:
+        info["summary"]["cuda_why"] = info["cuda_why"]
     if info.get("sanitizers"):
         info["summary"]["sanitizers"] = info["sanitizers"]
     return info

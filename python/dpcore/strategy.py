@@ -29,7 +29,6 @@ so that on GPUs it overlaps the backward pass of the earlier layers;
 """
 import contextlib
 import contextvars
-import warnings
 
 from . import _check, _core
 from .devices import list_devices
@@ -54,20 +53,22 @@ _current = contextvars.ContextVar("dpcore_strategy", default=None)
 
 class MirroredStrategy:
     """One replica per device. devices: default every GPU (every logical GPU
-    after ``dp.set_logical_devices('cuda', k)``), else every logical CPU device.
+    after ``dp.set_logical_devices('cuda', k)``), else every logical CPU device;
+    then ``no_gpu_reason`` says why no GPU was taken (None otherwise). A machine
+    without a GPU is a CPU user's normal case: no warning is given for it
+    (``dp.build_info()['summary']`` says it too).
     all_reduce, bucket_mb: see the module's documentation."""
 
     def __init__(self, devices=None, all_reduce="auto", bucket_mb=DEFAULT_BUCKET_MB):
         self.all_reduce, self.bucket_mb = check_all_reduce_options(all_reduce, bucket_mb)
+        self.no_gpu_reason = None
         if devices is None:
             available = list_devices()
             gpus = [d for d in available if d.startswith("cuda:")]
             devices = gpus or [d for d in available if d.startswith("cpu:")]
-            if not gpus and build_flags()["cuda"]:
-                # built for GPUs but none is usable here: say why, then train on the CPU
-                why = _core.runtime_info()["cuda_why"]
-                warnings.warn(f"MirroredStrategy: no usable CUDA device ({why}); using {devices}", RuntimeWarning,
-                              stacklevel=2)
+            if not gpus:
+                self.no_gpu_reason = ("no usable CUDA device: " + _core.runtime_info()["cuda_why"]
+                                      if build_flags()["cuda"] else "dpcore was built without CUDA")
         self._devices = _devices(devices, "devices")
 
     @property
