@@ -40,15 +40,30 @@ TOL_MARGIN x that worst case.
     (PyTorch: 2.5e-5).  The tight, flip-free check of the same backward pass
     (BatchNorm, residual adds, strided 1x1 shortcuts) is tests/test_resnet.py's
     float64 NumPy comparison of small networks.
-  * ResNet-18 after three steps at lr 0.05: the flips of step one and the fast
-    descent (loss 2.31 -> 1.52 -> 1.30) take float32 PyTorch 4.6e-1 (max) and
-    7.8e-1 (l2) from float64 in the updates, 1.1e-2 in the step losses, 4e-2 in the
-    running statistics, 7.6e-2 in the evaluation logits; only the update norms
-    stay within 5.9e-3.  The 3-step check is therefore a coarse one by nature:
-    update norms 2e-2, losses 3e-2, running statistics 0.15, evaluation logits
-    0.25, update max / l2 1.5 / 2.0 (~3x PyTorch's worst: a wrong sign, a
-    missing momentum or weight-decay term, a factor 2 still fail the norms and
-    losses).
+  * What these tolerances are, and are not (issue 29's audit): the float32
+    spread over 8 summation orders is an estimate read from 8 samples, not a
+    bound that every float32-faithful kernel set meets. Where a tolerance sits
+    far above it (LeNet, 10x and more; ResNet-18's forward quantities, 30x) an
+    order outside the 8 would have to be an order of magnitude worse than any
+    of them; ResNet-18's gradient tolerances (3x, set by ReLU flips that no
+    rounding model bounds) are the thin ones: a kernel set that flips more
+    units than PyTorch did in 8 orders can exceed them without a bug.
+  * Three SGD steps: dpcore's trajectory is NOT compared with the fixture's
+    three-step values (losses3, update3, after3). After step 1 the two differ
+    by step 1's error carried through the later gradients by the loss's
+    curvature (for ResNet-18 by flipped units: float32 PyTorch itself lands
+    4.6e-1 (max) and 7.8e-1 (l2) from float64 in the updates), which no float32
+    error model bounds: a tolerance there is read off runs, not derived.
+    Instead each of the three steps is checked from dpcore's own state before
+    it against torch.optim.SGD's rule on the gradient dpcore computed in that
+    step (v' = mu v + g + wd w, w' = w - lr v'), elementwise within the few
+    float32 roundings the rule takes (derived in
+    test_three_sgd_steps_follow_pytorchs_rule): a wrong sign, a missing
+    momentum or weight-decay term, a factor 2 fail it by orders of magnitude.
+    That the rule is PyTorch's is checked in float64 on LeNet: the fixture's
+    three steps equal test_lenet's float64 reference run for three steps
+    (test_lenet_fixture_trajectory_is_the_reference_rule, 1e-8, no ReLU input
+    within 1e-9 of its layer's largest from 0).
 
 On the GPU.  The same two comparisons run on 'cuda:0' (marked ``gpu``, skipped
 with the reason where no CUDA device is usable, as in tests/test_gpu.py) with
@@ -59,8 +74,7 @@ are one more of.
 Observed for dpcore (CPU backend, 2 threads):
 LeNet gradients 1.7e-6, updates 9.3e-6, logits 2.2e-7; ResNet-18 loss 7.5e-8,
 evaluation logits 3.2e-7, running statistics 1.1e-7, gradients 6.2e-2 (max),
-1.7e-2 (l2), 1.1e-4 (norm), zero-gradient biases 3.7e-5; three steps: losses
-7.2e-3, update norms 2.0e-3, running statistics 4.2e-2 -- float32 PyTorch's level.
+1.7e-2 (l2), 1.1e-4 (norm), zero-gradient biases 3.7e-5 -- float32 PyTorch's level.
 """
 import importlib.util
 import json
@@ -83,10 +97,9 @@ TOL_MARGIN = 2.0  # every tolerance >= 2x the worst float32-PyTorch error of its
 # category -> measure -> tolerance
 TOLS = {
     "lenet": {
-        "loss": {"max": 1e-5, "l2": 1e-5}, "losses3": {"max": 1e-5, "l2": 1e-5},
-        "eval_logits": {"max": 1e-5, "l2": 1e-5}, "after3/eval_logits": {"max": 1e-5, "l2": 1e-5},
+        "loss": {"max": 1e-5, "l2": 1e-5},
+        "eval_logits": {"max": 1e-5, "l2": 1e-5},
         "grad": {"max": 5e-5, "l2": 5e-5},
-        "update3": {"max": 1e-4, "l2": 1e-4},
     },
     "resnet18": {
         "loss": {"max": 1e-5, "l2": 1e-5},
@@ -94,13 +107,12 @@ TOLS = {
         "stats1": {"max": 1e-5, "l2": 1e-5},
         "grad": {"max": 0.2, "l2": 0.06, "norm": 1e-3},
         "zero_grad": {"abs": 3e-4},
-        "losses3": {"max": 3e-2, "l2": 3e-2},
-        "update3": {"max": 1.5, "l2": 2.0, "norm": 2e-2},
-        "after3": {"max": 0.15, "l2": 0.15},
-        "after3/eval_logits": {"max": 0.25, "l2": 0.25},
     },
 }
 
+# the fixture's three-step categories: float32 PyTorch's spread is recorded for them, but dpcore's
+# three-step trajectory is not compared with them (see test_three_sgd_steps_follow_pytorchs_rule)
+THREE_STEP = {"losses3", "update3", "after3", "after3/eval_logits"}
 
 # ---------------------------------------------------------------------------
 # loading and comparing
@@ -267,6 +279,8 @@ def test_tolerances_cover_pytorch_float32(fx):
     for (cat, m), v in worst.items():
         if cat == "logits":
             continue  # training-mode logits: dpcore does not return them (the loss and correct count are compared)
+        if cat in THREE_STEP:
+            continue  # three-step values: not compared with dpcore's trajectory (test_three_sgd_steps_follow_...)
         assert tols[cat][m] >= TOL_MARGIN * v, f"{fx.model} {cat} {m}: tolerance {tols[cat][m]:g} < " \
                                                f"{TOL_MARGIN} x float32 PyTorch's {v:.3g}"
 
@@ -308,26 +322,89 @@ def test_forward_backward_matches_pytorch(fx, device):
     rep.finish()
 
 
+U = 2.0 ** -24  # float32's unit roundoff
+TINY = float(np.finfo(np.float32).tiny)  # what a result flushed to zero (FTZ) loses, at most
+
+
+def velocity_by_name(net):
+    flat = net._model.get_velocity()
+    return {name: flat[off:off + int(np.prod(shape))].reshape(shape)
+            for name, buffer, off, shape in net._entries() if buffer == "params"}
+
+
 @pytest.mark.parametrize("device", DEVICES, indirect=True)
-def test_three_sgd_steps_match_pytorch(fx, device):
+def test_three_sgd_steps_follow_pytorchs_rule(fx, device):
+    """Each of three steps on the fixture's batch, from dpcore's own state before it, is
+    torch.optim.SGD's rule applied to the gradient dpcore computed in that step (get_grads after
+    train_step): v' = mu v + (g + wd w) (v' = g + wd w on the first step: dpcore's momentum starts
+    at 0), w' = w - lr v'. In float32 from float32 w, g, v and lr, mu, wd as float32, that is at
+    most four roundings for v' and two for w', so elementwise
+        |v' - (mu v + g + wd w)| <= 4.01 u (|mu v| + |g| + |wd w|),
+        |w' - (w - lr v')|       <= 2.01 u (|w| + |lr v'|)               (u = 2^-24),
+    (plus FLT_MIN per rounding, for a subnormal result flushed to zero), whatever the order or
+    contraction (FMA) of the operations: a bound derived for one step and
+    checked on one step, that any kernel set meets. The gradient itself is compared with
+    PyTorch's at the fixture's weights by test_forward_backward_matches_pytorch; the fixture's
+    three-step values (losses3, update3, after3) are not compared with dpcore's trajectory, whose
+    distance from float64 after step 1 is step 1's error carried through later gradients by the
+    loss's curvature (for ResNet-18 also the ReLU units that flip), which no float32 error model
+    bounds; for LeNet, test_lenet_fixture_trajectory_is_the_reference_rule checks that they are
+    this rule in float64."""
     X, y = fx.t["input"], fx.t["labels"]
     net = make_net(fx.model, device)
-    init = fx.initial_weights()
-    net.set_weights(init)
-    rep = Report(fx)
-    losses = []
-    for _ in range(fx.steps):
+    net.set_weights(fx.initial_weights())
+    lr, mu, wd = (float(np.float32(a)) for a in (fx.lr, fx.momentum, fx.wd))
+    worst = {"v": 0.0, "w": 0.0}
+    for step in range(1, fx.steps + 1):
+        W0 = net.get_weights()
+        w0 = {n: W0[n].astype(np.float64) for n in fx.params}
+        v0 = {n: a.astype(np.float64) for n, a in velocity_by_name(net).items()}
+        if step == 1:
+            assert not any(v.any() for v in v0.values())  # PyTorch's first step: v = g + wd w
         loss_sum, _ = net.train_step(X, y, lr=fx.lr, momentum=fx.momentum, weight_decay=fx.wd)
-        losses.append(loss_sum / len(y))
-    rep.check("losses3", np.array(losses))
-    W = net.get_weights()
+        assert np.isfinite(loss_sum)
+        g = {n: a.astype(np.float64) for n, a in grads_by_name(net).items()}
+        v1 = {n: a.astype(np.float64) for n, a in velocity_by_name(net).items()}
+        W1 = net.get_weights()
+        for n in fx.params:
+            want_v = mu * v0[n] + (g[n] + wd * w0[n])
+            bound_v = 4.01 * U * (np.abs(mu * v0[n]) + np.abs(g[n]) + np.abs(wd * w0[n])) + 4 * TINY
+            ev = np.abs(v1[n] - want_v)
+            assert (ev <= bound_v).all(), f"step {step}: momentum of {n} off by {ev.max():.3g}"
+            want_w = w0[n] - lr * v1[n]
+            bound_w = 2.01 * U * (np.abs(w0[n]) + np.abs(lr * v1[n])) + 2 * TINY
+            ew = np.abs(W1[n].astype(np.float64) - want_w)
+            assert (ew <= bound_w).all(), f"step {step}: weights {n} off by {ew.max():.3g}"
+            worst["v"] = max(worst["v"], float((ev / np.maximum(bound_v, 1e-300)).max()))
+            worst["w"] = max(worst["w"], float((ew / np.maximum(bound_w, 1e-300)).max()))
+        assert any(not np.array_equal(W1[n], w0[n]) for n in fx.params)  # the step moved the weights
+    print(f"\n{fx.model} on {device}: largest error / bound over {fx.steps} steps: momentum {worst['v']:.2f}, "
+          f"weights {worst['w']:.2f}")
+
+
+def test_lenet_fixture_trajectory_is_the_reference_rule():
+    """The fixture's float64 PyTorch three steps (losses3, update3) are test_lenet's float64
+    NumPy LeNet and ref_sgd (the rule test_three_sgd_steps_follow_pytorchs_rule checks dpcore
+    against) run for three steps from the same weights: torch.optim.SGD's first-step momentum
+    and its weight decay are that rule. Two float64 computations in different summation orders
+    differ by ~n 2^-53 ~ 1e-12 relative (sums of up to ~20k terms); carried through three steps
+    that stays far below the 1e-8 used here as long as no ReLU unit flips, and none can: every
+    ReLU input of the reference at each of the three points is asserted to be at least 1e-9 of
+    its layer's largest from 0, a million times float64's error there."""
+    from test_lenet import as_unit64, ref_forward, ref_loss_grads, ref_sgd, to64
+
+    fx = Fixture("lenet")
+    x, y = as_unit64(fx.t["input"]), fx.t["labels"]
+    P0 = to64(fx.initial_weights())
+    P, V, losses = P0, None, []
+    for _ in range(fx.steps):
+        _, cache = ref_forward(P, x)
+        for z in ("z0", "z3", "z7"):
+            assert np.abs(cache[z]).min() >= 1e-9 * np.abs(cache[z]).max(), z
+        loss, G, _ = ref_loss_grads(P, x, y)
+        losses.append(loss)
+        P, V = ref_sgd(P, G, V, fx.lr, fx.momentum, fx.wd)
+    assert np.abs(np.array(losses) - fx.t["losses3"]).max() <= 1e-8 * np.abs(fx.t["losses3"]).max()
     for n in fx.params:
-        rep.check(f"update3/{n}", W[n].astype(np.float64) - init[n].astype(np.float64))
-    for n in fx.buffers:
-        rep.check(f"after3/{n}", W[n])
-    rep.check("after3/eval_logits", net.predict(X), category="after3/eval_logits")
-    print(f"\n{fx.model} on {device}, three SGD steps vs float64 PyTorch: losses {np.round(losses, 5)} (PyTorch "
-          f"{np.round(fx.t['losses3'], 5)}); " +
-          ", ".join(f"{p} {' '.join(f'{m}={e:.2g}' for m, e in sorted(rep.worst(p).items()))}"
-                    for p in ("losses3", "update3/", "after3/") if any(r[0].startswith(p) for r in rep.rows)))
-    rep.finish()
+        e = np.abs((P[n] - P0[n]) - fx.t[f"update3/{n}"]).max() / np.abs(fx.t[f"update3/{n}"]).max()
+        assert e <= 1e-8, f"update3/{n}: {e:.3g}"
