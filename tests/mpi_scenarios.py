@@ -35,6 +35,19 @@ def make_model(args, strategy):
         return dp.models.LeNet(bucket_mb=args.bucket_mb)
 
 
+def one_thread_per_replica(local):
+    """This process may use at most `local` CPUs (rank r the r-th group of them), so that
+    each of its `local` logical CPU devices runs one thread, as each of the reference's
+    processes x local devices does: a CPU kernel's summation order may follow its
+    thread count, and the tests compare bits. On the 2-core CI machine both runs had one
+    thread a replica anyway; on a 16-core one 2 x 2 would run 8 threads a replica and
+    1 x 4 four."""
+    allowed = sorted(os.sched_getaffinity(0))
+    r = dp.distributed.rank() if dp.distributed.world_size() > 1 else 0
+    mine = [allowed[(r * local + i) % len(allowed)] for i in range(min(local, len(allowed)))]
+    os.sched_setaffinity(0, mine)
+
+
 def strategy_for(args):
     import warnings
 
@@ -43,6 +56,7 @@ def strategy_for(args):
         if dp.distributed.world_size() > 1:
             return dp.MultiWorkerMirroredStrategy(timeout=args.timeout)
         return dp.MirroredStrategy()
+    one_thread_per_replica(args.local)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # more logical devices than cores
         dp.set_logical_devices("cpu", args.local)
