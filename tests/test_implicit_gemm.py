@@ -21,7 +21,8 @@ S the same sum of the terms' absolute values (Higham, Accuracy and Stability of
 Numerical Algorithms, 2nd ed., section 3.1). n = K + 1 for y, N*OH*OW for dw
 and db, O*KH*KW for dx (at most that many products reach one input position:
 sums over O in the kernel, then added into dx tap by tap). The tests assert it
-and the suite's relative tolerances.
+on every path (implicit GEMM, OpenBLAS of any core type, dpcore's kernel); no
+fixed tolerance (issue 29: the suite's 1e-5 / 5e-5, read off one machine, went).
 """
 import os
 import subprocess
@@ -32,7 +33,6 @@ import pytest
 
 import dpcore as dp
 from test_conv_cpu import assert_empty_batch, assert_lenet_one_and_two_replicas_agree
-from test_conv_cpu import check as within_the_suite_tolerances
 from test_conv_cpu import assert_within_bound, make, reference, windows
 
 ops = dp.ops
@@ -57,9 +57,7 @@ def igemm_on(monkeypatch):
 
 
 def check(case, seed):
-    """y, dw and db within their bounds; y, dx, dw and db within the suite's
-    tolerances (tests/test_conv_cpu.py's check, dx included)."""
-    within_the_suite_tolerances(case, seed)
+    """y, dx, dw and db within their bounds."""
     N, C, H, W, O, K, stride, pad = case
     x, w, b, dy = make(N, C, H, W, O, K, stride, pad, seed)
     y = ops.conv2d(x, w, b, stride=stride, padding=pad)
@@ -119,21 +117,45 @@ def runs_both(monkeypatch, case):
     return runs
 
 
+def gemm_calls(f):
+    """f()'s result and the number of dp_gemm calls it made (dpcore's kernel or the BLAS)."""
+    before = dp._core.debug_counters()
+    out = f()
+    after = dp._core.debug_counters()
+    return out, sum(after[k] - before[k] for k in ("gemm_own", "gemm_blas"))
+
+
 def test_the_switch_reaches_the_kernel(monkeypatch):
-    """On: other bits than im2col + SGEMM for y, dx and dw (another summation
-    order), so the tests above did test the implicit GEMM; dx the GEMM path's
-    below 32 output channels and for "same" padding; more than 64 output
-    channels, the GEMM path's everywhere. The GEMM path on the BLAS: dpcore's
-    own GEMM kernel (csrc/small_gemm.h) sums in the implicit GEMM's order (next test)."""
+    """The switch by what it switches (issue 29: not by the two paths rounding differently, which
+    no kernel choice guarantees). csrc/implicit_gemm.c calls no dp_gemm: on, y, dw and db (and dx
+    from 32 output channels, where the GEMM path would not take dx as a convolution of dy) make no
+    dp_gemm call, which the GEMM path's im2col + GEMM does; dx below 32 output channels and for
+    "same" padding, and everything of more than 64 output channels, stay on the GEMM path. Where
+    both settings run the GEMM path, they make the same dp_gemm calls on the same operands at the
+    same scratch offsets (backend_cpu.c: the switch only decides igemm; the plan, the buffers and
+    the dx GEMMs do not read it): the same bits by construction, on any GEMM."""
     monkeypatch.setenv("DPCORE_WINOGRAD", "0")
-    monkeypatch.setenv("DPCORE_OWN_GEMM", "0")
-    (y0, dx0, dw0, _), (y1, dx1, dw1, _) = runs_both(monkeypatch, (4, 20, 13, 13, 50, 5, 1, 0))
-    assert not np.array_equal(y0, y1) and not np.array_equal(dx0, dx1) and not np.array_equal(dw0, dw1)
+
+    def calls(case, v):
+        N, C, H, W, O, K, stride, pad = case
+        x, w, b, dy = make(N, C, H, W, O, K, stride, pad, seed=4)
+        monkeypatch.setenv("DPCORE_IMPLICIT_GEMM", v)
+        y, fwd = gemm_calls(lambda: ops.conv2d(x, w, b, stride=stride, padding=pad))
+        (dx, dw, db), bwd = gemm_calls(lambda: ops.conv2d_backward(x, w, dy, stride=stride, padding=pad))
+        return (y, dx, dw, db), fwd, bwd
+
+    (_, fwd, bwd) = calls((4, 20, 13, 13, 50, 5, 1, 0), "1")
+    assert fwd == 0 and bwd == 0, (fwd, bwd)                  # all of it the implicit GEMM's
+    (_, fwd, bwd) = calls((4, 20, 13, 13, 50, 5, 1, 0), "0")
+    assert fwd > 0 and bwd > 0, (fwd, bwd)
     for case in [(4, 6, 14, 14, 16, 5, 1, 0), (3, 32, 10, 10, 32, 3, 1, 1)]:   # dx on the GEMM path
-        (y0, dx0, dw0, _), (y1, dx1, dw1, _) = runs_both(monkeypatch, case)
-        assert not np.array_equal(y0, y1) and not np.array_equal(dw0, dw1)
-        np.testing.assert_array_equal(dx0, dx1)
-    off, on = runs_both(monkeypatch, (2, 20, 9, 9, 72, 3, 1, 0))   # 72 output channels: the GEMM path
+        off, f0, b0 = calls(case, "0")
+        on, f1, b1 = calls(case, "1")
+        assert f0 > 0 and f1 == 0 and b1 > 0, (case, f0, f1, b1)   # (dw by the implicit GEMM, dx by dp_gemm)
+        np.testing.assert_array_equal(off[1], on[1])
+    off, f0, b0 = calls((2, 20, 9, 9, 72, 3, 1, 0), "0")   # 72 output channels: the GEMM path
+    on, f1, b1 = calls((2, 20, 9, 9, 72, 3, 1, 0), "1")
+    assert f0 == f1 > 0 and b0 == b1 > 0
     for a, c in zip(off, on):
         np.testing.assert_array_equal(a, c)
 
@@ -148,7 +170,10 @@ def test_the_implicit_gemm_and_dpcores_gemm_kernel_give_the_same_bits(monkeypatc
     monkeypatch.setenv("DPCORE_WINOGRAD", "0")
     monkeypatch.setenv("DPCORE_OWN_GEMM", "1")
     for case in [(4, 20, 13, 13, 50, 5, 1, 0), (3, 7, 11, 9, 19, 3, 2, 1)]:
+        before = dp._core.debug_counters()
         (y0, _, _, _), (y1, _, _, _) = runs_both(monkeypatch, case)
+        after = dp._core.debug_counters()
+        assert after["gemm_blas"] == before["gemm_blas"] and after["gemm_own"] > before["gemm_own"]
         np.testing.assert_array_equal(y0, y1)
 
 

@@ -28,10 +28,19 @@ the batch of (A dY_t A^T) . (B^T d_t B) ] G, dY_t the tile's 2x2 block of dy[o]
 k = 2 (A dY A^T) + 2 (B^T d B) + 1 (product) + (T - 1) (the sum over the T tiles
 of the batch) + 4 (G^T . G) = T + 8. db is the plain sum of dy.
 
-The bounds are the worst case (every rounding in the same direction); the errors
-measured are far below them, and also within the suite's relative tolerances
-(tests/test_conv_cpu.py's TOL_SHORT = 1e-5 for y and dx, TOL_LONG = 5e-5 for dw
-and db), which the tests assert too.
+db is the plain sum of the N*H*W values of dy: k = N*H*W in any order.
+
+The bounds are the worst case (every rounding in the same direction) and hold
+on any GEMM (dpcore's kernel or OpenBLAS of any core type: the GEMM's sum over
+C is counted as C - 1 additions in any order). Issue 29 dropped the fixed
+relative tolerances (1e-5, 5e-5) the tests also asserted: read off one machine.
+
+Which path ran is tested by what it does, not by its bits differing from the
+GEMM path's (which nothing guarantees): Winograd's input transform adds input
+pixels before any multiplication (B^T's first row: d0 - d2), so two pixels of
++-2^127 two rows apart overflow to inf there, while every path that multiplies
+first (the GEMM path, the implicit GEMM: terms of 2^127 * 2^-10, two of them)
+stays finite (test_the_switch_reaches_the_kernel).
 """
 import os
 import subprocess
@@ -42,7 +51,7 @@ import pytest
 from numpy.lib.stride_tricks import sliding_window_view
 
 import dpcore as dp
-from test_conv_cpu import TOL_LONG, TOL_SHORT, assert_empty_batch, assert_within_bound, err, make, reference
+from test_conv_cpu import assert_empty_batch, assert_within_bound, make, reference
 
 ops = dp.ops
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -116,12 +125,9 @@ def check(case, seed, use_bias=True):
     assert y.shape == y_ref.shape and dx.shape == x.shape
     assert_within_bound(y, y_ref, winograd_abs(x, w, bias), C + 11, f"{case} forward")
     assert_within_bound(dx, dx_ref, winograd_abs(dy, flipped(w), None), O + 11, f"{case} dx")
-    assert err(y, y_ref) <= TOL_SHORT, f"{case} forward: {err(y, y_ref):.3g}"
-    assert err(dx, dx_ref) <= TOL_SHORT, f"{case} dx: {err(dx, dx_ref):.3g}"
     tiles = N * ((H + 1) // 2) * ((W + 1) // 2)
     assert_within_bound(dw, dw_ref, winograd_abs_dw(x, dy), tiles + 8, f"{case} dw")
-    assert err(dw, dw_ref) <= TOL_LONG, f"{case} dw: {err(dw, dw_ref):.3g}"
-    assert err(db, db_ref) <= TOL_LONG, f"{case} db: {err(db, db_ref):.3g}"
+    assert_within_bound(db, db_ref, np.abs(dy.astype(np.float64)).sum(axis=(0, 2, 3)), max(N * H * W, 1), f"{case} db")
     return y, dx
 
 
@@ -164,17 +170,42 @@ def test_empty_batch(winograd_on):
     assert_empty_batch(64, 14, 64, 3, 1)
 
 
+def finite_with_pixels_that_overflow_when_added(shape, stride, x_pixels, dy_pixels):
+    """(y, dx, dw) all finite? x: zero but for x_pixels [(row, col, value)] of sample 0, channel 0;
+    w = 2^-10 everywhere, no bias; y and dw from that x with dy = 2^-10, dx from dy zero but for
+    dy_pixels. Every product is at most 2^117 and at most two are nonzero in any output: a path
+    that multiplies before adding stays finite; one that adds two of the pixels first does not."""
+    N, C, H, W, O = shape
+    OH, OW = (H + 2 - 3) // stride + 1, (W + 2 - 3) // stride + 1
+    x = np.zeros((N, C, H, W), np.float32)
+    for r, c, v in x_pixels:
+        x[0, 0, r, c] = v
+    dy_pix = np.zeros((N, O, OH, OW), np.float32)
+    for r, c, v in dy_pixels:
+        dy_pix[0, 0, r, c] = v
+    w = np.full((O, C, 3, 3), 2.0 ** -10, np.float32)
+    small = np.full((N, O, OH, OW), 2.0 ** -10, np.float32)
+    with np.errstate(all="ignore"):
+        y = ops.conv2d(x, w, None, stride=stride, padding=1)
+        dw = ops.conv2d_backward(x, w, small, stride=stride, padding=1)[1]
+        dx = ops.conv2d_backward(np.zeros_like(x), w, dy_pix, stride=stride, padding=1)[0]
+    return tuple(bool(np.isfinite(a).all()) for a in (y, dx, dw))
+
+
 def test_the_switch_reaches_the_kernel(monkeypatch):
-    """On: other bits than the GEMM path (so the tests above did test Winograd);
-    below the channel threshold, or off, the GEMM path's bits."""
-    x, w, b, dy = make(2, 64, 10, 10, 64, 3, 1, 1, seed=4)
-    runs = {}
-    for v in ("0", "1"):
+    """On: Winograd's transforms ran, by what they compute (the docstring: +-2^127 two rows apart
+    overflow in B^T d B, for y and dw, and in dy's transform for dx); off: the GEMM path (and the
+    implicit GEMM, its other taker), which multiplies first, stays finite. Issue 29: not by the two
+    giving other bits, which nothing guarantees. Below the channel threshold both settings run the
+    same path (dp_winograd_takes refuses the layer; nothing else reads the switch): the same bits
+    by construction."""
+    big = 2.0 ** 127
+    pixels = [(1, 1, big), (3, 1, -big)]   # rows 1 and 3: d0 and d2 of the tile that starts at row 1
+    for v, finite in (("1", (False, False, False)), ("0", (True, True, True))):
         monkeypatch.setenv("DPCORE_WINOGRAD", v)
-        runs[v] = (ops.conv2d(x, w, b, stride=1, padding=1),) + ops.conv2d_backward(x, w, dy, stride=1, padding=1)[:2]
-    for gemm, winograd in zip(runs["0"], runs["1"]):   # y, dx, dw
-        assert not np.array_equal(gemm, winograd)
+        assert finite_with_pixels_that_overflow_when_added((2, 64, 10, 10, 64), 1, pixels, pixels) == finite, v
     x, w, b, dy = make(2, 32, 10, 10, 64, 3, 1, 1, seed=4)   # 32 input channels: kept on the GEMM path
+    runs = {}
     for v in ("0", "1"):
         monkeypatch.setenv("DPCORE_WINOGRAD", v)
         runs[v] = ops.conv2d(x, w, b, stride=1, padding=1), ops.conv2d_backward(x, w, dy, stride=1, padding=1)[0]

@@ -30,10 +30,15 @@ counts (`roundings` below):
            partials added: at most 17 ceil(N/16) T + ceil(N/16); G^T dU G:
            2 (n_G' + 1)
 
-The bounds are the worst case; the errors measured are 50-1000x below them, and
-also within the suite's relative tolerances (TOL_SHORT = 1e-5 for y and dx,
-TOL_LONG = 5e-5 for dw and db), which the tests assert too: with their larger
-transforms these algorithms have about 5x the GEMM path's error
+  db       the plain sum of the N*OH*OW values of dy: N*OH*OW
+
+The bounds are the worst case; the errors measured are 50-1000x below them.
+Issue 29 dropped the fixed relative tolerances (1e-5, 5e-5) the tests also
+asserted (read off one machine), and the assertions that Winograd's bits differ
+from the other paths' (nothing guarantees it): the switches are tested by what
+they switch, dp_gemm's call counts (_core.debug_counters(): winograd_lanes.c
+and implicit_gemm.c call no dp_gemm, the GEMM path and F(2x2, 3x3) do). With
+their larger transforms these algorithms have about 5x the GEMM path's error
 (tests/test_lenet.py's PyTorch fixtures pass with F(3x3, 5x5), the default;
 F(4x4, 3x3) is opt-in, DPCORE_WINOGRAD_F43=1: its rounding moves ResNet-18's
 chaotic three-step fixture to the edge of its tolerances, csrc/winograd_lanes.c).
@@ -47,8 +52,8 @@ import pytest
 from numpy.lib.stride_tricks import sliding_window_view
 
 import dpcore as dp
-from test_conv_cpu import TOL_LONG, TOL_SHORT, assert_empty_batch, assert_lenet_one_and_two_replicas_agree
-from test_conv_cpu import assert_switch_rejects, assert_within_bound, err, make, reference
+from test_conv_cpu import assert_empty_batch, assert_lenet_one_and_two_replicas_agree
+from test_conv_cpu import assert_switch_rejects, assert_within_bound, make, reference
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
@@ -189,10 +194,8 @@ def check(case, seed, use_bias=True, K=5):
     assert_within_bound(y, y_ref, abs_forward(x, w, bias, pad), k_y, f"{case} forward")
     assert_within_bound(dx, dx_ref, abs_dx(x.shape, w, dy, pad), k_dx, f"{case} dx")
     assert_within_bound(dw, dw_ref, abs_dw(x, dy, K, pad), k_dw, f"{case} dw")
-    assert err(y, y_ref) <= TOL_SHORT, f"{case} forward: {err(y, y_ref):.3g}"
-    assert err(dx, dx_ref) <= TOL_SHORT, f"{case} dx: {err(dx, dx_ref):.3g}"
-    assert err(dw, dw_ref) <= TOL_LONG, f"{case} dw: {err(dw, dw_ref):.3g}"
-    assert err(db, db_ref) <= TOL_LONG, f"{case} db: {err(db, db_ref):.3g}"
+    assert_within_bound(db, db_ref, np.abs(dy.astype(np.float64)).sum(axis=(0, 2, 3)),
+                        max(dy.shape[0] * dy.shape[2] * dy.shape[3], 1), f"{case} db")
     return x, w, b, dy, y, dx, dw
 
 
@@ -243,31 +246,43 @@ def test_empty_batch(winograd_on):
     assert_empty_batch(20, 13, 50, 5, 0)
 
 
-def runs(monkeypatch, case, values=("0", "1", None)):
-    """(y, dx, dw) per value of DPCORE_WINOGRAD (None: unset, the default)."""
+def gemm_calls():
+    c = dp._core.debug_counters()
+    return c["gemm_own"] + c["gemm_blas"]
+
+
+def runs(monkeypatch, case, values=("0", "1", None), name="DPCORE_WINOGRAD"):
+    """{value: ((y, dx, dw), dp_gemm calls)} per value of the switch `name` (None: unset, the default)."""
     N, C, H, W, O, K, stride, pad = case
     x, w, b, dy = make(N, C, H, W, O, K, stride, pad, seed=4)
     out = {}
     for v in values:
         if v is None:
-            monkeypatch.delenv("DPCORE_WINOGRAD", raising=False)
+            monkeypatch.delenv(name, raising=False)
         else:
-            monkeypatch.setenv("DPCORE_WINOGRAD", v)
-        out[v] = (ops.conv2d(x, w, b, stride=stride, padding=pad),) + ops.conv2d_backward(
+            monkeypatch.setenv(name, v)
+        before = gemm_calls()
+        got = (ops.conv2d(x, w, b, stride=stride, padding=pad),) + ops.conv2d_backward(
             x, w, dy, stride=stride, padding=pad)[:2]
+        out[v] = got, gemm_calls() - before
     return out
 
 
 def test_the_switch_reaches_the_kernel_and_lenet_takes_it_by_default(monkeypatch):
-    """On (and unset: the default): other bits than the implicit GEMM for y, dx
-    and dw, so the tests above did test Winograd; below 6 input channels, at
-    stride 2, and for 3x3 filters of few channels, the same bits either way."""
+    """With the implicit GEMM off (so that off means the GEMM path, which calls dp_gemm), on and
+    unset (the default) make no dp_gemm call (winograd_lanes.c makes none), off does: so the tests
+    above did test Winograd. On and unset run the same path: the same bits by construction. Below
+    6 input channels, at stride 2, and for 3x3 filters of few channels, the lanes do not take the
+    layer (dp_wl_takes; nothing else reads the switch): the same path and bits either way."""
+    monkeypatch.setenv("DPCORE_IMPLICIT_GEMM", "0")
     r = runs(monkeypatch, (4, 20, 13, 13, 50, 5, 1, 0))
-    for off, on, default in zip(r["0"], r["1"], r[None]):
-        assert not np.array_equal(off, on)
+    assert r["1"][1] == 0 and r[None][1] == 0 and r["0"][1] > 0, {v: n for v, (_, n) in r.items()}
+    r = {v: got for v, (got, _) in r.items()}
+    for on, default in zip(r["1"], r[None]):
         np.testing.assert_array_equal(on, default)
+    monkeypatch.delenv("DPCORE_IMPLICIT_GEMM")
     for case in [(3, 5, 13, 13, 50, 5, 1, 0), (3, 20, 13, 13, 50, 5, 2, 0), (3, 20, 13, 13, 50, 3, 1, 1)]:
-        r = runs(monkeypatch, case, ("0", "1"))
+        r = {v: got for v, (got, _) in runs(monkeypatch, case, ("0", "1")).items()}
         for off, on in zip(r["0"], r["1"]):
             np.testing.assert_array_equal(off, on)
 
@@ -278,20 +293,15 @@ def test_a_bad_switch_value_is_an_error(monkeypatch):
 
 def test_the_f43_switch(monkeypatch):
     """DPCORE_WINOGRAD_F43=1 gives ResNet-18's 3x3 layers on planes of at least
-    16 tiles to F(4x4, 3x3): other bits than F(2x2, 3x3) (winograd.h), which
-    the default (unset) keeps; a bad value is an error."""
-    x, w, b, dy = make(3, 64, 18, 18, 64, 3, 1, 1, seed=8)
-    out = {}
-    for v in ("0", "1", None):
-        monkeypatch.setenv("DPCORE_WINOGRAD", "1")
-        if v is None:
-            monkeypatch.delenv("DPCORE_WINOGRAD_F43", raising=False)
-        else:
-            monkeypatch.setenv("DPCORE_WINOGRAD_F43", v)
-        out[v] = (ops.conv2d(x, w, b, stride=1, padding=1),) + ops.conv2d_backward(x, w, dy, stride=1, padding=1)[:2]
-    for f23, f43, default in zip(out["0"], out["1"], out[None]):
-        assert not np.array_equal(f23, f43)
+    16 tiles to F(4x4, 3x3) (the lanes: no dp_gemm call), =0 and the default
+    (unset) to F(2x2, 3x3) (winograd.h: its products through dp_gemm), the same
+    path for both, so the same bits by construction; a bad value is an error."""
+    monkeypatch.setenv("DPCORE_WINOGRAD", "1")
+    r = runs(monkeypatch, (3, 64, 18, 18, 64, 3, 1, 1), name="DPCORE_WINOGRAD_F43")
+    assert r["1"][1] == 0 and r["0"][1] > 0 and r[None][1] == r["0"][1], {v: n for v, (_, n) in r.items()}
+    for f23, default in zip(r["0"][0], r[None][0]):
         np.testing.assert_array_equal(f23, default)
+    out = {}
     # 12x12 outputs, 9 tiles: F(2x2, 3x3)'s whatever the switch
     x, w, b, dy = make(3, 64, 12, 12, 64, 3, 1, 1, seed=8)
     for v in ("0", "1"):

@@ -25,8 +25,15 @@ the roundings on the longest path:
   share a matrix (up to 4) and every tile of the batch (4 T - 1), G'^T dU G' adds
   2 terms twice (2): k = 4 T + 6.
 
-The bounds are the worst case; the tests also hold the errors to the suite's
-tolerances (TOL_SHORT for y and dx, TOL_LONG for dw and db).
+  db: the plain sum of the N*OH*OW values of dy: k = N*OH*OW.
+
+The bounds are the worst case and hold on any GEMM (dpcore's kernel, OpenBLAS
+of any core type). Issue 29 dropped the fixed relative tolerances (1e-5, 5e-5)
+the tests also asserted (read off one machine), and the tests that held two
+paths to differing bits (nothing guarantees it): which path ran is shown by
+what it computes (B^T's first row adds d0 - d2 of the input, A's second row
+dY0 + dY1 of dy, before any multiplication: +-2^127 there overflow, where a
+path that multiplies first stays finite; tests/test_winograd.py's helper).
 """
 import os
 import subprocess
@@ -37,7 +44,8 @@ import pytest
 from numpy.lib.stride_tricks import sliding_window_view
 
 import dpcore as dp
-from test_conv_cpu import TOL_LONG, TOL_SHORT, assert_empty_batch, assert_within_bound, err, make, reference
+from test_conv_cpu import assert_empty_batch, assert_within_bound, make, reference
+from test_winograd import finite_with_pixels_that_overflow_when_added
 
 ops = dp.ops
 
@@ -125,10 +133,8 @@ def check(case, seed, use_bias=True):
     assert_within_bound(dx, dx_ref, s2_abs_dx(x.shape, w, dy), O + 11, f"{case} dx")
     tiles = N * ((y.shape[2] + 1) // 2) * ((y.shape[3] + 1) // 2)
     assert_within_bound(dw, dw_ref, s2_abs_dw(x, dy), 4 * tiles + 6, f"{case} dw")
-    assert err(y, y_ref) <= TOL_SHORT, f"{case} forward: {err(y, y_ref):.3g}"
-    assert err(dx, dx_ref) <= TOL_SHORT, f"{case} dx: {err(dx, dx_ref):.3g}"
-    assert err(dw, dw_ref) <= TOL_LONG, f"{case} dw: {err(dw, dw_ref):.3g}"
-    assert err(db, db_ref) <= TOL_LONG, f"{case} db: {err(db, db_ref):.3g}"
+    assert_within_bound(db, db_ref, np.abs(dy.astype(np.float64)).sum(axis=(0, 2, 3)), max(N * dy.shape[2] * dy.shape[3], 1),
+                        f"{case} db")
     return y, dx
 
 
@@ -173,11 +179,13 @@ def test_empty_batch(s2_on):
 
 
 def test_the_switch_reaches_the_kernel(monkeypatch):
-    """On: other bits than the GEMM path (so the tests above did test this path). Off
-    (either switch), and where the path does not take the layer (fewer than 16
-    samples, a batch that would leave lanes idle, too few channels, an odd-sized
-    plane whose tiles would multiply more than 0.8 of the direct form, stride 1 or
-    other padding): the GEMM path's bits."""
+    """On: the path's transforms ran, by what they compute (the docstring's overflow: x's rows 3
+    and 5 are d0 and d2 of the tiles that start at row 3; dy's rows 0 and 1 one block's dY0 and
+    dY1); off, the GEMM path multiplies first and stays finite. Off (either switch), and where
+    the path does not take the layer (fewer than 16 samples, a batch that would leave lanes idle,
+    too few channels, an odd-sized plane whose tiles would multiply more than 0.8 of the direct
+    form, stride 1 or other padding): both settings run the GEMM path (dp_s2_takes refuses it;
+    nothing else reads DPCORE_WINOGRAD_S2), the same bits by construction."""
     def both(case, stride=2, pad=1, **env):
         x, w, b, dy = make(*case[:4], case[4], 3, stride, pad, seed=4)
         out = {}
@@ -189,9 +197,11 @@ def test_the_switch_reaches_the_kernel(monkeypatch):
                 ops.conv2d_backward(x, w, dy, stride=stride, padding=pad)[:2]
         return out
     monkeypatch.setenv("DPCORE_WINOGRAD", "1")
-    runs = both((16, 32, 12, 12, 32))
-    for gemm, s2 in zip(runs["0"], runs["1"]):   # y, dx, dw
-        assert not np.array_equal(gemm, s2)
+    big = 2.0 ** 127
+    for v, finite in (("1", (False, False, False)), ("0", (True, True, True))):
+        monkeypatch.setenv("DPCORE_WINOGRAD_S2", v)
+        assert finite_with_pixels_that_overflow_when_added(
+            (16, 32, 12, 12, 32), 2, [(3, 3, big), (5, 3, -big)], [(0, 1, big), (1, 1, big)]) == finite, v
     for case, kw in [((15, 32, 12, 12, 32), {}), ((20, 32, 12, 12, 32), {}), ((16, 16, 12, 12, 32), {}),
                      ((16, 32, 12, 12, 24), {}), ((16, 32, 10, 10, 32), {}), ((16, 32, 14, 14, 32), {}),
                      ((16, 32, 12, 12, 32), {"pad": 0}), ((16, 32, 12, 12, 32), {"DPCORE_WINOGRAD": "0"})]:
@@ -212,21 +222,28 @@ def test_samples_do_not_depend_on_the_batch(s2_on):
     """A sample's y and dx come from its own lane: on dpcore's GEMM kernel (whose
     columns are each summed alone, in k order) the same bits in a batch of 32 and in
     any batch of 16 or more that holds it, at any place. On the BLAS (builds without
-    AVX-512) the GEMMs' widths follow the batch, and OpenBLAS's blocking with them:
-    there the same values within the forward and dx bounds' rounding."""
+    dpcore's kernel, or DPCORE_OWN_GEMM=0) the GEMMs' widths follow the batch, and
+    OpenBLAS's blocking with them: there two computations of one value, each within
+    gamma_k S of it (the docstring's k and S), so within 2 gamma_k S of each other."""
     N, C, H, W, O = 32, 48, 12, 12, 40
     x, w, b, dy = make(N, C, H, W, O, 3, 2, 1, seed=9)
     y_all = ops.conv2d(x, w, b, stride=2, padding=1)
     dx_all = ops.conv2d_backward(x, w, dy, stride=2, padding=1)[0]
-    own = dp.build_info()["cpu_gemm"].startswith("dpcore")
-    same = np.testing.assert_array_equal if own else \
-        (lambda a, c: np.testing.assert_allclose(a, c, rtol=0, atol=4 * (C + O + 11) * 2.0 ** -24 * np.abs(c).max()))
+    own = dp.build_info()["cpu_gemm"].startswith("dpcore") and os.environ.get("DPCORE_OWN_GEMM", "1") == "1"
+    S_y, S_dx = s2_abs(x, w, b), s2_abs_dx(x.shape, w, dy)
+
+    def same(a, c, S, k, what):
+        if own:
+            np.testing.assert_array_equal(a, c, err_msg=what)
+        else:
+            assert_within_bound(a, c.astype(np.float64), 2 * S, k, what)   # 2 gamma_k S <= gamma_k (2 S)
     for lo, hi in [(0, 16), (16, 32), (5, 21), (3, 31)]:
         assert takes(hi - lo, C, H, W, O)
-        same(ops.conv2d(x[lo:hi], w, b, stride=2, padding=1), y_all[lo:hi])
-        same(ops.conv2d_backward(x[lo:hi], w, dy[lo:hi], stride=2, padding=1)[0], dx_all[lo:hi])
+        same(ops.conv2d(x[lo:hi], w, b, stride=2, padding=1), y_all[lo:hi], S_y[lo:hi], C + 9, f"y {lo}:{hi}")
+        same(ops.conv2d_backward(x[lo:hi], w, dy[lo:hi], stride=2, padding=1)[0], dx_all[lo:hi], S_dx[lo:hi],
+             O + 11, f"dx {lo}:{hi}")
     perm = np.random.default_rng(1).permutation(N)
-    same(ops.conv2d(x[perm], w, b, stride=2, padding=1), y_all[perm])
+    same(ops.conv2d(x[perm], w, b, stride=2, padding=1), y_all[perm], S_y[perm], C + 9, "y permuted")
 
 
 def test_repeatable_after_other_shapes(s2_on):
@@ -240,30 +257,25 @@ def test_repeatable_after_other_shapes(s2_on):
 
 
 def test_resnet18_takes_its_downsampling_layers(s2_on, monkeypatch):
-    """ResNet-18 (28x28 inputs, batch 32) trains through the path (its first and last
-    downsampling 3x3 layers are the path's): a training step's loss is the GEMM
-    path's within float32 rounding, and so is every tensor's update, within 1% of
-    its size (3e-3 measured) (a ReLU input within rounding of 0 may flip between the two, and
-    BatchNorm over a few values spreads it: tests/test_winograd_lanes.py); a wrong
-    gradient would be off by its whole size."""
+    """ResNet-18 at 28x28 inputs and batch 32: of its three 3x3 stride-2 layers (64 -> 128 on
+    28x28, 128 -> 256 on 14x14, 256 -> 512 on 7x7) the path takes the first and the last (by
+    winograd_s2.c's rule, which test_the_switch_reaches_the_kernel ties to the C side), whose
+    geometries CASES hold to the derived bounds; and a training step through the path gives a
+    finite loss and finite updates. Issue 29: the step is no longer compared with the GEMM path's
+    within 1e-5 (loss) and 1 % (updates): those were read off one machine, and a whole network's
+    difference (ReLU inputs within rounding of 0 flipping, BatchNorm over few values) has no
+    derived float32 bound; nor asserted to differ from it (no kernel choice guarantees that)."""
+    assert [takes(32, c, h, h, 2 * c) for c, h in ((64, 28), (128, 14), (256, 7))] == [True, False, True]
     rng = np.random.default_rng(0)
     X = rng.random((32, 1, 28, 28), dtype=np.float32)
     y = rng.integers(0, 10, 32)
-    out = {}
-    for v in ("0", "1"):
-        monkeypatch.setenv("DPCORE_WINOGRAD_S2", v)
-        net = dp.models.ResNet18(devices=["cpu:0"], seed=3)
-        before = net.get_weights()
-        loss = net.train_step(X, y, lr=0.05)[0]
-        out[v] = (loss, {k: w.astype(np.float64) - before[k] for k, w in net.get_weights().items()})
-    assert abs(out["0"][0] - out["1"][0]) <= 1e-5 * max(1.0, abs(out["0"][0]))
-    differ = 0
-    for name, u0 in out["0"][1].items():
-        u1 = out["1"][1][name]
-        # (+1e-6: the biases of the convolutions before a BatchNorm, whose gradient is 0 but for rounding)
-        assert np.linalg.norm(u1 - u0) <= 1e-2 * np.linalg.norm(u0) + 1e-6, name
-        differ += not np.array_equal(u0, u1)
-    assert differ > 0   # the path ran (other roundings somewhere)
+    net = dp.models.ResNet18(devices=["cpu:0"], seed=3)
+    before = net.get_weights()
+    loss = net.train_step(X, y, lr=0.05)[0]
+    assert np.isfinite(loss)
+    after = net.get_weights()
+    assert all(np.isfinite(after[k]).all() for k in after)
+    assert any(not np.array_equal(after[k], before[k]) for k in after)
 
 
 def test_benchmark_quick_run():
