@@ -3,8 +3,8 @@ cores, or OpenMP's wait policy or binding, change dpcore's CPU training speed,
 and do 2 replicas on 2 cores reach 1.8x one replica on one core by the median
 of rounds? The same harness times the fusion of ReLU and average pooling
 against the two ops run apart (DPCORE_FUSE=0), Winograd F(3x3, 5x5) for the
-20 -> 50 convolution against the implicit GEMM (DPCORE_WINOGRAD=0), and the
-implicit GEMM against im2col + SGEMM (both off).
+20 -> 50 convolution (DPCORE_WINOGRAD_F35=1: the fast precision's form) against
+the implicit GEMM (the default), and the implicit GEMM against im2col + SGEMM.
 
     python benchmarks/bench_threads.py [--steps 15] [--rounds 3] [--write]
 
@@ -43,8 +43,8 @@ CONFIGS = {
     "OMP_WAIT_POLICY=active": {"OMP_WAIT_POLICY": "active"},
     "OMP_PROC_BIND=close, OMP_PLACES=cores": {"OMP_PROC_BIND": "close", "OMP_PLACES": "cores"},
     "DPCORE_FUSE=0 (ReLU and average pooling as two ops, not fused)": {"DPCORE_FUSE": "0"},
-    "DPCORE_WINOGRAD=0 (the 20 -> 50 convolution on the implicit GEMM, not Winograd F(3x3, 5x5))":
-        {"DPCORE_WINOGRAD": "0"},
+    "DPCORE_WINOGRAD_F35=1 (the 20 -> 50 convolution on Winograd F(3x3, 5x5), as set_precision('fast'))":
+        {"DPCORE_WINOGRAD_F35": "1"},
     "DPCORE_WINOGRAD=0 DPCORE_IMPLICIT_GEMM=0 (the 20 -> 50 convolution on im2col + SGEMM)":
         {"DPCORE_WINOGRAD": "0", "DPCORE_IMPLICIT_GEMM": "0"},
 }

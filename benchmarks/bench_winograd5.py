@@ -1,14 +1,14 @@
 """Winograd F(3x3, 5x5) against the paths it replaces on the CPU (issue 14;
 csrc/winograd_lanes.h): the per-layer A/B behind its channel limit, and the
-whole LeNet step's A/B is bench_threads.py's DPCORE_WINOGRAD=0 row.
+whole LeNet step's A/B is bench_threads.py's DPCORE_WINOGRAD_F35=1 row.
 
     python benchmarks/bench_winograd5.py [--rounds 5] [--reps 5] [--batch 128] [--write]
 
 One process pinned to one core (sched_setaffinity before dpcore loads, so the
 CPU device has one thread), timed by the process's CPU time as
 bench_implicit_gemm.py does. For each 5x5 stride-1 geometry the arms
-DPCORE_WINOGRAD=0 (the implicit GEMM up to 64 output channels, im2col + SGEMM
-above) and =1 alternate, swapping order every round; each arm times --reps
+DPCORE_WINOGRAD_F35=0 (the implicit GEMM up to 64 output channels, im2col + SGEMM
+above) and =1 (Winograd, as set_precision('fast') takes it) alternate, swapping order every round; each arm times --reps
 forward calls and --reps backward calls (dx, dw, db) after a warm-up.
 Reported: the median per call over the rounds, and off / on (above 1:
 Winograd faster). Rows below the channel limit (DP_WL_F35_MIN_IN, 6 input
@@ -46,7 +46,7 @@ def measure(args):
     os.sched_setaffinity(0, {core})
     import dpcore as dp
     geometries = [(name, C, H, O, 5, 1, p) for name, C, H, O, p in GEOMETRIES]
-    return core, dp.__version__, ab_layers(geometries, "DPCORE_WINOGRAD", args.batch, args.rounds, args.reps)
+    return core, dp.__version__, ab_layers(geometries, "DPCORE_WINOGRAD_F35", args.batch, args.rounds, args.reps)
 
 
 def main(argv=None):
@@ -65,7 +65,7 @@ def main(argv=None):
              f"- dpcore {version}; command (from the repository root): `{command_line()}`; "
              f"{time.perf_counter() - started:.0f} s",
              f"- one process pinned to core {core} (one thread); per geometry (5x5, stride 1) the arms "
-             f"DPCORE_WINOGRAD=0 and =1 alternate over {args.rounds} rounds, {args.reps} forward and "
+             f"DPCORE_WINOGRAD_F35=0 and =1 alternate over {args.rounds} rounds, {args.reps} forward and "
              f"{args.reps} backward calls (dx, dw, db) each after a warm-up, timed by the process's CPU time; "
              "median per call over the rounds; GFLOP/s = the forward pass's 2*N*O*C*KH*KW*OH*OW per second "
              "(Winograd's own multiplies are 4.6x fewer)",

@@ -62,6 +62,10 @@ typedef struct dp_device {
    * that ends at the deadline turns that into an error (DP_ERR_DIST) whose
    * exception ends the job, instead of a hang. */
   double wait_timeout;
+  /* The CPU backend may take the convolution forms whose rounding error is
+   * several times float32 GEMM's (dp_set_fast_convolutions): taken from the
+   * process-wide settings where a call or a step begins (dp_cuda_take_defaults). */
+  int fast_conv;
 } dp_device;
 
 /* Convolution geometry: input (N, C, H, W), filter (O, C, KH, KW), output (N, O, OH, OW). */
@@ -260,9 +264,15 @@ DP_MUST_CHECK dp_status dp_cuda_set_allow_tf32(dp_device *dev, int allow);
  * them for that device until the next call here. Exist in every build. */
 void dp_cuda_set_defaults(int deterministic, int allow_tf32);
 void dp_cuda_get_defaults(int *deterministic, int *allow_tf32);
+/* The CPU's fast convolutions, process-wide (dpcore.set_precision('fast')):
+ * Winograd F(3x3, 5x5) for 5x5 layers (winograd_lanes.h), 5-16x float32
+ * GEMM's rounding error; off by default. Devices take it as they take the
+ * CUDA settings. Exist in every build. */
+void dp_set_fast_convolutions(int fast);
+int dp_get_fast_convolutions(void);
 /* One reading of the process-wide settings, for dp_cuda_take_defaults: bit 0
- * deterministic, bit 1 allow_tf32, the bits above count the
- * dp_cuda_set_defaults calls. Exists in every build. */
+ * deterministic, bit 1 allow_tf32, bit 2 fast convolutions, the bits above
+ * count the calls that set them. Exists in every build. */
 unsigned long long dp_cuda_defaults_snapshot(void);
 /* dev takes the settings of snapshot if they changed since it last took
  * some: the one place a device follows dp_cuda_set_defaults. Called where a
@@ -271,7 +281,8 @@ unsigned long long dp_cuda_defaults_snapshot(void);
  * mirrored runner before its warm-up). The convolutions and dense layers use
  * what the device took, so a change made by another thread meanwhile waits
  * for the next call instead of rebuilding plans, and growing the workspace,
- * part way through a step. DP_OK at once for a CPU device and without CUDA. */
+ * part way through a step. A CPU device only records the fast-convolution bit
+ * (DP_OK at once), as does any device without CUDA. */
 DP_MUST_CHECK dp_status dp_cuda_take_defaults(dp_device *dev, unsigned long long snapshot);
 /* Waits until the work queued on dev's own stream has finished, polling it
  * (cudaStreamQuery) for at most timeout seconds: DP_OK when it has (at once

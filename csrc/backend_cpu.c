@@ -635,7 +635,7 @@ static dp_status cpu_conv2d_forward(dp_device *dev, const dp_conv_geom *g, int64
   cpu_enter(dev);
   if (keep) keep->valid = 0; /* until a forward pass below has written its U */
   int winograd;
-  DP_TRY(dp_wl_takes(g, &winograd));
+  DP_TRY(dp_wl_takes(g, dev->fast_conv, &winograd));
   if (winograd) { /* csrc/winograd_lanes.h */
     float *wino;
     DP_TRY(cpu_scratch(dev, dp_wl_scratch_floats(g, N, dev->nthreads, DP_WL_FORWARD), &wino));
@@ -724,7 +724,7 @@ static dp_status cpu_conv2d_backward(dp_device *dev, const dp_conv_geom *g, int6
                                      const float *dy, float *dx, float *dw, float *db, dp_conv_keep *keep) {
   cpu_enter(dev);
   int winograd;
-  DP_TRY(dp_wl_takes(g, &winograd));
+  DP_TRY(dp_wl_takes(g, dev->fast_conv, &winograd));
   if (winograd) { /* csrc/winograd_lanes.h */
     float *wino;
     DP_TRY(cpu_scratch(dev, dp_wl_scratch_floats(g, N, dev->nthreads, DP_WL_BACKWARD), &wino));

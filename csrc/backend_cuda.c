@@ -58,18 +58,27 @@
 
 #include "arena.h"
 
-/* The process-wide settings in one word, so that a reader sees both values of
- * one dp_cuda_set_defaults call: bit 0 deterministic, bit 1 allow_tf32, the
- * bits above count the calls (a device compares the whole word with the one
- * it last applied). Kept in the CPU-only build too, where nothing reads them. */
-static _Atomic unsigned long long cuda_defaults = 1u; /* deterministic, no TF32 */
+/* The process-wide settings in one word, so that a reader sees the values of
+ * one call together: bit 0 deterministic, bit 1 allow_tf32, bit 2 the CPU's
+ * fast convolutions (dp_set_fast_convolutions), the bits above count the calls
+ * (a device compares the whole word with the one it last applied). Kept in the
+ * CPU-only build too. */
+static _Atomic unsigned long long cuda_defaults = 1u; /* deterministic, no TF32, float32-faithful CPU */
 
-void dp_cuda_set_defaults(int deterministic, int allow_tf32) {
+static void settings_update(unsigned long long keep, unsigned long long set) {
   unsigned long long old = atomic_load(&cuda_defaults), next;
   do {
-    next = (((old >> 2) + 1u) << 2) | (allow_tf32 ? 2u : 0u) | (deterministic ? 1u : 0u);
+    next = (((old >> 3) + 1u) << 3) | (old & keep) | set;
   } while (!atomic_compare_exchange_weak(&cuda_defaults, &old, next));
 }
+
+void dp_cuda_set_defaults(int deterministic, int allow_tf32) {
+  settings_update(4u, (allow_tf32 ? 2u : 0u) | (deterministic ? 1u : 0u));
+}
+
+void dp_set_fast_convolutions(int fast) { settings_update(3u, fast ? 4u : 0u); }
+
+int dp_get_fast_convolutions(void) { return (int)((atomic_load(&cuda_defaults) >> 2) & 1u); }
 
 void dp_cuda_get_defaults(int *deterministic, int *allow_tf32) {
   const unsigned long long s = atomic_load(&cuda_defaults);
@@ -1180,6 +1189,7 @@ unsigned long long dp_cuda_failed_frees(char *last_error, size_t len) {
 }
 
 dp_status dp_cuda_take_defaults(dp_device *dev, unsigned long long snapshot) {
+  dev->fast_conv = (int)((snapshot >> 2) & 1u);
   if (dev->kind != DP_DEVICE_CUDA || !dev->ctx) return DP_OK;
   CUDA_ENTER(dev, c);
   return cuda_follow_defaults(c, snapshot);
@@ -1221,8 +1231,7 @@ dp_status dp_cuda_set_allow_tf32(dp_device *dev, int allow) {
 }
 
 dp_status dp_cuda_take_defaults(dp_device *dev, unsigned long long snapshot) {
-  (void)dev;
-  (void)snapshot;
+  dev->fast_conv = (int)((snapshot >> 2) & 1u);
   return DP_OK;
 }
 

@@ -512,7 +512,7 @@ static dp_status warm_shard(void *arg, int rank) {
 
 /* settings: the dp_cuda_defaults_snapshot the replicas' devices took for this step */
 static dp_warm_key warm_key_of(const dp_batch *b, unsigned long long settings) {
-  dp_warm_key key = {b->n, b->rows ? 2 : b->x_is_u8 ? 1 : 0, (int)(settings & 3u)};
+  dp_warm_key key = {b->n, b->rows ? 2 : b->x_is_u8 ? 1 : 0, (int)(settings & 7u)};
   return key;
 }
 

@@ -16,6 +16,7 @@
 #include "dist.h"
 #include "dp_limits.h"
 #include "small_gemm.h"
+#include "winograd_lanes.h"
 #include "dp_build_config.h"
 #ifdef DP_HAVE_CUDA
 #include "dp_cuda.h"
@@ -557,13 +558,29 @@ static PyObject *mod_comm_null_entries(PyObject *m, PyObject *args) {
   return out;
 }
 
+/* set_fast_convolutions(flag) / get_fast_convolutions(): the CPU's fast
+ * convolution forms (backend.h: dp_set_fast_convolutions); dpcore.config
+ * validates the flag. */
+static PyObject *mod_set_fast_convolutions(PyObject *m, PyObject *args) {
+  int fast;
+  if (!PyArg_ParseTuple(args, "p", &fast)) return NULL;
+  dp_set_fast_convolutions(fast);
+  Py_RETURN_NONE;
+}
+
+static PyObject *mod_get_fast_convolutions(PyObject *m, PyObject *unused) {
+  return PyBool_FromLong(dp_get_fast_convolutions());
+}
+
 /* debug_counters() -> {'groups_created': replica thread groups made by this process,
- * 'gemm_blas' / 'gemm_own': dp_gemm calls sent to the BLAS / to dpcore's kernel} */
+ * 'gemm_blas' / 'gemm_own': dp_gemm calls sent to the BLAS / to dpcore's kernel,
+ * 'winograd_f35' / 'winograd_f43': passes run by those Winograd forms} */
 static PyObject *mod_debug_counters(PyObject *m, PyObject *unused) {
-  long long blas, own;
+  long long blas, own, f35, f43;
   dp_gemm_counts(&blas, &own);
-  return Py_BuildValue("{s:l,s:L,s:L}", "groups_created", dp_group_created_count(), "gemm_blas", blas, "gemm_own",
-                       own);
+  dp_wl_counts(&f35, &f43);
+  return Py_BuildValue("{s:l,s:L,s:L,s:L,s:L}", "groups_created", dp_group_created_count(), "gemm_blas", blas,
+                       "gemm_own", own, "winograd_f35", f35, "winograd_f43", f43);
 }
 
 /* set_cuda_options(deterministic, allow_tf32): the process-wide CUDA settings
@@ -596,7 +613,10 @@ static PyMethodDef module_methods[] = {
     {"shard_ranges", mod_shard_ranges, METH_VARARGS, "shard_ranges(n, k) -> [(begin, end)] per replica"},
     {"comm_null_entries", mod_comm_null_entries, METH_VARARGS,
      "comm_null_entries(kind) -> names of the NULL entries of the all-reduce kind's ops table (None: not built)"},
-    {"debug_counters", mod_debug_counters, METH_NOARGS, "debug_counters() -> {'groups_created': n, 'gemm_blas': n, 'gemm_own': n}"},
+    {"set_fast_convolutions", mod_set_fast_convolutions, METH_VARARGS,
+     "set_fast_convolutions(flag): let the CPU take the convolution forms of larger rounding error"},
+    {"get_fast_convolutions", mod_get_fast_convolutions, METH_NOARGS, "get_fast_convolutions() -> bool"},
+    {"debug_counters", mod_debug_counters, METH_NOARGS, "debug_counters() -> {'groups_created': n, 'gemm_blas': n, 'gemm_own': n, 'winograd_f35': n, 'winograd_f43': n}"},
     {"set_cuda_options", mod_set_cuda_options, METH_VARARGS,
      "set_cuda_options(deterministic, allow_tf32): process-wide settings of every CUDA device"},
     {"get_cuda_options", mod_get_cuda_options, METH_NOARGS, "get_cuda_options() -> (deterministic, allow_tf32)"},

@@ -66,6 +66,8 @@ static PyObject *ops_conv2d(PyObject *args, int backward) {
   if (check_status(dp_conv_geom_make("conv2d", xd[1], xd[2], xd[3], wd[0], wd[2], wd[3], stride, pad, &g)) < 0)
     goto done;
   npy_intp yd[4] = {xd[0], g.O, g.OH, g.OW};
+  /* the process-wide precision (dpcore.set_precision), as a model's call takes it; the GIL is held */
+  if (check_status(dp_cuda_take_defaults(&ops_device, dp_cuda_defaults_snapshot())) < 0) goto done;
   if (!backward) {
     if (a.t && PyArray_DIM(a.t, 0) != g.O) {
       PyErr_Format(PyExc_ValueError, "b must have shape (%d,), got (%ld,)", g.O, (long)PyArray_DIM(a.t, 0));

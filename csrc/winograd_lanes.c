@@ -16,6 +16,7 @@
  *                            (np panels of 16), and the thread's partial dU (XI, O, np*16)
  */
 #include <omp.h>
+#include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -126,13 +127,14 @@ static wl_geom wl_make(const dp_conv_geom *g, int64_t N, int nthreads) {
 static int64_t wl_p_floats(const wl_geom *q) { return r16((int64_t)q->C * q->hp * q->wp * L); }
 static int64_t wl_dyt_floats(const wl_geom *q) { return r16((int64_t)q->O * q->ohp * q->owp * L); }
 
-dp_status dp_wl_takes(const dp_conv_geom *g, int *takes) {
+dp_status dp_wl_takes(const dp_conv_geom *g, int fast, int *takes) {
   *takes = 0;
-  int on, f43;
+  int on, f43, f35;
   DP_TRY(dp_env_switch("DPCORE_WINOGRAD", 1, &on));
   DP_TRY(dp_env_switch("DPCORE_WINOGRAD_F43", DP_WL_F43_DEFAULT, &f43));
+  DP_TRY(dp_env_switch("DPCORE_WINOGRAD_F35", fast != 0, &f35));
   if (!on || g->stride != 1 || g->KH != g->KW || g->OH < 1 || g->OW < 1) return DP_OK;
-  const int f35_takes = g->KH == 5 && g->C >= DP_WL_F35_MIN_IN;
+  const int f35_takes = f35 && g->KH == 5 && g->C >= DP_WL_F35_MIN_IN;
   const int f43_takes = f43 && g->KH == 3 && g->C >= DP_WL_F43_MIN_CHANNELS && g->O >= DP_WL_F43_MIN_CHANNELS;
   if (!f35_takes && !f43_takes) return DP_OK;
   const wl_geom q = wl_make(g, 1, 1);
@@ -249,10 +251,18 @@ static const float F43_BT[6][6] = {
 
 /* ---- the entry points ------------------------------------------------------ */
 
+static _Atomic long long wl_calls[2]; /* [0] F(3x3, 5x5), [1] F(4x4, 3x3): passes run */
+
+void dp_wl_counts(long long *f35, long long *f43) {
+  *f35 = atomic_load_explicit(&wl_calls[0], memory_order_relaxed);
+  *f43 = atomic_load_explicit(&wl_calls[1], memory_order_relaxed);
+}
+
 dp_status dp_wl_forward(const dp_conv_geom *g, int64_t N, const float *x, const float *w, const float *b, float *y,
                         int nthreads, float *scratch) {
   if (N <= 0) return DP_OK;
   const wl_geom q = wl_make(g, N, nthreads);
+  atomic_fetch_add_explicit(&wl_calls[g->KH == 5 ? 0 : 1], 1, memory_order_relaxed);
   if (g->KH == 5)
     f35_forward(&q, N, x, w, b, y, scratch);
   else
@@ -268,6 +278,7 @@ dp_status dp_wl_backward(const dp_conv_geom *g, int64_t N, const float *x, const
     return DP_OK;
   }
   const wl_geom q = wl_make(g, N, nthreads);
+  atomic_fetch_add_explicit(&wl_calls[g->KH == 5 ? 0 : 1], 1, memory_order_relaxed);
   if (g->KH == 5)
     f35_backward(&q, N, x, w, dy, dx, dw, db, scratch);
   else

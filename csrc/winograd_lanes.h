@@ -44,8 +44,11 @@
  * (tests/test_winograd_lanes.py derives and checks it, and the suite's
  * tolerances).
  *
- * The switches: DPCORE_WINOGRAD, as for F(2x2, 3x3) (winograd.h): "0" turns
- * every Winograd path off (on by default); DPCORE_WINOGRAD_F43 "1" gives the
+ * The switches: F(3x3, 5x5) runs only in the fast precision
+ * (dpcore.set_precision('fast'): its forward error is ~5x, its gradients'
+ * 13-16x float32 GEMM's, benchmarks/winograd_error.py); DPCORE_WINOGRAD_F35
+ * "1"/"0" overrides that for A/B work. DPCORE_WINOGRAD, as for F(2x2, 3x3)
+ * (winograd.h): "0" turns every Winograd path off (on by default); DPCORE_WINOGRAD_F43 "1" gives the
  * 3x3 layers above to F(4x4, 3x3), off by default (its rounding moves
  * ResNet-18's chaotic PyTorch fixture to the edge of its tolerances:
  * winograd_lanes.c). Both read at every call; "1", "0" or unset/empty (the
@@ -59,13 +62,17 @@
 
 #include "backend.h"
 
+/* Passes run so far by F(3x3, 5x5) and by F(4x4, 3x3) (debug_counters). */
+void dp_wl_counts(long long *f35, long long *f43);
+
 /* The passes, for dp_wl_scratch_floats. */
 enum { DP_WL_FORWARD = 0, DP_WL_BACKWARD = 1 };
 
 /* *takes = 1 when the switches are on and g is one of the two kinds above
  * (any padding) with planes that fit the chunk's buffers; DP_ERR_VALUE for a
- * bad switch value. */
-DP_MUST_CHECK dp_status dp_wl_takes(const dp_conv_geom *g, int *takes);
+ * bad switch value. fast: the device's fast_conv (dp_set_fast_convolutions),
+ * which F(3x3, 5x5) needs unless DPCORE_WINOGRAD_F35 says otherwise. */
+DP_MUST_CHECK dp_status dp_wl_takes(const dp_conv_geom *g, int fast, int *takes);
 
 /* Floats of scratch (64-byte aligned) that a pass needs for N samples on
  * nthreads threads. */

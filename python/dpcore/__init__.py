@@ -13,7 +13,8 @@ from . import _blas_kernels
 with _blas_kernels.loading():  # OpenBLAS picks its kernels as the extension loads it
     from . import _core  # noqa: F401
 from . import data, distributed, models, ops  # noqa: F401
-from .config import get_allow_tf32, get_deterministic, set_allow_tf32, set_deterministic  # noqa: F401
+from .config import (get_allow_tf32, get_deterministic, get_precision, set_allow_tf32,  # noqa: F401
+                     set_deterministic, set_precision)
 from .devices import list_devices, set_logical_devices  # noqa: F401
 from .info import build_info  # noqa: F401
 from .launch import launch  # noqa: F401
@@ -26,7 +27,7 @@ from .train import History, train  # noqa: F401
 
 __all__ = [
     "DataError", "DeviceError", "DistributedError", "DpcoreError", "History", "MirroredStrategy",
-    "ModelParallelStrategy", "MultiWorkerMirroredStrategy", "PipelineStrategy", "Tensor", "all_reduce", "broadcast", "build_info", "data", "distributed", "gather", "get_allow_tf32", "get_deterministic", "get_strategy", "launch", "list_devices", "models",
-    "ops", "scatter", "set_allow_tf32", "set_deterministic", "set_logical_devices", "split_batch", "tensor", "Timeline", "train",
+    "ModelParallelStrategy", "MultiWorkerMirroredStrategy", "PipelineStrategy", "Tensor", "all_reduce", "broadcast", "build_info", "data", "distributed", "gather", "get_allow_tf32", "get_deterministic", "get_precision", "get_strategy", "launch", "list_devices", "models",
+    "ops", "scatter", "set_allow_tf32", "set_deterministic", "set_logical_devices", "set_precision", "split_batch", "tensor", "Timeline", "train",
     "profile", "scaling_report", "ScalingReport",
 ]

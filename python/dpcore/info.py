@@ -22,17 +22,21 @@ def build_info():
     compute_capability), ``cuda_why`` (why no CUDA device is usable, e.g. no
     driver), ``cpu_gemm`` (whose kernel runs the CPU convolutions' GEMMs:
     dpcore's own AVX-512 or AVX2 one where the build targets them, else the BLAS),
+    ``precision`` (dp.get_precision(): the arithmetic in force now),
     and ``summary``, a one-line dict for logs (with ``cuda_why`` where a CUDA build
     sees no device: the one place a CPU-only machine's run says so).
     """
     info = dict(build_flags())
     info.update(_core.runtime_info())
+    from .config import get_precision  # noqa: PLC0415 - config imports nothing of this module's
+    info["precision"] = get_precision()
     info["summary"] = {
         "cuda": info["cuda_toolkit"] if info["cuda"] else "not built",
         "cuda_devices": [d["name"] for d in info["cuda_devices"]],
         "blas": info["blas"],
         "openmp": info["openmp"],
         "cpu_cores": info["cpu_cores"],
+        "precision": info["precision"],
     }
     if info["cuda"] and not info["cuda_devices"]:
         info["summary"]["cuda_why"] = info["cuda_why"]

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from . import _check, _core, progress as _progress
+from .config import get_precision
 from .data import ArrayIterator
 from .models import Sequential
 
@@ -29,6 +30,8 @@ class History:
     test_acc: list = field(default_factory=list)
     epoch_seconds: list = field(default_factory=list)  # training pass only, evaluation excluded
     devices: list = field(default_factory=list)
+    # dp.get_precision() when the training began ("float32", "fast" or "custom")
+    precision: str = ""
     # dp.train(..., profile=True): the step timeline (dpcore.timeline.Timeline); None otherwise
     timeline: object = field(default=None, repr=False, compare=False)
 
@@ -298,7 +301,7 @@ def train(net, train_iter, test_iter=None, num_epochs=10, lr=0.1, momentum=0.0, 
         verbose = verbose and distributed.rank() == 0  # one process prints
     else:
         devices = list(net.devices)
-    history = History(devices=devices)
+    history = History(devices=devices, precision=get_precision())
     hyper = {"lr": lr, "momentum": momentum, "weight_decay": weight_decay}
     first_epoch = 0
     if resume and os.path.exists(checkpoint):
