@@ -1,6 +1,7 @@
 # The two commands of the README, and the developer's helpers.
 #   make train   set up (apt packages when root, .venv, pip install .) and train LeNet
 #   make test    set up the same way and run the test suite
+#   make train-resnet     the book's ResNet-18 (chapter 12.6) on every local device
 #   make train-mpi NP=2   the main job in NP MPI processes
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -11,13 +12,18 @@ export VENV
 export OMPI_ALLOW_RUN_AS_ROOT := 1
 export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
 
-.PHONY: setup train train-mpi test test-cpu-only test-asan test-gpu gpu-day-prepare gpu-day gpu-day-rehearse bench bench-gpu clean
+.PHONY: setup train train-resnet train-mpi test test-cpu-only test-asan test-gpu gpu-day-prepare gpu-day gpu-day-rehearse bench bench-gpu clean
 
 setup:
 	scripts/bootstrap.sh
 
 train: setup
 	$(PY) examples/train_lenet.py
+
+# The book's chapter 12.6: ResNet-18 on Fashion-MNIST (batch 256, lr 0.1, 10 epochs) on every
+# local device; on a 2-core CPU an epoch takes 8-10 minutes (benchmarks/RESULTS.md)
+train-resnet: setup
+	$(PY) examples/train_resnet.py
 
 # The same job in NP processes on this machine (make train-mpi NP=2): each process
 # mirrors over its own devices; --bind-to none lets dpcore spread its threads over the cores

@@ -5,7 +5,7 @@ import dpcore as dp
 
 
 def parser(doc, lr):
-    """Options: --epochs, --batch-size, --lr, --cpu-devices, --gpu-devices, --data."""
+    """Options: --epochs, --batch-size, --lr, --cpu-devices, --gpu-devices, --data, --precision."""
     p = argparse.ArgumentParser(description=doc.splitlines()[0])
     p.add_argument("--epochs", type=int, default=10)
     p.add_argument("--batch-size", type=int, default=256)
@@ -13,11 +13,14 @@ def parser(doc, lr):
     p.add_argument("--cpu-devices", type=int, default=1, help="split the CPU into this many replicas")
     p.add_argument("--gpu-devices", type=int, default=1, help="split each GPU into this many replicas")
     p.add_argument("--data", default=None, help="Fashion-MNIST directory (default: DPCORE_DATA or Debian's)")
+    p.add_argument("--precision", choices=dp.config.PRECISIONS, default="float32",
+                   help="dp.set_precision: float32 (the default) or fast (larger rounding error)")
     return p
 
 
 def set_devices(args):
-    """Print what dpcore was built with and make the logical devices the options ask for."""
+    """Set the precision and the logical devices the options ask for; print what dpcore was built with."""
+    dp.set_precision(args.precision)
     if dp.distributed.rank() == 0:
         print("dpcore", dp.__version__, dp.build_info()["summary"])
     dp.set_logical_devices("cpu", args.cpu_devices)
