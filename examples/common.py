@@ -5,7 +5,7 @@ import dpcore as dp
 
 
 def parser(doc, lr):
-    """Options: --epochs, --batch-size, --lr, --cpu-devices, --gpu-devices, --data, --precision."""
+    """Options: --epochs, --batch-size, --lr, --cpu-devices, --gpu-devices, --data, --precision, --checkpoint."""
     p = argparse.ArgumentParser(description=doc.splitlines()[0])
     p.add_argument("--epochs", type=int, default=10)
     p.add_argument("--batch-size", type=int, default=256)
@@ -15,6 +15,8 @@ def parser(doc, lr):
     p.add_argument("--data", default=None, help="Fashion-MNIST directory (default: DPCORE_DATA or Debian's)")
     p.add_argument("--precision", choices=dp.config.PRECISIONS, default="float32",
                    help="dp.set_precision: float32 (the default) or fast (larger rounding error)")
+    p.add_argument("--checkpoint", default=None,
+                   help="save the run after every epoch to this file and resume from it if it exists")
     return p
 
 

@@ -26,7 +26,8 @@ def main():
     with strategy.scope():
         net = dp.models.LeNet()
     train_iter, test_iter = dp.data.load_fashion_mnist(batch_size=args.batch_size, root=args.data)
-    dp.train(net, train_iter, test_iter, num_epochs=args.epochs, lr=args.lr)
+    dp.train(net, train_iter, test_iter, num_epochs=args.epochs, lr=args.lr, checkpoint=args.checkpoint,
+             resume=args.checkpoint is not None)
 
 
 if __name__ == "__main__":

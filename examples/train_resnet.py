@@ -28,7 +28,8 @@ def main():
     say(f"{strategy.num_replicas_in_sync} replica(s) in {dp.distributed.world_size()} process(es), rank 0's: "
         f"{strategy.devices}, all-reduce: {net.all_reduce}")
     train_iter, test_iter = dp.data.load_fashion_mnist(batch_size=args.batch_size, root=args.data)
-    dp.train(net, train_iter, test_iter, num_epochs=args.epochs, lr=args.lr)
+    dp.train(net, train_iter, test_iter, num_epochs=args.epochs, lr=args.lr, checkpoint=args.checkpoint,
+             resume=args.checkpoint is not None)
 
 
 if __name__ == "__main__":
