@@ -106,14 +106,14 @@ static dp_status infer_global_avgpool(dp_layer *l, const dp_layer_arg_value *a, 
 
 #define INT_ARG(name) {name, DP_ARG_INT, 0, {0}}
 #define FLOAT_ARG_OR(name, value) {name, DP_ARG_FLOAT, 1, {.f = value}}
-/* the same rule under init='normal' and init='torch' */
-#define EITHER(rule) {rule, rule}
-#define PARAM(name, rank, dims, normal, torch) {name, DP_BUFFER_PARAMS, rank, dims, {normal, torch}}
+/* the same rule under every init mode */
+#define EITHER(rule) {rule, rule, rule}
+#define PARAM(name, rank, dims, normal, torch, d2l) {name, DP_BUFFER_PARAMS, rank, dims, {normal, torch, d2l}}
 #define STATE(name, rank, dims, rule) {name, DP_BUFFER_STATE, rank, dims, EITHER(rule)}
 #define DIMS(...) {__VA_ARGS__}
-/* conv and linear as PyTorch makes them, or the book's N(0, init_std) weights and zero biases */
-#define WEIGHT(dims, rank) PARAM("weight", rank, DIMS dims, DP_INIT_NORMAL, DP_INIT_FAN_IN_UNIFORM)
-#define BIAS PARAM("bias", 1, DIMS(DP_DIM_OUT_C), DP_INIT_ZEROS, DP_INIT_FAN_IN_UNIFORM)
+/* conv and linear per mode (layers.h: dp_init_mode) */
+#define WEIGHT(dims, rank) PARAM("weight", rank, DIMS dims, DP_INIT_NORMAL, DP_INIT_FAN_IN_UNIFORM, DP_INIT_NORMAL)
+#define BIAS PARAM("bias", 1, DIMS(DP_DIM_OUT_C), DP_INIT_ZEROS, DP_INIT_FAN_IN_UNIFORM, DP_INIT_FAN_IN_UNIFORM)
 #define POOL_ARGS {INT_ARG("kernel"), INT_ARG("stride"), INT_ARG("padding")}
 
 static const dp_layer_kind_info kinds[] = {
@@ -129,8 +129,8 @@ static const dp_layer_kind_info kinds[] = {
     /* gamma 1, beta 0; running mean 0, running variance 1 (PyTorch's) */
     [DP_LAYER_BATCHNORM] = {"batchnorm", "batchnorm", 2, {FLOAT_ARG_OR("eps", 1e-5), FLOAT_ARG_OR("momentum", 0.1)},
                             0, 4,
-                            {PARAM("weight", 1, DIMS(DP_DIM_IN_C), DP_INIT_ONES, DP_INIT_ONES),
-                             PARAM("bias", 1, DIMS(DP_DIM_IN_C), DP_INIT_ZEROS, DP_INIT_ZEROS),
+                            {PARAM("weight", 1, DIMS(DP_DIM_IN_C), DP_INIT_ONES, DP_INIT_ONES, DP_INIT_ONES),
+                             PARAM("bias", 1, DIMS(DP_DIM_IN_C), DP_INIT_ZEROS, DP_INIT_ZEROS, DP_INIT_ZEROS),
                              STATE("running_mean", 1, DIMS(DP_DIM_IN_C), DP_INIT_ZEROS),
                              STATE("running_var", 1, DIMS(DP_DIM_IN_C), DP_INIT_ONES)},
                             infer_batchnorm},
@@ -160,7 +160,8 @@ static const char *const init_rule_names[] = {[DP_INIT_ZEROS] = "zeros", [DP_INI
                                               [DP_INIT_FAN_IN_UNIFORM] = "fan_in_uniform"};
 _Static_assert(sizeof init_rule_names / sizeof init_rule_names[0] == DP_INIT_RULE_COUNT, "every rule needs its name");
 /* dp.models' init= values */
-static const char *const init_mode_names[] = {[DP_INIT_MODE_NORMAL] = "normal", [DP_INIT_MODE_TORCH] = "torch"};
+static const char *const init_mode_names[] = {[DP_INIT_MODE_NORMAL] = "normal", [DP_INIT_MODE_TORCH] = "torch",
+                                              [DP_INIT_MODE_D2L] = "d2l"};
 _Static_assert(sizeof init_mode_names / sizeof init_mode_names[0] == DP_INIT_MODE_COUNT, "every mode needs its name");
 
 const dp_layer_kind_info *dp_layer_kind_info_of(dp_layer_kind k) { return &kinds[k]; }

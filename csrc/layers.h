@@ -87,7 +87,10 @@ typedef enum dp_init_rule {
   DP_INIT_RULE_COUNT
 } dp_init_rule;
 
-typedef enum dp_init_mode { DP_INIT_MODE_NORMAL, DP_INIT_MODE_TORCH, DP_INIT_MODE_COUNT } dp_init_mode;
+/* normal: the book's N(0, init_std) weights, zero biases (d2l 12.5's LeNet); torch: PyTorch's
+ * defaults; d2l: PyTorch's modules re-initialised as d2l 12.6's train() does (weights N(0, init_std),
+ * biases PyTorch's) */
+typedef enum dp_init_mode { DP_INIT_MODE_NORMAL, DP_INIT_MODE_TORCH, DP_INIT_MODE_D2L, DP_INIT_MODE_COUNT } dp_init_mode;
 
 typedef struct dp_layer_tensor {
   const char *name;         /* PyTorch's state_dict suffix: "weight", "running_var" */

@@ -20,11 +20,14 @@ def main():
     p = parser(__doc__, lr=0.1)
     p.add_argument("--sync-batchnorm", action="store_true", help="normalise over the global batch")
     p.add_argument("--bucket-mb", type=float, default=25, help="gradient all-reduce bucket size")
+    p.add_argument("--init", choices=("d2l", "torch"), default="d2l",
+                   help="d2l: the chapter's N(0, 0.01) weights (default); torch: PyTorch's default init")
     args = p.parse_args()
     set_devices(args)
     strategy = make_strategy(bucket_mb=args.bucket_mb)
     with strategy.scope():
-        net = dp.models.ResNet18(num_classes=10, in_channels=1, sync_batchnorm=args.sync_batchnorm)
+        # the chapter's recipe: train() re-draws every conv and dense weight from N(0, 0.01)
+        net = dp.models.ResNet18(num_classes=10, in_channels=1, sync_batchnorm=args.sync_batchnorm, init=args.init)
     say(f"{strategy.num_replicas_in_sync} replica(s) in {dp.distributed.world_size()} process(es), rank 0's: "
         f"{strategy.devices}, all-reduce: {net.all_reduce}")
     train_iter, test_iter = dp.data.load_fashion_mnist(batch_size=args.batch_size, root=args.data)

@@ -21,7 +21,7 @@ def test_every_kind_is_described():
         assert set(info["defaults"]) <= set(info["args"])
         for tensor, buffer, dims, init in info["tensors"]:
             assert buffer in ("params", "state") and dims
-            assert set(init) == {"normal", "torch"}
+            assert set(init) == {"normal", "torch", "d2l"}
             assert set(init.values()) <= {"zeros", "ones", "normal", "fan_in_uniform"}
         # the docstring of Sequential is written from the table
         assert repr(name) in dp.models.Sequential.__doc__
@@ -56,6 +56,8 @@ def reference_init(net, init, init_std, seed):
             fan_in[layer] = int(np.prod(shape[1:]))
         if init == "normal":
             values = rng.normal(0.0, init_std, size) if kind == "weight" else np.zeros(size)
+        elif init == "d2l" and kind == "weight":  # d2l 12.6's train(): weights re-drawn, biases PyTorch's
+            values = rng.normal(0.0, init_std, size)
         else:
             bound = 1.0 / np.sqrt(fan_in[layer])
             values = rng.uniform(-bound, bound, size)
@@ -67,10 +69,11 @@ def reference_init(net, init, init_std, seed):
 @pytest.mark.parametrize("make, init, std", [
     (lambda seed: dp.models.LeNet(seed=seed), "normal", 0.01),
     (lambda seed: dp.models.ResNet18(seed=seed), "torch", None),
+    (lambda seed: dp.models.ResNet18(seed=seed, init="d2l"), "d2l", 0.01),
     (lambda seed: dp.models.Sequential([("conv2d", 4, 3, 1, 1), ("batchnorm", 1e-3, 0.2), ("relu",),
                                         ("avgpool", 2, 2, 0), ("flatten",), ("dense", 5)],
                                        seed=seed, init_std=0.5), "normal", 0.5),
-], ids=["lenet", "resnet18", "sequential-bn-normal"])
+], ids=["lenet", "resnet18", "resnet18-d2l", "sequential-bn-normal"])
 def test_init_rules_reproduce_the_per_kind_code_bitwise(make, init, std, seed):
     net = make(seed)
     expected = reference_init(net, init, std, seed)

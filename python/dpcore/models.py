@@ -68,8 +68,9 @@ class Sequential:
         (default: the layer index, as torch.nn.Sequential names them).
     init: 'normal' draws weights from N(0, init_std) with zero biases (the book's
         LeNet); 'torch' is PyTorch's default (uniform in +-1/sqrt(fan_in) for
-        weights and biases). BatchNorm starts at gamma 1, beta 0. Each tensor's
-        rule per mode is in :func:`layer_kinds`.
+        weights and biases); 'd2l' is what d2l 12.6's train() makes of PyTorch's
+        modules (weights N(0, init_std), biases PyTorch's). BatchNorm starts at
+        gamma 1, beta 0. Each tensor's rule per mode is in :func:`layer_kinds`.
     devices: where the replicas live; default: the active strategy's devices
         (``with strategy.scope():``), else ``['cpu:0']``. threads: cores per
         replica (default: the device's share).
@@ -568,19 +569,23 @@ class ResNet18(Sequential):
     stages of two residual blocks (64, 128, 256, 512 channels); a block is conv
     3x3 + BN + ReLU, conv 3x3 + BN, plus the shortcut (a 1x1 conv with stride 2
     where the shape changes, as d2l's Residual(use_1x1conv=True)), then ReLU;
-    global average pooling; dense 512->num_classes. PyTorch's default
-    initialisation; weights named like d2l's torch module's state_dict
-    (``'0.weight'``, ``'resnet_block2.0.conv3.weight'``, ``'fc.1.weight'``, ...).
-    sync_batchnorm: see :class:`Sequential`.
+    global average pooling; dense 512->num_classes. Weights named like d2l's
+    torch module's state_dict (``'0.weight'``, ``'resnet_block2.0.conv3.weight'``,
+    ``'fc.1.weight'``, ...). sync_batchnorm: see :class:`Sequential`.
+    init: 'torch' (the default) is the module as d2l's ``resnet18`` returns it,
+    PyTorch's default initialisation; 'd2l' is the chapter's training recipe,
+    whose train() re-draws every conv and dense weight from N(0, 0.01)
+    (examples/train_resnet.py uses it).
     """
 
     def __init__(self, num_classes=10, in_channels=1, seed=0, threads=0, devices=None, sync_batchnorm=False,
-                 input_size=28, all_reduce=None, bucket_mb=None):
+                 input_size=28, all_reduce=None, bucket_mb=None, init="torch"):
         arch = self._architecture(_check.integer("num_classes", num_classes, 1, _check.MAX_FEATURES),
                                   _check.integer("in_channels", in_channels, 1, _check.MAX_FEATURES),
                                   _check.integer("input_size", input_size, 1, 2**15))
         super().__init__(arch["layers"], input_shape=arch["input_shape"], seed=seed, threads=threads, devices=devices,
-                         sources=arch["sources"], names=arch["names"], init="torch", sync_batchnorm=sync_batchnorm,
+                         sources=arch["sources"], names=arch["names"], init=init, init_std=0.01,
+                         sync_batchnorm=sync_batchnorm,
                          all_reduce=all_reduce, bucket_mb=bucket_mb)
 
     @staticmethod
