@@ -271,6 +271,26 @@ def test_settings_reach_a_device_made_before_them(cuda_settings):
     np.testing.assert_array_equal(net._model.get_grads(), fp32)
 
 
+def test_set_precision_reaches_the_gpu(cuda_settings):
+    """dp.set_precision('fast') is TF32 and any cuDNN algorithm on the GPU: a LeNet step within
+    TF32's tolerance of the CPU's; set_precision('float32') gives back the default bits."""
+    weights = dp.models.LeNet(devices=["cpu:0"]).get_weights()
+    X, y = batch((1, 28, 28), 128)
+    net = dp.models.LeNet(devices=["cuda:0"])
+    net.set_weights(weights)
+    net._model.forward_backward(X, y, 1.0 / len(X))
+    fp32 = net._model.get_grads()
+    _, cpu = lenet_step("cpu:0", weights, X, y)
+    try:
+        dp.set_precision("fast")
+        net._model.forward_backward(X, y, 1.0 / len(X))
+        assert rel(net._model.get_grads(), cpu) <= TF32_TOL
+    finally:
+        dp.set_precision("float32")
+    net._model.forward_backward(X, y, 1.0 / len(X))
+    np.testing.assert_array_equal(net._model.get_grads(), fp32)
+
+
 def test_host_copies_are_staged_so_the_caller_may_reuse_its_buffer():
     """ResNet-18's 11M parameters (45 MB) go through the two pinned 8 MiB
     staging regions in turn; the host array is overwritten as soon as
