@@ -250,8 +250,9 @@ def extension():
     debug = os.environ.get("DPCORE_DEBUG") == "1"
     # -ffp-contract=off: no FMA contraction (GCC's default under -std=c11 anyway, said here because
     # the DP_HD bodies are bit-identical to the GPU's only so; see --fmad=false below)
-    cflags = ["-std=c11", "-Wall", "-Wextra", "-Wno-unused-parameter", "-fopenmp", "-D_GNU_SOURCE",
-              "-ffp-contract=off"]
+    # -Werror=unused-result: a dp_status (DP_MUST_CHECK) that is dropped does not build
+    cflags = ["-std=c11", "-Wall", "-Wextra", "-Wno-unused-parameter", "-Werror=unused-result", "-fopenmp",
+              "-D_GNU_SOURCE", "-ffp-contract=off"]
     cflags += ["-O0", "-g"] if debug else ["-O3"]
     if os.environ.get("DPCORE_NATIVE", "1") != "0":
         cflags.append("-march=native")  # built from source on the machine that runs it

@@ -72,6 +72,10 @@ def train_lenet():
 
 
 def test_cpu_training_is_bitwise_the_same_under_every_setting():
+    """The GPU switches leave the CPU's arithmetic alone. They share one settings word with
+    the CPU's fast convolutions (dp.set_precision, csrc/backend_cuda.c): a set_deterministic /
+    set_allow_tf32 that touched that bit would put LeNet's 5x5 layer on F(3x3, 5x5) and
+    change these bits (tests/test_precision.py checks that the bit itself does)."""
     ref_losses, ref_grads, ref_params = train_lenet()
     for deterministic, tf32 in itertools.product([True, False], repeat=2):
         dp.set_deterministic(deterministic)
