@@ -9,7 +9,8 @@ computation that the CPU suite bounds against a float64 reference; by the
 triangle inequality the two differ by at most the sum of those bounds, so every
 tolerance here is twice the CPU suite's (none is a print-out of one machine):
   * one layer forward / gradients: max|gpu - cpu| / max(1, max|cpu|) <= OP_TOL =
-    2 x test_ops.TOL_SHORT (sums of up to ~1000 products)
+    2e-5 (sums of up to ~1000 products; twice the CPU suite's former per-op 1e-5, not yet
+    derived as the CPU ops' gamma_n * S bounds are)
   * LeNet's gradients after one step: rel per flat buffer <= GRAD_TOL = 2 x
     test_lenet.GRAD_TOL; losses relative LOSS_TOL = 2 x test_lenet.LOSS_TOL
   * ResNet-18 (28x28, 20 convolutions and BatchNorm deep): float32 flips ReLU
@@ -37,10 +38,12 @@ pytestmark = [
 
 from test_fixtures import TOLS as FIXTURE_TOLS  # noqa: E402
 from test_lenet import GRAD_TOL as LENET_GRAD_TOL, LOSS_TOL as LENET_LOSS_TOL  # noqa: E402
-from test_ops import TOL_SHORT  # noqa: E402
 from test_train import BOOK_ACCURACY  # noqa: E402
 
-OP_TOL = 2 * TOL_SHORT
+# Not yet derived (issue 29): twice the CPU suite's former per-op 1e-5, for these small networks'
+# whole forward/backward passes; passed on an H100. The CPU suite's per-op bounds are now
+# gamma_n * S (tests/test_conv_cpu.py); carrying S through these networks is the next step.
+OP_TOL = 2e-5
 GRAD_TOL = 2 * LENET_GRAD_TOL
 LOSS_TOL = 2 * LENET_LOSS_TOL
 RESNET_GRAD = {m: 2 * t for m, t in FIXTURE_TOLS["resnet18"]["grad"].items()}
@@ -120,12 +123,17 @@ def test_uint8_images_are_staged_on_the_gpu():
 
 
 def test_sgd_step_matches_the_cpu_backend():
+    """Two momentum steps, each from the same state on both devices (the second from the
+    CPU's parameters and velocity after the first): the bound is one step's."""
     cpu, gpu = pair(LAYER_CASES["dense_relu_dense"], (1, 8, 8))
     X, y = batch((1, 8, 8), 32)
-    for m in (cpu, gpu):
-        m.train_step(X, y, lr=0.1, momentum=0.9, weight_decay=1e-4)
-        m.train_step(X, y, lr=0.1, momentum=0.9, weight_decay=1e-4)
-    assert err(gpu.get_params(), cpu.get_params()) <= OP_TOL
+    for step in range(2):
+        if step:
+            gpu.set_params(cpu.get_params())
+            gpu.set_velocity(cpu.get_velocity())
+        for m in (cpu, gpu):
+            m.train_step(X, y, lr=0.1, momentum=0.9, weight_decay=1e-4)
+        assert err(gpu.get_params(), cpu.get_params()) <= OP_TOL, f"step {step + 1}"
 
 
 def test_empty_batch_gives_zero_gradients():

@@ -88,8 +88,6 @@ from test_conv_cpu import U32, assert_within_bound, gamma
 
 ops = dp.ops
 
-# Not used here: tests/test_gpu.py's OP_TOL (GPU against CPU) still reads it; its own issue.
-TOL_SHORT = 1e-5
 U64 = 2.0 ** -53  # float64's unit roundoff
 
 
