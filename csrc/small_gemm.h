@@ -32,16 +32,23 @@
  * benchmarks/RESULTS.md, "Precision: K-blocked accumulation".
  */
 
-/* The accumulation block (k): see above. 128 minimises sqrt(KB + K/KB) for
- * K around 16384 and is within 1.2x of the minimum from K = 2304 to 65536; the
- * extra work, an add of the C tile per block, is 1 in 128 of the k loop's. */
-#define DP_GEMM_KB 128
 #ifndef DP_SMALL_GEMM_H
 #define DP_SMALL_GEMM_H
 
 #include <stdint.h>
 
 #include "dp_status.h"
+
+/* The accumulation block (k): see above. On random-sign sums (a convolution's
+ * forward and dx) the error goes like sqrt(KB + K/KB), least at KB = sqrt(K)
+ * (48..68 for ResNet-18's K = 2304..4608, 16..23 for Winograd's C = 256..512);
+ * on same-sign sums like sqrt(KB^2/K + K/KB), least at (K^2/2)^(1/3) (138..220).
+ * Measured (benchmarks/RESULTS.md, "Precision: K-blocked accumulation"): 64
+ * had 0.8-1.1x 128's GEMM-path error (0.75x on Winograd's products at 256 and
+ * 512 channels) and cost 4-8% on the deep layers' GEMM path; 128 and 256 cost
+ * nothing measurable, 256 had 1.0-1.4x 128's error.
+ * The extra work is one add of the C tile per block, 1 in 128 of the k loop's. */
+#define DP_GEMM_KB 128
 
 /* 2 where this build has the AVX-512 kernel, 1 the AVX2 + FMA one (whatever
  * the switch says), else 0 */
