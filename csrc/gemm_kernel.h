@@ -5,10 +5,13 @@
  *
  * r < DP_MK_ROWS (6), j < 16 (or 8): six rows, each read through its own base
  * pointer and a shared offset table, against a panel B of 16 floats per k
- * (one aligned cache line). Each output is one sequential sum in k order
- * (fused multiply-adds where the CPU has FMA), the same bits whichever row
- * block or panel it falls in. Static functions: each includer gets its own
- * copy, compiled with its flags.
+ * (one aligned cache line). Each output is a sum in k order blocked as
+ * small_gemm.c's (small_gemm.h, DP_GEMM_KB): each block of KB k one chain
+ * (fused multiply-adds where the CPU has FMA) from zero in registers, the
+ * first block's result stored in the tile and each later one's added to it;
+ * the same bits whichever row block or panel it falls in, and the same as
+ * small_gemm.c's kernel on the same sum. Static functions: each includer
+ * gets its own copy, compiled with its flags.
  */
 #ifndef DP_GEMM_KERNEL_H
 #define DP_GEMM_KERNEL_H
@@ -19,7 +22,8 @@
 #include <immintrin.h>
 #endif
 
-#include "lanes.h" /* dp_lanes_upto, dp_transpose16 */
+#include "lanes.h"      /* dp_lanes_upto, dp_transpose16 */
+#include "small_gemm.h" /* DP_GEMM_KB */
 
 #define DP_MK_ROWS 6
 
@@ -30,6 +34,7 @@ typedef __m256 v8;
 #define V8_LOAD(p) _mm256_loadu_ps(p)
 #define V8_BCAST(p) _mm256_broadcast_ss(p)
 #define V8_STORE(p, v) _mm256_storeu_ps((p), (v))
+#define V8_ADD(a, b) _mm256_add_ps((a), (b))
 #if defined(__FMA__)
 #define V8_MADD(acc, a, b) _mm256_fmadd_ps((a), (b), (acc))
 #else
@@ -46,8 +51,12 @@ typedef float v8u __attribute__((vector_size(32), aligned(4), may_alias));
 #define V8_LOAD(p) ((v8)(*(const v8u *)(const void *)(p)))
 #define V8_BCAST(p) ((v8){0} + *(p))
 #define V8_STORE(p, v) (*(v8u *)(void *)(p) = (v))
+#define V8_ADD(a, b) ((a) + (b))
 #define V8_MADD(acc, a, b) ((acc) + (a) * (b))
 #endif
+
+/* a block's 8 sums into the tile: stored for the first block (k0 == 0), else added to what it holds */
+#define DP_MK_PUT(k0, p, v) V8_STORE((p), (k0) == 0 ? (v) : V8_ADD(V8_LOAD(p), (v)))
 
 #if defined(__AVX512F__) && defined(__FMA__)
 /* AVX-512: a row's 16 columns in one register, 6 fused multiply-adds per k
@@ -56,66 +65,80 @@ typedef float v8u __attribute__((vector_size(32), aligned(4), may_alias));
 static inline void dp_mk_16(int64_t K, const float *const *xb, const int32_t *restrict idx, const float *restrict B,
                             float *restrict tile) {
   const float *x0 = xb[0], *x1 = xb[1], *x2 = xb[2], *x3 = xb[3], *x4 = xb[4], *x5 = xb[5];
-  __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), a2 = _mm512_setzero_ps();
-  __m512 a3 = _mm512_setzero_ps(), a4 = _mm512_setzero_ps(), a5 = _mm512_setzero_ps();
-  for (int64_t k = 0; k < K; ++k) {
-    const __m512 b = _mm512_loadu_ps(B + k * 16);
-    const int32_t i = idx[k];
-    a0 = _mm512_fmadd_ps(_mm512_set1_ps(x0[i]), b, a0);
-    a1 = _mm512_fmadd_ps(_mm512_set1_ps(x1[i]), b, a1);
-    a2 = _mm512_fmadd_ps(_mm512_set1_ps(x2[i]), b, a2);
-    a3 = _mm512_fmadd_ps(_mm512_set1_ps(x3[i]), b, a3);
-    a4 = _mm512_fmadd_ps(_mm512_set1_ps(x4[i]), b, a4);
-    a5 = _mm512_fmadd_ps(_mm512_set1_ps(x5[i]), b, a5);
+  __m512 t0 = _mm512_setzero_ps(), t1 = _mm512_setzero_ps(), t2 = _mm512_setzero_ps();
+  __m512 t3 = _mm512_setzero_ps(), t4 = _mm512_setzero_ps(), t5 = _mm512_setzero_ps();
+  for (int64_t k0 = 0; k0 == 0 || k0 < K; k0 += DP_GEMM_KB) { /* a block's chains from zero, then added to the totals */
+    const int64_t k1 = K - k0 < DP_GEMM_KB ? K : k0 + DP_GEMM_KB;
+    __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), a2 = _mm512_setzero_ps();
+    __m512 a3 = _mm512_setzero_ps(), a4 = _mm512_setzero_ps(), a5 = _mm512_setzero_ps();
+    for (int64_t k = k0; k < k1; ++k) {
+      const __m512 b = _mm512_loadu_ps(B + k * 16);
+      const int32_t i = idx[k];
+      a0 = _mm512_fmadd_ps(_mm512_set1_ps(x0[i]), b, a0);
+      a1 = _mm512_fmadd_ps(_mm512_set1_ps(x1[i]), b, a1);
+      a2 = _mm512_fmadd_ps(_mm512_set1_ps(x2[i]), b, a2);
+      a3 = _mm512_fmadd_ps(_mm512_set1_ps(x3[i]), b, a3);
+      a4 = _mm512_fmadd_ps(_mm512_set1_ps(x4[i]), b, a4);
+      a5 = _mm512_fmadd_ps(_mm512_set1_ps(x5[i]), b, a5);
+    }
+    if (k0 == 0) {
+      t0 = a0, t1 = a1, t2 = a2, t3 = a3, t4 = a4, t5 = a5;
+    } else {
+      t0 = _mm512_add_ps(t0, a0), t1 = _mm512_add_ps(t1, a1), t2 = _mm512_add_ps(t2, a2);
+      t3 = _mm512_add_ps(t3, a3), t4 = _mm512_add_ps(t4, a4), t5 = _mm512_add_ps(t5, a5);
+    }
   }
-  _mm512_storeu_ps(tile + 0, a0);
-  _mm512_storeu_ps(tile + 16, a1);
-  _mm512_storeu_ps(tile + 32, a2);
-  _mm512_storeu_ps(tile + 48, a3);
-  _mm512_storeu_ps(tile + 64, a4);
-  _mm512_storeu_ps(tile + 80, a5);
+  _mm512_storeu_ps(tile + 0, t0);
+  _mm512_storeu_ps(tile + 16, t1);
+  _mm512_storeu_ps(tile + 32, t2);
+  _mm512_storeu_ps(tile + 48, t3);
+  _mm512_storeu_ps(tile + 64, t4);
+  _mm512_storeu_ps(tile + 80, t5);
 }
 #else
 static inline void dp_mk_16(int64_t K, const float *const *xb, const int32_t *restrict idx, const float *restrict B,
                       float *restrict tile) {
   const float *x0 = xb[0], *x1 = xb[1], *x2 = xb[2], *x3 = xb[3], *x4 = xb[4], *x5 = xb[5];
-  v8 a00 = V8_ZERO(), a01 = V8_ZERO(), a10 = V8_ZERO(), a11 = V8_ZERO(), a20 = V8_ZERO(), a21 = V8_ZERO();
-  v8 a30 = V8_ZERO(), a31 = V8_ZERO(), a40 = V8_ZERO(), a41 = V8_ZERO(), a50 = V8_ZERO(), a51 = V8_ZERO();
-  for (int64_t k = 0; k < K; ++k) {
-    const float *bk = B + k * 16;
-    const v8 b0 = V8_LOAD(bk), b1 = V8_LOAD(bk + 8);
-    const int32_t i = idx[k];
-    v8 s = V8_BCAST(x0 + i);
-    a00 = V8_MADD(a00, s, b0);
-    a01 = V8_MADD(a01, s, b1);
-    s = V8_BCAST(x1 + i);
-    a10 = V8_MADD(a10, s, b0);
-    a11 = V8_MADD(a11, s, b1);
-    s = V8_BCAST(x2 + i);
-    a20 = V8_MADD(a20, s, b0);
-    a21 = V8_MADD(a21, s, b1);
-    s = V8_BCAST(x3 + i);
-    a30 = V8_MADD(a30, s, b0);
-    a31 = V8_MADD(a31, s, b1);
-    s = V8_BCAST(x4 + i);
-    a40 = V8_MADD(a40, s, b0);
-    a41 = V8_MADD(a41, s, b1);
-    s = V8_BCAST(x5 + i);
-    a50 = V8_MADD(a50, s, b0);
-    a51 = V8_MADD(a51, s, b1);
+  for (int64_t k0 = 0; k0 == 0 || k0 < K; k0 += DP_GEMM_KB) { /* a block's chains from zero, then added into the tile */
+    const int64_t k1 = K - k0 < DP_GEMM_KB ? K : k0 + DP_GEMM_KB;
+    v8 a00 = V8_ZERO(), a01 = V8_ZERO(), a10 = V8_ZERO(), a11 = V8_ZERO(), a20 = V8_ZERO(), a21 = V8_ZERO();
+    v8 a30 = V8_ZERO(), a31 = V8_ZERO(), a40 = V8_ZERO(), a41 = V8_ZERO(), a50 = V8_ZERO(), a51 = V8_ZERO();
+    for (int64_t k = k0; k < k1; ++k) {
+      const float *bk = B + k * 16;
+      const v8 b0 = V8_LOAD(bk), b1 = V8_LOAD(bk + 8);
+      const int32_t i = idx[k];
+      v8 s = V8_BCAST(x0 + i);
+      a00 = V8_MADD(a00, s, b0);
+      a01 = V8_MADD(a01, s, b1);
+      s = V8_BCAST(x1 + i);
+      a10 = V8_MADD(a10, s, b0);
+      a11 = V8_MADD(a11, s, b1);
+      s = V8_BCAST(x2 + i);
+      a20 = V8_MADD(a20, s, b0);
+      a21 = V8_MADD(a21, s, b1);
+      s = V8_BCAST(x3 + i);
+      a30 = V8_MADD(a30, s, b0);
+      a31 = V8_MADD(a31, s, b1);
+      s = V8_BCAST(x4 + i);
+      a40 = V8_MADD(a40, s, b0);
+      a41 = V8_MADD(a41, s, b1);
+      s = V8_BCAST(x5 + i);
+      a50 = V8_MADD(a50, s, b0);
+      a51 = V8_MADD(a51, s, b1);
+    }
+    DP_MK_PUT(k0, tile + 0, a00);
+    DP_MK_PUT(k0, tile + 8, a01);
+    DP_MK_PUT(k0, tile + 16, a10);
+    DP_MK_PUT(k0, tile + 24, a11);
+    DP_MK_PUT(k0, tile + 32, a20);
+    DP_MK_PUT(k0, tile + 40, a21);
+    DP_MK_PUT(k0, tile + 48, a30);
+    DP_MK_PUT(k0, tile + 56, a31);
+    DP_MK_PUT(k0, tile + 64, a40);
+    DP_MK_PUT(k0, tile + 72, a41);
+    DP_MK_PUT(k0, tile + 80, a50);
+    DP_MK_PUT(k0, tile + 88, a51);
   }
-  V8_STORE(tile + 0, a00);
-  V8_STORE(tile + 8, a01);
-  V8_STORE(tile + 16, a10);
-  V8_STORE(tile + 24, a11);
-  V8_STORE(tile + 32, a20);
-  V8_STORE(tile + 40, a21);
-  V8_STORE(tile + 48, a30);
-  V8_STORE(tile + 56, a31);
-  V8_STORE(tile + 64, a40);
-  V8_STORE(tile + 72, a41);
-  V8_STORE(tile + 80, a50);
-  V8_STORE(tile + 88, a51);
 }
 
 #endif
@@ -125,23 +148,26 @@ static inline void dp_mk_16(int64_t K, const float *const *xb, const int32_t *re
 static inline void dp_mk_8(int64_t K, const float *const *xb, const int32_t *restrict idx, const float *restrict B,
                      float *restrict tile) {
   const float *x0 = xb[0], *x1 = xb[1], *x2 = xb[2], *x3 = xb[3], *x4 = xb[4], *x5 = xb[5];
-  v8 a0 = V8_ZERO(), a1 = V8_ZERO(), a2 = V8_ZERO(), a3 = V8_ZERO(), a4 = V8_ZERO(), a5 = V8_ZERO();
-  for (int64_t k = 0; k < K; ++k) {
-    const v8 b0 = V8_LOAD(B + k * 16);
-    const int32_t i = idx[k];
-    a0 = V8_MADD(a0, V8_BCAST(x0 + i), b0);
-    a1 = V8_MADD(a1, V8_BCAST(x1 + i), b0);
-    a2 = V8_MADD(a2, V8_BCAST(x2 + i), b0);
-    a3 = V8_MADD(a3, V8_BCAST(x3 + i), b0);
-    a4 = V8_MADD(a4, V8_BCAST(x4 + i), b0);
-    a5 = V8_MADD(a5, V8_BCAST(x5 + i), b0);
+  for (int64_t k0 = 0; k0 == 0 || k0 < K; k0 += DP_GEMM_KB) { /* blocks as dp_mk_16's */
+    const int64_t k1 = K - k0 < DP_GEMM_KB ? K : k0 + DP_GEMM_KB;
+    v8 a0 = V8_ZERO(), a1 = V8_ZERO(), a2 = V8_ZERO(), a3 = V8_ZERO(), a4 = V8_ZERO(), a5 = V8_ZERO();
+    for (int64_t k = k0; k < k1; ++k) {
+      const v8 b0 = V8_LOAD(B + k * 16);
+      const int32_t i = idx[k];
+      a0 = V8_MADD(a0, V8_BCAST(x0 + i), b0);
+      a1 = V8_MADD(a1, V8_BCAST(x1 + i), b0);
+      a2 = V8_MADD(a2, V8_BCAST(x2 + i), b0);
+      a3 = V8_MADD(a3, V8_BCAST(x3 + i), b0);
+      a4 = V8_MADD(a4, V8_BCAST(x4 + i), b0);
+      a5 = V8_MADD(a5, V8_BCAST(x5 + i), b0);
+    }
+    DP_MK_PUT(k0, tile + 0, a0);
+    DP_MK_PUT(k0, tile + 16, a1);
+    DP_MK_PUT(k0, tile + 32, a2);
+    DP_MK_PUT(k0, tile + 48, a3);
+    DP_MK_PUT(k0, tile + 64, a4);
+    DP_MK_PUT(k0, tile + 80, a5);
   }
-  V8_STORE(tile + 0, a0);
-  V8_STORE(tile + 16, a1);
-  V8_STORE(tile + 32, a2);
-  V8_STORE(tile + 48, a3);
-  V8_STORE(tile + 64, a4);
-  V8_STORE(tile + 80, a5);
 }
 
 /* The kernel for a panel whose first `width` columns are used: 16 wide, or 8

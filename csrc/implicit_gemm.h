@@ -23,9 +23,12 @@
  * of at least DP_IGEMM_DW_ROWS output positions, in order) added in thread
  * order, as the GEMM path does.
  *
- * Sums: each output is one sequential sum over the taps in (c, ki, kj) order
- * (fused multiply-adds where the CPU has FMA); dw a sequential sum per group
- * of samples, added to the thread's running partial.
+ * Sums: each output is a sum over the taps in (c, ki, kj) order, blocked as
+ * dpcore's GEMM kernel's (gemm_kernel.h, small_gemm.h's DP_GEMM_KB): each
+ * block of KB taps one chain of fused multiply-adds (where the CPU has FMA)
+ * from zero, the blocks' results added in turn, the same bits as im2col +
+ * that kernel; dw such a sum per group of samples, added to the thread's
+ * running partial.
  *
  * The switch: DPCORE_IMPLICIT_GEMM, read with getenv at every call as
  * DPCORE_WINOGRAD is: "1" on, "0" off, unset or empty the default

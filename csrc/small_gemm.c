@@ -7,7 +7,9 @@
  * narrower than 32 columns loads and stores under masks (no edge copies).
  * The loops: the 32-column panels outside, the 8-row blocks inside, so that a
  * panel of B (K x 32 floats: 8 KiB at K = 64, 64 KiB at 512) stays in the
- * cache while all of A's rows pass over it.
+ * cache while all of A's rows pass over it. K in blocks of DP_GEMM_KB
+ * (small_gemm.h): each block's sums start from zero in the registers and are
+ * then added into C.
  */
 #include <stdatomic.h>
 #include "small_gemm.h"
@@ -33,22 +35,26 @@
     c##r##0 = _mm512_fmadd_ps(s, b0, c##r##0);            \
     if (wide) c##r##1 = _mm512_fmadd_ps(s, b1, c##r##1);  \
   } while (0)
-#define ROW_INIT(r)                                                                      \
-  do {                                                                                   \
-    c##r##0 = acc ? _mm512_maskz_loadu_ps(m0, C + (r) * ldc) : _mm512_setzero_ps();      \
-    c##r##1 = acc && wide ? _mm512_maskz_loadu_ps(m1, C + (r) * ldc + 16) : _mm512_setzero_ps(); \
+#define ROW_INIT(r)                \
+  do {                             \
+    c##r##0 = _mm512_setzero_ps(); \
+    c##r##1 = _mm512_setzero_ps(); \
   } while (0)
-#define ROW_STORE(r)                                                 \
-  do {                                                               \
-    _mm512_mask_storeu_ps(C + (r) * ldc, m0, c##r##0);                \
-    if (wide) _mm512_mask_storeu_ps(C + (r) * ldc + 16, m1, c##r##1); \
+#define ROW_STORE(r)                                                                                   \
+  do {                                                                                                 \
+    if (acc) c##r##0 = _mm512_add_ps(_mm512_maskz_loadu_ps(m0, C + (r) * ldc), c##r##0);               \
+    _mm512_mask_storeu_ps(C + (r) * ldc, m0, c##r##0);                                                  \
+    if (wide && acc) c##r##1 = _mm512_add_ps(_mm512_maskz_loadu_ps(m1, C + (r) * ldc + 16), c##r##1); \
+    if (wide) _mm512_mask_storeu_ps(C + (r) * ldc + 16, m1, c##r##1);                                   \
   } while (0)
 
-/* C[0..8)[cols of m0, m1] (+)= A[0..8)[0..K) . B[0..K)[cols]; acc: start
- * from C's values (the sum goes on in k order), else from zero. wide (a
- * constant at each call): the second 16 columns too; a panel of at most 16
- * columns (a 14x14 plane's 196 columns end in one of 4) leaves them out, half
- * the multiplies (the same sums: each column is its own FMA chain). */
+/* C[0..8)[cols of m0, m1] (+)= A[0..8)[0..K) . B[0..K)[cols], K <= DP_GEMM_KB
+ * (one accumulation block, small_gemm.h): each output's fused multiply-adds
+ * in k order from zero, then (acc) C's value added to the block's sum, else
+ * the sum stored. wide (a constant at each call): the second 16 columns too;
+ * a panel of at most 16 columns (a 14x14 plane's 196 columns end in one of
+ * 4) leaves them out, half the multiplies (the same sums: each column is its
+ * own FMA chain). */
 static inline __attribute__((always_inline)) void mk8x32(int64_t K, const float *A, int64_t rs, int64_t ks,
                                                          const float *B, int64_t ldb, float *C, int64_t ldc,
                                                          __mmask16 m0, __mmask16 m1, int acc, const int wide) {
@@ -83,15 +89,18 @@ static inline __attribute__((always_inline)) void mk8x32(int64_t K, const float 
   ROW_STORE(7);
 }
 
-/* one row (M's last M % 8): A's row at A, its k-th element at A[k * ks] */
+/* one row (M's last M % 8): A's row at A, its k-th element at A[k * ks]; one block, as mk8x32 */
 static inline void mk1x32(int64_t K, const float *A, int64_t ks, const float *B, int64_t ldb, float *C,
                           __mmask16 m0, __mmask16 m1, int acc) {
-  __m512 c0 = acc ? _mm512_maskz_loadu_ps(m0, C) : _mm512_setzero_ps();
-  __m512 c1 = acc ? _mm512_maskz_loadu_ps(m1, C + 16) : _mm512_setzero_ps();
+  __m512 c0 = _mm512_setzero_ps(), c1 = _mm512_setzero_ps();
   for (int64_t k = 0; k < K; ++k) {
     const __m512 s = _mm512_set1_ps(A[k * ks]);
     c0 = _mm512_fmadd_ps(s, _mm512_maskz_loadu_ps(m0, B + k * ldb), c0);
     c1 = _mm512_fmadd_ps(s, _mm512_maskz_loadu_ps(m1, B + k * ldb + 16), c1);
+  }
+  if (acc) {
+    c0 = _mm512_add_ps(_mm512_maskz_loadu_ps(m0, C), c0);
+    c1 = _mm512_add_ps(_mm512_maskz_loadu_ps(m1, C + 16), c1);
   }
   _mm512_mask_storeu_ps(C, m0, c0);
   _mm512_mask_storeu_ps(C + 16, m1, c1);
@@ -130,7 +139,7 @@ static inline void transpose_block(const float *src, int64_t ld, float *out, int
 /* AVX2 + FMA (no AVX-512): the same kernel at half the width, a 6 x 16
  * block (12 of the 16 vector registers accumulate, two hold B's row k, one
  * the broadcast); a panel of at most 8 columns on one vector of columns.
- * Each output the same sequence of fused multiply-adds in k order as the
+ * Each output the same blocks of fused multiply-adds in k order as the
  * AVX-512 kernel's: the same bits. Against OpenBLAS's AVX2 kernels, which
  * pack both operands on every call: benchmarks/RESULTS.md, "An AVX2-only
  * machine". */
@@ -141,20 +150,16 @@ static inline void transpose_block(const float *src, int64_t ld, float *out, int
 #define TB 8
 
 /* C[0..R)[cols] (+)= A[0..R)[0..K) . B[0..K)[cols], R <= 6 (a constant at
- * each call, as wide and full): A's element (r, k) at A[r * rs + k * ks] (as
- * the AVX-512 kernel's); full: 16 columns, plain loads and stores; else the
- * columns of m0 (and, wide, m1 from column 8) under masks */
+ * each call, as wide and full), K <= DP_GEMM_KB (one accumulation block, as
+ * the AVX-512 kernel's: from zero, then C's value added where acc): A's
+ * element (r, k) at A[r * rs + k * ks]; full: 16 columns, plain loads and
+ * stores; else the columns of m0 (and, wide, m1 from column 8) under masks */
 static inline __attribute__((always_inline)) void mk16(const int R, int64_t K, const float *A, int64_t rs, int64_t ks,
                                                        const float *B, int64_t ldb, float *C, int64_t ldc,
                                                        __m256i m0, __m256i m1, int acc, const int wide,
                                                        const int full) {
   __m256 c[MR][2];
-  for (int r = 0; r < R; ++r) {
-    c[r][0] = !acc ? _mm256_setzero_ps() : full ? _mm256_loadu_ps(C + r * ldc) : _mm256_maskload_ps(C + r * ldc, m0);
-    c[r][1] = !acc || !wide ? _mm256_setzero_ps()
-              : full        ? _mm256_loadu_ps(C + r * ldc + 8)
-                            : _mm256_maskload_ps(C + r * ldc + 8, m1);
-  }
+  for (int r = 0; r < R; ++r) c[r][0] = c[r][1] = _mm256_setzero_ps();
   for (int64_t k = 0; k < K; ++k) {
     const float *bk = B + k * ldb, *ak = A + k * ks;
     const __m256 b0 = full ? _mm256_loadu_ps(bk) : _mm256_maskload_ps(bk, m0);
@@ -164,6 +169,11 @@ static inline __attribute__((always_inline)) void mk16(const int R, int64_t K, c
       c[r][0] = _mm256_fmadd_ps(s, b0, c[r][0]);
       if (wide) c[r][1] = _mm256_fmadd_ps(s, b1, c[r][1]);
     }
+  }
+  for (int r = 0; r < R && acc; ++r) {
+    c[r][0] = _mm256_add_ps(full ? _mm256_loadu_ps(C + r * ldc) : _mm256_maskload_ps(C + r * ldc, m0), c[r][0]);
+    if (wide)
+      c[r][1] = _mm256_add_ps(full ? _mm256_loadu_ps(C + r * ldc + 8) : _mm256_maskload_ps(C + r * ldc + 8, m1), c[r][1]);
   }
   for (int r = 0; r < R; ++r) {
     if (full) {
@@ -221,11 +231,14 @@ static inline void transpose_block(const float *src, int64_t ld, float *out, int
 #endif
 
 #if defined(DP_SG_KERNEL)
-/* the NT product's K block: a packed panel of NR x KC floats (64 KiB) */
+/* the NT product's K block: a packed panel of NR x KC floats (64 KiB), a
+ * whole number of accumulation blocks */
 #define KC (DP_SMALL_GEMM_PACK_FLOATS / NR)
-/* blocks of KB k by MB rows: A's block in the L2 cache, B's panel (KB x NR)
- * in the L1 while the block's rows pass over it */
-#define KB 256
+/* blocks of KB k (the accumulation block, small_gemm.h) by MB rows: A's
+ * block in the L2 cache, B's panel (KB x NR) in the L1 while the block's rows
+ * pass over it */
+#define KB DP_GEMM_KB
+_Static_assert(KC % KB == 0, "the NT packing's K block is a whole number of accumulation blocks");
 
 int dp_small_gemm_built(void) { return DP_SG_KERNEL; }
 
@@ -263,7 +276,8 @@ static void pack_transposed(const float *B, int64_t ldb, int64_t nj, int64_t kc,
   }
 }
 
-/* C (+)= A . B^T, B stored (N, K): B^T packed a panel of NR columns by KC k at a time */
+/* C (+)= A . B^T, B stored (N, K): B^T packed a panel of NR columns by KC k at a time, each packed panel's
+ * KC k summed a block of KB at a time */
 static void gemm_nt(int64_t M, int64_t N, int64_t K, const float *A, int64_t lda, const float *B, int64_t ldb,
                     float *C, int64_t ldc, int accumulate, float *pack) {
   for (int64_t k0 = 0; k0 < K; k0 += KC) {
@@ -273,7 +287,9 @@ static void gemm_nt(int64_t M, int64_t N, int64_t K, const float *A, int64_t lda
       pack_transposed(B + j * ldb + k0, ldb, nj, kc, pack);
       for (int64_t i0 = 0; i0 < M; i0 += MB) {
         const int64_t mc = M - i0 < MB ? M - i0 : MB;
-        panel(mc, nj, kc, A + i0 * lda + k0, lda, 1, pack, NR, C + i0 * ldc + j, ldc, accumulate || k0 > 0);
+        for (int64_t kb = 0; kb < kc; kb += KB)
+          panel(mc, nj, kc - kb < KB ? kc - kb : KB, A + i0 * lda + k0 + kb, lda, 1, pack + kb * NR, NR,
+                C + i0 * ldc + j, ldc, accumulate || k0 + kb > 0);
       }
     }
   }

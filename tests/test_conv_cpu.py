@@ -218,10 +218,10 @@ def assert_slices_match_the_batch(case, padding, slices):
 def test_wide_plane_results_do_not_depend_on_the_rest_of_the_batch(monkeypatch):
     """One sample per GEMM on wide planes: a replica holding samples 3..5 of a batch computes
     them bit for bit as one device holding all six does. y is the implicit GEMM's (32 output
-    channels: each output one chain of fused multiply-adds in tap order, per sample); dx ("same"
-    padding: a convolution of dy) goes through dp_gemm, so this is a property of dpcore's GEMM
-    kernel (each output one chain in k order, whatever the call's shape, threads or the operands'
-    alignment), asked for here: the BLAS (DPCORE_OWN_GEMM=0) may choose its kernel and blocking by
+    channels: each output fused multiply-adds in tap order, in blocks of a constant size, per
+    sample); dx ("same" padding: a convolution of dy) goes through dp_gemm, so this is a property
+    of dpcore's GEMM kernel (each output the same blocked sum in k order, whatever the call's
+    shape, threads or the operands' alignment), asked for here: the BLAS (DPCORE_OWN_GEMM=0) may choose its kernel and blocking by
     the call and the pointers' alignment, and promises no such bits (issue 29)."""
     if dp.build_info()["cpu_gemm"] == "the BLAS":
         pytest.skip("this build has no dpcore GEMM kernel: the property is the kernel's")

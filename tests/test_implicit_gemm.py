@@ -165,8 +165,10 @@ def test_the_switch_reaches_the_kernel(monkeypatch):
 def test_the_implicit_gemm_and_dpcores_gemm_kernel_give_the_same_bits(monkeypatch):
     """Two independent codings of one sum: the implicit GEMM (offset tables, the
     6x16 kernel) and im2col + dpcore's 8x32 GEMM kernel both compute each output
-    as one chain of fused multiply-adds over the taps (c, ki, kj) in order, from
-    zero, then add the bias: the forward passes agree to the bit."""
+    over the taps (c, ki, kj) in order in blocks of DP_GEMM_KB (128) taps, each
+    block one chain of fused multiply-adds from zero, the blocks' results added
+    in turn, then add the bias: the forward passes agree to the bit (LeNet's
+    500 taps: three whole blocks and a short one)."""
     monkeypatch.setenv("DPCORE_WINOGRAD", "0")
     monkeypatch.setenv("DPCORE_OWN_GEMM", "1")
     for case in [(4, 20, 13, 13, 50, 5, 1, 0), (3, 7, 11, 9, 19, 3, 2, 1)]:

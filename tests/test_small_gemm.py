@@ -9,11 +9,13 @@ output channels, ResNet-18's stride-2 and 1x1 layers): forward (A . B), dx
 through col2im (A^T . B), dw (A . B^T, B packed a panel at a time). The
 shapes below cross each of its edges: rows not a multiple of 8 (the one-row
 kernel), columns not a multiple of 32 (masked loads and stores) nor of 16 (the
-packing's scalar edge), K past a block of 256 (NN, TN) and of 512 (NT: the
-sums carried on through C), and more than 128 rows (two row blocks).
+packing's scalar edge), K past its accumulation block (DP_GEMM_KB = 128: NN,
+TN) and the NT packing's 512, and more than 128 rows (two row blocks).
 
-The bound. Each output of a GEMM is one chain of fused multiply-adds in k
-order (|error| <= gamma_K * sum |a_k b_k|); for any BLAS, and for any grouping
+The bound. On the kernel each output is summed in blocks of DP_GEMM_KB k, each
+block one chain of fused multiply-adds from zero, the blocks' results added in
+turn (|error| <= gamma_{KB + K/KB - 1} * sum |a_k b_k|: test_long_sums_are_blocked
+holds it to that); for any BLAS, and for any grouping
 of a sum of n products (blocks, groups of samples, threads' partials added
 last), each product meets at most n roundings (its multiplication and n - 1
 additions in any summation tree of n terms), so gamma_n bounds it whatever the
@@ -39,7 +41,7 @@ import numpy as np
 import pytest
 
 import dpcore as dp
-from test_conv_cpu import assert_switch_rejects, assert_within_dot_bounds, make, reference
+from test_conv_cpu import U32, assert_switch_rejects, assert_within_dot_bounds, make, reference
 
 ops = dp.ops
 BUILT = dp.build_info()["cpu_gemm"] != "the BLAS"       # a kernel of dpcore's (AVX-512 or AVX2 + FMA)
@@ -112,6 +114,55 @@ def test_the_switch_reaches_the_kernel(monkeypatch):
             for a, c in zip(runs[v], got):
                 np.testing.assert_array_equal(a, c)
         runs[v] = got
+
+
+def gemm_kb():
+    """csrc/small_gemm.h's DP_GEMM_KB, the kernel's accumulation block (a constant of the build)."""
+    import os
+    import re
+    header = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "csrc", "small_gemm.h")
+    with open(header) as f:
+        return int(re.search(r"^#define DP_GEMM_KB (\d+)", f.read(), re.M).group(1))
+
+
+def gamma(n):
+    return n * U32 / (1 - n * U32)
+
+
+@pytest.mark.skipif(not BUILT, reason="this build has no dpcore GEMM kernel (no AVX-512, no AVX2 + FMA): the BLAS blocks K its own way")
+@pytest.mark.parametrize("inputs", ["uniform", "one_way"])
+@pytest.mark.parametrize("O, path", [(72, "im2col + GEMM kernel"), (48, "implicit GEMM")], ids=["gemm", "igemm"])
+def test_long_sums_are_blocked(monkeypatch, O, path, inputs):
+    """A sum of K = 8192 positive products (a 1x1 convolution over 8192 channels) within the
+    blocked summation's worst-case bound. Each output is summed in blocks of KB (DP_GEMM_KB) k,
+    each block one fused multiply-add chain from zero, the blocks' results added in turn: no
+    product meets more than n = KB + K/KB - 1 roundings, so |y - y64| <= gamma_n S elementwise
+    (S = y64 here, every term positive), and the relative 2-norm error too: gamma_191 = 1.1e-5
+    at KB = 128, against the single chain's gamma_8192 = 4.9e-4. "one_way": every product 1 +
+    a few ulp, so that while a long chain's partial sum is large each addition rounds the same
+    way: one chain over all K (the kernel before the blocking) was 770 u off (u = 2^-24), past the
+    bound; blocked it is a few u. "uniform": U(0, 1) operands, where one chain was 74 u at
+    worst and 20 u in the 2-norm, blocked 7 u and 2 u. Both GEMM kernels: dpcore's own
+    (O = 72 > 64: im2col) and the implicit GEMM's (O = 48), blocked alike."""
+    monkeypatch.setenv("DPCORE_OWN_GEMM", "1")
+    K, KB, H = 8192, gemm_kb(), 8
+    rng = np.random.default_rng(32)
+    if inputs == "uniform":
+        x = rng.random((1, K, H, H), dtype=np.float32)
+        w = rng.random((O, K, 1, 1), dtype=np.float32)
+    else:
+        x = (1.0 + rng.integers(1, 2 ** 10, (1, K, H, H)) * 2.0 ** -23).astype(np.float32)
+        w = np.ones((O, K, 1, 1), np.float32)
+    before = dp._core.debug_counters()["gemm_own"]
+    y = ops.conv2d(x, w, None, stride=1, padding=0).astype(np.float64)
+    assert (dp._core.debug_counters()["gemm_own"] > before) == (path == "im2col + GEMM kernel")
+    ref = np.einsum("nkhw,ok->nohw", x.astype(np.float64), w[:, :, 0, 0].astype(np.float64))
+    n = KB + (K + KB - 1) // KB - 1
+    err = np.abs(y - ref)
+    worst = float((err / ref).max())
+    assert worst <= gamma(n), f"{path}: {worst / U32:.1f} u elementwise, bound gamma_{n} = {gamma(n) / U32:.0f} u"
+    rel2 = float(np.linalg.norm(y - ref) / np.linalg.norm(ref))
+    assert rel2 <= gamma(n), f"{path}: {rel2 / U32:.1f} u in the 2-norm"
 
 
 def test_build_info_names_the_kernel():

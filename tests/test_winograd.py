@@ -224,7 +224,8 @@ def test_a_bad_switch_value_is_an_error(monkeypatch):
 def test_wide_plane_samples_do_not_depend_on_the_batch(winograd_on, monkeypatch, shape):
     """One sample per GEMM on wide planes, every GEMM on dpcore's single-threaded kernel: each
     sample of a batch of 5, computed alone or in any slice, gives the batch's bits (y and dx).
-    A property of the kernel, whose sums run in k order whatever the call: the BLAS's GEMM
+    A property of the kernel, whose sums run in k order in blocks of a constant size whatever
+    the call: the BLAS's GEMM
     (DPCORE_OWN_GEMM=0) may block a product by the shapes and threads of the call, and
     OpenBLAS's SkylakeX kernels give other bits at 9x13, so the kernel is asked for here."""
     if dp.build_info()["cpu_gemm"] == "the BLAS":

@@ -220,7 +220,7 @@ def test_a_bad_switch_value_is_an_error(monkeypatch):
 
 def test_samples_do_not_depend_on_the_batch(s2_on):
     """A sample's y and dx come from its own lane: on dpcore's GEMM kernel (whose
-    columns are each summed alone, in k order) the same bits in a batch of 32 and in
+    columns are each summed alone, in k order in fixed blocks) the same bits in a batch of 32 and in
     any batch of 16 or more that holds it, at any place. On the BLAS (builds without
     dpcore's kernel, or DPCORE_OWN_GEMM=0) the GEMMs' widths follow the batch, and
     OpenBLAS's blocking with them: there two computations of one value, each within

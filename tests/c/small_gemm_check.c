@@ -5,12 +5,15 @@
  * program checks that the switch says so).
  *
  * For each shape (M, N, K) (the kernel's edges: rows around its 8-row block,
- * columns around its 16 and 32 lanes, K around its blocks of 256 and 512,
- * zero sizes) and each product: C within gamma_K * sum |a_k b_k| of the
- * reference (gamma_{K+1} with C's old value added in NT's accumulate mode);
- * the leading dimensions wider than the matrices, and every float outside
- * C's M x N block still its sentinel after the call; NT over K in two calls
- * (accumulate) the same bits as one call; K = 0 a zero C (or C unchanged).
+ * columns around its 16 and 32 lanes, K around its accumulation blocks of
+ * DP_GEMM_KB and the NT packing's 512, zero sizes) and each product: C within
+ * gamma_n * sum |a_k b_k| of the reference, n = min(K, KB) + ceil(K/KB) - 1
+ * (a block's chain from zero, then the blocks' results added in turn: no
+ * product meets more roundings; small_gemm.h), plus one with C's old value
+ * added in NT's accumulate mode; the leading dimensions wider than the
+ * matrices, and every float outside C's M x N block still its sentinel after
+ * the call; NT over K in two calls (accumulate) split at a multiple of KB the
+ * same bits as one call; K = 0 a zero C (or C unchanged).
  */
 #include <math.h>
 #include <stdint.h>
@@ -26,6 +29,12 @@ static const float SENTINEL = -12345.5f;
 static double gamma_k(int64_t k) {
   const double u = ldexp(1.0, -24);
   return (double)k * u / (1.0 - (double)k * u);
+}
+
+/* the most roundings a product meets in a blocked sum of K (see the header comment) */
+static int64_t blocked_roundings(int64_t K) {
+  if (K <= 0) return 0;
+  return (K < DP_GEMM_KB ? K : DP_GEMM_KB) + (K + DP_GEMM_KB - 1) / DP_GEMM_KB - 1;
 }
 
 static void fill(float *p, int64_t n) {
@@ -64,14 +73,14 @@ static void check_product(int mode, int64_t M, int64_t N, int64_t K, int accumul
         abs_sum += fabs(a * b);
       }
       const double err = fabs((double)C[i * ldc + j] - ref);
-      if (!(err <= gamma_k(K + accumulate) * abs_sum)) bad++;
+      if (!(err <= gamma_k(blocked_roundings(K) + accumulate) * abs_sum)) bad++;
     }
   CHECK(bad == 0);
   for (int64_t i = 0; i < M; ++i) /* the padding and the float past the last row untouched */
     for (int64_t j = N; j < ldc; ++j) CHECK(C[i * ldc + j] == SENTINEL);
   CHECK(C[M * ldc] == SENTINEL);
-  if (mode == 2 && K > 1 && !accumulate) { /* K in two calls: the same bits */
-    const int64_t K1 = K / 3 + 1;
+  if (mode == 2 && K > DP_GEMM_KB && !accumulate) { /* K in two calls, split at a block's end: the same bits */
+    const int64_t K1 = (K / 3 / DP_GEMM_KB > 1 ? K / 3 / DP_GEMM_KB : 1) * DP_GEMM_KB;
     float *C2 = malloc(sizeof(float) * (size_t)(M * ldc + 1));
     if (!C2) {
       CHECK(!"out of memory");
@@ -102,6 +111,8 @@ int main(void) {
       {67, 90, 360}, {129, 47, 3},  {3, 200, 600}, {8, 1, 1000},  {1, 64, 1},    {150, 8, 297}, {24, 48, 1100},
       /* the AVX2 kernel's: rows around its 6-row block and 120-row blocks, columns around 8 and 16 */
       {6, 8, 33},    {13, 9, 70},   {11, 17, 256}, {121, 7, 5},   {12, 16, 2100},
+      /* K around the accumulation blocks: one block, one and one k, many blocks and a short last one */
+      {9, 40, DP_GEMM_KB}, {9, 40, DP_GEMM_KB + 1}, {10, 20, 2 * DP_GEMM_KB - 1}, {8, 32, 8192}, {3, 5, 4099},
   };
   for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; ++s)
     for (int mode = 0; mode < 3; ++mode) {
