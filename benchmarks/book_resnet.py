@@ -1,0 +1,150 @@
+"""The book's ResNet-18 experiment (Dive into Deep Learning 12.6: batch 256, lr 0.1,
+10 epochs, Fashion-MNIST at 28x28) in dpcore and, where PyTorch is installed, in the
+book's own PyTorch code, on the same device: test accuracy and seconds per epoch, to
+tell whether a gap to the book's 0.91-0.93 is noise or the recipe.
+
+    python benchmarks/book_resnet.py [--epochs 10] [--device cuda|cpu] [--seeds 0]
+        [--runs dpcore:d2l:float32,dpcore:torch:float32,dpcore:d2l:fast,torch:d2l]
+        [--subset N]   # the first N training and test images only (a quick look; not the book's number)
+
+A run is FRAMEWORK:INIT[:PRECISION]. dpcore: INIT 'd2l' is the chapter's recipe (its
+train() re-draws every conv and dense weight from N(0, 0.01): ResNet18(init='d2l')),
+'torch' PyTorch's default initialisation (dpcore's ResNet18 before); PRECISION is
+dp.set_precision's. torch: the chapter's code (d2l's resnet18 as
+tests/fixtures/make_fixtures.py builds it, init_weights N(0, 0.01), SGD, evaluation in
+eval mode), 'torch' skips init_weights. Each run is its own subprocess (fresh state,
+no framework sharing a process with the other). Prints one line per epoch and a table.
+"""
+import argparse
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+
+def fashion(subset):
+    import dpcore as dp
+    X, y, Xt, yt = dp.data._load_fashion_mnist_arrays(None)
+    if subset:  # a quick look: the first `subset` training and test images
+        X, y, Xt, yt = X[:subset], y[:subset], Xt[:subset], yt[:subset]
+    return X.reshape(-1, 1, 28, 28), y.astype(np.int64), Xt.reshape(-1, 1, 28, 28), yt.astype(np.int64)
+
+
+def run_dpcore(init, precision, args):
+    import dpcore as dp
+    dp.set_precision(precision)
+    X, y, Xt, yt = fashion(args.subset)
+    device = "cuda:0" if args.device == "cuda" else "cpu:0"
+    net = dp.models.ResNet18(seed=args.seed, init=init, devices=[device])
+    train_iter = dp.data.from_arrays(X, y, batch_size=256, shuffle=True, seed=args.seed)
+    test_iter = dp.data.from_arrays(Xt, yt, batch_size=256)
+    h = dp.train(net, train_iter, test_iter, num_epochs=args.epochs, lr=0.1, verbose=False, progress=False)
+    return list(h.test_acc), list(h.epoch_seconds)
+
+
+def run_torch(init, args):
+    import torch
+    spec = importlib.util.spec_from_file_location("make_fixtures", os.path.join(ROOT, "tests", "fixtures",
+                                                                                  "make_fixtures.py"))
+    mf = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mf)
+    torch.manual_seed(args.seed)
+    device = torch.device("cuda" if args.device == "cuda" else "cpu")
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+    net = mf.build_models()["resnet18"]()
+    if init == "d2l":
+        def init_weights(m):
+            if type(m) in (torch.nn.Linear, torch.nn.Conv2d):
+                torch.nn.init.normal_(m.weight, std=0.01)
+        net.apply(init_weights)
+    net = net.to(device)
+    X, y, Xt, yt = fashion(args.subset)
+    X = torch.from_numpy(X.astype(np.float32) / 255.0)
+    Xt = torch.from_numpy(Xt.astype(np.float32) / 255.0)
+    y, yt = torch.from_numpy(y), torch.from_numpy(yt)
+    trainer = torch.optim.SGD(net.parameters(), lr=0.1)
+    loss = torch.nn.CrossEntropyLoss()
+    rng = np.random.default_rng(args.seed)
+    accs, secs = [], []
+    for _ in range(args.epochs):
+        net.train()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        order = torch.from_numpy(rng.permutation(len(y)))
+        for i in range(0, len(y), 256):
+            idx = order[i:i + 256]
+            trainer.zero_grad()
+            loss(net(X[idx].to(device)), y[idx].to(device)).backward()
+            trainer.step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        secs.append(time.perf_counter() - start)
+        net.eval()
+        hits = 0
+        with torch.no_grad():
+            for i in range(0, len(yt), 256):
+                hits += int((net(Xt[i:i + 256].to(device)).argmax(1).cpu() == yt[i:i + 256]).sum())
+        accs.append(hits / len(yt))
+    return accs, secs
+
+
+def child(args):
+    parts = args.child.split(":")
+    if parts[0] == "torch":
+        accs, secs = run_torch(parts[1], args)
+    else:
+        accs, secs = run_dpcore(parts[1], parts[2] if len(parts) > 2 else "float32", args)
+    print("RESULT " + json.dumps({"run": args.child, "test_acc": accs, "epoch_seconds": secs}), flush=True)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--epochs", type=int, default=10)
+    ap.add_argument("--device", choices=("cuda", "cpu"), default=None,
+                    help="default: cuda where dpcore sees a GPU, else cpu")
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0])
+    ap.add_argument("--runs", default="dpcore:d2l:float32,dpcore:torch:float32,dpcore:d2l:fast,torch:d2l")
+    ap.add_argument("--subset", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.device is None:
+        import dpcore as dp
+        args.device = "cuda" if dp._core.runtime_info()["cuda_device_count"] > 0 else "cpu"
+    if args.child:
+        return child(args)
+    rows = []
+    for seed in args.seeds:
+        for run in [r for r in args.runs.split(",") if r]:
+            cmd = [sys.executable, os.path.abspath(__file__), "--child", run, "--epochs", str(args.epochs),
+                   "--device", args.device, "--subset", str(args.subset), "--seed", str(seed)]
+            out = subprocess.run(cmd, capture_output=True, text=True)
+            line = next((x for x in out.stdout.splitlines() if x.startswith("RESULT ")), None)
+            if out.returncode != 0 or line is None:
+                print(f"{run} seed {seed}: failed (status {out.returncode}): {out.stderr.strip()[-400:]}", flush=True)
+                continue
+            r = json.loads(line[7:])
+            for e, (a, s) in enumerate(zip(r["test_acc"], r["epoch_seconds"]), 1):
+                print(f"{run} seed {seed} epoch {e}: test acc {a:.4f}, {s:.1f} s", flush=True)
+            rows.append((run, seed, r["test_acc"], r["epoch_seconds"]))
+    print(f"\n{args.epochs} epochs on {args.device}" + (f", the first {args.subset} training images" if args.subset
+                                                         else "") + "; test accuracy per epoch")
+    print("| run | seed | " + " | ".join(str(e) for e in range(1, args.epochs + 1)) + " | s/epoch (median) |")
+    print("|---|---|" + "---|" * args.epochs + "---|")
+    for run, seed, accs, secs in rows:
+        print(f"| {run} | {seed} | " + " | ".join(f"{a:.3f}" for a in accs) + f" | {np.median(secs):.1f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
