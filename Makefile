@@ -71,6 +71,7 @@ BENCH_SCRIPT_DESELECT := \
   --deselect tests/test_benchmarks.py::test_pipeline_benchmark_quick_run \
   --deselect tests/test_benchmarks.py::test_scaling_benchmark_quick_run \
   --deselect tests/test_benchmarks.py::test_layer_benchmark_quick_run \
+  --deselect tests/test_benchmarks.py::test_book_resnet_quick_run \
   --deselect tests/test_winograd.py::test_benchmark_quick_run \
   --deselect tests/test_implicit_gemm.py::test_benchmark_quick_run \
   --deselect tests/test_winograd_lanes.py::test_benchmark_quick_run \

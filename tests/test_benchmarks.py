@@ -97,3 +97,15 @@ def test_scaling_benchmark_quick_run(model):
         floor_ips, gflops = cells[5].rstrip(")").split(" (")
         assert float(floor_ips) > 0 and float(gflops) > 0, cells
         assert cells[6].endswith("x") and float(cells[6][:-1]) > 0, cells
+
+
+def test_book_resnet_quick_run():
+    """benchmarks/book_resnet.py (the GPU day's book experiment) on 64 images for one epoch, on the
+    CPU, both of dpcore's inits: each run's epoch line and the table's rows."""
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "book_resnet.py"), "--device", "cpu", "--epochs", "1",
+           "--subset", "64", "--runs", "dpcore:d2l:float32,dpcore:torch:fast"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for line in ("dpcore:d2l:float32 seed 0 epoch 1: test acc", "dpcore:torch:fast seed 0 epoch 1: test acc",
+                 "| dpcore:d2l:float32 | 0 |", "| dpcore:torch:fast | 0 |"):
+        assert line in proc.stdout, proc.stdout
