@@ -11,6 +11,8 @@
  */
 #include "py_private.h"
 
+#include <limits.h>
+
 #include <stdlib.h>
 
 static dp_device ops_device;
@@ -104,6 +106,13 @@ done:
 static PyObject *op_conv2d_forward(PyObject *m, PyObject *a) { return ops_conv2d(a, 0); }
 static PyObject *op_conv2d_backward(PyObject *m, PyObject *a) { return ops_conv2d(a, 1); }
 
+/* 0 when extent fits the int the backends take; else -1 with a ValueError naming it */
+static int fits_int(npy_intp extent, const char *what) {
+  if (extent <= INT_MAX) return 0;
+  PyErr_Format(PyExc_ValueError, "%s: %lld is more than dpcore takes (at most %d)", what, (long long)extent, INT_MAX);
+  return -1;
+}
+
 static PyObject *ops_dense(PyObject *args, int backward) {
   PyObject *xo, *wo, *third;
   if (!PyArg_ParseTuple(args, "OOO", &xo, &wo, &third)) return NULL;
@@ -116,6 +125,7 @@ static PyObject *ops_dense(PyObject *args, int backward) {
     PyErr_Format(PyExc_ValueError, "x has %ld features but w expects %ld", (long)nin, (long)PyArray_DIM(a.w, 1));
     goto done;
   }
+  if (fits_int(nin, "dense: the input features") < 0 || fits_int(nout, "dense: the output features") < 0) goto done;
   if (!backward) {
     if (a.t && PyArray_DIM(a.t, 0) != nout) {
       PyErr_Format(PyExc_ValueError, "b must have shape (%ld,)", (long)nout);
@@ -260,6 +270,7 @@ static PyObject *op_softmax_cross_entropy(PyObject *mod, PyObject *args) {
     PyErr_SetString(PyExc_ValueError, "logits need at least one class");
     goto done;
   }
+  if (fits_int(K, "softmax_cross_entropy: the classes") < 0) goto done;
   if (convert_labels(yo, N, &labels) < 0) goto done;
   lab = malloc(sizeof(int32_t) * (size_t)(N ? N : 1));
   if (!lab) {

@@ -952,3 +952,16 @@ def test_conv2d_zero_input_channels_does_not_crash():
     assert r.returncode == 0, f"conv2d with zero input channels killed the process (rc {r.returncode}): " \
                               f"{r.stdout[-500:]}{r.stderr[-500:]}"
     assert r.stdout.count("RAISED-OK") == 2 and "NOT-RAISED" not in r.stdout, r.stdout + r.stderr
+
+
+@pytest.mark.parametrize("call", [
+    lambda big: dp.ops.dense(big, np.zeros((0, 2**31), np.float32)),
+    lambda big: dp.ops.dense_backward(big, np.zeros((0, 2**31), np.float32), np.zeros((0, 0), np.float32)),
+    lambda big: dp.ops.softmax_cross_entropy(big, np.zeros(0, np.int64)),
+], ids=["dense", "dense_backward", "softmax_cross_entropy"])
+def test_an_extent_past_int_is_refused_not_wrapped(call):
+    """An empty batch of 2**31 features (no memory at all) passes NumPy; the backends take the
+    feature and class counts as int, where 2**31 would wrap negative: refused by name instead
+    (issue 32)."""
+    with pytest.raises(ValueError, match=r"2147483648 is more than dpcore takes \(at most 2147483647\)"):
+        call(np.zeros((0, 2**31), np.float32))
