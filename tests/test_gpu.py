@@ -261,40 +261,34 @@ def test_tf32_matches_the_cpu_within_its_tolerance(cuda_settings):
     assert abs(loss_gpu - loss_cpu) <= TF32_TOL * max(1.0, abs(loss_cpu))
 
 
-def test_settings_reach_a_device_made_before_them(cuda_settings):
-    """A model made under the defaults follows later process-wide changes, and
-    returning to the defaults returns to the same bits (FMA, deterministic)."""
-    weights = dp.models.LeNet(devices=["cpu:0"]).get_weights()
-    X, y = batch((1, 28, 28), 128)
-    net = dp.models.LeNet(devices=["cuda:0"])
-    net.set_weights(weights)
-    net._model.forward_backward(X, y, 1.0 / len(X))
-    fp32 = net._model.get_grads()
+def tf32_on():
     dp.set_allow_tf32(True)
-    net._model.forward_backward(X, y, 1.0 / len(X))
-    _, cpu = lenet_step("cpu:0", weights, X, y)
-    assert rel(net._model.get_grads(), cpu) <= TF32_TOL
+
+
+def tf32_off():
     dp.set_allow_tf32(False)
-    net._model.forward_backward(X, y, 1.0 / len(X))
-    np.testing.assert_array_equal(net._model.get_grads(), fp32)
 
 
-def test_set_precision_reaches_the_gpu(cuda_settings):
-    """dp.set_precision('fast') is TF32 and any cuDNN algorithm on the GPU: a LeNet step within
-    TF32's tolerance of the CPU's; set_precision('float32') gives back the default bits."""
+@pytest.mark.parametrize("faster, back", [(tf32_on, tf32_off),
+                                          (lambda: dp.set_precision("fast"), lambda: dp.set_precision("float32"))],
+                         ids=["set_allow_tf32", "set_precision"])
+def test_settings_reach_a_device_made_before_them(cuda_settings, faster, back):
+    """A model made under the defaults follows later process-wide changes (TF32 alone, or
+    set_precision('fast'): TF32 and any cuDNN algorithm), within TF32's tolerance of the CPU,
+    and returning to the defaults returns to the same bits (FMA, deterministic)."""
     weights = dp.models.LeNet(devices=["cpu:0"]).get_weights()
     X, y = batch((1, 28, 28), 128)
     net = dp.models.LeNet(devices=["cuda:0"])
     net.set_weights(weights)
     net._model.forward_backward(X, y, 1.0 / len(X))
     fp32 = net._model.get_grads()
-    _, cpu = lenet_step("cpu:0", weights, X, y)
+    _, cpu = lenet_step("cpu:0", weights, X, y)  # before the change: the CPU reference in float32
     try:
-        dp.set_precision("fast")
+        faster()
         net._model.forward_backward(X, y, 1.0 / len(X))
         assert rel(net._model.get_grads(), cpu) <= TF32_TOL
     finally:
-        dp.set_precision("float32")
+        back()
     net._model.forward_backward(X, y, 1.0 / len(X))
     np.testing.assert_array_equal(net._model.get_grads(), fp32)
 

@@ -3,6 +3,7 @@ import functools
 import json
 
 from . import _core
+from .config import get_precision
 
 
 @functools.lru_cache(maxsize=None)
@@ -28,7 +29,6 @@ def build_info():
     """
     info = dict(build_flags())
     info.update(_core.runtime_info())
-    from .config import get_precision  # noqa: PLC0415 - config imports nothing of this module's
     info["precision"] = get_precision()
     info["summary"] = {
         "cuda": info["cuda_toolkit"] if info["cuda"] else "not built",
