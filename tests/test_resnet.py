@@ -29,6 +29,11 @@ Tolerances (dpcore computes in float32, the references in float64):
     and BatchNorm's backward cancels (dy - mean(dy) - xhat mean(dy xhat)), which
     costs up to ~100x on a channel whose gradient nearly cancels.  Observed:
     gradients <= 1.3e-6, losses <= 9e-8, logits <= 1.2e-7, statistics <= 9e-8.
+    These tolerances are statistical, as test_lenet's (its docstring says why):
+    tests/test_error_bounds.py holds the same networks to the derived worst-case
+    bound of tests/error_bounds.py elementwise, which is informative here except
+    in 'residual' past its fourth BatchNorm (the worst case grows ~5-10x a
+    convolution + BatchNorm layer, and is unbounded there).
     The biases of convolutions followed by BatchNorm have an exact gradient of
     0: theirs is compared as max|a - ref| / max|gradient of the layer's weight|.
     Every ReLU input of the reference is at least 1e-3 x its layer's max |z|
