@@ -114,7 +114,10 @@ DP_MUST_CHECK dp_status dp_mirrored_broadcast(dp_mirrored *m, int root);
  * 3. the step runs with dev->in_step set on every replica's device: memory
  *    that would still grow is a DP_ERR_RUNTIME naming it (backend.h);
  * 4. a failed step aborts an NCCL comm only if a collective was issued
- *    (dp_comm_step_failed). */
+ *    (dp_comm_step_failed).
+ * loss_sum and correct are the sums over every replica of the job, added in
+ * global replica order (process by process), so every process returns the
+ * same bits. */
 DP_MUST_CHECK dp_status dp_mirrored_check_batch(const dp_mirrored *m, const dp_batch *b, int evaluate_only);
 DP_MUST_CHECK dp_status dp_mirrored_train_step(dp_mirrored *m, const dp_batch *b, float lr, float momentum,
                                                float weight_decay, double *loss_sum, int64_t *correct);

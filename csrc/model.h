@@ -8,6 +8,12 @@
  * unless dp_model_set_source names another (residual blocks: a layer's output
  * may feed several layers; an add layer reads two). BatchNorm's running
  * statistics live in a second flat buffer, the model's state.
+ *
+ * Fused pairs (dp_model_finalize): a ReLU whose only reader is the average
+ * pooling after it, and a BatchNorm or an add whose only reader is the ReLU
+ * after it, run with it as one backend op, bit for bit the two ops' results.
+ * DPCORE_FUSE=0 in the environment when the model is finalized runs every
+ * layer alone.
  */
 #ifndef DP_MODEL_H
 #define DP_MODEL_H

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Render the README's pictures of the notebook experience from a real run:
+"""Render the pictures of the notebook experience (docs/notebooks.md) from a real run:
 
     docs/progress_bar.png    the text of tqdm's bar as dp.train drew it (the
                              notebook shows the same as a widget)

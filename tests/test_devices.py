@@ -253,7 +253,7 @@ def test_two_models_on_one_device_step_from_two_threads_as_sequentially():
 # ---- the chapter 12.5 loop ------------------------------------------------------------------------
 
 def chapter_loop_equals_train_step(devices):
-    """README's chapter 12.5 train_batch on `devices` against net.train_step."""
+    """docs/data-parallel.md's chapter 12.5 train_batch on `devices` against net.train_step."""
     X, y = batch(64, seed=5)
     loop = dp.models.LeNet(seed=0, devices=devices)
     whole = dp.models.LeNet(seed=0, devices=devices)
