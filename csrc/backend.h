@@ -2,11 +2,11 @@
  *
  * A backend is a table of function pointers; a device is a backend plus its
  * context (cpu: a thread count and scratch memory; cuda: a GPU, stream and
- * handles). The binding's devices come from the registry (csrc/device.h),
- * one per name, shared by the models and tensors on it. Layers and models
- * are written once against this table. Every
- * pointer argument named x, w, y, dx, ... is device memory of that device.
- * Shapes are in the comments: NCHW, row-major, float32.
+ * handles). Layers and models are written once against this table. The
+ * binding's devices come from the registry (csrc/device.h), one per name,
+ * shared by the models and tensors on it. Every pointer argument named x, w,
+ * y, dx, ... is device memory of that device; shapes are in the comments
+ * (NCHW, row-major, float32).
  */
 #ifndef DP_BACKEND_H
 #define DP_BACKEND_H
@@ -18,13 +18,12 @@
 
 typedef enum dp_device_kind { DP_DEVICE_CPU = 0, DP_DEVICE_CUDA = 1 } dp_device_kind;
 
-/* A convolution layer's transformed filter, kept from its forward pass for
- * its backward pass (backend.h: conv2d_forward's keep): u (device memory of
- * the backend's, `floats` floats, allocated by the backend on first use, freed
- * by the owner with dp_device_free) is the transform of the w of the last
- * forward pass that set valid. The owner clears valid whenever w may have
- * changed (model.c: every training step, around its one forward-backward
- * call). */
+/* A convolution's transformed filter, kept from its forward pass for its
+ * backward pass (conv2d_forward's keep). u: `floats` floats of device memory,
+ * allocated by the backend on first use, freed by the owner with
+ * dp_device_free; the transform of the w of the last forward pass that set
+ * valid. The owner clears valid whenever w may have changed (model.c: every
+ * training step). */
 typedef struct dp_conv_keep {
   float *u;
   size_t floats;
@@ -32,12 +31,11 @@ typedef struct dp_conv_keep {
 } dp_conv_keep;
 
 typedef struct dp_backend dp_backend;
-/* Streams and events (backend table below): a stream is a second queue of
- * work on a device beside the device's own; an event marks the work queued on
- * a stream when it was recorded. The collectives (csrc/comm.c) order one
- * replica's reductions after its compute, and after its peers', with them. On
- * CUDA a dp_stream * is the cudaStream_t and a dp_event * the cudaEvent_t
- * (NCCL and our reduction kernel are queued on the stream itself). */
+/* A stream is a second queue of work on a device beside its own; an event
+ * marks the work queued on a stream when it was recorded (backend table
+ * below). The collectives (comm.c) order a replica's reductions after its own
+ * and its peers' compute with them. On CUDA a dp_stream * is the cudaStream_t
+ * and a dp_event * the cudaEvent_t. */
 typedef struct dp_stream dp_stream;
 typedef struct dp_event dp_event;
 
@@ -48,23 +46,21 @@ typedef struct dp_device {
   const dp_backend *backend;
   void *ctx;            /* backend-private */
   char name[32];        /* "cpu:0" */
-  /* Set by the mirrored runner (csrc/mirrored.c) while a step runs, when a
-   * peer replica's collective may be in flight: the device's memory must not
-   * grow then (dp_device_may_grow). cudaMalloc, cudaFree and cudaHostAlloc
-   * may synchronize with the device, and a thread that allocates while its
-   * peers' NCCL kernels wait for it is the known way a one-process,
-   * many-thread NCCL program hangs (NVIDIA/nccl pull request 194). The runner
-   * sizes every buffer in a warm-up pass before the step instead. */
+  /* Set by the mirrored runner (mirrored.c) while a step runs and a peer's
+   * collective may be in flight: the device's memory must not grow then
+   * (dp_device_may_grow). Why: cudaMalloc, cudaFree and cudaHostAlloc may
+   * synchronize with the device, and an allocation while the peers' NCCL
+   * kernels wait for this thread hangs them (NVIDIA/nccl pull request 194).
+   * The runner sizes every buffer in a warm-up pass instead. */
   int in_step;
-  /* Set by the mirrored runner across processes: seconds the host may wait
-   * for the device's queued work within a step (0: no limit). NCCL kernels
-   * of a collective whose peer process stopped spin forever; a host wait
-   * that ends at the deadline turns that into an error (DP_ERR_DIST) whose
-   * exception ends the job, instead of a hang. */
+  /* Across processes: seconds the host may wait for the device's queued
+   * work within a step (0: no limit), set by the mirrored runner. The NCCL
+   * kernels of a collective whose peer process stopped spin forever; the
+   * deadline turns that hang into DP_ERR_DIST, whose exception ends the job. */
   double wait_timeout;
-  /* The CPU backend may take the convolution forms whose rounding error is
-   * several times float32 GEMM's (dp_set_fast_convolutions): taken from the
-   * process-wide settings where a call or a step begins (dp_cuda_take_defaults). */
+  /* The CPU backend may take the convolution forms with several times float32
+   * GEMM's rounding error (dp_set_fast_convolutions); taken from the
+   * process-wide setting where a call or a step begins (dp_cuda_take_defaults). */
   int fast_conv;
 } dp_device;
 
@@ -77,11 +73,10 @@ typedef struct dp_conv_geom {
 #include "dp_kernels.h"
 
 /* Shapes from arguments (csrc/shapes.c), computed in 64 bits and checked
- * where a layer or a single op is made, so that the kernels may index with an
- * int: every argument, the values of one sample of the input and of the
- * output, and a convolution's weights are at most INT_MAX. Failures are
- * DP_ERR_VALUE, their message starting with `what` ("conv2d (layer 3)") and
- * naming the argument or size at fault. */
+ * where a layer or a single op is made: every argument, one sample's input
+ * and output, and a convolution's weights are at most INT_MAX, so that the
+ * kernels may index with an int. Failures are DP_ERR_VALUE, the message
+ * starting with `what` ("conv2d (layer 3)") and naming what is at fault. */
 DP_MUST_CHECK dp_status dp_input_shape_check(const char *what, int64_t C, int64_t H, int64_t W);
 /* input (C, H, W), O filters (KH, KW) */
 DP_MUST_CHECK dp_status dp_conv_geom_make(const char *what, int64_t C, int64_t H, int64_t W, int64_t O, int64_t KH,
@@ -89,10 +84,11 @@ DP_MUST_CHECK dp_status dp_conv_geom_make(const char *what, int64_t C, int64_t H
 /* input (C, H, W), a k x k window; padding at most k / 2 */
 DP_MUST_CHECK dp_status dp_pool_geom_make(const char *what, int64_t C, int64_t H, int64_t W, int64_t k, int64_t stride,
                                           int64_t pad, dp_pool_geom *out);
-/* a * b for sizes (0 when either is <= 0), saturating at INT64_MAX: a
- * product of sizes never wraps, so it can be compared with a limit. */
+/* a * b for sizes (0 when either is <= 0), saturating at INT64_MAX, so that
+ * a product can be compared with a limit without wrapping. */
 int64_t dp_size_mul(int64_t a, int64_t b);
 
+/* Every entry is filled in every table (dp_backend_null_entries checks). */
 struct dp_backend {
   const char *name;
   DP_MUST_CHECK dp_status (*alloc)(dp_device *dev, size_t bytes, void **out); /* zero-filled */
@@ -113,8 +109,8 @@ struct dp_backend {
    * backward pass with the same w (dp_conv_keep). */
   DP_MUST_CHECK dp_status (*conv2d_forward)(dp_device *dev, const dp_conv_geom *g, int64_t N, const float *x,
                                             const float *w, const float *b, float *y, dp_conv_keep *keep);
-  /* dw, db overwritten with this batch's sums; dx overwritten unless NULL (first layer). keep: the
-   * forward's, its transform used for dx when valid. */
+  /* dw, db overwritten with this batch's sums; dx overwritten unless NULL
+   * (first layer). keep: the forward's; its transform serves dx when valid. */
   DP_MUST_CHECK dp_status (*conv2d_backward)(dp_device *dev, const dp_conv_geom *g, int64_t N, const float *x,
                                              const float *w, const float *dy, float *dx, float *dw, float *db,
                                              dp_conv_keep *keep);
@@ -129,15 +125,13 @@ struct dp_backend {
                                              float *y);
   DP_MUST_CHECK dp_status (*avgpool_backward)(dp_device *dev, const dp_pool_geom *g, int64_t N, const float *dy,
                                               float *dx);
-  /* A ReLU whose only reader is an average pooling, as one pass over each
-   * plane (the memory the two ops would move twice is read once while it is
-   * in cache): y = avgpool(relu(x)), the ReLU's output r (N,C,H,W) written
-   * where a backend keeps it (the CPU's does not: a plane at a time in
-   * cache); then dx = relu_backward(r, avgpool_backward(dy)) without writing
-   * the ReLU's output gradient, its r the ReLU's input or output alike
-   * (relu_backward masks where its first argument is <= 0: the same places
-   * for x and relu(x)); the model passes the input. The results are the
-   * separate ops' bit for bit. */
+  /* A ReLU whose only reader is an average pooling, fused; the results equal
+   * the separate ops'. Forward: y = avgpool(relu(x)), and r (N,C,H,W) =
+   * relu(x) where the backend writes it (the CPU's does not). Backward: dx =
+   * relu_backward(r, avgpool_backward(dy)), r the ReLU's input or its output
+   * alike (both are <= 0 at the same places); the model passes the input.
+   * Fused so that each plane is read once while in cache and the ReLU's
+   * output gradient is never written. */
   DP_MUST_CHECK dp_status (*relu_avgpool_forward)(dp_device *dev, const dp_pool_geom *g, int64_t N, const float *x,
                                                   float *r, float *y);
   DP_MUST_CHECK dp_status (*avgpool_relu_backward)(dp_device *dev, const dp_pool_geom *g, int64_t N, const float *r,
@@ -147,34 +141,32 @@ struct dp_backend {
                                              int32_t *arg);
   DP_MUST_CHECK dp_status (*maxpool_backward)(dp_device *dev, const dp_pool_geom *g, int64_t N, const float *dy,
                                               const int32_t *arg, float *dx);
-  /* logits (N,K), labels (N) in [0,K). dlogits = scale*(softmax - onehot) unless NULL.
-   * Host outputs: *loss_sum = sum of row losses (float64 sum), *correct = argmax hits.
-   * loss_sum == correct == NULL: the sums stay pending, read later by
-   * metrics_read, so a training step can queue its backward pass and optimizer
-   * step before the host waits for the device (no host synchronisation inside
-   * the step). A later softmax_xent replaces what is pending. */
+  /* logits (N,K), labels (N) in [0,K). dlogits = scale * (softmax - onehot)
+   * unless NULL. Host outputs: *loss_sum, the row losses summed in float64;
+   * *correct, the argmax hits. Both NULL: the sums stay pending for
+   * metrics_read (a later softmax_xent replaces them), so that a step queues
+   * its backward pass and optimizer step without the host waiting. */
   DP_MUST_CHECK dp_status (*softmax_xent)(dp_device *dev, int64_t N, int K, const float *logits, const int32_t *labels,
                                           float scale, float *dlogits, double *loss_sum, int64_t *correct);
-  /* One fused SGD step over a flat buffer (see dp_sgd_elem). v may be NULL when mu == 0.
-   * guard (one float of device memory, or NULL): the step's loss flag; when
-   * it is not finite (dp_step_allowed) nothing is written. Read on the
-   * device: the host never waits for it. */
+  /* One fused SGD step over a flat buffer (dp_sgd_elem); v may be NULL when
+   * mu == 0. guard (one float of device memory, or NULL): the step's loss
+   * flag; when it is not finite (dp_step_allowed) nothing is written. Read on
+   * the device, so that the host never waits for it. */
   DP_MUST_CHECK dp_status (*sgd_update)(dp_device *dev, int64_t n, float *w, const float *g, float *v, float lr,
                                         float mu, float wd, const float *guard);
   /* flag (one float of device memory) = dp_loss_flag of the row losses of the
    * last softmax_xent on dev (0 after an empty one): 0 when every row's loss
    * is finite, NaN otherwise. Queued; the host does not wait. */
   DP_MUST_CHECK dp_status (*loss_flag)(dp_device *dev, float *flag);
-  /* dst (n) = saved (n) when guard's flag is not finite, else nothing (the
-   * running statistics of a step that applies no update are put back). */
+  /* dst (n) = saved (n) when guard's flag is not finite, else nothing: puts
+   * back the running statistics of a step that applies no update. */
   DP_MUST_CHECK dp_status (*restore_unless_allowed)(dp_device *dev, int64_t n, float *dst, const float *saved,
                                                     const float *guard);
   /* y (n) = a + b; y may alias a. */
   DP_MUST_CHECK dp_status (*add)(dp_device *dev, int64_t n, const float *a, const float *b, float *y);
-  /* add followed by ReLU in one pass, y = relu(a + b) element by element (the
-   * separate ops' bits), the add's own output never written: an add whose
-   * only reader is a ReLU right after it (model.c mark_fusions; the ReLU's
-   * backward reads its own output). */
+  /* y (n) = relu(a + b) in one pass, equal to the separate ops, the add's
+   * output never written: for an add whose only reader is the ReLU after it
+   * (model.c mark_fusions; the ReLU's backward reads its own output). */
   DP_MUST_CHECK dp_status (*add_relu)(dp_device *dev, int64_t n, const float *a, const float *b, float *y);
   /* x (n) *= alpha */
   DP_MUST_CHECK dp_status (*scale)(dp_device *dev, int64_t n, float *x, float alpha);
@@ -188,8 +180,8 @@ struct dp_backend {
    *   bn_apply:  y = gamma * (x - mean) * invstd + beta
    *   bn_backward_sums: sum_dy[c], sum_dy_xhat[c] over the batch
    *   bn_backward_dx: see dp_bn_backward_elem
-   * and, backward, relu_beta non-NULL for a BatchNorm fused with the ReLU
-   * after it (bn_apply_relu): dy is the ReLU's output gradient, masked by
+   * Backward, relu_beta non-NULL: a BatchNorm fused with the ReLU after it
+   * (bn_apply_relu); dy is the ReLU's output gradient, masked by
    * dp_bn_relu_dy (gamma and relu_beta: the forward pass's parameters), so
    * that the ReLU's own backward pass never runs. */
   DP_MUST_CHECK dp_status (*bn_sums)(dp_device *dev, int64_t N, int C, int HW, const float *x, const float *mean,
@@ -199,10 +191,9 @@ struct dp_backend {
                                          float *running_mean, float *running_var);
   DP_MUST_CHECK dp_status (*bn_apply)(dp_device *dev, int64_t N, int C, int HW, const float *x, const float *mean,
                                       const float *invstd, const float *gamma, const float *beta, float *y);
-  /* bn_apply followed by ReLU in one pass, y = relu(bn_apply(x)) element by
-   * element (the separate ops' bits), BatchNorm's own output never written:
-   * a BatchNorm whose only reader is a ReLU right after it (model.c
-   * mark_fusions). */
+  /* y = relu(bn_apply(x)) in one pass, equal to the separate ops,
+   * BatchNorm's output never written: for a BatchNorm whose only reader is
+   * the ReLU after it (model.c mark_fusions). */
   DP_MUST_CHECK dp_status (*bn_apply_relu)(dp_device *dev, int64_t N, int C, int HW, const float *x,
                                            const float *mean, const float *invstd, const float *gamma,
                                            const float *beta, float *y);
@@ -219,8 +210,8 @@ struct dp_backend {
   DP_MUST_CHECK dp_status (*synchronize)(dp_device *dev);
   /* A second stream on dev; destroy waits for the work queued on it first.
    * CPU: every call runs to completion on the calling thread, so streams and
-   * events order nothing there; they exist (a token, never NULL) so that the
-   * callers need no second path. */
+   * events order nothing; they are tokens (never NULL) so that the callers
+   * need no second path. */
   DP_MUST_CHECK dp_status (*stream_create)(dp_device *dev, dp_stream **out);
   void (*stream_destroy)(dp_device *dev, dp_stream *s);
   DP_MUST_CHECK dp_status (*event_create)(dp_device *dev, dp_event **out);
@@ -257,17 +248,17 @@ DP_MUST_CHECK dp_status dp_cuda_set_deterministic(dp_device *dev, int determinis
 /* cuBLAS and cuDNN may use TF32 tensor cores on this device (allow != 0) or
  * stay in float32 FMA arithmetic (the default). */
 DP_MUST_CHECK dp_status dp_cuda_set_allow_tf32(dp_device *dev, int allow);
-/* Process-wide settings for every CUDA device: devices created afterwards
- * start with them, existing ones take them when the next call or step on
- * them begins (dp_cuda_take_defaults). Defaults: deterministic = 1, allow_tf32 = 0. A later
- * dp_cuda_set_deterministic / dp_cuda_set_allow_tf32 on one device overrides
- * them for that device until the next call here. Exist in every build. */
+/* Process-wide settings for every CUDA device (defaults: deterministic 1,
+ * allow_tf32 0): devices created afterwards start with them, existing ones
+ * take them when their next call or step begins (dp_cuda_take_defaults). A
+ * later dp_cuda_set_deterministic / dp_cuda_set_allow_tf32 overrides them for
+ * one device until the next call here. Exist in every build. */
 void dp_cuda_set_defaults(int deterministic, int allow_tf32);
 void dp_cuda_get_defaults(int *deterministic, int *allow_tf32);
 /* The CPU's fast convolutions, process-wide (dpcore.set_precision('fast')):
- * Winograd F(3x3, 5x5) for 5x5 layers (winograd_lanes.h), 5-16x float32
- * GEMM's rounding error; off by default. Devices take it as they take the
- * CUDA settings. Exist in every build. */
+ * Winograd F(3x3, 5x5) for 5x5 layers (winograd_lanes.h), several times
+ * float32 GEMM's rounding error; off by default. Devices take it as they take
+ * the CUDA settings. Exist in every build. */
 void dp_set_fast_convolutions(int fast);
 int dp_get_fast_convolutions(void);
 /* One reading of the process-wide settings, for dp_cuda_take_defaults: bit 0
@@ -276,20 +267,17 @@ int dp_get_fast_convolutions(void);
 unsigned long long dp_cuda_defaults_snapshot(void);
 /* dev takes the settings of snapshot if they changed since it last took
  * some: the one place a device follows dp_cuda_set_defaults. Called where a
- * call or a step on dev begins, with dev's step lock held and none of the
- * call's work queued yet (devices_run_without_gil in the binding; the
- * mirrored runner before its warm-up). The convolutions and dense layers use
- * what the device took, so a change made by another thread meanwhile waits
- * for the next call instead of rebuilding plans, and growing the workspace,
- * part way through a step. A CPU device only records the fast-convolution bit
- * (DP_OK at once), as does any device without CUDA. */
+ * call or a step on dev begins, with dev's step lock held and none of its
+ * work queued (devices_run_without_gil in the binding; the mirrored runner
+ * before its warm-up), so that a change made meanwhile by another thread
+ * never rebuilds plans or grows the workspace part way through a step. A CPU
+ * device, or any without CUDA, only records the fast-convolution bit. */
 DP_MUST_CHECK dp_status dp_cuda_take_defaults(dp_device *dev, unsigned long long snapshot);
-/* Waits until the work queued on dev's own stream has finished, polling it
- * (cudaStreamQuery) for at most timeout seconds: DP_OK when it has (at once
- * for a CPU device, whose calls run to completion, and without CUDA);
- * DP_ERR_RUNTIME at the deadline, DP_ERR_CUDA for the stream's error. For
- * a free that must not hang (the binding's deallocation): the caller holds
- * dev's step lock, so nothing is queued meanwhile. */
+/* Waits at most timeout seconds for the work queued on dev's own stream,
+ * polling it (cudaStreamQuery): DP_OK once it has finished (at once on a CPU
+ * device and without CUDA), DP_ERR_RUNTIME at the deadline, DP_ERR_CUDA for
+ * the stream's error. For a free that must not hang (the binding's
+ * deallocation); the caller holds dev's step lock, so nothing is queued. */
 DP_MUST_CHECK dp_status dp_cuda_wait_idle(dp_device *dev, double timeout);
 /* Frees of CUDA device or pinned memory that failed in this process (each
  * one's memory lost), and the last one's CUDA error name in last_error (""
