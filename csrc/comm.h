@@ -1,48 +1,38 @@
 /* comm.h — the all-reduce of a group of replicas, behind one interface.
  *
- * One ops table per kind of replica set (comm.c), chosen once when the comm
- * is made; every operation below is a lookup in it:
+ * One ops table per kind (comm.c), chosen when the comm is made:
  *
- *   host    CPU replicas: csrc/collective.c's in-process all-reduce (threads,
- *           shared memory, every replica reduces 1/k of the buffer).
- *   kernel  CUDA replicas NCCL cannot serve: several logical GPUs on one
- *           physical GPU (NCCL refuses two ranks on one device), or GPUs that
- *           can reach each other's memory when NCCL is missing. Our reduction
- *           kernel (kernels/collective.cu): rank r sums chunk r of all k
- *           buffers in rank order and writes it back into all of them, ordered
- *           after every replica's compute with events. Bitwise the CPU's sum.
- *   nccl    CUDA replicas on distinct GPUs: ncclAllReduce, communicators made
- *           up front (ncclCommInitAll) so that a failure shows when the
- *           strategy is made, not in the middle of training.
- *   mpi     CPU replicas in several processes (and hosts): a worker thread
- *           per process runs dist.h's rank-ordered chain over MPI, bucket
- *           by bucket as the backward pass produces them. Bitwise the host
- *           kind's sum over the job's replicas. (CUDA replicas across
- *           processes use the nccl kind, one communicator of every replica of
- *           the job, its id broadcast over MPI.)
+ *   host    CPU replicas in one process: collective.c's all-reduce, each
+ *           replica thread reducing 1/k of the buffer.
+ *   kernel  CUDA replicas NCCL cannot serve (several logical GPUs on one
+ *           physical GPU, which NCCL refuses; peer-accessible GPUs without
+ *           NCCL): kernels/collective.cu, rank r summing chunk r of all k
+ *           buffers in rank order, bit for bit the host kind's sum.
+ *   nccl    CUDA replicas on distinct GPUs, in one process or across
+ *           processes (the communicator's id broadcast over MPI):
+ *           ncclAllReduce, the communicators made up front so that a failure
+ *           shows when the strategy is made, not in the middle of training.
+ *   mpi     CPU replicas in several processes: a worker thread per process
+ *           runs dist.h's rank-ordered chain bucket by bucket, bit for bit
+ *           the host kind's sum over the job's replicas.
  *
- * The kernel and nccl kinds order work between a rank's streams, and between
- * ranks, with the backend's streams and events (backend.h).
+ * The model sees none of this: dp_comm_collective gives each rank
+ * collective.h's interface over the buffers of dp_comm_register and the
+ * buckets of dp_comm_set_buckets.
  *
- * The model sees none of this: dp_comm_collective gives each rank the
- * collective interface of collective.h (all-reduce of a registered buffer,
- * gradient ready for a layer, wait), over the buffers registered with
- * dp_comm_register and the buckets of dp_comm_set_buckets.
+ * Every replica thread makes the same sequence of calls, each with its rank.
+ * No call waits for the GPU: on CUDA each operation is queued on the rank's
+ * streams, ordered by the backend's events (backend.h) after the work queued
+ * before it. The host threads meet at the group's barrier only where one
+ * rank's GPU work must wait for another's queued work (the kernel kind); a
+ * replica that fails breaks the barrier, so that its peers return
+ * DP_ERR_ABORTED instead of waiting forever.
  *
- * Every replica thread of the group makes the same sequence of calls, each
- * with its rank. No call waits for the GPU: on CUDA devices each operation is
- * queued on the rank's streams, after the work queued there before the call
- * and before the work queued after it. The host threads meet at the group's
- * barrier only where one rank's GPU work must wait for another rank's queued
- * work (the kernel kind); a replica that fails breaks that barrier, so its
- * peers return DP_ERR_ABORTED instead of waiting forever.
- *
- * Buckets: the gradient all-reduce runs in buckets that overlap the backward
- * pass. dp_comm_bucket_allreduce starts the all-reduce of one range as soon as
- * the rank's backward has produced it, on a second stream, while the rank goes
- * on with the backward of earlier layers; dp_comm_wait_buckets makes the
+ * Buckets overlap the gradient all-reduce with the backward pass:
+ * dp_comm_bucket_allreduce starts a range's all-reduce on a second stream as
+ * soon as the rank's backward has produced it; dp_comm_wait_buckets makes the
  * rank's later work (the optimizer step) wait for every bucket of every rank.
- * On the host kind a bucket is reduced at once, by the replica threads.
+ * The host kind reduces a bucket at once, on the replica threads.
  */
 #ifndef DP_COMM_H
 #define DP_COMM_H
@@ -74,23 +64,23 @@ typedef struct dp_grad_bucket {
   int ready_layer;
 } dp_grad_bucket;
 
-/* The process's settings for the NCCL kind, made once before any thread of
- * dpcore starts (the binding's module init calls it): NCCL_RUNTIME_CONNECT=0
- * unless the environment has a value already. setenv may move environ while
- * another thread reads it (getenv: the DPCORE_* switches), so it is never
- * called once threads run. Nothing to do without NCCL. */
+/* The process's settings for the NCCL kind: NCCL_RUNTIME_CONNECT=0 unless
+ * the environment has a value already; nothing without NCCL. Called once by
+ * the binding's module init, before any thread of dpcore starts, because
+ * setenv may move environ while another thread reads it (getenv: the
+ * DPCORE_* switches). */
 DP_MUST_CHECK dp_status dp_comm_process_init(void);
 
 /* devs[r]: replica r's device (borrowed; outlives the comm). bar: the barrier
  * of the group's k replica threads (borrowed). want: DP_COMM_AUTO, or a kind
- * to insist on (DP_ERR_VALUE / DP_ERR_UNSUPPORTED when it cannot serve these
- * devices, naming why). */
+ * to insist on (DP_ERR_VALUE / DP_ERR_UNSUPPORTED, naming why, when it cannot
+ * serve these devices). */
 DP_MUST_CHECK dp_status dp_comm_create(dp_device *const *devs, int k, dp_comm_kind want, dp_barrier *bar,
                                        dp_comm **out);
-/* The same for replicas that span processes: this process's k replicas are
- * the job's replicas first .. first + k - 1 of total (dist.h's global order:
- * process by process), and a peer process that does not arrive within timeout
- * seconds is a DP_ERR_DIST. Collective over every process of the job. */
+/* The same for replicas across processes; collective over every process of
+ * the job. This process's k replicas are the job's first .. first + k - 1 of
+ * total (dist.h's order: process by process); a peer process that does not
+ * arrive within timeout seconds is a DP_ERR_DIST. */
 DP_MUST_CHECK dp_status dp_comm_create_across(dp_device *const *devs, int k, dp_comm_kind want, dp_barrier *bar,
                                               int first, int total, double timeout, dp_comm **out);
 void dp_comm_destroy(dp_comm *c);
@@ -106,10 +96,10 @@ DP_MUST_CHECK dp_status dp_comm_kind_parse(const char *name, dp_comm_kind *out);
  * the kind. Needs no device: tests check the CUDA kinds' tables anywhere. */
 int dp_comm_ops_null_entries(dp_comm_kind kind, const char **out, int max);
 
-/* Registers a buffer every replica has a copy of: bufs[r] is rank r's n
- * floats (on its device). The collective interface's all_reduce accepts any
- * range of it. DP_ERR_VALUE when DP_COMM_MAX_REGISTERED are registered
- * already. dp_comm_unregister_all forgets them all. Called by one thread
+/* Registers a buffer every replica has a copy of, bufs[r] rank r's n floats
+ * on its device; the collective interface's all_reduce accepts any range of
+ * it. DP_ERR_VALUE when DP_COMM_MAX_REGISTERED are registered already.
+ * dp_comm_unregister_all forgets them all. Both are called by one thread
  * while no replica thread uses the comm. */
 DP_MUST_CHECK dp_status dp_comm_register(dp_comm *c, float *const *bufs, int64_t n);
 void dp_comm_unregister_all(dp_comm *c);
@@ -126,31 +116,30 @@ dp_collective dp_comm_collective(dp_comm *c, int rank);
 DP_MUST_CHECK dp_status dp_comm_allreduce(dp_comm *c, int rank, float *const *bufs, int64_t n, dp_reduce_op op);
 
 /* The sum of elements [begin, end) of every bufs[r], started once the work
- * queued on the rank's device is done, and running beside the rank's later
- * work. bucket (0 .. DP_COMM_MAX_BUCKETS-1) numbers the buckets of one step;
- * every rank starts the same buckets in the same order. */
+ * queued on the rank's device is done, running beside the rank's later work.
+ * bucket (0 .. DP_COMM_MAX_BUCKETS-1) numbers the buckets of one step; every
+ * rank starts the same buckets in the same order. */
 DP_MUST_CHECK dp_status dp_comm_bucket_allreduce(dp_comm *c, int rank, float *const *bufs, int64_t begin, int64_t end,
                                                  int bucket);
 /* The rank's work queued after this waits for every bucket started so far by
  * every rank (they write into this rank's buffer). Ends a step's buckets. */
 DP_MUST_CHECK dp_status dp_comm_wait_buckets(dp_comm *c, int rank);
 
-/* A step's bookkeeping, every kind alike (so that the CPU suite runs the
- * logic the NCCL kind depends on): dp_comm_step_begin zeroes each rank's
- * count of collectives issued; dp_comm_allreduce and dp_comm_bucket_allreduce
- * count the ones they issue (to the other ranks: k > 1, a non-empty range);
- * dp_comm_collectives_issued reads the total; every rank's next bucket is
- * the first again. Called by one thread while no replica thread uses the comm. */
+/* dp_comm_step_begin starts a step: each rank's count of collectives issued
+ * is zeroed and its next bucket is the first again. dp_comm_allreduce and
+ * dp_comm_bucket_allreduce count the ones that reach other ranks (k > 1, a
+ * non-empty range); dp_comm_collectives_issued reads the total. Every kind
+ * keeps this count, so that the CPU suite runs the logic the NCCL kind needs.
+ * Called by one thread while no replica thread uses the comm. */
 void dp_comm_step_begin(dp_comm *c);
 int64_t dp_comm_collectives_issued(const dp_comm *c);
-/* After a failed step. When a collective was issued since dp_comm_step_begin,
- * NCCL operations some ranks queued may never be matched by the others: an
- * NCCL comm's communicators are then aborted and the comm refuses further use
- * (DP_ERR_RUNTIME naming the reason); returns 1 then. When none was issued
- * (the step failed before its first collective, e.g. a bad label found while
- * staging) nothing is pending anywhere and the comm stays usable: returns 0.
- * Other kinds never need aborting. Called by one thread while no replica
- * thread uses the comm. */
+/* After a failed step: returns 1 when an NCCL comm was aborted, else 0. When
+ * a collective was issued since dp_comm_step_begin, NCCL operations some ranks
+ * queued may never be matched by the others, so an NCCL comm's communicators
+ * are aborted and the comm refuses further use (DP_ERR_RUNTIME naming the
+ * reason). When none was issued, nothing is pending and the comm stays
+ * usable; other kinds never need aborting. Called by one thread while no
+ * replica thread uses the comm. */
 int dp_comm_step_failed(dp_comm *c);
 int dp_comm_is_poisoned(const dp_comm *c);
 

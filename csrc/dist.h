@@ -1,19 +1,19 @@
-/* dist.h — the processes of a job, over MPI (Open MPI): never a transport of
- * our own.
+/* dist.h — the processes of a job, over MPI (Open MPI), never a transport
+ * of our own.
  *
  * A process started by mpirun (or any launcher that sets Open MPI's, PMIx's
  * or PMI's rank variables) joins the job on first use (dp_dist_init); any
- * other process is a world of one and never initialises MPI. dpcore finalises
- * only an MPI it initialised itself (mpi4py may have done it first), and asks
- * for MPI_THREAD_MULTIPLE; it needs no more than MPI_THREAD_SERIALIZED, since
- * every MPI call it makes holds one process-wide lock.
+ * other process is a world of one and never initialises MPI. dpcore
+ * finalises only an MPI it initialised (mpi4py may have done it first). It
+ * asks for MPI_THREAD_MULTIPLE but needs only MPI_THREAD_SERIALIZED: every
+ * MPI call it makes holds one process-wide lock.
  *
  * Every operation that waits for another process is non-blocking underneath
  * and polled against a deadline: a peer that never arrives (stopped, hung, or
- * skipping the operation) is a DP_ERR_DIST naming the peers that are missing
- * and what was being waited for, never a hang. What to do next is the
- * caller's: python/dpcore ends an unhandled exception with MPI_Abort
- * (dp_dist_abort), so that mpirun takes the whole job down.
+ * skipping the operation) is a DP_ERR_DIST naming the missing peers and what
+ * was awaited, never a hang. What to do next is the caller's; python/dpcore
+ * ends an unhandled exception with MPI_Abort (dp_dist_abort), so that mpirun
+ * takes the whole job down.
  *
  * Built without MPI (DPCORE_MPI=0, or no mpicc), every process is a world of
  * one and the operations that need a peer return DP_ERR_UNSUPPORTED.
@@ -37,9 +37,9 @@ typedef struct dp_dist_info {
 
 /* 1 when dpcore was built with MPI. */
 int dp_dist_built(void);
-/* The library's own words (MPI_Get_library_version), and whether it says it
- * can take CUDA device memory (Open MPI's MPIX_Query_cuda_support: -1 when it
- * cannot tell, or before MPI is initialised for Open MPI's run-time answer). */
+/* The library's own description (MPI_Get_library_version), and whether it
+ * can take CUDA device memory (Open MPI's MPIX_Query_cuda_support; -1 when it
+ * cannot tell, or before MPI is initialised, which its run-time answer needs). */
 const char *dp_dist_library_version(void);
 int dp_dist_cuda_aware(void);
 
@@ -49,8 +49,8 @@ int dp_dist_cuda_aware(void);
 DP_MUST_CHECK dp_status dp_dist_init(dp_dist_info *out);
 /* What dp_dist_init found, without initialising anything (size 1 before it). */
 dp_dist_info dp_dist_get_info(void);
-/* MPI_Finalize when dpcore initialised MPI and nothing failed since; a no-op
- * otherwise. After it every operation fails. */
+/* MPI_Finalize when dpcore initialised MPI and nothing has failed since; a
+ * no-op otherwise. After it every operation fails. */
 DP_MUST_CHECK dp_status dp_dist_finalize(void);
 /* MPI_Abort(MPI_COMM_WORLD, code) when MPI is initialised: mpirun ends every
  * process of the job. Returns only when MPI is not running. */
@@ -62,9 +62,9 @@ void dp_dist_abort(int code);
 int dp_dist_is_broken(void);
 
 /* The operations below are collective over every process of the job: each
- * must call them in the same order with the same sizes. timeout: seconds to
- * wait for the slowest peer (> 0). what: what is being waited for, for the
- * message ("the gradient all-reduce of step 12"). */
+ * calls them in the same order with the same sizes. timeout: seconds to wait
+ * for the slowest peer (> 0). what: what is awaited, for the error message
+ * ("the gradient all-reduce of step 12"). */
 
 /* Root's bytes to every process (MPI_Ibcast). */
 DP_MUST_CHECK dp_status dp_dist_bcast(void *buf, int64_t bytes, int root, double timeout, const char *what);
@@ -74,28 +74,28 @@ DP_MUST_CHECK dp_status dp_dist_allgather(const void *mine, int64_t bytes, void 
                                           const char *what);
 DP_MUST_CHECK dp_status dp_dist_barrier(double timeout, const char *what);
 
-/* The rank-ordered all-reduce across processes of this process's k local
- * replica buffers bufs[0..k-1] (host memory, n floats each; every process
- * passes its own k, and the global replica order is process by process,
- * local rank by local rank). Every element of every buffer of every process
- * becomes (((g0 + g1) + g2) + ... + g_{R-1}) * scale, the global replicas
- * g summed left to right: bitwise what one process computes over R replica
- * threads (collective.c), whatever the split into processes.
+/* All-reduce across processes of this process's k replica buffers
+ * bufs[0..k-1] (host memory, n floats each; each process passes its own k).
+ * Every element of every buffer of every process becomes
+ * (((g0 + g1) + g2) + ... + g_{R-1}) * scale over the job's R replicas in
+ * global order (process by process, local rank by local rank): the value one
+ * process computes over R replica threads (collective.c), whatever the split
+ * into processes.
  *
  * A chain: process p receives the running sum of processes 0..p-1, adds its
- * own replicas in order and passes it on; the last process scales and the
- * result travels back down the chain. In segments of DP_DIST_SEGMENT floats,
- * so that the processes work on different segments at once. stage: 2 *
- * DP_DIST_SEGMENT floats of scratch. tag: in [0, DP_DIST_MAX_TAG), apart for
- * operations that may be in flight at once. */
+ * own replicas in order and passes it on; the last process scales it and the
+ * result travels back down. In segments of DP_DIST_SEGMENT floats, so that
+ * the processes work on different segments at once. stage: 2 *
+ * DP_DIST_SEGMENT floats of scratch. tag: in [0, DP_DIST_MAX_TAG), distinct
+ * for operations that may be in flight at once. */
 enum { DP_DIST_SEGMENT = 1 << 18, DP_DIST_MAX_TAG = 1 << 12 };
 DP_MUST_CHECK dp_status dp_dist_chain_allreduce(float *const *bufs, int k, int64_t n, float scale, int tag,
                                                 float *stage, double timeout, const char *what);
 
-/* A communication context of its own (an MPI communicator duplicated from
- * the job's): the messages of one channel never meet another's, whatever the
- * tags. Collective: every process opens its channels in the same order.
- * Closing one after MPI was finalised only frees the memory. */
+/* A channel: a communication context of its own (an MPI communicator
+ * duplicated from the job's), whose messages never meet another channel's,
+ * whatever the tags. Opening is collective: every process opens its channels
+ * in the same order. Closing one after MPI was finalised only frees memory. */
 typedef struct dp_dist_channel dp_dist_channel;
 DP_MUST_CHECK dp_status dp_dist_channel_open(double timeout, dp_dist_channel **out);
 void dp_dist_channel_close(dp_dist_channel *ch);
