@@ -1,11 +1,12 @@
-/* collective.h — collectives across the replica threads of one process.
+/* collective.h — collectives across the replica threads of one process,
+ * and the collective interface the model calls.
  *
  * All-reduce is reduce-scatter + all-gather fused: of k replicas, rank r owns
  * chunk r of the buffer; it sums chunk r of all k buffers in rank order
- * (0, 1, ..., k-1, so the bits never depend on thread timing) and writes the
- * result into chunk r of every buffer. Chunks start on 16-float boundaries so
- * no two ranks write the same cache line. Every replica thread calls
- * dp_allreduce with its rank; barriers bracket the exchange.
+ * (0, 1, ..., k-1, so that the result never depends on thread timing) and
+ * writes the result into chunk r of every buffer. Chunks start on 16-float
+ * boundaries, so that no two ranks write the same cache line. Every replica
+ * thread calls dp_allreduce with its rank; barriers bracket the exchange.
  */
 #ifndef DP_COLLECTIVE_H
 #define DP_COLLECTIVE_H
@@ -15,10 +16,10 @@
 
 #include "dp_status.h"
 
-/* A barrier that spins briefly before sleeping: waking a sleeping thread on
- * a virtual machine costs tens of microseconds, more than a whole all-reduce
- * of a small buffer. The spin yields the core regularly, so k threads on
- * fewer cores still make progress. */
+/* A barrier of count threads that spins briefly before sleeping, because
+ * waking a sleeping thread (on a virtual machine above all) can take longer
+ * than a small buffer's whole all-reduce. The spin yields the core
+ * regularly, so that k threads on fewer cores still make progress. */
 typedef struct dp_barrier {
   pthread_mutex_t mutex;
   pthread_cond_t cond;
@@ -36,7 +37,7 @@ void dp_barrier_destroy(dp_barrier *b);
 DP_MUST_CHECK dp_status dp_barrier_wait(dp_barrier *b);
 /* A failing thread breaks the barrier: every waiter returns DP_ERR_ABORTED. */
 void dp_barrier_break(dp_barrier *b);
-/* Mends a broken barrier. Only while no thread is inside it (dp_group_run
+/* Mends a broken barrier; only while no thread is inside it (dp_group_run
  * calls it before it starts the workers). */
 void dp_barrier_reset(dp_barrier *b);
 

@@ -1,9 +1,9 @@
 /* implicit_gemm.h — convolution on the CPU as a GEMM whose input operand is
- * never written out: the forward pass, the weight gradient and (see below)
- * the input gradient of the convolutions with few channels (LeNet's 20 -> 50, 5x5 on 13x13), where
- * im2col + SGEMM spent a third of its time writing and reading the column
- * matrix (a 5x5 kernel makes it 25 times the input) and OpenBLAS ran the
- * small GEMMs (50 rows) at half its large-matrix rate.
+ * never written out: the forward pass, the weight gradient and (below) the
+ * input gradient of convolutions with few channels (LeNet's 20 -> 50, 5x5 on
+ * 13x13). Why: im2col's column matrix is KH*KW times the input (25 times for
+ * 5x5), and with few channels writing and reading it is a large share of the
+ * layer's time, while the BLAS runs such small GEMMs below its best rate.
  *
  * The product is the im2col GEMM's, y[o, p] = sum over taps t = (c, ki, kj)
  * of w[o, t] * x[off[p] + toff[t]], where off[p] is where output position p's
@@ -18,39 +18,32 @@
  * of dy.
  *
  * Threads: thread t of nt takes the samples [N*t/nt, N*(t+1)/nt); each
- * sample's y depends on that sample alone (the same bits whatever else is in
- * the batch); dw and db are each thread's partial sums (its samples in groups
- * of at least DP_IGEMM_DW_ROWS output positions, in order) added in thread
- * order, as the GEMM path does.
+ * sample's y depends on that sample alone, whatever else is in the batch; dw
+ * and db are each thread's partial sums (its samples in groups of at least
+ * DP_IGEMM_DW_ROWS output positions, in order) added in thread order, as the
+ * GEMM path does.
  *
  * Sums: each output is a sum over the taps in (c, ki, kj) order, blocked as
  * dpcore's GEMM kernel's (gemm_kernel.h, small_gemm.h's DP_GEMM_KB): each
  * block of KB taps one chain of fused multiply-adds (where the CPU has FMA)
- * from zero, the blocks' results added in turn, the same bits as im2col +
- * that kernel; dw such a sum per group of samples, added to the thread's
+ * from zero, the blocks' results added in turn, as im2col + that kernel
+ * computes it; dw such a sum per group of samples, added to the thread's
  * running partial.
  *
  * The switch: DPCORE_IMPLICIT_GEMM, read with getenv at every call as
  * DPCORE_WINOGRAD is: "1" on, "0" off, unset or empty the default
- * (DP_IGEMM_DEFAULT, chosen by the LeNet step's A/B), any other value
- * DP_ERR_VALUE. It takes the convolutions with more than one input channel
- * and at most DP_IGEMM_MAX_OUT (64) output channels: measured on one core
- * against im2col + SGEMM (forward), 1.25x faster on LeNet's 20 -> 50, 1.3x at
- * 32 -> 32 (14x14), 1.1x at 64 -> 64 (28x28); at 128 channels about even, at
- * 256 (7x7) slower. The Winograd and one-channel paths come first.
+ * (DP_IGEMM_DEFAULT), any other value DP_ERR_VALUE. It takes the
+ * convolutions with more than one input channel and at most DP_IGEMM_MAX_OUT
+ * (64) output channels, where it is faster than im2col + SGEMM; the Winograd
+ * and one-channel paths come first.
  *
  * dx: the col2im of w^T dy with the same kernel (rows 6 output positions,
  * lanes 16 taps, the sum over the O output channels), each tile added into dx
- * as it is computed, where that measured no slower than the GEMM path (CPU
- * time of the backward pass on one core, a build with this limit raised as
- * the A): with at least DP_IGEMM_DX_MIN_OUT output channels (a sum of fewer
- * is too short beside the tile's scatter: 9% slower at 6 -> 16, 5x5; 16%
- * faster at 20 -> 32; at 20 -> 50 a median 4% faster over 11 alternating
- * pairs, which ranged from 22% faster to 12% slower on this shared machine;
- * even at 20 -> 64) and where the GEMM path does not compute dx as a
- * convolution of dy ("same" padding: that path has no col2im, and measured
- * 8-25% faster at 32 and 64 channels, 3x3). Otherwise dx stays on the GEMM
- * path, without its im2col of x.
+ * as it is computed. Taken where it is no slower than the GEMM path: with at
+ * least DP_IGEMM_DX_MIN_OUT output channels (a shorter sum loses to the
+ * tile's scatter), and where the GEMM path does not compute dx as a
+ * convolution of dy ("same" padding, which needs no col2im). Otherwise dx
+ * stays on the GEMM path, without its im2col of x.
  */
 #ifndef DP_IMPLICIT_GEMM_H
 #define DP_IMPLICIT_GEMM_H

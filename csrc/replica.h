@@ -21,10 +21,10 @@ typedef DP_MUST_CHECK dp_status (*dp_group_fn)(void *arg, int rank);
  * device cpu_device[r] (-1: not pinned) of dp_devices_logical(CPU) devices
  * (dp_cpu_device_cores): replicas on their own cores never share one. */
 DP_MUST_CHECK dp_status dp_group_create(int k, const int *threads, const int *cpu_device, dp_group **out);
-/* Whether mirrored CPU replicas are pinned to their cores: the environment
- * variable DPCORE_PIN_THREADS="1" (default: not pinned; benchmarks/bench_threads.py
- * measured no clear gain on a 2-vCPU machine, and a pinned replica cannot move
- * off a core that another process is using). */
+/* Whether mirrored CPU replicas are pinned to their cores
+ * (DPCORE_PIN_THREADS="1"). Off by default: pinning showed no gain
+ * (benchmarks/RESULTS.md, "Environment A/B"), and a pinned replica cannot
+ * move off a core that another process is using. */
 int dp_pin_threads_enabled(void);
 void dp_group_destroy(dp_group *g);
 /* How many groups this process has made (a debug counter: tests check that
@@ -33,9 +33,9 @@ long dp_group_created_count(void);
 int dp_group_size(const dp_group *g);
 /* The barrier of the k workers, for collectives inside fn. */
 dp_barrier *dp_group_barrier(dp_group *g);
-/* Runs fn(arg, r) on worker r for every r; returns DP_OK or the status of the
- * lowest failing rank (one that failed by itself before one that aborted
- * because of it), with its message moved to the calling thread. */
+/* Runs fn(arg, r) on worker r for every r and waits for all; returns DP_OK
+ * or the status of the lowest failing rank (one that failed by itself before
+ * one that aborted because of it), its message moved to the calling thread. */
 DP_MUST_CHECK dp_status dp_group_run(dp_group *g, dp_group_fn fn, void *arg);
 
 #endif

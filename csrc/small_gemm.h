@@ -4,32 +4,27 @@
  * the same kernel at half the width, a 6 x 16 block), CBLAS elsewhere or
  * when DPCORE_OWN_GEMM=0.
  *
- * Why not only the BLAS: the products are small GEMMs (64..512 channels by
- * a few dozen to a few hundred tiles) called from inside dpcore's own
- * threads. OpenBLAS runs them on the kernels its runtime chose (on an AVX-512
- * CPU under OPENBLAS_CORETYPE=Haswell, as this project's workplace sets, the
- * AVX2 ones at half the width) and packs both operands on every call. This
- * kernel reads A and B where they lie (NT packs B^T a panel at a time), with
- * an 8 x 32 register block (16 of the 32 vector registers accumulate).
- * Measured against OpenBLAS with its AVX2 kernels and with its own AVX-512
- * ones (benchmarks/bench_own_gemm.py; benchmarks/RESULTS.md, "dpcore's
- * AVX-512 GEMM kernel A/B").
+ * Why a kernel of our own: these are small GEMMs (64..512 channels by tens
+ * to hundreds of tiles) called from inside dpcore's threads. OpenBLAS packs
+ * both operands on every call and runs the kernels its runtime chose (the
+ * AVX2 ones under OPENBLAS_CORETYPE=Haswell, even on an AVX-512 CPU). This
+ * kernel reads A and B where they lie (an NT product packs B^T a panel at a
+ * time), with an 8 x 32 register block. The A/B: benchmarks/RESULTS.md,
+ * "dpcore's AVX-512 GEMM kernel A/B".
  *
- * On the kernel each output is a blocked sum in k order: the k of each block
- * of DP_GEMM_KB (k in [j*KB, (j+1)*KB) from the call's first k) one chain of
- * fused multiply-adds from zero in registers, the blocks' results then added
- * one by one into C (the first stored, or added to C's old value when
- * accumulating). KB is a constant of the build (never of the thread count or
- * the cache): the same bits whatever the threads, the row and column blocking
- * and the batch, and the same on the AVX2 kernel as on the AVX-512 one and in
- * gemm_kernel.h's kernel (the implicit GEMM, Winograd with samples in lanes).
- *
- * Why blocks: one chain over all K (as before the blocking) has an error growing
- * like sqrt(K) u on random-sign terms and K u at worst; blocks of KB grow
- * like sqrt(KB + K/KB) u, and at worst gamma_{KB + ceil(K/KB) - 1} S in place
- * of gamma_K S (S = sum |a_k b_k|). ResNet-18's deep layers sum K = C*9 =
- * 2304..4608 terms on the im2col GEMM, and Winograd's products C = 256..512:
- * benchmarks/RESULTS.md, "Precision: K-blocked accumulation".
+ * Sums: on the kernel each output is a blocked sum in k order, each block of
+ * DP_GEMM_KB k (counted from the call's first k) one chain of fused
+ * multiply-adds from zero in registers, the blocks' results added one by one
+ * into C (the first stored, or added to C's old value when accumulating). KB
+ * is a constant of the build, never of the thread count or the cache, so that
+ * the result does not depend on the threads, the row and column blocking or
+ * the batch, and is the same on the AVX2 and AVX-512 kernels and on
+ * gemm_kernel.h's (the implicit GEMM, Winograd with samples in lanes).
+ * Blocks, because one chain over all K has an error growing like sqrt(K) u
+ * on random-sign terms and K u at worst; blocks of KB grow like
+ * sqrt(KB + K/KB) u, and at worst gamma_{KB + ceil(K/KB) - 1} S in place of
+ * gamma_K S (S = sum |a_k b_k|): benchmarks/RESULTS.md, "Precision: K-blocked
+ * accumulation".
  */
 
 #ifndef DP_SMALL_GEMM_H
@@ -39,15 +34,11 @@
 
 #include "dp_status.h"
 
-/* The accumulation block (k): see above. On random-sign sums (a convolution's
- * forward and dx) the error goes like sqrt(KB + K/KB), least at KB = sqrt(K)
- * (48..68 for ResNet-18's K = 2304..4608, 16..23 for Winograd's C = 256..512);
- * on same-sign sums like sqrt(KB^2/K + K/KB), least at (K^2/2)^(1/3) (138..220).
- * Measured (benchmarks/RESULTS.md, "Precision: K-blocked accumulation"): 64
- * had 0.8-1.1x 128's GEMM-path error (0.75x on Winograd's products at 256 and
- * 512 channels) and cost 4-8% on the deep layers' GEMM path; 128 and 256 cost
- * nothing measurable, 256 had 1.0-1.4x 128's error.
- * The extra work is one add of the C tile per block, 1 in 128 of the k loop's. */
+/* The accumulation block (k), above. The error is least at KB = sqrt(K) on
+ * random-sign sums (a convolution's forward and dx) and at (K^2/2)^(1/3) on
+ * same-sign sums; 128 lies between the two for ResNet-18's K = 2304..4608.
+ * The extra work is one add of the C tile per block. The A/B of 64, 128 and
+ * 256: benchmarks/RESULTS.md, "Precision: K-blocked accumulation". */
 #define DP_GEMM_KB 128
 
 /* 2 where this build has the AVX-512 kernel, 1 the AVX2 + FMA one (whatever
@@ -72,8 +63,8 @@ DP_MUST_CHECK dp_status dp_small_gemm_on(int *on);
 void dp_gemm(int own, int ta, int tb, int64_t M, int64_t N, int64_t K, const float *A, int64_t lda, const float *B,
              int64_t ldb, float *C, int64_t ldc, int accumulate, float *pack);
 
-/* How many dp_gemm calls this process has sent to the BLAS and to dpcore's kernel (what the
- * DPCORE_OWN_GEMM switch switches, observable: _core.debug_counters()). */
+/* How many dp_gemm calls this process has sent to the BLAS and to dpcore's
+ * kernel (_core.debug_counters(): makes DPCORE_OWN_GEMM observable). */
 void dp_gemm_counts(long long *blas, long long *own);
 
 #endif

@@ -2,16 +2,13 @@
  * for the CPU backend; the forward pass and both gradients:
  *
  *   F(3x3, 5x5)  5x5 stride-1 convolutions of at least 6 input channels
- *                (LeNet's 20 -> 50 on 13x13): 49 multiplies per 3x3 block of
- *                outputs and input channel where im2col + GEMM and the
- *                implicit GEMM do 225 (4.6x fewer)
+ *                (LeNet's 20 -> 50): 49 multiplies per 3x3 block of outputs
+ *                and input channel where a GEMM does 225
  *   F(4x4, 3x3)  3x3 stride-1 convolutions of at least 64 channels in and out
- *                on planes of at least 16 4x4 tiles (13x13 outputs and more:
- *                ResNet-18's 28x28 and 14x14 stages): 36 multiplies per 4x4
- *                block where the GEMM does 144 (4x fewer; F(2x2, 3x3),
- *                winograd.h, 2.25x, keeps the narrower planes: slower
- *                backward passes there, and larger rounding errors,
- *                winograd_lanes.c)
+ *                on planes of at least 16 4x4 tiles (13x13 outputs and more):
+ *                36 multiplies per 4x4 block where a GEMM does 144; narrower
+ *                planes stay on F(2x2, 3x3) (winograd.h), whose backward
+ *                passes are faster there and whose rounding errors are smaller
  *
  * Each m x m block of outputs comes from the A x A input tile around it
  * (A = m + r - 1, tiles at stride m, the input zero past its edge and
@@ -29,30 +26,28 @@
  *   dx += B [ sum over o of U_xi . dM ] B^T    (each tile's, added where the tile lies)
  *   dU = sum over tiles of dM . (B^T d B),  dw = G^T dU G
  *
- * Lanes: the samples in chunks of 16, one sample per vector lane (the input
- * chunk transposed to (C, H, W, 16) first), so that every transform is
- * 16-wide vector arithmetic and the products are gemm_kernel.h's micro-kernel
- * (6 channels by 16 lanes). A sample's y and dx therefore depend on that
- * sample alone (the same bits whatever else is in the batch, however the
- * threads split it); thread t of nt takes the chunks [nch*t/nt, nch*(t+1)/nt),
- * and dw and db are each thread's partial sums (its chunks in order) added in
- * thread order, as the GEMM and implicit GEMM paths do.
+ * Lanes: the samples in chunks of 16, one per vector lane (the chunk's input
+ * transposed to (C, H, W, 16) first), so that every transform is 16-wide
+ * vector arithmetic and the products are gemm_kernel.h's micro-kernel (6
+ * channels by 16 lanes). A sample's y and dx therefore depend on that sample
+ * alone, whatever else is in the batch and however the threads split it.
+ * Thread t of nt takes the chunks [nch*t/nt, nch*(t+1)/nt); dw and db are
+ * each thread's partial sums (its chunks in order) added in thread order, as
+ * the GEMM and implicit GEMM paths do.
  *
  * Numerics: the transforms weigh the terms by |B|, |G|, |A| (entries up to 8)
- * and G's entries (1/3, 1/9, 1/6, 1/24, ...) are rounded to float32: the error
- * is a derived gamma_k bound larger than the GEMM path's
- * (tests/test_winograd_lanes.py derives and checks it, and the suite's
- * tolerances).
+ * and G's entries (1/3, 1/9, 1/6, 1/24, ...) are rounded to float32: a larger
+ * error bound than the GEMM path's (tests/test_winograd_lanes.py derives and
+ * checks it).
  *
- * The switches: F(3x3, 5x5) runs only in the fast precision
- * (dpcore.set_precision('fast'): its forward error is ~5x, its gradients'
- * 13-16x float32 GEMM's, benchmarks/winograd_error.py); DPCORE_WINOGRAD_F35
- * "1"/"0" overrides that for A/B work. DPCORE_WINOGRAD, as for F(2x2, 3x3)
- * (winograd.h): "0" turns every Winograd path off (on by default); DPCORE_WINOGRAD_F43 "1" gives the
- * 3x3 layers above to F(4x4, 3x3), off by default (its rounding moves
- * ResNet-18's chaotic PyTorch fixture to the edge of its tolerances:
- * winograd_lanes.c). Both read at every call; "1", "0" or unset/empty (the
- * default), any other value DP_ERR_VALUE.
+ * The switches, read at every call ("1", "0" or unset/empty for the default,
+ * any other value DP_ERR_VALUE): DPCORE_WINOGRAD "0" turns every Winograd
+ * path off, as for winograd.h. F(3x3, 5x5) runs only in the fast precision
+ * (dpcore.set_precision('fast')), for its error of several times float32
+ * GEMM's; DPCORE_WINOGRAD_F35 "1"/"0" overrides that for A/B work.
+ * DPCORE_WINOGRAD_F43 "1" gives the 3x3 layers above to F(4x4, 3x3); off by
+ * default: on ResNet-18's step it is slower than F(2x2, 3x3), and its
+ * rounding moves the PyTorch fixture to the edge of its tolerances.
  */
 #ifndef DP_WINOGRAD_LANES_H
 #define DP_WINOGRAD_LANES_H

@@ -1,7 +1,7 @@
-/* winograd_s2.h — Winograd for 3x3 convolutions at stride 2 (pad 1): the
- * CPU backend's forward pass and both gradients of ResNet-18's three
- * downsampling 3x3 layers, which otherwise take im2col + GEMM (9 multiplies
- * per output and input channel).
+/* winograd_s2.h — Winograd for the CPU backend's 3x3 convolutions at stride
+ * 2, pad 1 (ResNet-18's downsampling layers): the forward pass and both
+ * gradients, where im2col + GEMM takes 9 multiplies per output and input
+ * channel.
  *
  * Along one axis, two outputs of stride 2 read five inputs d0..d4
  * (y0 = g0 d0 + g1 d1 + g2 d2, y1 = g0 d2 + g1 d3 + g2 d4): the even taps
@@ -16,7 +16,7 @@
  * y = A^T [(G g) . (B^T d)]; in two dimensions each 2x2 block of outputs
  * comes from the 5x5 input tile around it (tiles at stride 4, overlapping by
  * one row and column): y = A^T [ (G g G^T) . (B^T d B) ] A, 25 products per
- * block and input channel where the direct form takes 36 (1.44x fewer). G's
+ * block and input channel where the direct form takes 36. G's
  * last two rows are equal, so the transformed filter has 16 distinct entries
  * (U: 16 matrices (O, C)), each shared by the 1, 2 or 4 of the 25 products
  * whose rows and columns map to it. The transforms only add and subtract:
@@ -29,39 +29,32 @@
  *   dU_k = sum over the products xi sharing U_k and the tiles of dM_xi . V_xi^T,
  *   dw = G'^T dU G'                             (G' the 4 distinct rows of G)
  *
- * Layout and threads: the samples in chunks of 16, one per vector lane (each
- * chunk's input transposed to (C, 4*th+1, 4*tw+1, 16), its border the
- * padding's zeros), so every transform is 16-wide vector arithmetic whatever
- * the plane's size; the products are GEMMs over blocks of tiles (a column per
- * tile and lane). Forward: each thread takes its share of the tiles, a block
- * small enough for the L2 cache at a time (all of its share where U is
- * large), transforms it, multiplies it (a round of output channels at a
- * time) and transforms the products back, touching nothing of another
- * thread's. Backward, where U is small (at most 2^18 floats: ResNet-18's
- * 64 -> 128 layer) and the batch has 2 chunks or more: each thread takes
- * whole chunks (its lane planes, transforms, dx products and scatter), dw's
- * partial sums in up to 8 groups of chunks, added in group order at the end.
- * Else the threads transform a block together, then split the products: dx
- * by input-channel rows (each thread adds its channels' tiles), dw's 16
- * matrices dealt out whole. Every output value is the same arithmetic
- * in the same order however many threads run; on dpcore's GEMM kernel (whose
- * columns are each summed alone) a sample's y and dx depend on that sample
- * alone (with the BLAS the GEMMs' widths follow the batch, and may its
- * roundings). The last chunk's lanes past the batch are zeros multiplied for
- * nothing: the path takes a layer and batch only where its multiplies, idle
- * lanes and the tiles past an odd plane's edge included, stay within 0.8 of
- * the direct form's (N >= 16; ResNet-18's first and last downsampling layers,
- * not its 14x14 -> 7x7 one, whose 4x4 tiles cover 8x8 outputs for 7x7);
- * elsewhere im2col + GEMM.
+ * Results: every output is the same arithmetic in the same order however
+ * many threads run; on dpcore's GEMM kernel (each column summed alone) a
+ * sample's y and dx depend on that sample alone (with the BLAS the GEMMs'
+ * widths follow the batch, and so may their roundings).
+ *
+ * Layout: the samples in chunks of 16, one per vector lane (each chunk's
+ * input transposed to (C, 4*th+1, 4*tw+1, 16), its border the padding's
+ * zeros), so that every transform is 16-wide vector arithmetic whatever the
+ * plane's size; the products are GEMMs over blocks of tiles. Forward: each
+ * thread transforms, multiplies and transforms back its own share of the
+ * tiles, a block that fits the L2 cache at a time. Backward, where U is small
+ * (at most 2^18 floats) and the batch has 2 chunks or more: each thread takes
+ * whole chunks, dw's partials in up to 8 groups of chunks added in group
+ * order; else the threads transform a block together, then split the
+ * products (dx by input channels, dw's 16 matrices whole).
+ *
+ * The last chunk's lanes past the batch, and the tiles past an odd plane's
+ * edge, are multiplied for nothing: dp_s2_takes takes a layer and batch only
+ * where the multiplies stay within 0.8 of the direct form's.
  *
  * The switches: DPCORE_WINOGRAD (winograd.h) "0" turns every Winograd path
- * off; DPCORE_WINOGRAD_S2 "0" this one alone (on by default: the A/B in
- * benchmarks/RESULTS.md). Read at every call; "1", "0" or unset/empty, any
- * other value DP_ERR_VALUE.
+ * off; DPCORE_WINOGRAD_S2 "0" this one alone (on by default). Read at every
+ * call; "1", "0" or unset/empty, any other value DP_ERR_VALUE.
  *
  * Numerics: every transform coefficient is 0 or +-1, so the error bound has
- * the form of F(2x2, 3x3)'s (tests/test_winograd_s2.py derives and checks it);
- * measured, the errors are those of the GEMM path.
+ * the form of F(2x2, 3x3)'s (tests/test_winograd_s2.py derives and checks it).
  */
 #ifndef DP_WINOGRAD_S2_H
 #define DP_WINOGRAD_S2_H
