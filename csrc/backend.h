@@ -117,9 +117,11 @@ struct dp_backend {
   /* y (N,nout) = x (N,nin) w^T + b, w (nout,nin): PyTorch's Linear layout */
   DP_MUST_CHECK dp_status (*dense_forward)(dp_device *dev, int64_t N, int nin, int nout, const float *x, const float *w,
                                            const float *b, float *y);
+  /* dw, db overwritten with this batch's sums; dx overwritten unless NULL. */
   DP_MUST_CHECK dp_status (*dense_backward)(dp_device *dev, int64_t N, int nin, int nout, const float *x,
                                             const float *w, const float *dy, float *dx, float *dw, float *db);
   DP_MUST_CHECK dp_status (*relu_forward)(dp_device *dev, int64_t n, const float *x, float *y);
+  /* dx (n) = 0 where y <= 0, else dy (dp_relu_backward_elem) */
   DP_MUST_CHECK dp_status (*relu_backward)(dp_device *dev, int64_t n, const float *y, const float *dy, float *dx);
   DP_MUST_CHECK dp_status (*avgpool_forward)(dp_device *dev, const dp_pool_geom *g, int64_t N, const float *x,
                                              float *y);

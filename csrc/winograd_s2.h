@@ -16,10 +16,10 @@
  * y = A^T [(G g) . (B^T d)]; in two dimensions each 2x2 block of outputs
  * comes from the 5x5 input tile around it (tiles at stride 4, overlapping by
  * one row and column): y = A^T [ (G g G^T) . (B^T d B) ] A, 25 products per
- * block and input channel where the direct form takes 36. G's
- * last two rows are equal, so the transformed filter has 16 distinct entries
- * (U: 16 matrices (O, C)), each shared by the 1, 2 or 4 of the 25 products
- * whose rows and columns map to it. The transforms only add and subtract:
+ * block and input channel where the direct form takes 36. G's last two rows
+ * are equal, so the transformed filter has 16 distinct entries (U: 16
+ * matrices (O, C)), each shared by the 1, 2 or 4 of the 25 products whose
+ * rows and columns map to it. The transforms only add and subtract:
  * every coefficient is 0 or +-1.
  *
  * The gradients are the same algorithm transposed:
