@@ -21,6 +21,7 @@
 #include <sys/mman.h>
 
 #include "backend.h"
+#include "cpu_caches.h"
 #include "implicit_gemm.h"
 #include "lanes.h" /* dp_lanes_upto */
 #include "small_gemm.h"
@@ -338,7 +339,7 @@ static void col2im(const dp_conv_geom *g, const float *dcol, int64_t ld, float *
  * and the replica tests compare k replicas with one device. */
 #define CONV_NARROW 64
 #define CONV_GEMM_COLS 1024
-#define CONV_COL_L2 ((int64_t)1 << 17)
+#define CONV_COL_L2 (dp_cpu_l2_bytes() / 2 / (int64_t)sizeof(float)) /* half a core's L2 */
 #define CONV_COL_MAX ((int64_t)1 << 22)
 
 typedef struct conv_plan {

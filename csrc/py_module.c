@@ -13,6 +13,7 @@
 #include <string.h>
 
 #include "comm.h"
+#include "cpu_caches.h"
 #include "dist.h"
 #include "dp_limits.h"
 #include "small_gemm.h"
@@ -501,9 +502,10 @@ static PyObject *mod_runtime_info(PyObject *m, PyObject *unused) {
 #endif
   PyObject *gpus = runtime_gpus(count);
   if (!gpus) return NULL;
-  return Py_BuildValue("{s:i,s:s,s:N,s:i,s:i,s:i,s:i,s:s,s:n,s:s,s:i,s:s}", "cuda_device_count", count, "cuda_why", why,
+  return Py_BuildValue("{s:i,s:s,s:N,s:i,s:i,s:i,s:L,s:s,s:i,s:s,s:n,s:s,s:i,s:s}", "cuda_device_count", count, "cuda_why", why,
                        "cuda_devices", gpus, "cuda_runtime_version", rt, "cuda_driver_version", drv, "cpu_cores",
-                       dp_cpu_core_count(), "openmp", (int)_OPENMP, "blas_config", openblas_get_config(),
+                       dp_cpu_core_count(), "cpu_l2_bytes", (long long)dp_cpu_l2_bytes(), "cpu_l2_source",
+                       dp_cpu_l2_source(), "openmp", (int)_OPENMP, "blas_config", openblas_get_config(),
                        "cudnn_version", (Py_ssize_t)dp_cudnn_version(), "mpi_library", dp_dist_library_version(),
                        "mpi_cuda_aware", dp_dist_cuda_aware(), "cpu_gemm",
                        dp_small_gemm_built() == 2   ? "dpcore AVX-512 8x32 (DPCORE_OWN_GEMM=0: the BLAS)"

@@ -22,6 +22,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cpu_caches.h"
 #include "gemm_kernel.h" /* dp_lanes_upto (and immintrin.h) */
 #include "small_gemm.h"
 #include "winograd.h"
@@ -58,11 +59,10 @@
 #define WINO_SKEW 16
 /* With AVX-512 a thread's wide planes are taken a block of tiles at a time
  * (a multiple of 32: the GEMMs on whole panels of the kernel), V and M of a
- * block at most this many floats (or 32 tiles'): 2^18 (128 tiles at 64
- * channels, 64 at 128) measured faster than 2^17 and than whole samples
- * (64x28x28 forward 2.67 -> 2.52 ms, 128x14x14 2.94 -> 2.35 ms). */
+ * block at most this many floats (or 32 tiles'): a core's L2 (measured faster
+ * than half of it and than whole samples on a 1 MiB L2). */
 #ifndef WIDE_BLOCK_FLOATS
-#define WIDE_BLOCK_FLOATS ((int64_t)1 << 18)
+#define WIDE_BLOCK_FLOATS (dp_cpu_l2_bytes() / (int64_t)sizeof(float)) /* a core's L2 */
 #endif
 /* dw of wide planes: the batch in up to DW_GROUPS groups of consecutive
  * samples (dw_groups), each group's partial dU summed by one thread,

@@ -23,6 +23,7 @@
 #include <omp.h>
 #include <string.h>
 
+#include "cpu_caches.h"
 #include "lanes.h"
 #include "small_gemm.h"
 #include "winograd.h" /* dp_winograd_bias_grad */
@@ -38,20 +39,20 @@
 #ifndef S2_BLOCK_FLOATS
 #define S2_BLOCK_FLOATS ((int64_t)1 << 22)
 #endif
-/* forward: a thread's block of tiles, its V at most S2_V_FLOATS (512 KiB),
+/* forward: a thread's block of tiles, its V at most S2_V_FLOATS (half the L2),
  * or, where U is over S2_U_FLOATS, at most S2_V_MAX_FLOATS; the products
  * a round of ob output channels at a time, at most S2_M_FLOATS */
 #ifndef S2_V_FLOATS
-#define S2_V_FLOATS ((int64_t)1 << 17)
+#define S2_V_FLOATS (dp_cpu_l2_bytes() / 2 / (int64_t)sizeof(float)) /* half a core's L2 */
 #endif
 #ifndef S2_V_MAX_FLOATS
 #define S2_V_MAX_FLOATS ((int64_t)1 << 20)
 #endif
 #ifndef S2_U_FLOATS
-#define S2_U_FLOATS ((int64_t)1 << 18)
+#define S2_U_FLOATS (dp_cpu_l2_bytes() / (int64_t)sizeof(float))
 #endif
 #ifndef S2_M_FLOATS
-#define S2_M_FLOATS ((int64_t)1 << 16)
+#define S2_M_FLOATS (dp_cpu_l2_bytes() / 4 / (int64_t)sizeof(float))
 #endif
 /* backward, where U is at most S2_PRIVATE_U_FLOATS (and there are 2 chunks
  * or more): each thread takes whole chunks, its own transforms, products and

@@ -182,3 +182,60 @@ def test_batchnorm_networks_within_their_derived_bound(name, batch_size, seed):
     X, y = data(shape, batch_size, seed + 1, layers[-1][1])
     r = eb.check_forward_backward(net._model, layers, shape, X, y, sources=sources, what=name)
     print(f"{name} batch {batch_size}: largest |error| / bound {r:.3g}")
+
+
+BLOCKING_NET = [("conv2d", 32, 3, 1, 1), ("relu",), ("conv2d", 48, 3, 2, 1), ("conv2d", 48, 3, 1, 1),
+                ("flatten",), ("dense", 10)]
+BLOCKING_CHILD = r"""
+import sys, numpy as np, dpcore as dp
+sys.path.insert(0, {tests!r})
+import error_bounds as eb
+from test_error_bounds import BLOCKING_NET, batch, model
+info = dp._core.runtime_info()
+X, y = batch((32, 14, 14), 6)
+r = eb.check_forward_backward(model(BLOCKING_NET, (32, 14, 14)), BLOCKING_NET, (32, 14, 14), X, y, what="blocking")
+print(info["cpu_l2_bytes"], info["cpu_l2_source"], r)
+"""
+
+
+@pytest.mark.parametrize("l2", ["256K", "4M", "bogus"])
+def test_blocking_follows_the_l2_cache_and_keeps_the_bounds(l2):
+    """The CPU convolutions' blocks (Winograd's wide blocks and stride-2 rounds, the GEMM path's
+    sample groups) are sized from one core's L2 (csrc/cpu_caches.h): from sysfs, or DPCORE_L2_BYTES
+    when it names a size in [128 KiB, 64 MiB]. Under a quarter and four times this machine's L2 the
+    passes stay within their derived bounds; a value that is no size is ignored."""
+    import os
+    import subprocess
+    import sys
+    tests = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, DPCORE_L2_BYTES=l2)
+    out = subprocess.run([sys.executable, "-c", BLOCKING_CHILD.format(tests=tests)], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    size, source, ratio = out.stdout.split()[-3:]
+    if l2 == "bogus":
+        assert source in ("sysfs", "sysconf", "default"), out.stdout
+        assert int(size) == dp._core.runtime_info()["cpu_l2_bytes"]
+    else:
+        assert source == "DPCORE_L2_BYTES" and int(size) == {"256K": 256 << 10, "4M": 4 << 20}[l2], out.stdout
+    assert float(ratio) <= 1
+
+
+def test_the_l2_size_is_this_cpus():
+    """Without DPCORE_L2_BYTES, the size is cpu0's L2 as Linux's sysfs lists it (read here on its own)."""
+    import glob
+    import os
+    if "DPCORE_L2_BYTES" in os.environ:
+        pytest.skip("DPCORE_L2_BYTES is set in this environment")
+    sizes = []
+    for d in sorted(glob.glob("/sys/devices/system/cpu/cpu0/cache/index*")):
+        with open(os.path.join(d, "level")) as f, open(os.path.join(d, "type")) as t:
+            if f.read().strip() == "2" and t.read().strip() != "Instruction":
+                with open(os.path.join(d, "size")) as s:
+                    text = s.read().strip()
+                sizes.append(int(text[:-1]) << {"K": 10, "M": 20}[text[-1]] if text[-1] in "KM" else int(text))
+    info = dp._core.runtime_info()
+    if sizes and (128 << 10) <= sizes[0] <= (64 << 20):
+        assert (info["cpu_l2_bytes"], info["cpu_l2_source"]) == (sizes[0], "sysfs")
+    else:
+        assert info["cpu_l2_source"] in ("sysconf", "default")

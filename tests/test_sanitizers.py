@@ -46,7 +46,7 @@ def clean_env(**options):
 ASAN_UBSAN = ["-fsanitize=address,undefined", "-fno-sanitize-recover=undefined"]
 # the CPU backend's files; the core of the replica threads (replicas, collectives, comm, mirrored runners),
 # and the device registry's
-CPU_BACKEND = ["backend_cpu.c", "implicit_gemm.c", "small_gemm.c", "winograd.c", "winograd_lanes.c", "winograd_s2.c"]
+CPU_BACKEND = ["backend_cpu.c", "implicit_gemm.c", "small_gemm.c", "winograd.c", "winograd_lanes.c", "winograd_s2.c", "cpu_caches.c"]
 MIRRORED_CORE = [*CPU_BACKEND, "backend_cuda.c", "collective.c", "comm.c", "device.c", "dist.c", "mirrored.c", "layers.c",
                  "model.c", "replica.c", "resident.c", "shapes.c", "status.c"]
 REGISTRY_CORE = [*CPU_BACKEND, "backend_cuda.c", "device.c", "layers.c", "model.c", "resident.c", "shapes.c", "status.c"]

@@ -252,7 +252,7 @@ def test_winograd_bits_do_not_depend_on_the_thread_count(tmp_path):
     and 17 threads, the same bits (wide and narrow planes, chunks of unequal sizes): the
     threads that transform their own GEMMs' entries (with AVX-512) neither race nor
     change a sum's order. Built for this CPU under ASan and UBSan."""
-    run_native_c_check(tmp_path, "winograd_threads", ["winograd.c", "small_gemm.c", "status.c"])
+    run_native_c_check(tmp_path, "winograd_threads", ["winograd.c", "small_gemm.c", "status.c", "cpu_caches.c"])
 
 
 def test_winograd_avx2_forms_bits_do_not_depend_on_the_thread_count(tmp_path):
@@ -260,7 +260,7 @@ def test_winograd_avx2_forms_bits_do_not_depend_on_the_thread_count(tmp_path):
     kernel, the bordered planes' input and the short rows' output transforms 8 tiles a vector,
     masked to the rows and tiles), under ASan and UBSan, on a CPU that has AVX2 and FMA."""
     skip_without_avx2_fma()
-    run_native_c_check(tmp_path, "winograd_threads", ["winograd.c", "small_gemm.c", "status.c"], march="haswell")
+    run_native_c_check(tmp_path, "winograd_threads", ["winograd.c", "small_gemm.c", "status.c", "cpu_caches.c"], march="haswell")
 
 
 def test_stride2_winograd_bits_and_blocks(tmp_path):
@@ -269,7 +269,7 @@ def test_stride2_winograd_bits_and_blocks(tmp_path):
     convolution, the same bits on 1, 2, 3, 5 and 17 threads, nothing read from the
     scratch that the pass did not write (it starts as NaN). Built for this CPU under
     ASan and UBSan."""
-    run_native_c_check(tmp_path, "winograd_s2_threads", ["winograd.c", "small_gemm.c", "status.c"])
+    run_native_c_check(tmp_path, "winograd_s2_threads", ["winograd.c", "small_gemm.c", "status.c", "cpu_caches.c"])
 
 
 def test_stride2_winograd_avx2_forms(tmp_path):
@@ -277,4 +277,4 @@ def test_stride2_winograd_avx2_forms(tmp_path):
     GEMM kernel, the lane planes' 8x8 register transposes, the filter transform 8 pairs a
     vector), under ASan and UBSan, on a CPU that has AVX2 and FMA."""
     skip_without_avx2_fma()
-    run_native_c_check(tmp_path, "winograd_s2_threads", ["winograd.c", "small_gemm.c", "status.c"], march="haswell")
+    run_native_c_check(tmp_path, "winograd_s2_threads", ["winograd.c", "small_gemm.c", "status.c", "cpu_caches.c"], march="haswell")

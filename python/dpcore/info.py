@@ -18,7 +18,9 @@ def build_info():
     Keys include ``cuda`` (compiled with CUDA), ``cuda_toolkit``, ``cuda_archs``,
     ``cudnn_found``, ``cublas_found``, ``nccl_found``, ``mpi_found``, ``blas``,
     ``cflags``, ``sanitizers`` (``["address", "undefined"]`` in a build made
-    with DPCORE_SANITIZE=1, else ``[]``), ``openmp``, ``cpu_cores``, ``cuda_device_count``,
+    with DPCORE_SANITIZE=1, else ``[]``), ``openmp``, ``cpu_cores``, ``cpu_l2_bytes`` (one core's L2, which the CPU
+    convolutions' blocking follows) and ``cpu_l2_source`` (``sysfs``, ``sysconf``,
+    ``DPCORE_L2_BYTES`` or ``default``), ``cuda_device_count``,
     ``cuda_devices`` (each physical GPU's name, memory_bytes and
     compute_capability), ``cuda_why`` (why no CUDA device is usable, e.g. no
     driver), ``cpu_gemm`` (whose kernel runs the CPU convolutions' GEMMs:
