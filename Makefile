@@ -12,7 +12,7 @@ export VENV
 export OMPI_ALLOW_RUN_AS_ROOT := 1
 export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
 
-.PHONY: setup train train-resnet train-mpi test test-cpu-only test-asan test-gpu gpu-day-prepare gpu-day gpu-day-rehearse bench bench-gpu clean
+.PHONY: setup train train-resnet train-mpi two-process-split test test-cpu-only test-asan test-gpu gpu-day-prepare gpu-day gpu-day-rehearse bench bench-gpu clean
 
 setup:
 	scripts/bootstrap.sh
@@ -24,6 +24,10 @@ train: setup
 # local device; on a 2-core CPU an epoch takes 8-10 minutes (benchmarks/RESULTS.md)
 train-resnet: setup
 	$(PY) examples/train_resnet.py
+
+# The PyTorch tutorial's two-layer network split over two processes with send / recv (issue 33)
+two-process-split: setup
+	mpirun -np 2 --oversubscribe --bind-to none $(PY) examples/two_process_split.py
 
 # The same job in NP processes on this machine (make train-mpi NP=2): each process
 # mirrors over its own devices; --bind-to none lets dpcore spread its threads over the cores

@@ -63,6 +63,7 @@ static dp_status init_status;     /* its outcome, repeated to every later caller
 static char init_message[512];
 static MPI_Comm comm_ctl = MPI_COMM_NULL;  /* bcast, allgather, barrier */
 static MPI_Comm comm_data = MPI_COMM_NULL; /* the gradient chains */
+static MPI_Comm comm_p2p = MPI_COMM_NULL;  /* dp.distributed.send / recv */
 /* Set once an operation failed part way: the processes are out of step, and
  * any later operation (and MPI_Finalize) could wait forever. */
 static char broken[768];
@@ -208,7 +209,7 @@ static dp_status wait_requests_abandonable(MPI_Request *reqs, const int *peers, 
       cancel_receives(reqs, recv, n);
       return mark_broken(DP_FAIL(DP_ERR_DIST,
                                  "rank %d gave up after %.0f s waiting for rank %s in %s: that process stopped, hung, "
-                                 "or runs a different sequence of steps (the limit is the strategy's timeout=%g s)",
+                                 "or runs a different sequence of steps (the limit is timeout=%g s)",
                                  world.rank, waited, who, what, timeout));
     }
     /* Spin for the first 50 us (a shared-memory message takes about 1 us),
@@ -307,15 +308,17 @@ static dp_status init_locked(void) {
   /* Our own communicators, so that no message of ours meets the user's
    * (mpi4py's), each returning errors instead of aborting. MPI_Comm_dup is
    * blocking, the non-blocking duplicate is polled with a deadline. */
-  MPI_Request reqs[2];
-  int peers[2] = {-1, -1};
+  MPI_Request reqs[3];
+  int peers[3] = {-1, -1, -1};
   rc = MPI_Comm_idup(MPI_COMM_WORLD, &comm_ctl, &reqs[0]);
   if (rc == MPI_SUCCESS) rc = MPI_Comm_idup(MPI_COMM_WORLD, &comm_data, &reqs[1]);
+  if (rc == MPI_SUCCESS) rc = MPI_Comm_idup(MPI_COMM_WORLD, &comm_p2p, &reqs[2]);
   if (rc != MPI_SUCCESS) return init_fail(rc, "MPI_Comm_idup");
   init_done = 1; /* the operations below run on the new communicators */
-  DP_TRY(wait_requests(reqs, peers, NULL, 2, 120.0, "joining the job (MPI_Comm_idup)"));
+  DP_TRY(wait_requests(reqs, peers, NULL, 3, 120.0, "joining the job (MPI_Comm_idup)"));
   MPI_Comm_set_errhandler(comm_ctl, MPI_ERRORS_RETURN);
   MPI_Comm_set_errhandler(comm_data, MPI_ERRORS_RETURN);
+  MPI_Comm_set_errhandler(comm_p2p, MPI_ERRORS_RETURN);
   return find_local_rank();
 }
 
@@ -345,6 +348,7 @@ dp_status dp_dist_finalize(void) {
     if (!down) {
       if (comm_ctl != MPI_COMM_NULL) MPI_Comm_free(&comm_ctl);
       if (comm_data != MPI_COMM_NULL) MPI_Comm_free(&comm_data);
+      if (comm_p2p != MPI_COMM_NULL) MPI_Comm_free(&comm_p2p);
       const int rc = MPI_Finalize();
       if (rc != MPI_SUCCESS) st = init_fail(rc, "MPI_Finalize");
     }
@@ -624,6 +628,172 @@ dp_status dp_dist_chain_allreduce_on(const dp_dist_channel *ch, float *const *bu
   return st;
 }
 
+/* ---- point to point ------------------------------------------------------------- */
+
+/* Per (peer, user tag): the next sequence number of a send to / a receive
+ * from that peer, taken in program order by dp_dist_p2p_next_seq. The MPI tag
+ * of a message carries (user tag, sequence mod DP_DIST_P2P_SLOTS, phase), so
+ * operations in flight at once on several threads still pair the k-th send
+ * with the k-th receive. */
+static int64_t *p2p_seq; /* [2][size][DP_DIST_MAX_USER_TAG] */
+static pthread_mutex_t p2p_lock = PTHREAD_MUTEX_INITIALIZER;
+
+enum { P2P_DESC, P2P_ANSWER, P2P_DATA, P2P_PHASES };
+/* Bytes a data message carries at most (MPI counts are ints). */
+#define P2P_CHUNK ((int64_t)1 << 30)
+
+static int p2p_tag(int tag, int64_t seq, int phase) {
+  return ((tag * DP_DIST_P2P_SLOTS) + (int)(seq % DP_DIST_P2P_SLOTS)) * P2P_PHASES + phase;
+}
+
+static dp_status p2p_check(int peer, int tag, const char *verb) {
+  DP_TRY(usable());
+  if (peer < 0 || peer >= world.size)
+    return DP_FAIL(DP_ERR_VALUE, "%s: rank %d is not a rank of this job (0..%d)", verb, peer, world.size - 1);
+  if (peer == world.rank)
+    return DP_FAIL(DP_ERR_VALUE, "%s: rank %d cannot %s itself", verb, peer,
+                   strcmp(verb, "send") == 0 ? "send to" : "receive from");
+  if (tag < 0 || tag >= DP_DIST_MAX_USER_TAG)
+    return DP_FAIL(DP_ERR_VALUE, "%s: tag %d is not in [0, %d)", verb, tag, DP_DIST_MAX_USER_TAG);
+  return DP_OK;
+}
+
+dp_status dp_dist_p2p_next_seq(int is_send, int peer, int tag, int64_t *seq) {
+  DP_TRY(p2p_check(peer, tag, is_send ? "send" : "recv"));
+  pthread_mutex_lock(&p2p_lock);
+  if (!p2p_seq) p2p_seq = calloc((size_t)2 * (size_t)world.size * DP_DIST_MAX_USER_TAG, sizeof *p2p_seq);
+  if (p2p_seq) *seq = p2p_seq[((size_t)(is_send ? 1 : 0) * (size_t)world.size + (size_t)peer) * DP_DIST_MAX_USER_TAG
+                              + (size_t)tag]++;
+  pthread_mutex_unlock(&p2p_lock);
+  return p2p_seq ? DP_OK : DP_FAIL(DP_ERR_MEMORY, "point to point: cannot allocate the sequence numbers");
+}
+
+/* "float32[2, 3] on cpu" */
+static void desc_text(const dp_dist_desc *d, char *out, size_t size) {
+  static const char *const types[] = {"float32", "float64", "int32", "int64", "uint8"};
+  const char *t = d->dtype >= 0 && d->dtype < 5 ? types[d->dtype] : "?";
+  size_t used = (size_t)snprintf(out, size, "%s[", t);
+  for (int i = 0; i < d->ndim && i < DP_DIST_MAX_DIMS && used < size; ++i)
+    used += (size_t)snprintf(out + used, size - used, "%s%lld", i ? ", " : "", (long long)d->shape[i]);
+  if (used < size) snprintf(out + used, size - used, "] in %s memory", d->device == 0 ? "host" : "GPU");
+}
+
+static int64_t desc_bytes(const dp_dist_desc *d) {
+  static const int sizes[] = {4, 8, 4, 8, 1};
+  int64_t n = d->dtype >= 0 && d->dtype < 5 ? sizes[d->dtype] : 0;
+  for (int i = 0; i < d->ndim; ++i) n *= d->shape[i];
+  return n;
+}
+
+static int desc_same(const dp_dist_desc *a, const dp_dist_desc *b) {
+  if (a->dtype != b->dtype || a->device != b->device || a->ndim != b->ndim) return 0;
+  for (int i = 0; i < a->ndim; ++i)
+    if (a->shape[i] != b->shape[i]) return 0;
+  return 1;
+}
+
+static dp_status p2p_desc_valid(const dp_dist_desc *d, const char *verb) {
+  if (d->ndim < 0 || d->ndim > DP_DIST_MAX_DIMS || d->dtype < 0 || d->dtype > 4 || d->device < 0 || d->device > 1)
+    return DP_FAIL(DP_ERR_VALUE, "%s: a tensor of %d dimensions, dtype code %d", verb, d->ndim, d->dtype);
+  for (int i = 0; i < d->ndim; ++i)
+    if (d->shape[i] < 0) return DP_FAIL(DP_ERR_VALUE, "%s: a negative dimension", verb);
+  return DP_OK;
+}
+
+/* The bytes of one message, in chunks of at most P2P_CHUNK, all posted then waited for. */
+static dp_status p2p_data(int is_send, void *buf, int64_t bytes, int peer, int mtag, double timeout,
+                          const char *what) {
+  const int64_t nchunks = bytes == 0 ? 0 : (bytes + P2P_CHUNK - 1) / P2P_CHUNK;
+  if (nchunks == 0) return DP_OK;
+  MPI_Request *reqs = malloc(sizeof *reqs * (size_t)nchunks);
+  int *peers = malloc(sizeof *peers * (size_t)nchunks);
+  unsigned char *recv = malloc((size_t)nchunks);
+  if (!reqs || !peers || !recv) {
+    free(reqs), free(peers), free(recv);
+    return DP_FAIL(DP_ERR_MEMORY, "%s: %lld requests", what, (long long)nchunks);
+  }
+  int rc = MPI_SUCCESS;
+  int64_t c = 0;
+  pthread_mutex_lock(&mpi_lock);
+  for (; c < nchunks && rc == MPI_SUCCESS; ++c) {
+    const int64_t off = c * P2P_CHUNK, len = bytes - off < P2P_CHUNK ? bytes - off : P2P_CHUNK;
+    peers[c] = peer, recv[c] = (unsigned char)!is_send;
+    rc = is_send ? MPI_Isend((char *)buf + off, (int)len, MPI_BYTE, peer, mtag, comm_p2p, &reqs[c])
+                 : MPI_Irecv((char *)buf + off, (int)len, MPI_BYTE, peer, mtag, comm_p2p, &reqs[c]);
+  }
+  pthread_mutex_unlock(&mpi_lock);
+  dp_status st = mpi_call(rc, is_send ? "MPI_Isend" : "MPI_Irecv", what);
+  if (st != DP_OK) c -= 1; /* the failed one posted nothing */
+  dp_status waited = wait_requests(reqs, peers, recv, (int)c, timeout, what);
+  if (st == DP_OK) st = waited;
+  free(reqs), free(peers), free(recv);
+  return st;
+}
+
+/* The answer a receiver sends back: 0 and its description when it takes the message, 1 when not. */
+typedef struct p2p_answer {
+  int64_t refuse;
+  dp_dist_desc want;
+} p2p_answer;
+
+dp_status dp_dist_send_seq(const void *buf, const dp_dist_desc *desc, int dst, int tag, int64_t seq, double timeout,
+                           const char *what) {
+  DP_TRY(p2p_check(dst, tag, "send"));
+  DP_TRY(p2p_desc_valid(desc, "send"));
+  p2p_answer answer;
+  MPI_Request reqs[2];
+  const int peers[2] = {dst, dst};
+  const unsigned char recv[2] = {0, 1};
+  pthread_mutex_lock(&mpi_lock);
+  int rc = MPI_Isend(desc, (int)sizeof *desc, MPI_BYTE, dst, p2p_tag(tag, seq, P2P_DESC), comm_p2p, &reqs[0]);
+  if (rc == MPI_SUCCESS)
+    rc = MPI_Irecv(&answer, (int)sizeof answer, MPI_BYTE, dst, p2p_tag(tag, seq, P2P_ANSWER), comm_p2p, &reqs[1]);
+  else
+    reqs[1] = MPI_REQUEST_NULL;
+  pthread_mutex_unlock(&mpi_lock);
+  DP_TRY(mpi_call(rc, "MPI_Isend", what));
+  DP_TRY(wait_requests(reqs, peers, recv, 2, timeout, what));
+  if (answer.refuse) {
+    char mine[160], theirs[160];
+    desc_text(desc, mine, sizeof mine);
+    desc_text(&answer.want, theirs, sizeof theirs);
+    return DP_FAIL(DP_ERR_DIST, "rank %d: %s: rank %d expects %s, this rank sends %s (tag %d); nothing was sent",
+                   world.rank, what, dst, theirs, mine, tag);
+  }
+  return p2p_data(1, (void *)buf, desc_bytes(desc), dst, p2p_tag(tag, seq, P2P_DATA), timeout, what);
+}
+
+dp_status dp_dist_recv_seq(void *buf, const dp_dist_desc *expect, int src, int tag, int64_t seq, double timeout,
+                           const char *what) {
+  DP_TRY(p2p_check(src, tag, "recv"));
+  DP_TRY(p2p_desc_valid(expect, "recv"));
+  dp_dist_desc got;
+  MPI_Request req;
+  const unsigned char recv = 1;
+  pthread_mutex_lock(&mpi_lock);
+  int rc = MPI_Irecv(&got, (int)sizeof got, MPI_BYTE, src, p2p_tag(tag, seq, P2P_DESC), comm_p2p, &req);
+  pthread_mutex_unlock(&mpi_lock);
+  DP_TRY(mpi_call(rc, "MPI_Irecv", what));
+  DP_TRY(wait_requests(&req, &src, &recv, 1, timeout, what));
+  p2p_answer answer;
+  memset(&answer, 0, sizeof answer);
+  answer.refuse = !desc_same(&got, expect);
+  answer.want = *expect;
+  pthread_mutex_lock(&mpi_lock);
+  rc = MPI_Isend(&answer, (int)sizeof answer, MPI_BYTE, src, p2p_tag(tag, seq, P2P_ANSWER), comm_p2p, &req);
+  pthread_mutex_unlock(&mpi_lock);
+  DP_TRY(mpi_call(rc, "MPI_Isend", what));
+  DP_TRY(wait_requests(&req, &src, NULL, 1, timeout, what));
+  if (answer.refuse) {
+    char mine[160], theirs[160];
+    desc_text(expect, mine, sizeof mine);
+    desc_text(&got, theirs, sizeof theirs);
+    return DP_FAIL(DP_ERR_DIST, "rank %d: %s: rank %d sends %s, this rank expects %s (tag %d); nothing was received",
+                   world.rank, what, src, theirs, mine, tag);
+  }
+  return p2p_data(0, buf, desc_bytes(expect), src, p2p_tag(tag, seq, P2P_DATA), timeout, what);
+}
+
 #else /* !DP_HAVE_MPI: every process is a world of one */
 
 int dp_dist_built(void) { return 0; }
@@ -675,6 +845,29 @@ dp_status dp_dist_chain_allreduce_on(const dp_dist_channel *ch, float *const *bu
                                      int tag, float *stage, double timeout, const char *what,
                                      const _Atomic int *abandon) {
   return DP_FAIL(DP_ERR_UNSUPPORTED, "the all-reduce across processes needs MPI: dpcore was built without it");
+}
+
+static dp_status p2p_alone(int peer, int tag, const char *verb) {
+  if (tag < 0 || tag >= DP_DIST_MAX_USER_TAG)
+    return DP_FAIL(DP_ERR_VALUE, "%s: tag %d is not in [0, %d)", verb, tag, DP_DIST_MAX_USER_TAG);
+  if (peer == 0) return DP_FAIL(DP_ERR_VALUE, "%s: rank 0 cannot %s itself", verb,
+                                verb[0] == 's' ? "send to" : "receive from");
+  return DP_FAIL(DP_ERR_VALUE, "%s: rank %d is not a rank of this job (0..0)", verb, peer);
+}
+
+dp_status dp_dist_p2p_next_seq(int is_send, int peer, int tag, int64_t *seq) {
+  *seq = 0;
+  return p2p_alone(peer, tag, is_send ? "send" : "recv");
+}
+
+dp_status dp_dist_send_seq(const void *buf, const dp_dist_desc *desc, int dst, int tag, int64_t seq, double timeout,
+                           const char *what) {
+  return p2p_alone(dst, tag, "send");
+}
+
+dp_status dp_dist_recv_seq(void *buf, const dp_dist_desc *expect, int src, int tag, int64_t seq, double timeout,
+                           const char *what) {
+  return p2p_alone(src, tag, "recv");
 }
 
 #endif

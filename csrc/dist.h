@@ -107,4 +107,33 @@ DP_MUST_CHECK dp_status dp_dist_chain_allreduce_on(const dp_dist_channel *ch, fl
                                                    float scale, int tag, float *stage, double timeout,
                                                    const char *what, const _Atomic int *abandon);
 
+/* ---- point to point (dp.distributed.send / recv) ----
+ *
+ * A message is a description (element type, memory kind, shape) and its
+ * bytes. The receiver compares the description with the one it expects and
+ * answers before any byte moves, so that a mismatch is a DP_ERR_DIST naming
+ * both descriptions on both ranks and leaves the job in step. Each call waits
+ * at most timeout seconds for its peer; a peer that does not come is named
+ * and the job is out of step (dp_dist_is_broken), as for the collectives.
+ * The k-th send from a to b with tag t pairs with b's k-th receive from a with
+ * tag t, whatever the threads: the caller takes k (dp_dist_p2p_next_seq) in
+ * program order, and at most DP_DIST_P2P_SLOTS may be in flight per peer and
+ * tag. Not collective; a process alone (or built without MPI) has no peer. */
+enum { DP_DIST_MAX_DIMS = 8, DP_DIST_MAX_USER_TAG = 100, DP_DIST_P2P_SLOTS = 32 };
+typedef struct dp_dist_desc {
+  int32_t dtype;  /* 0 float32, 1 float64, 2 int32, 3 int64, 4 uint8 */
+  int32_t device; /* 0 host memory, 1 GPU memory */
+  int32_t ndim;
+  int32_t unused;
+  int64_t shape[DP_DIST_MAX_DIMS];
+} dp_dist_desc;
+/* The sequence number of the next send to (is_send) or receive from peer with tag. */
+DP_MUST_CHECK dp_status dp_dist_p2p_next_seq(int is_send, int peer, int tag, int64_t *seq);
+/* desc's bytes from buf to rank dst. */
+DP_MUST_CHECK dp_status dp_dist_send_seq(const void *buf, const dp_dist_desc *desc, int dst, int tag, int64_t seq,
+                                         double timeout, const char *what);
+/* A message described as expect from rank src, into buf (expect's bytes). */
+DP_MUST_CHECK dp_status dp_dist_recv_seq(void *buf, const dp_dist_desc *expect, int src, int tag, int64_t seq,
+                                         double timeout, const char *what);
+
 #endif

@@ -81,6 +81,7 @@ static int wait_args(double timeout, const char *what) {
   return what ? 0 : -1;
 }
 
+/* One call's arguments, for the function that runs it without the GIL. */
 typedef struct {
   const void *mine;
   int64_t bytes;
@@ -89,6 +90,9 @@ typedef struct {
   int root;
   double timeout;
   const char *what;
+  dp_dist_desc desc; /* point to point */
+  int peer, tag, is_send;
+  int64_t seq;
 } coll_work;
 
 static dp_status allgather_run(void *p) {
@@ -224,7 +228,63 @@ static PyObject *mod_dist_chain_benchmark(PyObject *m, PyObject *args) {
   return PyFloat_FromDouble(w.seconds);
 }
 
+/* dist_p2p_seq(is_send, peer, tag) -> the sequence number of the next send to / receive from peer */
+static PyObject *mod_dist_p2p_seq(PyObject *m, PyObject *args) {
+  PyObject *peer_obj, *tag_obj;
+  int is_send, peer, tag;
+  if (!PyArg_ParseTuple(args, "pOO", &is_send, &peer_obj, &tag_obj) ||
+      int_arg(peer_obj, is_send ? "send" : "recv", "peer", INT_MIN, INT_MAX, &peer) < 0 ||
+      int_arg(tag_obj, is_send ? "send" : "recv", "tag", INT_MIN, INT_MAX, &tag) < 0)
+    return NULL;
+  int64_t seq;
+  if (check_status(dp_dist_p2p_next_seq(is_send, peer, tag, &seq)) < 0) return NULL;
+  return PyLong_FromLongLong((long long)seq);
+}
+
+static dp_status p2p_run(void *p) {
+  coll_work *w = p;
+  return w->is_send ? dp_dist_send_seq(w->buf, &w->desc, w->peer, w->tag, w->seq, w->timeout, w->what)
+                    : dp_dist_recv_seq(w->buf, &w->desc, w->peer, w->tag, w->seq, w->timeout, w->what);
+}
+
+/* dist_p2p(is_send, array, dtype_code, peer, tag, seq, timeout, what): the C-contiguous
+ * buffer's bytes to peer (is_send) or from it into the buffer (writable), described by
+ * dtype_code (dp_dist_desc) and the buffer's shape. */
+static PyObject *mod_dist_p2p(PyObject *m, PyObject *args) {
+  PyObject *obj, *peer_obj, *tag_obj;
+  coll_work w;
+  memset(&w, 0, sizeof w);
+  long long seq;
+  if (!PyArg_ParseTuple(args, "pOiOOLds", &w.is_send, &obj, &w.desc.dtype, &peer_obj, &tag_obj, &seq, &w.timeout,
+                        &w.what) ||
+      int_arg(peer_obj, w.is_send ? "send" : "recv", "peer", INT_MIN, INT_MAX, &w.peer) < 0 ||
+      int_arg(tag_obj, w.is_send ? "send" : "recv", "tag", INT_MIN, INT_MAX, &w.tag) < 0)
+    return NULL;
+  if (wait_args(w.timeout, w.what) < 0) return NULL;
+  Py_buffer buf;
+  const int flags = PyBUF_C_CONTIGUOUS | PyBUF_ND | (w.is_send ? 0 : PyBUF_WRITABLE);
+  if (PyObject_GetBuffer(obj, &buf, flags) < 0) return NULL;
+  if (buf.ndim > DP_DIST_MAX_DIMS) {
+    PyBuffer_Release(&buf);
+    PyErr_Format(PyExc_ValueError, "%s: at most %d dimensions, got %d", w.what, DP_DIST_MAX_DIMS, buf.ndim);
+    return NULL;
+  }
+  w.desc.ndim = buf.ndim;
+  for (int i = 0; i < buf.ndim; ++i) w.desc.shape[i] = (int64_t)buf.shape[i];
+  w.buf = buf.buf;
+  w.seq = (int64_t)seq;
+  /* the buffer stays exported (and so unresizable) while the GIL is released */
+  const int rc = models_run_without_gil(NULL, 0, p2p_run, &w);
+  PyBuffer_Release(&buf);
+  if (rc < 0) return NULL;
+  Py_RETURN_NONE;
+}
+
 PyMethodDef dist_functions[] = {
+    {"dist_p2p_seq", mod_dist_p2p_seq, METH_VARARGS,
+     "dist_p2p_seq(is_send, peer, tag) -> the sequence number of the next send to / receive from peer"},
+    {"dist_p2p", mod_dist_p2p, METH_VARARGS,
+     "dist_p2p(is_send, array, dtype_code, peer, tag, seq, timeout, what): point to point, described and checked"},
     {"dist_chain_benchmark", mod_dist_chain_benchmark, METH_VARARGS,
      "dist_chain_benchmark(n, k, iters, timeout) -> seconds: the rank-ordered all-reduce across the job's processes"},
     {"dist_init", mod_dist_init, METH_NOARGS, "dist_init() -> info: join the job (MPI under mpirun), idempotent"},

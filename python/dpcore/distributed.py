@@ -6,6 +6,8 @@
     import dpcore as dp
     dp.distributed.rank(), dp.distributed.world_size(), dp.distributed.local_rank()
     strategy = dp.MultiWorkerMirroredStrategy()   # every process's local devices
+    dp.distributed.send(x, 1)                  # on rank 0: x's bytes to rank 1
+    x = dp.distributed.recv((64, 10), 0)       # on rank 1: a float32 (64, 10) from rank 0
 
 A process started by mpirun joins the job the first time it asks (any function
 here, or ``MultiWorkerMirroredStrategy()``); any other process is a world of
@@ -38,7 +40,7 @@ from . import _core
 from .errors import DistributedError
 
 __all__ = ["rank", "world_size", "local_rank", "local_size", "is_initialized", "barrier", "broadcast_object",
-           "allgather_object", "DEFAULT_TIMEOUT", "DistributedError"]
+           "allgather_object", "send", "recv", "isend", "irecv", "Work", "DEFAULT_TIMEOUT", "DistributedError"]
 
 DEFAULT_TIMEOUT = 60.0  # seconds to wait for another process before giving up
 
@@ -189,6 +191,138 @@ def agree(name, value, timeout=DEFAULT_TIMEOUT):
             raise DistributedError(f"the processes disagree about {name}: rank {q} has {v!r}, rank 0 has "
                                    f"{values[0]!r}; every process must make the same call")
     return values[0]
+
+
+# ---- point to point: torch.distributed's send / recv / isend / irecv ----
+
+_DTYPES = {"float32": 0, "float64": 1, "int32": 2, "int64": 3, "uint8": 4}
+
+
+def _host_array(t, verb):
+    """(NumPy array, rebuild) of what send / recv take: a NumPy array, or a dp.Tensor in host memory
+    (rebuild makes the dp.Tensor of a received array on the same device)."""
+    import numpy as np
+
+    from . import parallel
+
+    if isinstance(t, parallel.Tensor):
+        if not t.device.startswith("cpu"):
+            raise NotImplementedError(f"{verb}: a tensor on {t.device} across processes needs NCCL's send / recv, "
+                                      "which dpcore does not run yet; copy it to the host first (t.numpy())")
+        return t.numpy(), (lambda a, dev=t.device: parallel.tensor(a, dev))
+    if isinstance(t, np.ndarray):
+        if t.dtype.name not in _DTYPES:
+            raise TypeError(f"{verb}: arrays of {', '.join(_DTYPES)} only, got {t.dtype}")
+        return t, None
+    raise TypeError(f"{verb}: expected a NumPy array or a dp.Tensor, got {type(t).__name__}")
+
+
+def _peer(verb, peer, info):
+    from . import _check
+
+    peer = _check.integer("dst" if verb == "send" else "src", peer, 0, info["world_size"] - 1)
+    if peer == info["rank"]:
+        raise ValueError(f"{verb}: rank {peer} is this process; a message goes to another rank")
+    return peer
+
+
+def _tag(tag):
+    from . import _check
+
+    return _check.integer("tag", tag, 0, 99)
+
+
+class Work:
+    """A send or receive in flight (isend / irecv): ``wait()`` blocks until it is done (raising its
+    error, if any) and returns what ``recv`` would; ``is_completed()`` asks without blocking."""
+
+    def __init__(self, run, what):
+        self._what = what
+        self._result = self._error = None
+        self._thread = threading.Thread(target=self._body, args=(run,), name=what, daemon=True)
+        self._thread.start()
+
+    def _body(self, run):
+        try:
+            self._result = run()
+        except BaseException as e:  # re-raised by wait() on the caller's thread
+            self._error = e
+
+    def is_completed(self):
+        return not self._thread.is_alive()
+
+    def wait(self):
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+
+def _p2p(is_send, t, peer, tag, timeout, dtype=None):
+    """(run, what) of one send or receive, its sequence number taken now (program order)."""
+    import numpy as np
+
+    verb = "send" if is_send else "recv"
+    timeout = _check_timeout(timeout)
+    info = _join()
+    tag = _tag(tag)
+    peer = _peer(verb, peer, info)
+    if not is_send and isinstance(t, (tuple, list)):
+        dt = np.dtype(dtype or "float32")
+        if dt.name not in _DTYPES:
+            raise TypeError(f"recv: dtype must be one of {', '.join(_DTYPES)}, got {dt}")
+        array, rebuild, fill = np.empty(tuple(int(d) for d in t), dt), None, None
+    else:
+        if dtype is not None:
+            raise TypeError(f"{verb}: dtype= is for a shape; an array or tensor has its own")
+        array, rebuild = _host_array(t, verb)
+        fill = None
+        if not is_send and rebuild is None and not (array.flags.c_contiguous and array.flags.writeable):
+            raise ValueError("recv: the array must be C-contiguous and writable (it is filled in place)")
+        if is_send:
+            array = np.ascontiguousarray(array)
+        elif rebuild is not None:
+            fill = array = np.empty(array.shape, array.dtype)
+    if array.ndim > 8:
+        raise ValueError(f"{verb}: at most 8 dimensions, got {array.ndim}")
+    seq = _core.dist_p2p_seq(is_send, peer, tag)
+    what = f"dp.distributed.{verb}({'to' if is_send else 'from'} rank {peer}, tag {tag})"
+
+    def run():
+        _core.dist_p2p(is_send, array, _DTYPES[array.dtype.name], peer, tag, seq, timeout, what)
+        if is_send:
+            return None
+        return rebuild(fill) if rebuild is not None else array
+    return run, what
+
+
+def send(tensor, dst, tag=0, timeout=DEFAULT_TIMEOUT):
+    """Sends ``tensor`` (a NumPy array of float32/float64/int32/int64/uint8, or a dp.Tensor in
+    host memory) to rank ``dst``; returns when its bytes have left (torch.distributed.send).
+    The receiver's ``recv`` must expect the same dtype and shape: otherwise a DistributedError
+    naming both on both ranks, and nothing moves. Messages with the same ``tag`` (0-99) between
+    two ranks arrive in the order they were sent."""
+    run, _ = _p2p(True, tensor, dst, tag, timeout)
+    run()
+
+
+def recv(tensor_or_shape, src, tag=0, timeout=DEFAULT_TIMEOUT, dtype=None):
+    """Receives from rank ``src``: into ``tensor_or_shape`` when it is a NumPy array (filled in
+    place and returned), as a new dp.Tensor on the same device when it is a dp.Tensor, or as a new
+    array of that shape (``dtype``, default float32) when it is a shape."""
+    run, _ = _p2p(False, tensor_or_shape, src, tag, timeout, dtype)
+    return run()
+
+
+def isend(tensor, dst, tag=0, timeout=DEFAULT_TIMEOUT):
+    """``send`` in the background: returns a :class:`Work` at once. The array must not change
+    until ``wait()`` returns."""
+    return Work(*_p2p(True, tensor, dst, tag, timeout))
+
+
+def irecv(tensor_or_shape, src, tag=0, timeout=DEFAULT_TIMEOUT, dtype=None):
+    """``recv`` in the background: returns a :class:`Work` whose ``wait()`` returns what recv would."""
+    return Work(*_p2p(False, tensor_or_shape, src, tag, timeout, dtype))
 
 
 def _cpu_shared_by(local):

@@ -1,0 +1,97 @@
+"""What tests/test_p2p.py runs under mpirun: ``python tests/mpi_p2p.py CASE`` on 2 ranks.
+Each rank prints ``rank R: <line>`` results the test reads."""
+import sys
+
+import numpy as np
+
+import dpcore as dp
+from dpcore import distributed as dist
+
+
+def say(text):
+    print(f"rank {dist.rank()}: {text}", flush=True)
+
+
+def basic():
+    r = dist.rank()
+    a = np.arange(12, dtype=np.float32).reshape(3, 4) * 0.1
+    if r == 0:
+        dist.send(a, 1)
+        dist.send(np.arange(5, dtype=np.int64) * 10**12, 1, tag=7)
+        dist.send(dp.tensor(a + 1, "cpu:0"), 1)
+        back = dist.recv(np.empty((3, 4), np.float32), 1)
+        say(f"echo exact {np.array_equal(back, a * 2)}")
+    else:
+        got = dist.recv((3, 4), 0)
+        say(f"float32 exact {np.array_equal(got, a)} {got.dtype} {got.shape}")
+        ints = dist.recv((5,), 0, tag=7, dtype="int64")
+        say(f"int64 exact {np.array_equal(ints, np.arange(5, dtype=np.int64) * 10**12)}")
+        t = dist.recv(dp.tensor(np.zeros((3, 4), np.float32), "cpu:0"), 0)
+        say(f"tensor {type(t).__name__} {t.device} exact {np.array_equal(t.numpy(), a + 1)}")
+        dist.send(got * 2, 0)
+
+
+def exchange():
+    """Both ranks isend then recv from each other (deadlocks if isend waited for its peer), then
+    five messages on one tag arrive in order, posted as five isends at once."""
+    r, other = dist.rank(), 1 - dist.rank()
+    mine = np.full((1000, 100), r, np.float32)
+    w = dist.isend(mine, other)
+    theirs = dist.recv((1000, 100), other)
+    w.wait()
+    say(f"exchange {bool((theirs == other).all())}")
+    if r == 0:
+        works = [dist.isend(np.full(3, k, np.float64), 1, tag=5) for k in range(5)]
+        for w in works:
+            w.wait()
+    else:
+        works = [dist.irecv((3,), 0, tag=5, dtype="float64") for _ in range(5)]
+        say("in order " + " ".join(str(int(w.wait()[0])) for w in works))
+
+
+def mismatch():
+    """A receiver that expects another shape: DistributedError on both ranks, naming both
+    descriptions; the job stays in step (the next message goes through)."""
+    r = dist.rank()
+    try:
+        if r == 0:
+            dist.send(np.zeros((2, 3), np.float32), 1)
+        else:
+            dist.recv((3, 2), 0)
+        say("no error")
+    except dist.DistributedError as e:
+        say(f"DistributedError {e}")
+    if r == 0:
+        dist.send(np.ones(4, np.float32), 1)
+    else:
+        say(f"after {dist.recv((4,), 0).tolist()}")
+
+
+def silent():
+    """Rank 1 waits for a message rank 0 never sends: named after the timeout."""
+    if dist.rank() == 1:
+        try:
+            dist.recv((2,), 0, timeout=3)
+        except dist.DistributedError as e:
+            say(f"DistributedError {e}")
+    else:
+        say("not sending")
+    dist.barrier(timeout=30) if dist.rank() == 0 else None
+
+
+def bad_calls():
+    for call in (lambda: dist.send(np.zeros(2, np.float32), dist.rank()),
+                 lambda: dist.send(np.zeros(2, np.float32), 5),
+                 lambda: dist.send(np.zeros(2, np.float32), 1 - dist.rank(), tag=100),
+                 lambda: dist.send([1, 2], 1 - dist.rank()),
+                 lambda: dist.send(np.zeros(2, np.complex64), 1 - dist.rank()),
+                 lambda: dist.recv(np.zeros(4, np.float32)[::2], 1 - dist.rank())):
+        try:
+            call()
+            say("no error")
+        except (ValueError, TypeError) as e:
+            say(f"{type(e).__name__} {e}")
+
+
+if __name__ == "__main__":
+    {"basic": basic, "exchange": exchange, "mismatch": mismatch, "silent": silent, "bad_calls": bad_calls}[sys.argv[1]]()

@@ -1,0 +1,96 @@
+"""dp.distributed.send / recv / isend / irecv across the ranks of a job (issue 33), under mpirun
+(tests/mpi_p2p.py is what each of the 2 processes runs): exact bytes for every dtype, NumPy
+arrays, shapes and dp.Tensors; the exchange that deadlocks when isend waits for its peer; order
+on one tag with five messages in flight; a shape mismatch that is a DistributedError on both
+ranks and leaves the job in step; a peer that never sends, named after the timeout; bad
+arguments refused before anything moves. In one process (and a build without MPI) there is no
+peer: the same calls are clear errors."""
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import dpcore as dp
+from test_distributed import DISABLED, mpi_env, mpi_required  # noqa: F401  (the fixture)
+
+SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "mpi_p2p.py")
+
+
+def run(case, timeout=120):
+    cmd = ["mpirun", "-np", "2", "--oversubscribe", "--bind-to", "none", sys.executable, SCRIPT, case]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=mpi_env(), timeout=timeout)
+    return proc, proc.stdout + proc.stderr
+
+
+def test_messages_arrive_exactly():
+    proc, text = run("basic")
+    assert proc.returncode == 0, text
+    for line in ("rank 1: float32 exact True float32 (3, 4)", "rank 1: int64 exact True",
+                 "rank 1: tensor Tensor cpu:0 exact True", "rank 0: echo exact True"):
+        assert line in text, text
+
+
+def test_isend_exchange_and_order_on_one_tag():
+    proc, text = run("exchange")
+    assert proc.returncode == 0, text
+    assert "rank 0: exchange True" in text and "rank 1: exchange True" in text, text
+    assert "rank 1: in order 0 1 2 3 4" in text, text
+
+
+def test_a_mismatch_is_an_error_on_both_ranks_and_the_job_goes_on():
+    proc, text = run("mismatch")
+    assert proc.returncode == 0, text
+    assert ("rank 0: DistributedError rank 0: dp.distributed.send(to rank 1, tag 0): rank 1 expects "
+            "float32[3, 2] in host memory, this rank sends float32[2, 3] in host memory") in text, text
+    assert ("rank 1: DistributedError rank 1: dp.distributed.recv(from rank 0, tag 0): rank 0 sends "
+            "float32[2, 3] in host memory, this rank expects float32[3, 2] in host memory") in text, text
+    assert "rank 1: after [1.0, 1.0, 1.0, 1.0]" in text, text
+
+
+def test_a_peer_that_never_sends_is_named_after_the_timeout():
+    proc, text = run("silent", timeout=60)
+    assert ("rank 1: DistributedError rank 1 gave up after 3 s waiting for rank 0 in "
+            "dp.distributed.recv(from rank 0, tag 0)") in text, text
+    assert proc.returncode != 0  # the job is out of step: rank 1 aborts it at exit
+
+
+def test_bad_arguments_are_refused_on_the_calling_rank():
+    proc, text = run("bad_calls")
+    assert proc.returncode == 0, text
+    for r in (0, 1):
+        for line in (f"ValueError send: rank {r} is this process; a message goes to another rank",
+                     "ValueError dst must be an int >= 0 and <= 1, got 5",
+                     "ValueError tag must be an int >= 0 and <= 99, got 100",
+                     "TypeError send: expected a NumPy array or a dp.Tensor, got list",
+                     "TypeError send: arrays of float32, float64, int32, int64, uint8 only, got complex64",
+                     "ValueError recv: the array must be C-contiguous and writable (it is filled in place)"):
+            assert f"rank {r}: {line}" in text, text
+
+
+@pytest.mark.any_build
+def test_one_process_has_no_peer():
+    """Not under mpirun (and in a build without MPI): rank 0 of 1 has nobody to talk to."""
+    with pytest.raises(ValueError, match="a message goes to another rank"):
+        dp.distributed.send(np.zeros(2, np.float32), 0)
+    with pytest.raises(ValueError, match="src must be an int >= 0 and <= 0, got 1"):
+        dp.distributed.recv((2,), 1)
+    with pytest.raises(ValueError, match="a message goes to another rank"):
+        dp.distributed.irecv((2,), 0)
+
+
+def test_the_two_process_split_example_equals_one_process():
+    """examples/two_process_split.py (make two-process-split): the tutorial's two-layer network with
+    its layers on two ranks, trained 50 steps with send / recv, prints every loss and the final
+    weights' digests bit for bit as the single process does, and learns."""
+    example = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples",
+                           "two_process_split.py")
+    one = subprocess.run([sys.executable, example], capture_output=True, text=True, env=mpi_env(), timeout=120)
+    assert one.returncode == 0, one.stderr
+    cmd = ["mpirun", "-np", "2", "--oversubscribe", "--bind-to", "none", sys.executable, example]
+    two = subprocess.run(cmd, capture_output=True, text=True, env=mpi_env(), timeout=120)
+    assert two.returncode == 0, two.stdout + two.stderr
+    assert sorted(one.stdout.splitlines()) == sorted(two.stdout.splitlines()), (one.stdout, two.stdout)
+    losses = [float(line.split()[-1]) for line in one.stdout.splitlines() if line.startswith("step")]
+    assert len(losses) == 50 and losses[-1] < 0.5 * losses[0], losses
