@@ -90,6 +90,7 @@ typedef struct {
   int root;
   double timeout;
   const char *what;
+  double scale;      /* all-reduce */
   dp_dist_desc desc; /* point to point */
   int peer, tag, is_send;
   int64_t seq;
@@ -132,6 +133,25 @@ done:
   return ret;
 }
 
+/* run(w) without the GIL over obj's writable, C-contiguous buffer (w->buf, w->bytes); float32:
+ * the buffer must hold float32. The buffer stays exported (and so unresizable) meanwhile. */
+static PyObject *run_on_buffer(PyObject *obj, int float32, coll_work *w, dp_status (*run)(void *)) {
+  Py_buffer buf;
+  if (PyObject_GetBuffer(obj, &buf, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS | (float32 ? PyBUF_FORMAT : 0)) < 0)
+    return NULL;
+  if (float32 && (!buf.format || strcmp(buf.format, "f") != 0 || buf.itemsize != 4)) {
+    PyErr_Format(PyExc_TypeError, "%s: a float32 buffer, got format '%s'", w->what, buf.format ? buf.format : "B");
+    PyBuffer_Release(&buf);
+    return NULL;
+  }
+  w->buf = buf.buf;
+  w->bytes = buf.len;
+  const int rc = models_run_without_gil(NULL, 0, run, w);
+  PyBuffer_Release(&buf);
+  if (rc < 0) return NULL;
+  Py_RETURN_NONE;
+}
+
 static dp_status bcast_run(void *p) {
   coll_work *w = p;
   return dp_dist_bcast(w->buf, w->bytes, w->root, w->timeout, w->what);
@@ -148,15 +168,7 @@ static PyObject *mod_dist_bcast(PyObject *m, PyObject *args) {
       int_arg(root, "dist_bcast", "root", 0, INT_MAX, &w.root) < 0)
     return NULL;
   if (wait_args(w.timeout, w.what) < 0) return NULL;
-  Py_buffer buf;
-  if (PyObject_GetBuffer(obj, &buf, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) return NULL;
-  w.buf = buf.buf;
-  w.bytes = buf.len;
-  /* the buffer stays exported (and so unresizable) while the GIL is released */
-  const int rc = models_run_without_gil(NULL, 0, bcast_run, &w);
-  PyBuffer_Release(&buf);
-  if (rc < 0) return NULL;
-  Py_RETURN_NONE;
+  return run_on_buffer(obj, 0, &w, bcast_run);
 }
 
 static dp_status barrier_run(void *p) {
@@ -280,7 +292,33 @@ static PyObject *mod_dist_p2p(PyObject *m, PyObject *args) {
   Py_RETURN_NONE;
 }
 
+static dp_status allreduce_run(void *p) {
+  coll_work *w = p;
+  float *bufs[1] = {w->buf};
+  float *stage = malloc(sizeof(float) * 2 * DP_DIST_SEGMENT);
+  if (!stage) return DP_FAIL(DP_ERR_MEMORY, "%s: staging", w->what);
+  /* tag 1 on the job's default channel: the strategies' chains run on channels of their own */
+  const dp_status st = dp_dist_chain_allreduce(bufs, 1, w->bytes / (int64_t)sizeof(float), (float)w->scale, 1,
+                                               stage, w->timeout, w->what);
+  free(stage);
+  return st;
+}
+
+/* dist_allreduce_sum(array, scale, timeout, what): a C-contiguous, writable float32 buffer
+ * becomes scale * the rank-ordered sum of every process's (dp_dist_chain_allreduce): the
+ * same bits on every rank. Every process calls it with the same length. */
+static PyObject *mod_dist_allreduce_sum(PyObject *m, PyObject *args) {
+  PyObject *obj;
+  coll_work w;
+  memset(&w, 0, sizeof w);
+  if (!PyArg_ParseTuple(args, "Odds", &obj, &w.scale, &w.timeout, &w.what)) return NULL;
+  if (wait_args(w.timeout, w.what) < 0) return NULL;
+  return run_on_buffer(obj, 1, &w, allreduce_run);
+}
+
 PyMethodDef dist_functions[] = {
+    {"dist_allreduce_sum", mod_dist_allreduce_sum, METH_VARARGS,
+     "dist_allreduce_sum(float32 array, scale, timeout, what): in place, the rank-ordered sum times scale"},
     {"dist_p2p_seq", mod_dist_p2p_seq, METH_VARARGS,
      "dist_p2p_seq(is_send, peer, tag) -> the sequence number of the next send to / receive from peer"},
     {"dist_p2p", mod_dist_p2p, METH_VARARGS,

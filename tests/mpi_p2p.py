@@ -93,5 +93,48 @@ def bad_calls():
             say(f"{type(e).__name__} {e}")
 
 
+
+
+def collectives():
+    r, P = dist.rank(), dist.world_size()
+    rng = np.random.default_rng(r)
+    mine = rng.standard_normal((5, 7)).astype(np.float32)
+    allv = [np.random.default_rng(q).standard_normal((5, 7)).astype(np.float32) for q in range(P)]
+    want = allv[0].copy()
+    for a in allv[1:]:
+        want = want + a                                     # rank order, float32
+    s = dist.all_reduce(mine.copy())
+    say(f"sum bits {np.array_equal(s, want)}")
+    m = dist.all_reduce(mine.copy(), op="mean")
+    say(f"mean bits {np.array_equal(m, want * np.float32(1 / P))}")
+    mx = dist.all_reduce(mine.copy(), op="max")
+    say(f"max {np.array_equal(mx, np.maximum.reduce(allv))}")
+    ints = dist.all_reduce(np.full(3, 10**12 + r, np.int64))
+    say(f"int64 sum {ints.tolist()}")
+    t = dist.all_reduce(dp.tensor(mine, "cpu:0"))
+    say(f"tensor sum {type(t).__name__} {np.array_equal(t.numpy(), want)}")
+    b = dist.broadcast(np.full(4, r, np.float64), src=1)
+    say(f"broadcast {b.tolist()}")
+    g = dist.all_gather(np.full(2, r, np.int32))
+    say(f"all_gather {[x.tolist() for x in g]}")
+    rs = dist.reduce_scatter(np.arange(4 * P, dtype=np.float32).reshape(2 * P, 2))
+    say(f"reduce_scatter {rs.tolist()}")
+    try:
+        dist.all_reduce(np.zeros(3 + r, np.float32))
+        say("no error")
+    except dist.DistributedError as e:
+        say(f"DistributedError {e}")
+    try:
+        dist.all_reduce(np.zeros(3, np.float32), op="max" if r else "sum")
+        say("no error")
+    except dist.DistributedError as e:
+        say(f"DistributedError {e}")
+    say(f"after {dist.all_reduce(np.ones(2, np.float32)).tolist()}")
+
+
+CASES = {"basic": basic, "exchange": exchange, "mismatch": mismatch, "silent": silent, "bad_calls": bad_calls,
+         "collectives": collectives}
+
+
 if __name__ == "__main__":
-    {"basic": basic, "exchange": exchange, "mismatch": mismatch, "silent": silent, "bad_calls": bad_calls}[sys.argv[1]]()
+    CASES[sys.argv[1]]()

@@ -1,4 +1,5 @@
-"""dp.distributed.send / recv / isend / irecv across the ranks of a job (issue 33), under mpirun
+"""dp.distributed.send / recv / isend / irecv and the collectives (all_reduce, broadcast,
+all_gather, reduce_scatter) across the ranks of a job (issue 33), under mpirun
 (tests/mpi_p2p.py is what each of the 2 processes runs): exact bytes for every dtype, NumPy
 arrays, shapes and dp.Tensors; the exchange that deadlocks when isend waits for its peer; order
 on one tag with five messages in flight; a shape mismatch that is a DistributedError on both
@@ -18,8 +19,8 @@ from test_distributed import DISABLED, mpi_env, mpi_required  # noqa: F401  (the
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "mpi_p2p.py")
 
 
-def run(case, timeout=120):
-    cmd = ["mpirun", "-np", "2", "--oversubscribe", "--bind-to", "none", sys.executable, SCRIPT, case]
+def run(case, timeout=120, processes=2):
+    cmd = ["mpirun", "-np", str(processes), "--oversubscribe", "--bind-to", "none", sys.executable, SCRIPT, case]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=mpi_env(), timeout=timeout)
     return proc, proc.stdout + proc.stderr
 
@@ -67,6 +68,40 @@ def test_bad_arguments_are_refused_on_the_calling_rank():
                      "TypeError send: arrays of float32, float64, int32, int64, uint8 only, got complex64",
                      "ValueError recv: the array must be C-contiguous and writable (it is filled in place)"):
             assert f"rank {r}: {line}" in text, text
+
+
+def test_collectives_on_three_ranks():
+    """all_reduce (sum and mean bitwise the rank-ordered float32 sum, max, int64 exact, a
+    dp.Tensor), broadcast from rank 1, all_gather in rank order, reduce_scatter's blocks; a rank
+    with another shape or op: the same DistributedError on every rank, and the job goes on."""
+    proc, text = run("collectives", processes=3)
+    assert proc.returncode == 0, text
+    for r in range(3):
+        for line in ("sum bits True", "mean bits True", "max True", "int64 sum [3000000000003, 3000000000003, "
+                     "3000000000003]", "tensor sum Tensor True", "broadcast [1.0, 1.0, 1.0, 1.0]",
+                     "all_gather [[0, 0], [1, 1], [2, 2]]", "after [3.0, 3.0]"):
+            assert f"rank {r}: {line}" in text, text
+        assert (f"rank {r}: DistributedError the processes disagree about dp.distributed.all_reduce's arguments "
+                "(collective, dtype, shape, memory, op): rank 1 has ('all_reduce', 'float32', (4,), 'host', 'sum'), "
+                "rank 0 has ('all_reduce', 'float32', (3,), 'host', 'sum')") in text, text
+        assert f"rank {r}: DistributedError" in text and "'max'" in text, text
+    blocks = {0: "[[0.0, 3.0], [6.0, 9.0]]", 1: "[[12.0, 15.0], [18.0, 21.0]]", 2: "[[24.0, 27.0], [30.0, 33.0]]"}
+    for r, b in blocks.items():
+        assert f"rank {r}: reduce_scatter {b}" in text, text
+
+
+@pytest.mark.any_build
+def test_collectives_in_one_process_are_the_identity():
+    a = np.arange(6, dtype=np.float32).reshape(3, 2)
+    assert np.array_equal(dp.distributed.all_reduce(a.copy()), a)
+    assert np.array_equal(dp.distributed.all_reduce(a.copy(), op="mean"), a)
+    assert np.array_equal(dp.distributed.broadcast(a.copy()), a)
+    assert [x.tolist() for x in dp.distributed.all_gather(a)] == [a.tolist()]
+    assert np.array_equal(dp.distributed.reduce_scatter(a), a)
+    with pytest.raises(TypeError, match="op='mean' needs a float array"):
+        dp.distributed.all_reduce(np.zeros(2, np.int32), op="mean")
+    with pytest.raises(ValueError, match="op must be"):
+        dp.distributed.all_reduce(a, op="min")
 
 
 @pytest.mark.any_build

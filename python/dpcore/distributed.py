@@ -36,11 +36,14 @@ import sys
 import threading
 import traceback
 
+import numpy as np
+
 from . import _core
 from .errors import DistributedError
 
 __all__ = ["rank", "world_size", "local_rank", "local_size", "is_initialized", "barrier", "broadcast_object",
-           "allgather_object", "send", "recv", "isend", "irecv", "Work", "DEFAULT_TIMEOUT", "DistributedError"]
+           "allgather_object", "send", "recv", "isend", "irecv", "Work", "all_reduce", "broadcast",
+           "all_gather", "reduce_scatter", "DEFAULT_TIMEOUT", "DistributedError"]
 
 DEFAULT_TIMEOUT = 60.0  # seconds to wait for another process before giving up
 
@@ -323,6 +326,103 @@ def isend(tensor, dst, tag=0, timeout=DEFAULT_TIMEOUT):
 def irecv(tensor_or_shape, src, tag=0, timeout=DEFAULT_TIMEOUT, dtype=None):
     """``recv`` in the background: returns a :class:`Work` whose ``wait()`` returns what recv would."""
     return Work(*_p2p(False, tensor_or_shape, src, tag, timeout, dtype))
+
+
+# ---- collectives on arrays and tensors across ranks ----
+
+_OPS = ("sum", "mean", "max")
+
+
+def _collective_input(name, t, timeout, extra=()):
+    """(array, rebuild, timeout, info) after every rank agreed on the call: the same collective,
+    dtype, shape and kind of memory (and `extra`), else a DistributedError on every rank."""
+    timeout = _check_timeout(timeout)
+    info = _join()
+    array, rebuild = _host_array(t, name)
+    if rebuild is None and not (array.flags.c_contiguous and array.flags.writeable):
+        raise ValueError(f"{name}: the array must be C-contiguous and writable (the result is written in place)")
+    if rebuild is not None:
+        array = np.array(array)
+    if info["world_size"] > 1:
+        agree(f"dp.distributed.{name}'s arguments (collective, dtype, shape, memory{', ' if extra else ''}"
+              f"{', '.join(k for k, _ in extra)})",
+              (name, array.dtype.name, array.shape, "host") + tuple(v for _, v in extra), timeout)
+    return array, rebuild, timeout, info
+
+
+def _result(array, rebuild):
+    return rebuild(array) if rebuild is not None else array
+
+
+def all_reduce(tensor, op="sum", timeout=DEFAULT_TIMEOUT):
+    """Every rank's ``tensor`` combined by ``op`` ('sum', 'mean', 'max'), on every rank: a NumPy
+    array is overwritten and returned, a host dp.Tensor is returned as a new Tensor. Sums are taken
+    in rank order, ((t0 + t1) + t2) + ..., so every rank gets the same bits for any process layout
+    (float32 through the strategy's chain; other dtypes gathered, then summed in rank order)."""
+    from . import _check
+
+    op = _check.one_of("op", op, _OPS)
+    if op == "mean" and _host_array(tensor, "all_reduce")[0].dtype.kind != "f":
+        raise TypeError("all_reduce: op='mean' needs a float array (an integer mean is not an integer)")
+    array, rebuild, timeout, info = _collective_input("all_reduce", tensor, timeout, (("op", op),))
+    P = info["world_size"]
+    what = f"dp.distributed.all_reduce(op='{op}')"
+    if P > 1:
+        if op in ("sum", "mean") and array.dtype == np.float32:
+            _core.dist_allreduce_sum(array, 1.0 / P if op == "mean" else 1.0, timeout, what)
+        else:
+            parts = _gather_arrays(array, timeout, what)
+            out = parts[0].copy()
+            for p in parts[1:]:
+                out = np.maximum(out, p) if op == "max" else out + p
+            if op == "mean":
+                out = out / out.dtype.type(P)
+            array[...] = out
+    return _result(array, rebuild)
+
+
+def _gather_arrays(array, timeout, what):
+    parts = _core.dist_allgather(array.tobytes(), timeout, what)
+    return [np.frombuffer(b, array.dtype).reshape(array.shape) for b in parts]
+
+
+def broadcast(tensor, src=0, timeout=DEFAULT_TIMEOUT):
+    """Rank ``src``'s ``tensor`` on every rank (a NumPy array overwritten and returned, a host
+    dp.Tensor returned as a new Tensor); every rank passes the same dtype and shape."""
+    from . import _check
+
+    info = _join()
+    src = _check.integer("src", src, 0, info["world_size"] - 1)
+    array, rebuild, timeout, info = _collective_input("broadcast", tensor, timeout, (("src", src),))
+    if info["world_size"] > 1:
+        _core.dist_bcast(array, src, timeout, f"dp.distributed.broadcast(src={src})")
+    return _result(array, rebuild)
+
+
+def all_gather(tensor, timeout=DEFAULT_TIMEOUT):
+    """Every rank's ``tensor``, as a list in rank order (NumPy arrays, or host dp.Tensors when
+    ``tensor`` is one); every rank passes the same dtype and shape."""
+    array, rebuild, timeout, info = _collective_input("all_gather", tensor, timeout)
+    parts = _gather_arrays(array, timeout, "dp.distributed.all_gather()") if info["world_size"] > 1 \
+        else [array.copy()]
+    return [_result(np.array(p), rebuild) for p in parts]
+
+
+def reduce_scatter(tensor, op="sum", timeout=DEFAULT_TIMEOUT):
+    """``all_reduce(tensor, op)`` cut into world_size equal blocks along the first axis: rank r
+    gets block r (a new array or Tensor; ``tensor`` is left as it was)."""
+    from . import _check
+
+    op = _check.one_of("op", op, _OPS)
+    info = _join()
+    P = info["world_size"]
+    array, rebuild = _host_array(tensor, "reduce_scatter")
+    if array.ndim == 0 or array.shape[0] % P:
+        raise ValueError(f"reduce_scatter: the first axis ({array.shape[0] if array.ndim else 'none'}) must "
+                         f"split into {P} equal blocks")
+    reduced = all_reduce(np.array(array), op, timeout)
+    block = array.shape[0] // P
+    return _result(np.array(reduced[info["rank"] * block:(info["rank"] + 1) * block]), rebuild)
 
 
 def _cpu_shared_by(local):
