@@ -13,6 +13,7 @@
  */
 #include "dist.h"
 
+#include <limits.h>
 #include <pthread.h>
 #include <sched.h>
 #include <stdatomic.h>
@@ -628,6 +629,136 @@ dp_status dp_dist_chain_allreduce_on(const dp_dist_channel *ch, float *const *bu
   return st;
 }
 
+/* ---- the owner-computes all-reduce ----------------------------------------------- */
+
+#define OWNER_CHUNK ((int64_t)1 << 16) /* floats a message carries, so that adding overlaps sending */
+
+typedef struct owner_reqs {
+  MPI_Request *req;
+  int *peer;
+  unsigned char *recv;
+  int n, cap;
+} owner_reqs;
+
+static dp_status owner_post(owner_reqs *r, int is_send, float *p, int64_t len, int peer, int tag, MPI_Comm comm,
+                            const char *what) {
+  if (r->n == r->cap) return DP_FAIL(DP_ERR_RUNTIME, "%s: request table full", what);
+  pthread_mutex_lock(&mpi_lock);
+  const int rc = is_send ? MPI_Isend(p, (int)len, MPI_FLOAT, peer, tag, comm, &r->req[r->n])
+                         : MPI_Irecv(p, (int)len, MPI_FLOAT, peer, tag, comm, &r->req[r->n]);
+  pthread_mutex_unlock(&mpi_lock);
+  r->peer[r->n] = peer, r->recv[r->n] = (unsigned char)!is_send;
+  DP_TRY(mpi_call(rc, is_send ? "MPI_Isend" : "MPI_Irecv", what));
+  r->n++;
+  return DP_OK;
+}
+
+static int64_t owner_lo(int64_t n, int q, int P) { return n * q / P; }
+
+dp_status dp_dist_owner_allreduce_on(const dp_dist_channel *ch, float *const *bufs, int k, const int *ks, int64_t n,
+                                     float scale, int tag, double timeout, const char *what,
+                                     const _Atomic int *abandon) {
+  DP_TRY(usable());
+  if (n <= 0 || k < 1) return DP_OK;
+  if (tag < 0 || tag >= DP_DIST_MAX_TAG) return DP_FAIL(DP_ERR_VALUE, "owner all-reduce: tag %d", tag);
+  const int P = world.size, me = world.rank;
+  if (P == 1) {
+    for (int64_t lo = 0; lo < n; lo += DP_DIST_SEGMENT)
+      chain_add(bufs, k, lo, n - lo < DP_DIST_SEGMENT ? n - lo : DP_DIST_SEGMENT, NULL, 1, scale);
+    return DP_OK;
+  }
+  if (ks[me] != k) return DP_FAIL(DP_ERR_VALUE, "owner all-reduce: ks[%d] = %d, but this process has %d", me, ks[me], k);
+  int R = 0, first = 0; /* replicas in all; this process's first, in the global order */
+  for (int q = 0; q < P; ++q) {
+    if (ks[q] < 1) return DP_FAIL(DP_ERR_VALUE, "owner all-reduce: process %d has %d replicas", q, ks[q]);
+    if (q == me) first = R;
+    R += ks[q];
+  }
+  const MPI_Comm comm = ch ? ch->comm : comm_data;
+  const int t1 = TAG_CHAIN_BASE + 2 * DP_DIST_MAX_TAG + 2 * tag, t2 = t1 + 1;
+  const int64_t L = owner_lo(n, me, P), len = owner_lo(n, me + 1, P) - L;
+  const int64_t nc = (len + OWNER_CHUNK - 1) / OWNER_CHUNK;
+  int64_t others_chunks = 0; /* chunks of the other processes' segments */
+  for (int q = 0; q < P; ++q)
+    if (q != me)
+      others_chunks += (owner_lo(n, q + 1, P) - owner_lo(n, q, P) + OWNER_CHUNK - 1) / OWNER_CHUNK;
+  const int64_t nreq = nc * (R - k) + others_chunks * k + nc * (P - 1) + others_chunks;
+  if (nreq > INT_MAX / 2) return DP_FAIL(DP_ERR_VALUE, "owner all-reduce: %lld messages", (long long)nreq);
+  owner_reqs r = {malloc(sizeof(MPI_Request) * (size_t)nreq), malloc(sizeof(int) * (size_t)nreq),
+                  malloc((size_t)nreq), 0, (int)nreq};
+  float *stage = malloc(sizeof(float) * (size_t)((R - k) * len + OWNER_CHUNK)); /* others' slices, then acc */
+  dp_status st = r.req && r.peer && r.recv && stage ? DP_OK
+                                                    : DP_FAIL(DP_ERR_MEMORY, "owner all-reduce: staging %lld floats",
+                                                              (long long)((R - k) * len));
+  float *acc = stage ? stage + (R - k) * len : NULL;
+  /* phase 1: every other process's replicas' slices of my segment, chunk by chunk, in global
+   * replica order (stage row j: the j-th replica that is not mine); my replicas' slices of
+   * every other segment to its owner */
+  for (int64_t c = 0; c < nc && st == DP_OK; ++c) {
+    const int64_t lo = c * OWNER_CHUNK, cl = len - lo < OWNER_CHUNK ? len - lo : OWNER_CHUNK;
+    for (int q = 0, j = 0; q < P && st == DP_OK; ++q)
+      for (int i = 0; i < ks[q] && q != me && st == DP_OK; ++i, ++j)
+        st = owner_post(&r, 0, stage + j * len + lo, cl, q, t1, comm, what);
+  }
+  const int phase1_recvs = r.n;
+  for (int q = 0; q < P && st == DP_OK; ++q) {
+    if (q == me) continue;
+    const int64_t qL = owner_lo(n, q, P), qlen = owner_lo(n, q + 1, P) - qL;
+    for (int64_t lo = 0; lo < qlen && st == DP_OK; lo += OWNER_CHUNK)
+      for (int i = 0; i < k && st == DP_OK; ++i)
+        st = owner_post(&r, 1, bufs[i] + qL + lo, qlen - lo < OWNER_CHUNK ? qlen - lo : OWNER_CHUNK, q, t1, comm, what);
+  }
+  const int phase1_end = r.n;
+  /* my segment, chunk by chunk as its slices arrive: the sum in global replica order (as
+   * collective.c and the chain add), scaled, to every local replica and every other process */
+  for (int64_t c = 0; c < nc && st == DP_OK; ++c) {
+    const int64_t lo = c * OWNER_CHUNK, cl = len - lo < OWNER_CHUNK ? len - lo : OWNER_CHUNK;
+    const int per = R - k;
+    st = wait_requests_abandonable(r.req + c * per, r.peer + c * per, r.recv + c * per, per, timeout, what, abandon);
+    for (int g = 0; g < R && st == DP_OK; ++g) {
+      const int j = g < first ? g : g - k; /* row of a replica that is not mine */
+      const float *src = g >= first && g < first + k ? bufs[g - first] + L + lo : stage + j * len + lo;
+      if (g == 0) {
+        memcpy(acc, src, sizeof(float) * (size_t)cl);
+      } else {
+#pragma omp simd
+        for (int64_t i = 0; i < cl; ++i) acc[i] += src[i];
+      }
+    }
+    if (st != DP_OK) break;
+#pragma omp simd
+    for (int64_t i = 0; i < cl; ++i) acc[i] *= scale;
+    for (int i = 0; i < k; ++i) memcpy(bufs[i] + L + lo, acc, sizeof(float) * (size_t)cl);
+    for (int q = 0; q < P && st == DP_OK; ++q)
+      if (q != me) st = owner_post(&r, 1, bufs[0] + L + lo, cl, q, t2, comm, what);
+  }
+  /* phase 2: my slices of the other segments have left (their buffers are read), so the
+   * owners' results may land there */
+  if (st == DP_OK)
+    st = wait_requests_abandonable(r.req + phase1_recvs, r.peer + phase1_recvs, r.recv + phase1_recvs,
+                                   phase1_end - phase1_recvs, timeout, what, abandon);
+  const int phase2_recvs = r.n;
+  for (int q = 0; q < P && st == DP_OK; ++q) {
+    if (q == me) continue;
+    const int64_t qL = owner_lo(n, q, P), qlen = owner_lo(n, q + 1, P) - qL;
+    for (int64_t lo = 0; lo < qlen && st == DP_OK; lo += OWNER_CHUNK)
+      st = owner_post(&r, 0, bufs[0] + qL + lo, qlen - lo < OWNER_CHUNK ? qlen - lo : OWNER_CHUNK, q, t2, comm, what);
+  }
+  if (st == DP_OK)
+    st = wait_requests_abandonable(r.req + phase1_end, r.peer + phase1_end, r.recv + phase1_end, r.n - phase1_end,
+                                   timeout, what, abandon);
+  if (st == DP_OK)
+    for (int q = 0; q < P; ++q) {
+      if (q == me) continue;
+      const int64_t qL = owner_lo(n, q, P), qlen = owner_lo(n, q + 1, P) - qL;
+      for (int i = 1; i < k; ++i) memcpy(bufs[i] + qL, bufs[0] + qL, sizeof(float) * (size_t)qlen);
+    }
+  if (st != DP_OK && r.req) cancel_receives(r.req, r.recv, r.n); /* none may land in memory we return */
+  (void)phase2_recvs;
+  free(r.req), free(r.peer), free(r.recv), free(stage);
+  return st;
+}
+
 /* ---- point to point ------------------------------------------------------------- */
 
 /* Per (peer, user tag): the next sequence number of a send to / a receive
@@ -843,6 +974,12 @@ void dp_dist_channel_close(dp_dist_channel *ch) { free(ch); }
 
 dp_status dp_dist_chain_allreduce_on(const dp_dist_channel *ch, float *const *bufs, int k, int64_t n, float scale,
                                      int tag, float *stage, double timeout, const char *what,
+                                     const _Atomic int *abandon) {
+  return DP_FAIL(DP_ERR_UNSUPPORTED, "the all-reduce across processes needs MPI: dpcore was built without it");
+}
+
+dp_status dp_dist_owner_allreduce_on(const dp_dist_channel *ch, float *const *bufs, int k, const int *ks, int64_t n,
+                                     float scale, int tag, double timeout, const char *what,
                                      const _Atomic int *abandon) {
   return DP_FAIL(DP_ERR_UNSUPPORTED, "the all-reduce across processes needs MPI: dpcore was built without it");
 }

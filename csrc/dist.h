@@ -107,6 +107,19 @@ DP_MUST_CHECK dp_status dp_dist_chain_allreduce_on(const dp_dist_channel *ch, fl
                                                    float scale, int tag, float *stage, double timeout,
                                                    const char *what, const _Atomic int *abandon);
 
+/* The same all-reduce, the same bits, in the owner-computes form: the buffer
+ * in P segments; process q receives every other process's replicas' slices
+ * of segment q, adds all R replicas' slices in global order (exactly the
+ * chain's additions), scales, and sends the result to every process. Two
+ * rounds of messages whatever P (the chain takes 2P), each process sending
+ * about k n floats and receiving about (R - k) n / P + n; chunked so that
+ * adding overlaps the arrival of the next chunk. ks[q]: process q's replica
+ * count (every process passes the same ks; ks[rank] == k). Stages (R - k) n / P
+ * floats of its own. */
+DP_MUST_CHECK dp_status dp_dist_owner_allreduce_on(const dp_dist_channel *ch, float *const *bufs, int k, const int *ks,
+                                                   int64_t n, float scale, int tag, double timeout, const char *what,
+                                                   const _Atomic int *abandon);
+
 /* ---- point to point (dp.distributed.send / recv) ----
  *
  * A message is a description (element type, memory kind, shape) and its

@@ -91,6 +91,7 @@ typedef struct {
   double timeout;
   const char *what;
   double scale;      /* all-reduce */
+  int owner;         /* all-reduce: the owner-computes form */
   dp_dist_desc desc; /* point to point */
   int peer, tag, is_send;
   int64_t seq;
@@ -298,20 +299,32 @@ static dp_status allreduce_run(void *p) {
   float *stage = malloc(sizeof(float) * 2 * DP_DIST_SEGMENT);
   if (!stage) return DP_FAIL(DP_ERR_MEMORY, "%s: staging", w->what);
   /* tag 1 on the job's default channel: the strategies' chains run on channels of their own */
-  const dp_status st = dp_dist_chain_allreduce(bufs, 1, w->bytes / (int64_t)sizeof(float), (float)w->scale, 1,
-                                               stage, w->timeout, w->what);
+  dp_status st;
+  if (w->owner) { /* one buffer a process */
+    const dp_dist_info info = dp_dist_get_info();
+    int *ks = malloc(sizeof(int) * (size_t)info.size);
+    for (int q = 0; ks && q < info.size; ++q) ks[q] = 1;
+    st = ks ? dp_dist_owner_allreduce_on(NULL, bufs, 1, ks, w->bytes / (int64_t)sizeof(float), (float)w->scale, 1,
+                                         w->timeout, w->what, NULL)
+            : DP_FAIL(DP_ERR_MEMORY, "%s: %d counts", w->what, info.size);
+    free(ks);
+  } else {
+    st = dp_dist_chain_allreduce(bufs, 1, w->bytes / (int64_t)sizeof(float), (float)w->scale, 1, stage, w->timeout,
+                                 w->what);
+  }
   free(stage);
   return st;
 }
 
-/* dist_allreduce_sum(array, scale, timeout, what): a C-contiguous, writable float32 buffer
- * becomes scale * the rank-ordered sum of every process's (dp_dist_chain_allreduce): the
- * same bits on every rank. Every process calls it with the same length. */
+/* dist_allreduce_sum(array, scale, timeout, what, owner=False): a C-contiguous, writable
+ * float32 buffer becomes scale * the rank-ordered sum of every process's: the same bits on
+ * every rank, by the chain (dp_dist_chain_allreduce) or the owner-computes form
+ * (dp_dist_owner_allreduce_on). Every process calls it with the same length and form. */
 static PyObject *mod_dist_allreduce_sum(PyObject *m, PyObject *args) {
   PyObject *obj;
   coll_work w;
   memset(&w, 0, sizeof w);
-  if (!PyArg_ParseTuple(args, "Odds", &obj, &w.scale, &w.timeout, &w.what)) return NULL;
+  if (!PyArg_ParseTuple(args, "Odds|p", &obj, &w.scale, &w.timeout, &w.what, &w.owner)) return NULL;
   if (wait_args(w.timeout, w.what) < 0) return NULL;
   return run_on_buffer(obj, 1, &w, allreduce_run);
 }

@@ -132,8 +132,29 @@ def collectives():
     say(f"after {dist.all_reduce(np.ones(2, np.float32)).tolist()}")
 
 
+def owner():
+    """The owner-computes all-reduce against the chain: the same bits, for sizes that do not
+    split evenly into the processes' segments and chunks (and smaller than the process count)."""
+    import os
+
+    r, P = dist.rank(), dist.world_size()
+    same = []
+    for n in (1, 2, 5, 1000, 65536 * 2 + 17, 300007):
+        x = np.random.default_rng(100 * r + n).standard_normal(n).astype(np.float32) * (10.0 ** (r % 3))
+        os.environ["DPCORE_DIST_ALLREDUCE"] = "chain"
+        a = dist.all_reduce(x.copy(), op="mean")
+        os.environ["DPCORE_DIST_ALLREDUCE"] = "owner"
+        b = dist.all_reduce(x.copy(), op="mean")
+        want = np.random.default_rng(n).standard_normal(n).astype(np.float32)
+        for q in range(1, P):
+            want = want + np.random.default_rng(100 * q + n).standard_normal(n).astype(np.float32) * \
+                np.float32(10.0 ** (q % 3))
+        same.append(bool(np.array_equal(a, b) and np.array_equal(b, want * np.float32(1 / P))))
+    say(f"owner equals chain {same}")
+
+
 CASES = {"basic": basic, "exchange": exchange, "mismatch": mismatch, "silent": silent, "bad_calls": bad_calls,
-         "collectives": collectives}
+         "collectives": collectives, "owner": owner}
 
 
 if __name__ == "__main__":

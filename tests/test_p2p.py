@@ -90,6 +90,17 @@ def test_collectives_on_three_ranks():
         assert f"rank {r}: reduce_scatter {b}" in text, text
 
 
+@pytest.mark.parametrize("processes", [2, 3, 4])
+def test_owner_computes_all_reduce_has_the_chains_bits(processes):
+    """DPCORE_DIST_ALLREDUCE=owner (dp_dist_owner_allreduce_on) against the chain and against the
+    rank-ordered float32 sum computed here, for lengths of 1 to 300,007 floats (fewer than the
+    processes, not a whole number of segments or 65,536-float chunks): the same bits on every rank."""
+    proc, text = run("owner", processes=processes, timeout=300)
+    assert proc.returncode == 0, text
+    for r in range(processes):
+        assert f"rank {r}: owner equals chain [True, True, True, True, True, True]" in text, text
+
+
 @pytest.mark.any_build
 def test_collectives_in_one_process_are_the_identity():
     a = np.arange(6, dtype=np.float32).reshape(3, 2)

@@ -369,7 +369,7 @@ def all_reduce(tensor, op="sum", timeout=DEFAULT_TIMEOUT):
     what = f"dp.distributed.all_reduce(op='{op}')"
     if P > 1:
         if op in ("sum", "mean") and array.dtype == np.float32:
-            _core.dist_allreduce_sum(array, 1.0 / P if op == "mean" else 1.0, timeout, what)
+            _core.dist_allreduce_sum(array, 1.0 / P if op == "mean" else 1.0, timeout, what, _owner_computes())
         else:
             parts = _gather_arrays(array, timeout, what)
             out = parts[0].copy()
@@ -379,6 +379,15 @@ def all_reduce(tensor, op="sum", timeout=DEFAULT_TIMEOUT):
                 out = out / out.dtype.type(P)
             array[...] = out
     return _result(array, rebuild)
+
+
+def _owner_computes():
+    """DPCORE_DIST_ALLREDUCE: 'chain' (the default) or 'owner' (the owner-computes form): the
+    same bits either way; which is faster depends on the number of processes and the links."""
+    form = os.environ.get("DPCORE_DIST_ALLREDUCE", "chain") or "chain"
+    if form not in ("chain", "owner"):
+        raise ValueError(f"DPCORE_DIST_ALLREDUCE must be 'chain' or 'owner', got {form!r}")
+    return form == "owner"
 
 
 def _gather_arrays(array, timeout, what):
