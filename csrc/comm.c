@@ -216,6 +216,8 @@ struct mpi_ctx {
   int64_t tags;                     /* jobs ever posted: each its own tag (mod DP_DIST_MAX_TAG) */
   float *stage;                     /* 2 * DP_DIST_SEGMENT floats */
   dp_dist_channel *channel;         /* this comm's own MPI communicator */
+  int owner;                        /* the owner-computes form (DPCORE_DIST_ALLREDUCE=owner), not the chain */
+  int *ks;                          /* every process's replica count (the owner-computes form needs them) */
 };
 
 #if defined(DP_HAVE_MPI)
@@ -233,8 +235,10 @@ static void *mpi_worker(void *arg) {
     pthread_mutex_unlock(&x->mu);
     dp_status st = DP_OK;
     if (!skip)
-      st = dp_dist_chain_allreduce_on(x->channel, job->bufs, c->k, job->n, job->scale, job->tag, x->stage, c->timeout,
-                                      job->what, &x->abandon);
+      st = x->owner ? dp_dist_owner_allreduce_on(x->channel, job->bufs, c->k, x->ks, job->n, job->scale, job->tag,
+                                                 c->timeout, job->what, &x->abandon)
+                    : dp_dist_chain_allreduce_on(x->channel, job->bufs, c->k, job->n, job->scale, job->tag, x->stage,
+                                                 c->timeout, job->what, &x->abandon);
     pthread_mutex_lock(&x->mu);
     if (st != DP_OK && x->failed == DP_OK) {
       x->failed = st;
@@ -271,6 +275,34 @@ static dp_status mpi_wait_locked(mpi_ctx *x, int64_t target) {
   return x->failed;
 }
 
+/* The form of the all-reduce across processes: DPCORE_DIST_ALLREDUCE=chain (the default) or
+ * owner, the same on every process (checked: a mismatch would pair different messages), and
+ * every process's replica count. Collective. */
+static dp_status mpi_choose_form(dp_comm *c, mpi_ctx *x) {
+  const char *env = getenv("DPCORE_DIST_ALLREDUCE");
+  if (env && *env && strcmp(env, "chain") != 0 && strcmp(env, "owner") != 0)
+    return DP_FAIL(DP_ERR_VALUE, "DPCORE_DIST_ALLREDUCE must be 'chain' or 'owner', got '%s'", env);
+  x->owner = env && strcmp(env, "owner") == 0;
+  const dp_dist_info info = dp_dist_get_info();
+  int mine[2] = {c->k, x->owner};
+  int *all = malloc(sizeof(int) * 2 * (size_t)info.size);
+  x->ks = malloc(sizeof(int) * (size_t)info.size);
+  if (!all || !x->ks) {
+    free(all);
+    return DP_FAIL(DP_ERR_MEMORY, "mpi all-reduce: %d replica counts", info.size);
+  }
+  dp_status st = dp_dist_allgather(mine, sizeof mine, all, c->timeout, "the comparison of the all-reduce's form");
+  for (int q = 0; q < info.size && st == DP_OK; ++q) {
+    x->ks[q] = all[2 * q];
+    if (all[2 * q + 1] != x->owner)
+      st = DP_FAIL(DP_ERR_DIST, "rank %d: DPCORE_DIST_ALLREDUCE differs between the processes: rank %d runs the %s, "
+                   "this rank the %s", info.rank, q, all[2 * q + 1] ? "owner-computes form" : "chain",
+                   x->owner ? "owner-computes form" : "chain");
+  }
+  free(all);
+  return st;
+}
+
 static dp_status mpi_create(dp_comm *c) {
   for (int r = 0; r < c->k; ++r)
     if (c->ranks[r].dev->kind != DP_DEVICE_CPU)
@@ -283,6 +315,7 @@ static dp_status mpi_create(dp_comm *c) {
   if (!x->stage) return DP_FAIL(DP_ERR_MEMORY, "mpi all-reduce: cannot allocate its staging");
   /* collective: every process makes its comms in the same order */
   DP_TRY(dp_dist_channel_open(c->timeout, &x->channel));
+  DP_TRY(mpi_choose_form(c, x));
   if (pthread_mutex_init(&x->mu, NULL) != 0) return DP_FAIL(DP_ERR_RUNTIME, "pthread_mutex_init failed");
   if (pthread_cond_init(&x->work, NULL) != 0 || pthread_cond_init(&x->done, NULL) != 0)
     return DP_FAIL(DP_ERR_RUNTIME, "pthread_cond_init failed");
@@ -308,6 +341,7 @@ static void mpi_destroy(dp_comm *c) {
   }
   dp_dist_channel_close(x->channel);
   free(x->stage);
+  free(x->ks);
   free(x);
   c->mpi = NULL;
 }

@@ -153,8 +153,22 @@ def owner():
     say(f"owner equals chain {same}")
 
 
+def formdiff():
+    """Ranks that ask for different all-reduce forms: a DistributedError when the model is made."""
+    import os
+
+    os.environ["DPCORE_DIST_ALLREDUCE"] = "owner" if dist.rank() == 1 else "chain"
+    try:
+        with dp.MultiWorkerMirroredStrategy(devices=["cpu:0"], timeout=30).scope():
+            dp.models.LeNet()
+        say("no error")
+    except dist.DistributedError as e:
+        say(f"DistributedError {e}")
+
+
 CASES = {"basic": basic, "exchange": exchange, "mismatch": mismatch, "silent": silent, "bad_calls": bad_calls,
-         "collectives": collectives, "owner": owner}
+         "collectives": collectives, "owner": owner,
+         "formdiff": formdiff}
 
 
 if __name__ == "__main__":

@@ -55,10 +55,10 @@ def mpi_env():
     return dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", PYTHONUNBUFFERED="1")
 
 
-def mpirun(np_, args, timeout=180):
+def mpirun(np_, args, timeout=180, env=None):
     cmd = ["mpirun", "-np", str(np_), "--oversubscribe", "--bind-to", "none", sys.executable, SCENARIOS] + args
     start = time.monotonic()
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=mpi_env(), timeout=timeout)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(mpi_env(), **(env or {})), timeout=timeout)
     return proc, time.monotonic() - start
 
 
@@ -73,13 +73,13 @@ def results(out, ranks):
     return [dict(np.load(os.path.join(out, f"rank{r}.npz"))) for r in range(ranks)]
 
 
-def run_pair(tmp_path, processes, local, extra):
+def run_pair(tmp_path, processes, local, extra, env=None):
     """The job (processes x local replicas) and its one-process reference
     (processes * local replicas); returns (job results per rank, reference)."""
     job, ref = tmp_path / "job", tmp_path / "ref"
     job.mkdir()
     ref.mkdir()
-    proc, _ = mpirun(processes, ["train", str(job), "--local", str(local)] + extra)
+    proc, _ = mpirun(processes, ["train", str(job), "--local", str(local)] + extra, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     single(["train", str(ref), "--local", str(processes * local)] + extra)
     return results(job, processes), results(ref, 1)[0]
@@ -100,16 +100,19 @@ def assert_same_bits(job, ref):
             assert all(np.array_equal(res[key], job[0][key]) for res in job), key
 
 
-@pytest.mark.parametrize("processes,local,batch", [(2, 1, 64), (2, 2, 64), (3, 2, 257)])
-def test_lenet_bitwise_equal_to_one_process(tmp_path, processes, local, batch):
+@pytest.mark.parametrize("processes,local,batch,form", [(2, 1, 64, "chain"), (2, 2, 64, "chain"),
+                                                        (3, 2, 257, "chain"), (3, 2, 257, "owner")])
+def test_lenet_bitwise_equal_to_one_process(tmp_path, processes, local, batch, form):
     """Digests after every step, final weights, step losses and hits, the
     evaluation of 10,000 samples (each counted once) and a dp.train epoch's
     History equal one process with processes x local replicas, bit for bit, on
     every rank. 3 x 2 with batch 257: shards of 43 and 42 over six replicas,
-    and a last batch of 100 samples."""
+    and a last batch of 100 samples; there also with the owner-computes all-reduce
+    across the processes (DPCORE_DIST_ALLREDUCE=owner), whose additions are the chain's."""
     samples = 2 * batch + 100
     job, ref = run_pair(tmp_path, processes, local, ["--batch", str(batch), "--samples", str(samples),
-                                                      "--eval", "10000", "--fit", "--bucket-mb", "0.5"])
+                                                      "--eval", "10000", "--fit", "--bucket-mb", "0.5"],
+                        env={"DPCORE_DIST_ALLREDUCE": form})
     steps = -(-samples // batch)  # the last batch holds the remainder
     assert len(ref["digests"]) == steps + 1  # the initial parameters and every step's
     assert len(set(ref["digests"].tolist())) == steps + 1  # every step changed the weights

@@ -101,6 +101,15 @@ def test_owner_computes_all_reduce_has_the_chains_bits(processes):
         assert f"rank {r}: owner equals chain [True, True, True, True, True, True]" in text, text
 
 
+def test_processes_that_ask_for_different_all_reduce_forms_are_told_so():
+    proc, text = run("formdiff")
+    assert proc.returncode == 0, text
+    assert ("rank 0: DistributedError rank 0: DPCORE_DIST_ALLREDUCE differs between the processes: rank 1 runs "
+            "the owner-computes form, this rank the chain") in text, text
+    assert ("rank 1: DistributedError rank 1: DPCORE_DIST_ALLREDUCE differs between the processes: rank 0 runs "
+            "the chain, this rank the owner-computes form") in text, text
+
+
 @pytest.mark.any_build
 def test_collectives_in_one_process_are_the_identity():
     a = np.arange(6, dtype=np.float32).reshape(3, 2)
