@@ -268,7 +268,8 @@ def test_a_stopped_rank_is_named_after_the_timeout():
     proc, seconds, text = run_failure("stop", timeout=5)
     assert proc.returncode != 0
     assert seconds < 60
-    assert "rank 0 gave up after 5 s waiting for rank 1" in text and "call 3" in text, text
+    # 5 s, or a little more on a loaded machine (the wait polls)
+    assert re.search(r"rank 0 gave up after [5-9] s waiting for rank 1", text) and "call 3" in text, text
 
 
 @pytest.mark.parametrize("case,message", [
