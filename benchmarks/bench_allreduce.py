@@ -36,7 +36,7 @@ for n in sizes:
                 if form == "mpi":
                     comm.Allreduce(MPI.IN_PLACE, x, op=MPI.SUM)
                 else:
-                    dp._core.dist_allreduce_sum(x, 1.0, 60.0, "bench", form == "owner")
+                    dp._core.dist_allreduce_sum([x], 1.0, 60.0, "bench", [1] * comm.size if form == "owner" else None)
             t = (time.perf_counter() - t0) / iters
             times[form].append(comm.allreduce(t, op=MPI.MAX))
     out[n] = {f: float(np.median(v)) for f, v in times.items()}

@@ -91,7 +91,6 @@ typedef struct {
   double timeout;
   const char *what;
   double scale;      /* all-reduce */
-  int owner;         /* all-reduce: the owner-computes form */
   dp_dist_desc desc; /* point to point */
   int peer, tag, is_send;
   int64_t seq;
@@ -293,45 +292,96 @@ static PyObject *mod_dist_p2p(PyObject *m, PyObject *args) {
   Py_RETURN_NONE;
 }
 
+typedef struct {
+  coll_work w;
+  float *bufs[DP_COMM_MAX_REPLICAS];
+  int k;
+  int *ks; /* every process's buffer count: the owner-computes form; NULL: the chain */
+  int64_t n;
+} allreduce_work;
+
 static dp_status allreduce_run(void *p) {
-  coll_work *w = p;
-  float *bufs[1] = {w->buf};
-  float *stage = malloc(sizeof(float) * 2 * DP_DIST_SEGMENT);
-  if (!stage) return DP_FAIL(DP_ERR_MEMORY, "%s: staging", w->what);
+  allreduce_work *a = p;
   /* tag 1 on the job's default channel: the strategies' chains run on channels of their own */
-  dp_status st;
-  if (w->owner) { /* one buffer a process */
-    const dp_dist_info info = dp_dist_get_info();
-    int *ks = malloc(sizeof(int) * (size_t)info.size);
-    for (int q = 0; ks && q < info.size; ++q) ks[q] = 1;
-    st = ks ? dp_dist_owner_allreduce_on(NULL, bufs, 1, ks, w->bytes / (int64_t)sizeof(float), (float)w->scale, 1,
-                                         w->timeout, w->what, NULL)
-            : DP_FAIL(DP_ERR_MEMORY, "%s: %d counts", w->what, info.size);
-    free(ks);
-  } else {
-    st = dp_dist_chain_allreduce(bufs, 1, w->bytes / (int64_t)sizeof(float), (float)w->scale, 1, stage, w->timeout,
-                                 w->what);
-  }
+  if (a->ks)
+    return dp_dist_owner_allreduce_on(NULL, a->bufs, a->k, a->ks, a->n, (float)a->w.scale, 1, a->w.timeout, a->w.what,
+                                      NULL);
+  float *stage = malloc(sizeof(float) * 2 * DP_DIST_SEGMENT);
+  if (!stage) return DP_FAIL(DP_ERR_MEMORY, "%s: staging", a->w.what);
+  const dp_status st = dp_dist_chain_allreduce(a->bufs, a->k, a->n, (float)a->w.scale, 1, stage, a->w.timeout,
+                                               a->w.what);
   free(stage);
   return st;
 }
 
-/* dist_allreduce_sum(array, scale, timeout, what, owner=False): a C-contiguous, writable
- * float32 buffer becomes scale * the rank-ordered sum of every process's: the same bits on
- * every rank, by the chain (dp_dist_chain_allreduce) or the owner-computes form
- * (dp_dist_owner_allreduce_on). Every process calls it with the same length and form. */
+/* dist_allreduce_sum([arrays], scale, timeout, what, ks=None): this process's k C-contiguous,
+ * writable float32 buffers of one length (its replicas, in order) each become scale * the sum of
+ * every process's buffers in global order (process by process): the same bits everywhere, by
+ * the chain (dp_dist_chain_allreduce), or by the owner-computes form when ks (every process's
+ * k, the same list on every process) is given. */
 static PyObject *mod_dist_allreduce_sum(PyObject *m, PyObject *args) {
-  PyObject *obj;
-  coll_work w;
-  memset(&w, 0, sizeof w);
-  if (!PyArg_ParseTuple(args, "Odds|p", &obj, &w.scale, &w.timeout, &w.what, &w.owner)) return NULL;
-  if (wait_args(w.timeout, w.what) < 0) return NULL;
-  return run_on_buffer(obj, 1, &w, allreduce_run);
+  PyObject *seq, *ks_obj = Py_None;
+  allreduce_work a;
+  memset(&a, 0, sizeof a);
+  if (!PyArg_ParseTuple(args, "Odds|O", &seq, &a.w.scale, &a.w.timeout, &a.w.what, &ks_obj)) return NULL;
+  if (wait_args(a.w.timeout, a.w.what) < 0) return NULL;
+  PyObject *items = PySequence_Fast(seq, "dist_allreduce_sum: a list of float32 arrays");
+  if (!items) return NULL;
+  Py_buffer views[DP_COMM_MAX_REPLICAS];
+  const Py_ssize_t k = PySequence_Fast_GET_SIZE(items);
+  PyObject *ret = NULL;
+  int got = 0;
+  const dp_dist_info info = dp_dist_get_info();
+  if (k < 1 || k > DP_COMM_MAX_REPLICAS) {
+    PyErr_Format(PyExc_ValueError, "%s: 1 to %d buffers, got %zd", a.w.what, DP_COMM_MAX_REPLICAS, k);
+    goto done;
+  }
+  for (; got < k; ++got) {
+    Py_buffer *v = &views[got];
+    if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(items, got), v,
+                           PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0)
+      goto done;
+    if (!v->format || strcmp(v->format, "f") != 0 || v->itemsize != 4 || v->len != views[0].len) {
+      PyErr_Format(PyExc_TypeError, "%s: float32 buffers of one length", a.w.what);
+      PyBuffer_Release(v);
+      goto done;
+    }
+    a.bufs[got] = v->buf;
+  }
+  a.k = (int)k;
+  a.n = views[0].len / 4;
+  if (ks_obj != Py_None) {
+    PyObject *ks = PySequence_Fast(ks_obj, "dist_allreduce_sum: ks must be a list of ints");
+    if (!ks) goto done;
+    if (PySequence_Fast_GET_SIZE(ks) != info.size) {
+      PyErr_Format(PyExc_ValueError, "%s: ks has %zd counts for %d processes", a.w.what, PySequence_Fast_GET_SIZE(ks),
+                   info.size);
+      Py_DECREF(ks);
+      goto done;
+    }
+    a.ks = malloc(sizeof(int) * (size_t)info.size);
+    for (int q = 0; a.ks && q < info.size; ++q) a.ks[q] = (int)PyLong_AsLong(PySequence_Fast_GET_ITEM(ks, q));
+    Py_DECREF(ks);
+    if (!a.ks) {
+      PyErr_NoMemory();
+      goto done;
+    }
+    if (PyErr_Occurred()) goto done;
+  }
+  if (models_run_without_gil(NULL, 0, allreduce_run, &a) < 0) goto done;
+  ret = Py_None;
+  Py_INCREF(ret);
+done:
+  free(a.ks);
+  for (int i = 0; i < got; ++i) PyBuffer_Release(&views[i]);
+  Py_DECREF(items);
+  return ret;
 }
 
 PyMethodDef dist_functions[] = {
     {"dist_allreduce_sum", mod_dist_allreduce_sum, METH_VARARGS,
-     "dist_allreduce_sum(float32 array, scale, timeout, what): in place, the rank-ordered sum times scale"},
+     "dist_allreduce_sum([float32 arrays], scale, timeout, what, ks=None): in place, the globally ordered sum "
+     "times scale"},
     {"dist_p2p_seq", mod_dist_p2p_seq, METH_VARARGS,
      "dist_p2p_seq(is_send, peer, tag) -> the sequence number of the next send to / receive from peer"},
     {"dist_p2p", mod_dist_p2p, METH_VARARGS,

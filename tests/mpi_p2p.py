@@ -166,9 +166,41 @@ def formdiff():
         say(f"DistributedError {e}")
 
 
+def hierarchical():
+    """Each rank holds another number of replicas (rank r: r + 1 of them, dp.Tensors on its
+    logical CPU devices for rank 1): every replica gets the float32 sum over the job's replicas
+    in global order, by the chain and by the owner-computes form, and the mean divides by 6."""
+    import os
+    import warnings
+
+    r, P = dist.rank(), dist.world_size()
+    def rep(q, i):
+        return np.random.default_rng(10 * q + i).standard_normal(1000).astype(np.float32) * np.float32(3.0 ** i)
+    want = rep(0, 0)
+    for q in range(P):
+        for i in range(q + 1):
+            if (q, i) != (0, 0):
+                want = want + rep(q, i)
+    ok = []
+    for form in ("chain", "owner"):
+        os.environ["DPCORE_DIST_ALLREDUCE"] = form
+        if r == 1:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                dp.set_logical_devices("cpu", 2)
+            mine = [dp.tensor(rep(r, i), f"cpu:{i}") for i in range(r + 1)]
+            out = [t.numpy() for t in dist.all_reduce(mine)]
+        else:
+            out = dist.all_reduce([rep(r, i) for i in range(r + 1)])
+        ok.append(all(np.array_equal(o, want) for o in out) and len(out) == r + 1)
+        mean = dist.all_reduce([rep(r, i) for i in range(r + 1)], op="mean")
+        ok.append(all(np.array_equal(m, want * np.float32(1 / 6)) for m in mean))
+    say(f"hierarchical {ok}")
+
+
 CASES = {"basic": basic, "exchange": exchange, "mismatch": mismatch, "silent": silent, "bad_calls": bad_calls,
          "collectives": collectives, "owner": owner,
-         "formdiff": formdiff}
+         "formdiff": formdiff, "hierarchical": hierarchical}
 
 
 if __name__ == "__main__":

@@ -106,6 +106,14 @@ def test_owner_computes_all_reduce_has_the_chains_bits(processes):
            processes=processes, timeout=300)
 
 
+def test_replicas_of_several_processes_combine_in_global_order():
+    """Rank r holds r + 1 replicas (rank 1's are dp.Tensors on its two logical CPU devices):
+    all_reduce of the lists gives every replica the float32 sum over the 6 in global order
+    (process by process, then list order), by the chain and by the owner-computes form, and
+    'mean' is that sum times 1/6."""
+    expect("hierarchical", [f"rank {r}: hierarchical [True, True, True, True]" for r in range(3)], processes=3)
+
+
 def test_processes_that_ask_for_different_all_reduce_forms_are_told_so():
     expect("formdiff", [
         "rank 0: DistributedError rank 0: DPCORE_DIST_ALLREDUCE differs between the processes: rank 1 runs "
@@ -126,6 +134,14 @@ def test_collectives_in_one_process_are_the_identity():
         dp.distributed.all_reduce(np.zeros(2, np.int32), op="mean")
     with pytest.raises(ValueError, match="op must be"):
         dp.distributed.all_reduce(a, op="min")
+    # a list: this process's replicas, combined in order
+    b, c = a * 2, a * 3
+    out = dp.distributed.all_reduce([a.copy(), b.copy(), c.copy()])
+    assert all(np.array_equal(o, (a + b) + c) for o in out) and len(out) == 3
+    with pytest.raises(ValueError, match="this process's tensors differ"):
+        dp.distributed.all_reduce([a.copy(), np.zeros(2, np.float32)])
+    with pytest.raises(ValueError, match="an empty list"):
+        dp.distributed.all_reduce([])
 
 
 @pytest.mark.any_build

@@ -356,29 +356,69 @@ def _result(array, rebuild):
 
 def all_reduce(tensor, op="sum", timeout=DEFAULT_TIMEOUT):
     """Every rank's ``tensor`` combined by ``op`` ('sum', 'mean', 'max'), on every rank: a NumPy
-    array is overwritten and returned, a host dp.Tensor is returned as a new Tensor. Sums are taken
-    in rank order, ((t0 + t1) + t2) + ..., so every rank gets the same bits for any process layout
-    (float32 through the strategy's chain; other dtypes gathered, then summed in rank order)."""
+    array is overwritten and returned, a host dp.Tensor is returned as a new Tensor.
+
+    ``tensor`` may also be a list: this process's replicas (e.g. one tensor per logical
+    device, in device order; each process may hold another number). Then every element of
+    every list becomes the combination over the job's replicas in global order, process by
+    process and then list order, and a list comes back. Sums are taken in that order,
+    ((t0 + t1) + t2) + ..., so every rank gets the bits one process holding all the replicas
+    would (float32 through the strategy's chain, or its owner-computes form with
+    DPCORE_DIST_ALLREDUCE=owner; other dtypes gathered, then combined in order); 'mean'
+    divides by the number of replicas."""
     from . import _check
 
     op = _check.one_of("op", op, _OPS)
-    if op == "mean" and _host_array(tensor, "all_reduce")[0].dtype.kind != "f":
+    single = not isinstance(tensor, (list, tuple))
+    items = [tensor] if single else list(tensor)
+    if not items:
+        raise ValueError("all_reduce: an empty list of tensors")
+    timeout = _check_timeout(timeout)
+    info = _join()
+    pairs = [_host_array(t, "all_reduce") for t in items]
+    for a, rebuild in pairs:
+        if rebuild is None and not (a.flags.c_contiguous and a.flags.writeable):
+            raise ValueError("all_reduce: the arrays must be C-contiguous and writable (the result is written in "
+                             "place)")
+        if a.dtype != pairs[0][0].dtype or a.shape != pairs[0][0].shape:
+            raise ValueError(f"all_reduce: this process's tensors differ: {pairs[0][0].dtype}{list(pairs[0][0].shape)}"
+                             f" and {a.dtype}{list(a.shape)}")
+    arrays = [np.array(a) if rebuild is not None else a for a, rebuild in pairs]
+    dtype, shape = arrays[0].dtype, arrays[0].shape
+    if op == "mean" and dtype.kind != "f":
         raise TypeError("all_reduce: op='mean' needs a float array (an integer mean is not an integer)")
-    array, rebuild, timeout, info = _collective_input("all_reduce", tensor, timeout, (("op", op),))
     P = info["world_size"]
-    what = f"dp.distributed.all_reduce(op='{op}')"
+    ks = [len(arrays)]
     if P > 1:
-        if op in ("sum", "mean") and array.dtype == np.float32:
-            _core.dist_allreduce_sum(array, 1.0 / P if op == "mean" else 1.0, timeout, what, _owner_computes())
+        calls = allgather_object(("all_reduce", dtype.name, shape, "host", op, len(arrays)), timeout,
+                                 "the comparison of dp.distributed.all_reduce's arguments")
+        for q, c in enumerate(calls):
+            if c[:5] != calls[0][:5]:
+                raise DistributedError(
+                    "the processes disagree about dp.distributed.all_reduce's arguments (collective, dtype, shape, "
+                    f"memory, op): rank {q} has {c[:5]!r}, rank 0 has {calls[0][:5]!r}; every process must make the "
+                    "same call")
+        ks = [c[5] for c in calls]
+    R = sum(ks)
+    what = f"dp.distributed.all_reduce(op='{op}')"
+    if R > 1:
+        if op in ("sum", "mean") and dtype == np.float32:
+            _core.dist_allreduce_sum(arrays, 1.0 / R if op == "mean" else 1.0, timeout, what,
+                                     ks if _owner_computes() else None)
         else:
-            parts = _gather_arrays(array, timeout, what)
+            parts = [np.frombuffer(b, dtype).reshape(shape)
+                     for got in (allgather_object([a.tobytes() for a in arrays], timeout, what) if P > 1
+                                 else [[a.tobytes() for a in arrays]])
+                     for b in got]
             out = parts[0].copy()
             for p in parts[1:]:
                 out = np.maximum(out, p) if op == "max" else out + p
             if op == "mean":
-                out = out / out.dtype.type(P)
-            array[...] = out
-    return _result(array, rebuild)
+                out = out / dtype.type(R)
+            for a in arrays:
+                a[...] = out
+    results = [rebuild(a) if rebuild is not None else a for a, (_, rebuild) in zip(arrays, pairs)]
+    return results[0] if single else results
 
 
 def _owner_computes():
