@@ -81,17 +81,13 @@ import numpy as np  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from bench_lenet_cpu import command_line, import_dpcore, machine_info, replace_section  # noqa: E402
+from bench_common import EXIT_DPCORE_MISSING, import_dpcore, log  # noqa: E402
+from bench_lenet_cpu import command_line, machine_info, replace_section  # noqa: E402
 
 DEFAULT_RESULTS = os.path.join(HERE, "RESULTS.md")
 SECTION_TITLE = "## All-reduce bus bandwidth (in-process, CPU)"
 GOAL = 0.8
 GOAL_FROM = 1 << 20
-EXIT_DPCORE_MISSING = 2
-
-
-def log(msg):
-    print(msg, file=sys.stderr, flush=True)
 
 
 def import_core(tries=6, wait=5.0):
