@@ -50,6 +50,7 @@ import numpy as np
 import pytest
 
 import dpcore as dp
+from test_benchmarks import run_benchmark
 from test_conv_cpu import assert_empty_batch, make
 from winograd_common import abs_dw, abs_forward, check_within_bounds
 from winograd_common import finite_with_pixels_that_overflow_when_added
@@ -244,10 +245,7 @@ def test_on_the_blas_gemm():
 
 def test_benchmark_quick_run():
     """benchmarks/bench_winograd.py end to end on a tiny batch: every row, nothing written."""
-    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "bench_winograd.py"), "--rounds", "1", "--steps", "1",
-           "--layer-reps", "1", "--batch", "2"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    proc = run_benchmark("bench_winograd.py", "--rounds", "1", "--steps", "1", "--layer-reps", "1", "--batch", "2")
     for row in ("| 64x28x28 | forward |", "| 128x14x14 | backward |", "| 256x7x7 | forward |",
                 "| 512x4x4 | backward |", "whole ResNet-18 train_step", "GEMM / F(4x4, 3x3)",
                 "F(2x2, 3x3) / F(4x4, 3x3)"):

@@ -51,6 +51,7 @@ import numpy as np
 import pytest
 
 import dpcore as dp
+from test_benchmarks import run_benchmark
 from test_conv_cpu import assert_empty_batch, assert_lenet_one_and_two_replicas_agree
 from test_conv_cpu import assert_switch_rejects, make
 from winograd_common import abs_dw, abs_dx, abs_forward, check_within_bounds
@@ -318,10 +319,6 @@ def test_lenet_trains_the_same_on_one_and_two_replicas(monkeypatch, logical_cpus
 
 def test_benchmark_quick_run():
     """benchmarks/bench_winograd5.py end to end on a tiny batch: every row, nothing written."""
-    import subprocess
-    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "bench_winograd5.py"), "--rounds", "1", "--reps", "1",
-           "--batch", "4"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    proc = run_benchmark("bench_winograd5.py", "--rounds", "1", "--reps", "1", "--batch", "4")
     for row in ("| LeNet 20 -> 50 on 13x13 | 4 |", "| 64 -> 128 pad 2 on 14x14 (batch / 4) | 1 |", "off / on"):
         assert row in proc.stdout, proc.stdout

@@ -36,13 +36,12 @@ dY0 + dY1 of dy, before any multiplication: +-2^127 there overflow, where a
 path that multiplies first stays finite; tests/winograd_common.py's helper).
 """
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 
 import dpcore as dp
+from test_benchmarks import run_benchmark
 from test_conv_cpu import assert_empty_batch, assert_within_bound, make
 from winograd_common import abs_dw, abs_dx, abs_forward, check_within_bounds
 from winograd_common import finite_with_pixels_that_overflow_when_added
@@ -239,11 +238,7 @@ def test_resnet18_takes_its_downsampling_layers(s2_on, monkeypatch):
 
 def test_benchmark_quick_run():
     """benchmarks/bench_winograd_s2.py end to end on a tiny run: every row, nothing written."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    cmd = [sys.executable, os.path.join(root, "benchmarks", "bench_winograd_s2.py"), "--rounds", "1", "--steps", "1",
-           "--layer-reps", "1", "--batch", "16"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=root)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    proc = run_benchmark("bench_winograd_s2.py", "--rounds", "1", "--steps", "1", "--layer-reps", "1", "--batch", "16")
     for row in ("| 64x28x28 -> 128 | forward |", "| 256x7x7 -> 512 | backward |", "whole ResNet-18 train_step",
                 "GEMM / stride-2 Winograd", "stride-2 Winograd, no huge pages / stride-2 Winograd"):
         assert row in proc.stdout, proc.stdout
