@@ -81,7 +81,7 @@ import numpy as np  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from bench_common import EXIT_DPCORE_MISSING, import_dpcore, log  # noqa: E402
+from bench_common import EXIT_DPCORE_MISSING, build_string, import_dpcore, log  # noqa: E402
 from bench_lenet_cpu import command_line, machine_info, replace_section  # noqa: E402
 
 DEFAULT_RESULTS = os.path.join(HERE, "RESULTS.md")
@@ -301,20 +301,6 @@ def goal_lines(rows, ks):
     return lines
 
 
-def dpcore_build(core):
-    """dpcore's version and the time its extension was built (others rebuild it while we work)."""
-    try:
-        import dpcore
-        version = getattr(dpcore, "__version__", "?")
-    except Exception:
-        version = "?"
-    try:
-        built = datetime.datetime.fromtimestamp(os.path.getmtime(core.__file__), datetime.timezone.utc)
-        return "dpcore %s (extension built %s)" % (version, built.strftime("%Y-%m-%d %H:%M UTC"))
-    except (OSError, AttributeError):
-        return "dpcore %s" % version
-
-
 def section_text(args, core, rows, floor, load_before, load_after, others, wall):
     lines = [
         SECTION_TITLE,
@@ -324,7 +310,7 @@ def section_text(args, core, rows, floor, load_before, load_after, others, wall)
         "- load average (1 min) before / after: %s / %s (this run's own threads count too); during the run %s "
         "(shared machine: the ratios compare measurements interleaved in the same run)" % (
             load_before, load_after, others),
-        "- %s" % dpcore_build(core),
+        "- %s" % build_string(sys.modules["dpcore"]),
         "- command (from the repository root): `%s` (OPENBLAS_NUM_THREADS=1, set by the script); "
         "%.0f s" % (command_line(), wall),
         "- all-reduce: `dpcore._core.allreduce_benchmark(k, n, iters)`, in-place SUM of k float32 buffers on k "
