@@ -98,8 +98,13 @@ def measure(args):
     return core, dp.__version__, ab_layers(GEOMETRIES, "DPCORE_IMPLICIT_GEMM", args.batch, args.rounds, args.reps)
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def ab_main(argv, description, section_title, switch, per_geometry, measure, gflops_note, notes):
+    """The command line and section of this script and bench_winograd5.py: --rounds, --reps, --batch
+    and --write; measure(args) -> (core, dpcore version, ab_layers' rows); the section (printed, and
+    with --write put into RESULTS.md) says how the arms of `switch` ran, per_geometry (what stands
+    before "the arms") and gflops_note (after the GFLOP/s definition) in its words, then
+    ab_table's rows, then the notes."""
+    ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--batch", type=int, default=128)
@@ -108,21 +113,28 @@ def main(argv=None):
     load_before = os.getloadavg()[0]
     started = time.perf_counter()
     core, version, rows = measure(args)
-    lines = [SECTION_TITLE, "",
+    lines = [section_title, "",
              f"- date: {datetime.datetime.now(datetime.timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}",
              f"- machine: {machine_info()}; load average before / after: {load_before:.2f} / {os.getloadavg()[0]:.2f}",
              f"- dpcore {version}; command (from the repository root): `{command_line()}`; "
              f"{time.perf_counter() - started:.0f} s",
-             f"- one process pinned to core {core} (one thread); DPCORE_WINOGRAD=0; per geometry the arms "
-             f"DPCORE_IMPLICIT_GEMM=0 and =1 alternate over {args.rounds} rounds, {args.reps} forward and "
+             f"- one process pinned to core {core} (one thread); {per_geometry} the arms "
+             f"{switch}=0 and =1 alternate over {args.rounds} rounds, {args.reps} forward and "
              f"{args.reps} backward calls (dx, dw, db) each after a warm-up, timed by the process's CPU time; "
-             "median per call over the rounds; GFLOP/s = the forward pass's 2*N*O*C*KH*KW*OH*OW per second",
+             "median per call over the rounds; GFLOP/s = the forward pass's 2*N*O*C*KH*KW*OH*OW per second"
+             + gflops_note,
              ""] + ab_table(rows)
-    lines += ["", "off: im2col + SGEMM (dx as a convolution of dy for \"same\" padding, col2im otherwise); "
-              "on: the implicit GEMM's forward and dw, and its dx from 32 output channels where the GEMM path "
-              "would not take dx as a convolution of dy (csrc/implicit_gemm.h); the last row is a layer it does "
-              "not take (both arms the GEMM path: the ratio shows the noise)."]
-    publish(lines, SECTION_TITLE, args.write)
+    lines += ["", notes]
+    publish(lines, section_title, args.write)
+
+
+def main(argv=None):
+    ab_main(argv, __doc__.splitlines()[0], SECTION_TITLE, "DPCORE_IMPLICIT_GEMM", "DPCORE_WINOGRAD=0; per geometry",
+            measure, "",
+            "off: im2col + SGEMM (dx as a convolution of dy for \"same\" padding, col2im otherwise); "
+            "on: the implicit GEMM's forward and dw, and its dx from 32 output channels where the GEMM path "
+            "would not take dx as a convolution of dy (csrc/implicit_gemm.h); the last row is a layer it does "
+            "not take (both arms the GEMM path: the ratio shows the noise).")
 
 
 if __name__ == "__main__":

@@ -45,20 +45,17 @@ import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from bench_common import EXIT_DPCORE_MISSING, RESULT_MARKER, import_dpcore, log  # noqa: E402
+
 REPO = os.path.dirname(HERE)
 DEFAULT_DATA_DIR = "/usr/share/datasets/fashion-mnist"
 DEFAULT_RESULTS = os.path.join(HERE, "RESULTS.md")
 SECTION_TITLE = "## LeNet epoch, CPU (dpcore vs PyTorch)"
-RESULT_MARKER = "BENCH_RESULT "
 BATCH_SIZE = 256
 LR = 0.2
 SEED = 0
 FRAMEWORKS = ("torch", "dpcore")
-EXIT_DPCORE_MISSING = 2
-
-
-def log(msg):
-    print(msg, file=sys.stderr, flush=True)
 
 
 def default_threads():
@@ -198,33 +195,6 @@ def child_torch(args):
     }
 
 
-def import_dpcore(tries=1, wait=5.0):
-    """(dpcore, None), or (None, why) after `tries` attempts `wait` s apart: the package may be
-    being reinstalled while a benchmark child starts."""
-    err = None
-    for i in range(tries):
-        try:
-            import dpcore
-            return dpcore, None
-        except Exception as e:  # ImportError, or the extension failing to load
-            err = "%s: %s" % (type(e).__name__, e)
-            for name in [m for m in sys.modules if m == "dpcore" or m.startswith("dpcore.")]:
-                del sys.modules[name]
-            if i + 1 < tries:
-                log("dpcore import failed (%s); retrying in %.0f s" % (err, wait))
-                time.sleep(wait)
-    return None, err
-
-
-def import_dpcore_or_exit(tries=6, wait=5.0):
-    """dpcore (retried as above), or exit with EXIT_DPCORE_MISSING saying why."""
-    dp, err = import_dpcore(tries, wait)
-    if dp is None:
-        print("dpcore not importable: %s" % err, file=sys.stderr, flush=True)
-        sys.exit(EXIT_DPCORE_MISSING)
-    return dp
-
-
 def child_dpcore(args):
     dp, err = import_dpcore()
     if dp is None:
@@ -255,7 +225,6 @@ def child_dpcore(args):
         pass
     if getattr(history, "devices", None):
         info["devices"] = list(history.devices)
-    sys.path.insert(0, HERE)
     import floor
     gflops = floor.sgemm_gflops(threads=args.threads)
     per_image = floor.training_flops_per_image(net)

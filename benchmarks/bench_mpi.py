@@ -85,12 +85,12 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from bench_lenet_cpu import command_line, default_threads, import_dpcore_or_exit, machine_info, replace_section  # noqa: E402
+from bench_common import EXIT_DPCORE_MISSING, RESULT_MARKER, emit_result, import_dpcore_or_exit, log  # noqa: E402
+from bench_lenet_cpu import command_line, default_threads, machine_info, replace_section  # noqa: E402
 
 DEFAULT_RESULTS = os.path.join(HERE, "RESULTS.md")
 SECTION_TITLE = "## Multi-process (MPI) all-reduce and LeNet throughput (issue 10)"
-RESULT_MARKER = "BENCH_RESULT "
-EXIT_DPCORE_MISSING, EXIT_NO_MPI = 2, 3
+EXIT_NO_MPI = 3
 OUT = 16  # classes of the all-reduce models: parameters = OUT * (F + 1)
 BATCH = 256
 LR = 0.2
@@ -98,10 +98,6 @@ GOAL = 0.9  # 2 processes within 10 % of 2 in-process replicas
 LENET_CONFIGS = ("1p x 1r", "1p x 2r", "2p x 1r")
 CHILD_TIMEOUT = 600
 CONTENDED = 0.25  # others' cores during a run above which it is "contended": left out when clean runs exist
-
-
-def log(msg):
-    print(msg, file=sys.stderr, flush=True)
 
 
 def median(xs):
@@ -122,19 +118,6 @@ def size_label(nbytes):
 # ---------------------------------------------------------------------------------------------
 # Children (run by the parent: plain subprocesses, or under mpirun)
 # ---------------------------------------------------------------------------------------------
-
-def build_string(dp):
-    try:
-        built = datetime.datetime.fromtimestamp(os.path.getmtime(dp._core.__file__), datetime.timezone.utc)
-        return "dpcore %s (extension built %s)" % (dp.__version__, built.strftime("%Y-%m-%d %H:%M UTC"))
-    except (OSError, AttributeError):
-        return "dpcore %s" % getattr(dp, "__version__", "?")
-
-
-def emit(result):
-    result["build"] = build_string(sys.modules["dpcore"])
-    print(RESULT_MARKER + json.dumps(result), flush=True)
-
 
 def loop_seconds(fn, iters):
     """Mean seconds per call over `iters` calls of fn()."""
@@ -237,7 +220,7 @@ def child_ar_mpi(args):
         del tasks, mir, model, net, plain
         gc.collect()
     if rank == 0:
-        emit(out)
+        emit_result(out)
 
 
 def child_ar_local(args):
@@ -278,7 +261,7 @@ def child_ar_local(args):
                                      "all_reduce": net.all_reduce}
         del tasks, mir, net, src, dst
         gc.collect()
-    emit(out)
+    emit_result(out)
 
 
 def synthetic_batches(count, batch):
@@ -332,7 +315,7 @@ def child_lenet(args):
     import floor  # benchmarks/floor.py: the cores this configuration used, measured after its steps
     cores = sum(sum(x["threads"]) for x in res["ranks"]) if mpi else sum(res["threads"])
     res["floor_ips"] = floor.machine_floor(net, cores, quick=args.steps < 5)["images_per_s"]
-    emit(res)
+    emit_result(res)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -28,6 +28,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import bench_lenet_cpu as common  # noqa: E402
+from bench_common import import_dpcore_or_exit  # noqa: E402
 
 SECTION_TITLE = "## Progress bar and timeline overhead (LeNet epoch, CPU)"
 CONFIGS = ("plain", "progress", "profile")
@@ -63,7 +64,7 @@ def main():
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--write", action="store_true")
     args = ap.parse_args()
-    dp = common.import_dpcore_or_exit()
+    dp = import_dpcore_or_exit()
     dp.set_logical_devices("cpu", 2)
     train_iter, _ = dp.data.load_fashion_mnist(batch_size=256)
     load_before = os.getloadavg()[0]

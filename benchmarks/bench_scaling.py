@@ -82,15 +82,14 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from bench_lenet_cpu import command_line, default_threads, import_dpcore_or_exit, machine_info  # noqa: E402
+from bench_common import EXIT_DPCORE_MISSING, RESULT_MARKER, emit_result, import_dpcore_or_exit, log  # noqa: E402
+from bench_lenet_cpu import command_line, default_threads, machine_info  # noqa: E402
 
 DEFAULT_RESULTS = os.path.join(HERE, "RESULTS.md")
 DEFAULT_DATA_DIR = "/usr/share/datasets/fashion-mnist"
 SECTION_TITLE = "## Scaling and fixed cost (LeNet, CPU)"
 RESNET_SECTION_TITLE = "## Scaling (ResNet-18, CPU)"
 MODEL_NAMES = {"lenet": "LeNet", "resnet18": "ResNet-18"}
-RESULT_MARKER = "BENCH_RESULT "
-EXIT_DPCORE_MISSING = 2
 LR = 0.2
 GOAL = 1.8
 # name -> (logical CPU devices, replica devices, global batch in units of the per-replica batch)
@@ -108,10 +107,6 @@ PAIR_START_DELAY = 4.0  # seconds for both children to load data and warm up bef
 # BatchNorm: the whole step in one run since commit c88189b (a failing replica breaks the barrier instead
 # of needing a run of its own); 2 with BatchNorm (staging apart); it was 2-3 before.
 GROUP_RUNS_PER_STEP = 1
-
-
-def log(msg):
-    print(msg, file=sys.stderr, flush=True)
 
 
 def child_env():
@@ -271,19 +266,9 @@ def child_fixed(args):
             "others_cores": None if others is None else others[0], "waited": quiet.waited}
 
 
-def build_string(dp):
-    """dpcore's version and the time its extension was built (others rebuild it while we work)."""
-    try:
-        built = datetime.datetime.fromtimestamp(os.path.getmtime(dp._core.__file__), datetime.timezone.utc)
-        return "dpcore %s (extension built %s)" % (dp.__version__, built.strftime("%Y-%m-%d %H:%M UTC"))
-    except (OSError, AttributeError):
-        return "dpcore %s" % getattr(dp, "__version__", "?")
-
-
 def run_child(args):
     result = child_throughput(args) if args.child == "throughput" else child_fixed(args)
-    result["build"] = build_string(sys.modules["dpcore"])
-    print(RESULT_MARKER + json.dumps(result), flush=True)
+    emit_result(result)
 
 
 # ---------------------------------------------------------------------------------------------

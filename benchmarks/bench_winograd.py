@@ -100,14 +100,19 @@ def child(args):
 
 
 def spawn(arm, args):
-    env = thread_env(args.threads)
-    env.update(ARM_ENV[arm])
     # the GEMM arm's 64-channel layers on im2col + SGEMM, as before the implicit GEMM (which would
     # take them with Winograd off): the A/B stays Winograd against the GEMM path
-    env["DPCORE_IMPLICIT_GEMM"] = "0"
-    cmd = [sys.executable, os.path.abspath(__file__), "--child", "--batch", str(args.batch), "--steps",
+    return ab_spawn(os.path.abspath(__file__), dict(ARM_ENV[arm], DPCORE_IMPLICIT_GEMM="0"), ARMS[arm], args)
+
+
+def ab_spawn(script, arm_env, label, args):
+    """The result of a fresh `script --child` (this one or bench_winograd_s2.py) with args' batch,
+    steps and layer reps, in thread_env(args.threads) updated with arm_env."""
+    env = thread_env(args.threads)
+    env.update(arm_env)
+    cmd = [sys.executable, script, "--child", "--batch", str(args.batch), "--steps",
            str(args.steps), "--layer-reps", str(args.layer_reps)]
-    return child_json(cmd, env, ARMS[arm])
+    return child_json(cmd, env, label)
 
 
 def ab_args(doc, argv):
@@ -121,6 +126,19 @@ def ab_args(doc, argv):
     ap.add_argument("--write", action="store_true", help="put the section into benchmarks/RESULTS.md")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     return ap.parse_args(argv)
+
+
+def ab_main(doc, argv, child, spawn, arms, pairs, keys, title, about, columns, digits):
+    """The A/B scripts' main (this one's and bench_winograd_s2.py's): with --child, child(args); else
+    ab_rounds of spawn over the arms, and ab_report's section (columns: its header row, with {batch}
+    for --batch) printed, and with --write put into RESULTS.md."""
+    args = ab_args(doc, argv)
+    if args.child:
+        return child(args)
+    args.load_before = os.getloadavg()[0]
+    runs = ab_rounds(args, arms, spawn)
+    lines = ab_report(args, arms, runs, pairs, keys, title, about, columns.format(batch=args.batch), digits)
+    publish(lines, title, args.write)
 
 
 def ab_rounds(args, arms, spawn):
@@ -175,20 +193,14 @@ def ab_report(args, arms, runs, pairs, keys, title, about, columns, digits=2):
 
 
 def main(argv=None):
-    args = ab_args(__doc__, argv)
-    if args.child:
-        return child(args)
-    args.load_before = os.getloadavg()[0]
-    runs = ab_rounds(args, ARMS, spawn)
-    lines = ab_report(
-        args, ARMS, runs, [("gemm", "f23"), ("gemm", "f43"), ("f23", "f43")], [f"{C}x{H}x{H}" for C, H in GEOMETRIES],
-        SECTION_TITLE,
+    return ab_main(
+        __doc__, argv, child, spawn, ARMS, [("gemm", "f23"), ("gemm", "f43"), ("f23", "f43")],
+        [f"{C}x{H}x{H}" for C, H in GEOMETRIES], SECTION_TITLE,
         "DPCORE_WINOGRAD=0 (im2col + GEMM), F(2x2, 3x3) (csrc/winograd.c; DPCORE_WINOGRAD_F43=0) and F(4x4, 3x3) "
         "(csrc/winograd_lanes.c), in rotating order; medians of every timed call; each ratio is the first arm's "
         "time over the second's (above 1: the second faster). Backward = dx + dw + db.",
-        f"| layer (C = O, batch {args.batch}) | pass | GEMM ms | F(2x2, 3x3) ms | F(4x4, 3x3) ms | "
+        "| layer (C = O, batch {batch}) | pass | GEMM ms | F(2x2, 3x3) ms | F(4x4, 3x3) ms | "
         "GEMM / F(2x2) | GEMM / F(4x4) | F(2x2) / F(4x4) |", digits=2)
-    publish(lines, SECTION_TITLE, args.write)
 
 
 if __name__ == "__main__":

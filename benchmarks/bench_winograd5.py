@@ -16,16 +16,12 @@ channels) are not taken by Winograd in a default build: both arms run the
 same path there (the ratio shows the noise) unless the build set the limit
 lower (CFLAGS=-DDP_WL_F35_MIN_IN=1), which is how the limit was chosen.
 """
-import argparse
-import datetime
 import os
 import sys
-import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from bench_implicit_gemm import ab_layers, ab_table  # noqa: E402
-from bench_lenet_cpu import command_line, machine_info, publish  # noqa: E402
+from bench_implicit_gemm import ab_layers, ab_main  # noqa: E402
 
 SECTION_TITLE = "## Winograd F(3x3, 5x5) A/B (CPU, one core)"
 # (name, C, H, O, pad)
@@ -50,30 +46,11 @@ def measure(args):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--batch", type=int, default=128)
-    ap.add_argument("--write", action="store_true", help="replace the section in benchmarks/RESULTS.md")
-    args = ap.parse_args(argv)
-    load_before = os.getloadavg()[0]
-    started = time.perf_counter()
-    core, version, rows = measure(args)
-    lines = [SECTION_TITLE, "",
-             f"- date: {datetime.datetime.now(datetime.timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}",
-             f"- machine: {machine_info()}; load average before / after: {load_before:.2f} / {os.getloadavg()[0]:.2f}",
-             f"- dpcore {version}; command (from the repository root): `{command_line()}`; "
-             f"{time.perf_counter() - started:.0f} s",
-             f"- one process pinned to core {core} (one thread); per geometry (5x5, stride 1) the arms "
-             f"DPCORE_WINOGRAD_F35=0 and =1 alternate over {args.rounds} rounds, {args.reps} forward and "
-             f"{args.reps} backward calls (dx, dw, db) each after a warm-up, timed by the process's CPU time; "
-             "median per call over the rounds; GFLOP/s = the forward pass's 2*N*O*C*KH*KW*OH*OW per second "
-             "(Winograd's own multiplies are 4.6x fewer)",
-             ""] + ab_table(rows)
-    lines += ["", "off: the implicit GEMM (forward, dw; dx from 32 output channels) up to 64 output channels, "
-              "im2col + SGEMM above; on: Winograd F(3x3, 5x5) (csrc/winograd_lanes.h) from 6 input channels. "
-              "Rows marked below the limit run the same path in both arms in a default build."]
-    publish(lines, SECTION_TITLE, args.write)
+    ab_main(argv, __doc__.splitlines()[0], SECTION_TITLE, "DPCORE_WINOGRAD_F35", "per geometry (5x5, stride 1)",
+            measure, " (Winograd's own multiplies are 4.6x fewer)",
+            "off: the implicit GEMM (forward, dw; dx from 32 output channels) up to 64 output channels, "
+            "im2col + SGEMM above; on: Winograd F(3x3, 5x5) (csrc/winograd_lanes.h) from 6 input channels. "
+            "Rows marked below the limit run the same path in both arms in a default build.")
 
 
 if __name__ == "__main__":

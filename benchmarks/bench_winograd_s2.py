@@ -30,8 +30,7 @@ import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from bench_lenet_cpu import child_json, publish, thread_env  # noqa: E402
-from bench_winograd import ab_args, ab_report, ab_rounds, conv_layer_times, resnet18_steps  # noqa: E402
+from bench_winograd import ab_main, ab_spawn, conv_layer_times, resnet18_steps  # noqa: E402
 
 SECTION_TITLE = "## Stride-2 Winograd and huge pages A/B (ResNet-18, CPU)"
 # (channels in, plane side, channels out): ResNet-18's 3x3 stride-2 convolutions at 28x28 inputs
@@ -52,28 +51,18 @@ def child(args):
 
 
 def spawn(arm, args):
-    env = thread_env(args.threads)
-    env.update(ARM_ENV[arm])
-    cmd = [sys.executable, os.path.abspath(__file__), "--child", "--batch", str(args.batch), "--steps",
-           str(args.steps), "--layer-reps", str(args.layer_reps)]
-    return child_json(cmd, env, ARMS[arm])
+    return ab_spawn(os.path.abspath(__file__), ARM_ENV[arm], ARMS[arm], args)
 
 
 def main(argv=None):
-    args = ab_args(__doc__, argv)
-    if args.child:
-        return child(args)
-    args.load_before = os.getloadavg()[0]
-    runs = ab_rounds(args, ARMS, spawn)
-    lines = ab_report(
-        args, ARMS, runs, [("gemm", "s2"), ("s2_small", "s2")], [f"{C}x{H}x{H} -> {O}" for C, H, O in GEOMETRIES],
-        SECTION_TITLE,
+    return ab_main(
+        __doc__, argv, child, spawn, ARMS, [("gemm", "s2"), ("s2_small", "s2")],
+        [f"{C}x{H}x{H} -> {O}" for C, H, O in GEOMETRIES], SECTION_TITLE,
         "DPCORE_WINOGRAD_S2=0 (im2col + GEMM), =1 (csrc/winograd_s2.c), and =1 with DPCORE_HUGE_PAGES=0, in "
         "rotating order; medians of every timed call; each ratio is the first arm's time over the second's (above "
         "1: the second faster). Backward = dx + dw + db.",
-        f"| layer (batch {args.batch}) | pass | GEMM ms | stride-2 Winograd ms | no huge pages ms | "
+        "| layer (batch {batch}) | pass | GEMM ms | stride-2 Winograd ms | no huge pages ms | "
         "GEMM / Winograd | no huge pages / huge pages |", digits=3)
-    publish(lines, SECTION_TITLE, args.write)
 
 
 if __name__ == "__main__":

@@ -169,7 +169,7 @@ def main(argv=None):
     parser.add_argument("--n", type=int, default=2048, help="the square SGEMM's size (default 2048)")
     args = parser.parse_args(argv)
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from bench_lenet_cpu import import_dpcore_or_exit
+    from bench_common import import_dpcore_or_exit
 
     dp = import_dpcore_or_exit()
     rate = sgemm_gflops(n=args.n, threads=args.threads)

@@ -24,14 +24,11 @@ sums over O in the kernel, then added into dx tap by tap). The tests assert it
 on every path (implicit GEMM, OpenBLAS of any core type, dpcore's kernel); no
 fixed tolerance (issue 29: the suite's 1e-5 / 5e-5, read off one machine, went).
 """
-import os
-import subprocess
-import sys
-
 import numpy as np
 import pytest
 
 import dpcore as dp
+from test_benchmarks import run_benchmark
 from test_conv_cpu import assert_empty_batch, assert_lenet_one_and_two_replicas_agree
 from test_conv_cpu import assert_within_bound, make, reference, windows
 
@@ -221,11 +218,7 @@ def test_lenet_trains_the_same_on_one_and_two_replicas(monkeypatch, logical_cpus
 
 def test_benchmark_quick_run():
     """benchmarks/bench_implicit_gemm.py end to end on a tiny batch: every row, nothing written."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    cmd = [sys.executable, os.path.join(root, "benchmarks", "bench_implicit_gemm.py"), "--rounds", "1", "--reps", "1",
-           "--batch", "4"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=root)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    proc = run_benchmark("bench_implicit_gemm.py", "--rounds", "1", "--reps", "1", "--batch", "4")
     for row in ("| LeNet 20 -> 50, 5x5 on 13x13 | 4 |", "| book LeNet 6 -> 16", "| 64 -> 128, 3x3 stride 2",
                 "backward off / on"):
         assert row in proc.stdout, proc.stdout

@@ -41,6 +41,7 @@ import numpy as np
 import pytest
 
 import dpcore as dp
+from test_benchmarks import run_benchmark
 from test_conv_cpu import U32, assert_switch_rejects, assert_within_dot_bounds, make, reference
 
 ops = dp.ops
@@ -189,14 +190,7 @@ def test_winograd_products_with_the_switch_off(monkeypatch):
 
 def test_benchmark_quick_run():
     """benchmarks/bench_own_gemm.py end to end on a tiny batch: every row, nothing written."""
-    import os
-    import subprocess
-    import sys
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    cmd = [sys.executable, os.path.join(root, "benchmarks", "bench_own_gemm.py"), "--rounds", "1", "--reps", "1",
-           "--batch", "2", "--steps", "1"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=root)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    proc = run_benchmark("bench_own_gemm.py", "--rounds", "1", "--reps", "1", "--batch", "2", "--steps", "1")
     for row in ("| 64 -> 64, 3x3 on 28x28 (Winograd F(2x2, 3x3)) | 2 |", "| 64 -> 128, 1x1 stride 2 on 28x28 (im2col) |",
                 "whole ResNet-18 train_step", "OpenBLAS (dpcore's choice) / dpcore's", "SkylakeX" if AVX512 else ""):
         assert row in proc.stdout, proc.stdout

@@ -48,10 +48,12 @@ import sys
 
 import numpy as np
 import pytest
-from numpy.lib.stride_tricks import sliding_window_view
 
 import dpcore as dp
-from test_conv_cpu import assert_empty_batch, assert_within_bound, make, reference
+from test_benchmarks import run_benchmark
+from test_conv_cpu import assert_empty_batch, make
+from winograd_common import abs_dw, abs_forward, check_within_bounds
+from winograd_common import finite_with_pixels_that_overflow_when_added
 
 ops = dp.ops
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -59,47 +61,23 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 B_T = np.array([[1, 0, -1, 0], [0, 1, 1, 0], [0, -1, 1, 0], [0, 1, 0, -1]], dtype=np.float64)
 G = np.array([[1, 0, 0], [.5, .5, .5], [.5, -.5, .5], [0, 0, 1]], dtype=np.float64)
 A_T = np.array([[1, 1, 1, 0], [0, 1, -1, -1]], dtype=np.float64)
-
+F23_ABS = tuple(np.abs(M) for M in (A_T, G, B_T))
 
 
 def winograd_abs(x, w, b):
     """S of the docstring, (N, O, H, W) in float64: the convolution computed by the
     transforms with every entry, coefficient and input in absolute value."""
-    N, C, H, W = x.shape
-    th, tw = (H + 1) // 2, (W + 1) // 2
-    xp = np.zeros((N, C, 2 * th + 2, 2 * tw + 2))
-    xp[:, :, 1:H + 1, 1:W + 1] = np.abs(x.astype(np.float64))
-    d = sliding_window_view(xp, (4, 4), axis=(2, 3))[:, :, ::2, ::2]          # (N, C, th, tw, 4, 4)
-    Bt, Ga, At = np.abs(B_T), np.abs(G), np.abs(A_T)
-    V = np.einsum("ij,nctsjk,lk->nctsil", Bt, d, Bt, optimize=True)
-    U = np.einsum("ij,ocjk,lk->ocil", Ga, np.abs(w.astype(np.float64)), Ga, optimize=True)
-    M = np.einsum("ocil,nctsil->notsil", U, V, optimize=True)
-    Y = np.einsum("ij,notsjk,lk->notsil", At, M, At, optimize=True)           # (N, O, th, tw, 2, 2)
-    Y = Y.transpose(0, 1, 2, 4, 3, 5).reshape(N, w.shape[0], 2 * th, 2 * tw)[:, :, :H, :W]
-    return Y + (0.0 if b is None else np.abs(b.astype(np.float64))[None, :, None, None])
+    return abs_forward(x, w, b, F23_ABS, 1, 1)
 
 
 def winograd_abs_dw(x, dy):
     """S_dw of the docstring, (O, C, 3, 3) in float64."""
-    N, C, H, W = x.shape
-    th, tw = (H + 1) // 2, (W + 1) // 2
-    xp = np.zeros((N, C, 2 * th + 2, 2 * tw + 2))
-    xp[:, :, 1:H + 1, 1:W + 1] = np.abs(x.astype(np.float64))
-    d = sliding_window_view(xp, (4, 4), axis=(2, 3))[:, :, ::2, ::2]          # (N, C, th, tw, 4, 4)
-    dyp = np.zeros((N, dy.shape[1], 2 * th, 2 * tw))
-    dyp[:, :, :H, :W] = np.abs(dy.astype(np.float64))
-    dY = dyp.reshape(N, dy.shape[1], th, 2, tw, 2).transpose(0, 1, 2, 4, 3, 5)  # (N, O, th, tw, 2, 2)
-    Bt, Ga, At = np.abs(B_T), np.abs(G), np.abs(A_T)
-    V = np.einsum("ij,nctsjk,lk->nctsil", Bt, d, Bt, optimize=True)
-    Wt = np.einsum("ji,notsjk,kl->notsil", At, dY, At, optimize=True)          # |A| |dY| |A|^T
-    dU = np.einsum("notsil,nctsil->ocil", Wt, V, optimize=True)
-    return np.einsum("ji,ocjk,kl->ocil", Ga, dU, Ga, optimize=True)
+    return abs_dw(x, dy, F23_ABS, 1, 1)
 
 
 def flipped(w):
     """The filter of dx as a convolution of dy: wt[c, o] = w[o, c] rotated by 180 degrees."""
     return np.ascontiguousarray(w.transpose(1, 0, 2, 3)[:, :, ::-1, ::-1])
-
 
 
 @pytest.fixture(autouse=True)
@@ -115,20 +93,14 @@ def winograd_on(monkeypatch):
 
 
 def check(case, seed, use_bias=True):
-    """y, dx and dw within their bounds and the suite's tolerances."""
+    """y, dx, dw and db within their bounds (the docstring's S and k)."""
     N, C, H, W, O = case
-    x, w, b, dy = make(N, C, H, W, O, 3, 1, 1, seed)
-    bias = b if use_bias else None
-    y = ops.conv2d(x, w, bias, stride=1, padding=1)
-    dx, dw, db = ops.conv2d_backward(x, w, dy, stride=1, padding=1)
-    y_ref, dx_ref, dw_ref, db_ref = reference(x, w, b if use_bias else np.zeros_like(b), dy, 1, 1)
-    assert y.shape == y_ref.shape and dx.shape == x.shape
-    assert_within_bound(y, y_ref, winograd_abs(x, w, bias), C + 11, f"{case} forward")
-    assert_within_bound(dx, dx_ref, winograd_abs(dy, flipped(w), None), O + 11, f"{case} dx")
     tiles = N * ((H + 1) // 2) * ((W + 1) // 2)
-    assert_within_bound(dw, dw_ref, winograd_abs_dw(x, dy), tiles + 8, f"{case} dw")
-    assert_within_bound(db, db_ref, np.abs(dy.astype(np.float64)).sum(axis=(0, 2, 3)), max(N * H * W, 1), f"{case} db")
-    return y, dx
+
+    def bounds(x, w, bias, dy, y):
+        return ((winograd_abs(x, w, bias), C + 11), (winograd_abs(dy, flipped(w), None), O + 11),
+                (winograd_abs_dw(x, dy), tiles + 8))
+    return check_within_bounds(case, N, C, H, W, O, 3, 1, 1, seed, use_bias, bounds)[4:6]
 
 
 # (N, C, H, W, O)
@@ -168,28 +140,6 @@ def test_bias_none(winograd_on):
 
 def test_empty_batch(winograd_on):
     assert_empty_batch(64, 14, 64, 3, 1)
-
-
-def finite_with_pixels_that_overflow_when_added(shape, stride, x_pixels, dy_pixels):
-    """(y, dx, dw) all finite? x: zero but for x_pixels [(row, col, value)] of sample 0, channel 0;
-    w = 2^-10 everywhere, no bias; y and dw from that x with dy = 2^-10, dx from dy zero but for
-    dy_pixels. Every product is at most 2^117 and at most two are nonzero in any output: a path
-    that multiplies before adding stays finite; one that adds two of the pixels first does not."""
-    N, C, H, W, O = shape
-    OH, OW = (H + 2 - 3) // stride + 1, (W + 2 - 3) // stride + 1
-    x = np.zeros((N, C, H, W), np.float32)
-    for r, c, v in x_pixels:
-        x[0, 0, r, c] = v
-    dy_pix = np.zeros((N, O, OH, OW), np.float32)
-    for r, c, v in dy_pixels:
-        dy_pix[0, 0, r, c] = v
-    w = np.full((O, C, 3, 3), 2.0 ** -10, np.float32)
-    small = np.full((N, O, OH, OW), 2.0 ** -10, np.float32)
-    with np.errstate(all="ignore"):
-        y = ops.conv2d(x, w, None, stride=stride, padding=1)
-        dw = ops.conv2d_backward(x, w, small, stride=stride, padding=1)[1]
-        dx = ops.conv2d_backward(np.zeros_like(x), w, dy_pix, stride=stride, padding=1)[0]
-    return tuple(bool(np.isfinite(a).all()) for a in (y, dx, dw))
 
 
 def test_the_switch_reaches_the_kernel(monkeypatch):
@@ -295,10 +245,7 @@ def test_on_the_blas_gemm():
 
 def test_benchmark_quick_run():
     """benchmarks/bench_winograd.py end to end on a tiny batch: every row, nothing written."""
-    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "bench_winograd.py"), "--rounds", "1", "--steps", "1",
-           "--layer-reps", "1", "--batch", "2"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    proc = run_benchmark("bench_winograd.py", "--rounds", "1", "--steps", "1", "--layer-reps", "1", "--batch", "2")
     for row in ("| 64x28x28 | forward |", "| 128x14x14 | backward |", "| 256x7x7 | forward |",
                 "| 512x4x4 | backward |", "whole ResNet-18 train_step", "GEMM / F(4x4, 3x3)",
                 "F(2x2, 3x3) / F(4x4, 3x3)"):

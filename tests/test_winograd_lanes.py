@@ -49,11 +49,12 @@ import sys
 
 import numpy as np
 import pytest
-from numpy.lib.stride_tricks import sliding_window_view
 
 import dpcore as dp
+from test_benchmarks import run_benchmark
 from test_conv_cpu import assert_empty_batch, assert_lenet_one_and_two_replicas_agree
-from test_conv_cpu import assert_switch_rejects, assert_within_bound, make, reference
+from test_conv_cpu import assert_switch_rejects, make
+from winograd_common import abs_dw, abs_dx, abs_forward, check_within_bounds
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
@@ -85,7 +86,6 @@ def roundings(K, C, O, N, OH, OW):
     return k_y, k_dx, k_dw
 
 
-
 @pytest.mark.parametrize("mr", sorted(MATS), ids=lambda mr: "F({0}x{0},{1}x{1})".format(*mr))
 def test_the_transforms_are_exact(mr):
     """The identity y = A^T [(G g G^T) . (B^T d B)] A holds in float64 for the
@@ -99,80 +99,8 @@ def test_the_transforms_are_exact(mr):
     np.testing.assert_allclose(y, ref, rtol=0, atol=1e-12)
 
 
-def tiles_of(x, K, pad, OH, OW):
-    """(N, C, th, tw, a, a) float64 tiles of |x| zero-bordered as the C side does."""
-    m, r = alg(K)
-    a = m + r - 1
-    N, C, H, W = x.shape
-    th, tw = -(-OH // m), -(-OW // m)
-    xp = np.zeros((N, C, m * th + r - 1, m * tw + r - 1))
-    xp[:, :, pad:pad + H, pad:pad + W] = np.abs(x.astype(np.float64))
-    return sliding_window_view(xp, (a, a), axis=(2, 3))[:, :, ::m, ::m]
-
-
-def blocks_of(dy, K):
-    """(N, O, th, tw, m, m) of |dy|, zero past the output's edge."""
-    m, _ = alg(K)
-    N, O, OH, OW = dy.shape
-    th, tw = -(-OH // m), -(-OW // m)
-    dyp = np.zeros((N, O, m * th, m * tw))
-    dyp[:, :, :OH, :OW] = np.abs(dy.astype(np.float64))
-    return dyp.reshape(N, O, th, m, tw, m).transpose(0, 1, 2, 4, 3, 5)
-
-
 def abs_mats(K):
     return tuple(np.abs(M) for M in MATS[alg(K)])
-
-
-def abs_forward(x, w, b, pad):
-    """S of the forward pass, (N, O, OH, OW)."""
-    N, C, H, W = x.shape
-    O, K = w.shape[0], w.shape[2]
-    m, _ = alg(K)
-    OH, OW = H + 2 * pad - K + 1, W + 2 * pad - K + 1
-    d = tiles_of(x, K, pad, OH, OW)
-    At, Ga, Bt = abs_mats(K)
-    V = np.einsum("ij,nctsjk,lk->nctsil", Bt, d, Bt, optimize=True)
-    U = np.einsum("ij,ocjk,lk->ocil", Ga, np.abs(w.astype(np.float64)), Ga, optimize=True)
-    M = np.einsum("ocil,nctsil->notsil", U, V, optimize=True)
-    Y = np.einsum("ij,notsjk,lk->notsil", At, M, At, optimize=True)          # (N, O, th, tw, m, m)
-    th, tw = Y.shape[2:4]
-    Y = Y.transpose(0, 1, 2, 4, 3, 5).reshape(N, O, m * th, m * tw)[:, :, :OH, :OW]
-    return Y + (0.0 if b is None else np.abs(b.astype(np.float64))[None, :, None, None])
-
-
-def abs_dx(x_shape, w, dy, pad):
-    """S of dx, (N, C, H, W): each tile's |B| [sum over o of |U| . |A| |dY| |A|^T] |B|^T
-    added where the tile lies."""
-    N, C, H, W = x_shape
-    K = w.shape[2]
-    m, r = alg(K)
-    a = m + r - 1
-    dY = blocks_of(dy, K)
-    th, tw = dY.shape[2:4]
-    At, Ga, Bt = abs_mats(K)
-    dM = np.einsum("ji,notsjk,kl->notsil", At, dY, At, optimize=True)        # (N, O, th, tw, a, a)
-    U = np.einsum("ij,ocjk,lk->ocil", Ga, np.abs(w.astype(np.float64)), Ga, optimize=True)
-    Z = np.einsum("ocil,notsil->nctsil", U, dM, optimize=True)
-    dd = np.einsum("ji,nctsjk,kl->nctsil", Bt, Z, Bt, optimize=True)         # (N, C, th, tw, a, a)
-    out = np.zeros((N, C, m * th + r - 1, m * tw + r - 1))
-    for ti in range(th):
-        for tj in range(tw):
-            out[:, :, m * ti:m * ti + a, m * tj:m * tj + a] += dd[:, :, ti, tj]
-    return out[:, :, pad:pad + H, pad:pad + W]
-
-
-def abs_dw(x, dy, K, pad):
-    """S of dw, (O, C, K, K)."""
-    OH, OW = dy.shape[2:]
-    d = tiles_of(x, K, pad, OH, OW)
-    dY = blocks_of(dy, K)
-    At, Ga, Bt = abs_mats(K)
-    V = np.einsum("ij,nctsjk,lk->nctsil", Bt, d, Bt, optimize=True)
-    dM = np.einsum("ji,notsjk,kl->notsil", At, dY, At, optimize=True)
-    dU = np.einsum("notsil,nctsil->ocil", dM, V, optimize=True)
-    return np.einsum("ji,ocjk,kl->ocil", Ga, dU, Ga, optimize=True)
-
 
 
 @pytest.fixture
@@ -183,20 +111,16 @@ def winograd_on(monkeypatch):
 
 
 def check(case, seed, use_bias=True, K=5):
-    """y, dx and dw within their bounds and the suite's tolerances."""
+    """y, dx, dw and db within their bounds (the docstring's S and k)."""
     N, C, H, W, O, pad = case
-    x, w, b, dy = make(N, C, H, W, O, K, 1, pad, seed)
-    bias = b if use_bias else None
-    y = ops.conv2d(x, w, bias, stride=1, padding=pad)
-    dx, dw, db = ops.conv2d_backward(x, w, dy, stride=1, padding=pad)
-    y_ref, dx_ref, dw_ref, db_ref = reference(x, w, b if use_bias else np.zeros_like(b), dy, 1, pad)
-    assert y.shape == y_ref.shape and dx.shape == x.shape and dw.shape == w.shape
-    k_y, k_dx, k_dw = roundings(K, C, O, N, *y.shape[2:])
-    assert_within_bound(y, y_ref, abs_forward(x, w, bias, pad), k_y, f"{case} forward")
-    assert_within_bound(dx, dx_ref, abs_dx(x.shape, w, dy, pad), k_dx, f"{case} dx")
-    assert_within_bound(dw, dw_ref, abs_dw(x, dy, K, pad), k_dw, f"{case} dw")
-    assert_within_bound(db, db_ref, np.abs(dy.astype(np.float64)).sum(axis=(0, 2, 3)),
-                        max(dy.shape[0] * dy.shape[2] * dy.shape[3], 1), f"{case} db")
+
+    def bounds(x, w, bias, dy, y):
+        k_y, k_dx, k_dw = roundings(K, C, O, N, *y.shape[2:])
+        mats = abs_mats(K)
+        return ((abs_forward(x, w, bias, mats, 1, pad), k_y), (abs_dx(x.shape, w, dy, mats, 1, pad), k_dx),
+                (abs_dw(x, dy, mats, 1, pad), k_dw))
+    x, w, b, dy, y, dx, dw = check_within_bounds(case, N, C, H, W, O, K, 1, pad, seed, use_bias, bounds)
+    assert dw.shape == w.shape
     return x, w, b, dy, y, dx, dw
 
 
@@ -395,10 +319,6 @@ def test_lenet_trains_the_same_on_one_and_two_replicas(monkeypatch, logical_cpus
 
 def test_benchmark_quick_run():
     """benchmarks/bench_winograd5.py end to end on a tiny batch: every row, nothing written."""
-    import subprocess
-    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "bench_winograd5.py"), "--rounds", "1", "--reps", "1",
-           "--batch", "4"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    proc = run_benchmark("bench_winograd5.py", "--rounds", "1", "--reps", "1", "--batch", "4")
     for row in ("| LeNet 20 -> 50 on 13x13 | 4 |", "| 64 -> 128 pad 2 on 14x14 (batch / 4) | 1 |", "off / on"):
         assert row in proc.stdout, proc.stdout

@@ -33,19 +33,18 @@ the tests also asserted (read off one machine), and the tests that held two
 paths to differing bits (nothing guarantees it): which path ran is shown by
 what it computes (B^T's first row adds d0 - d2 of the input, A's second row
 dY0 + dY1 of dy, before any multiplication: +-2^127 there overflow, where a
-path that multiplies first stays finite; tests/test_winograd.py's helper).
+path that multiplies first stays finite; tests/winograd_common.py's helper).
 """
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
-from numpy.lib.stride_tricks import sliding_window_view
 
 import dpcore as dp
-from test_conv_cpu import assert_empty_batch, assert_within_bound, make, reference
-from test_winograd import finite_with_pixels_that_overflow_when_added
+from test_benchmarks import run_benchmark
+from test_conv_cpu import assert_empty_batch, assert_within_bound, make
+from winograd_common import abs_dw, abs_dx, abs_forward, check_within_bounds
+from winograd_common import finite_with_pixels_that_overflow_when_added
 
 ops = dp.ops
 
@@ -54,59 +53,24 @@ G = np.array([[1, 0, 0], [1, 0, 1], [0, 0, 1], [0, 1, 0], [0, 1, 0]], dtype=np.f
 A_T = np.array([[1, 1, 0, 1, 0], [0, 1, 1, 0, 1]], dtype=np.float64)
 
 
-def tiles_of(x):
-    """(N, C, th, tw, 5, 5): the 5x5 input tiles at stride 4 of x, zero-padded by 1
-    (and past its edge), in float64 absolute values."""
-    N, C, H, W = x.shape
-    OH, OW = (H - 1) // 2 + 1, (W - 1) // 2 + 1
-    th, tw = (OH + 1) // 2, (OW + 1) // 2
-    xp = np.zeros((N, C, 4 * th + 1, 4 * tw + 1))
-    xp[:, :, 1:H + 1, 1:W + 1] = np.abs(x.astype(np.float64))
-    return sliding_window_view(xp, (5, 5), axis=(2, 3))[:, :, ::4, ::4], (OH, OW, th, tw)
+# Passed signed: B^T's -1 entries make S smaller than the docstring's absolute-value
+# expression, so these bounds are tighter than derived (np.abs(B_T) gives the derived ones).
+S2_MATS = (A_T, G, B_T)
 
 
 def s2_abs(x, w, b):
     """S of the forward pass, (N, O, OH, OW)."""
-    d, (OH, OW, th, tw) = tiles_of(x)
-    V = np.einsum("ij,nctsjk,lk->nctsil", B_T, d, B_T, optimize=True)            # |B^T| = B^T's |entries|
-    U = np.einsum("ij,ocjk,lk->ocil", G, np.abs(w.astype(np.float64)), G, optimize=True)
-    M = np.einsum("ocil,nctsil->notsil", U, V, optimize=True)
-    Y = np.einsum("ij,notsjk,lk->notsil", A_T, M, A_T, optimize=True)            # (N, O, th, tw, 2, 2)
-    Y = Y.transpose(0, 1, 2, 4, 3, 5).reshape(x.shape[0], w.shape[0], 2 * th, 2 * tw)[:, :, :OH, :OW]
-    return Y + (0.0 if b is None else np.abs(b.astype(np.float64))[None, :, None, None])
-
-
-def dy_blocks(dy, th, tw):
-    """(N, O, th, tw, 2, 2): dy's 2x2 blocks in absolute values, zero past its edge."""
-    N, O, OH, OW = dy.shape
-    dyp = np.zeros((N, O, 2 * th, 2 * tw))
-    dyp[:, :, :OH, :OW] = np.abs(dy.astype(np.float64))
-    return dyp.reshape(N, O, th, 2, tw, 2).transpose(0, 1, 2, 4, 3, 5)
+    return abs_forward(x, w, b, S2_MATS, 2, 1)
 
 
 def s2_abs_dx(x_shape, w, dy):
     """S of dx, (N, C, H, W): each tile's B [U^T . (A dY A^T)] B^T added where the tile lies."""
-    N, C, H, W = x_shape
-    OH, OW = dy.shape[2:]
-    th, tw = (OH + 1) // 2, (OW + 1) // 2
-    dM = np.einsum("ji,notsjk,kl->notsil", A_T, dy_blocks(dy, th, tw), A_T, optimize=True)
-    U = np.einsum("ij,ocjk,lk->ocil", G, np.abs(w.astype(np.float64)), G, optimize=True)
-    Z = np.einsum("ocil,notsil->nctsil", U, dM, optimize=True)
-    T = np.einsum("ji,nctsjk,kl->nctsil", B_T, Z, B_T, optimize=True)            # B Z B^T, 5x5 a tile
-    dxp = np.zeros((N, C, 4 * th + 1, 4 * tw + 1))
-    for i in range(th):
-        for j in range(tw):
-            dxp[:, :, 4 * i:4 * i + 5, 4 * j:4 * j + 5] += T[:, :, i, j]
-    return dxp[:, :, 1:H + 1, 1:W + 1]
+    return abs_dx(x_shape, w, dy, S2_MATS, 2, 1)
 
 
 def s2_abs_dw(x, dy):
     """S of dw, (O, C, 3, 3)."""
-    d, (OH, OW, th, tw) = tiles_of(x)
-    dM = np.einsum("ji,notsjk,kl->notsil", A_T, dy_blocks(dy, th, tw), A_T, optimize=True)
-    V = np.einsum("ij,nctsjk,lk->nctsil", B_T, d, B_T, optimize=True)
-    dU = np.einsum("notsil,nctsil->ocil", dM, V, optimize=True)
-    return np.einsum("ji,ocjk,kl->ocil", G, dU, G, optimize=True)
+    return abs_dw(x, dy, S2_MATS, 2, 1)
 
 
 @pytest.fixture
@@ -122,20 +86,14 @@ def run(x, w, b, dy):
 
 
 def check(case, seed, use_bias=True):
-    """y, dx and dw within their bounds and the suite's tolerances."""
+    """y, dx, dw and db within their bounds (the docstring's S and k)."""
     N, C, H, W, O = case
-    x, w, b, dy = make(N, C, H, W, O, 3, 2, 1, seed)
-    bias = b if use_bias else None
-    y, dx, dw, db = run(x, w, bias, dy)
-    y_ref, dx_ref, dw_ref, db_ref = reference(x, w, b if use_bias else np.zeros_like(b), dy, 2, 1)
-    assert y.shape == y_ref.shape and dx.shape == x.shape
-    assert_within_bound(y, y_ref, s2_abs(x, w, bias), C + 9, f"{case} forward")
-    assert_within_bound(dx, dx_ref, s2_abs_dx(x.shape, w, dy), O + 11, f"{case} dx")
-    tiles = N * ((y.shape[2] + 1) // 2) * ((y.shape[3] + 1) // 2)
-    assert_within_bound(dw, dw_ref, s2_abs_dw(x, dy), 4 * tiles + 6, f"{case} dw")
-    assert_within_bound(db, db_ref, np.abs(dy.astype(np.float64)).sum(axis=(0, 2, 3)), max(N * dy.shape[2] * dy.shape[3], 1),
-                        f"{case} db")
-    return y, dx
+
+    def bounds(x, w, bias, dy, y):
+        tiles = N * ((y.shape[2] + 1) // 2) * ((y.shape[3] + 1) // 2)
+        return ((s2_abs(x, w, bias), C + 9), (s2_abs_dx(x.shape, w, dy), O + 11),
+                (s2_abs_dw(x, dy), 4 * tiles + 6))
+    return check_within_bounds(case, N, C, H, W, O, 3, 2, 1, seed, use_bias, bounds)[4:6]
 
 
 # (N, C, H, W, O): batches the path takes (at least 16 samples, at most a quarter of
@@ -280,11 +238,7 @@ def test_resnet18_takes_its_downsampling_layers(s2_on, monkeypatch):
 
 def test_benchmark_quick_run():
     """benchmarks/bench_winograd_s2.py end to end on a tiny run: every row, nothing written."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    cmd = [sys.executable, os.path.join(root, "benchmarks", "bench_winograd_s2.py"), "--rounds", "1", "--steps", "1",
-           "--layer-reps", "1", "--batch", "16"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=root)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    proc = run_benchmark("bench_winograd_s2.py", "--rounds", "1", "--steps", "1", "--layer-reps", "1", "--batch", "16")
     for row in ("| 64x28x28 -> 128 | forward |", "| 256x7x7 -> 512 | backward |", "whole ResNet-18 train_step",
                 "GEMM / stride-2 Winograd", "stride-2 Winograd, no huge pages / stride-2 Winograd"):
         assert row in proc.stdout, proc.stdout

@@ -29,31 +29,15 @@
 #include <stdlib.h>
 
 #include "check.h"
-
-typedef struct outputs {
-  float *y, *dx, *dw, *db;
-} outputs;
-
-static void release(outputs *o) {
-  free(o->y), free(o->dx), free(o->dw), free(o->db);
-  memset(o, 0, sizeof *o);
-}
+#include "conv_outputs.h"
 
 static int run(const dp_conv_geom *g, int64_t N, const float *x, const float *w, const float *b, const float *dy,
                int nt, outputs *o) {
-  const int64_t xs = N * g->C * g->H * g->W, ys = N * g->O * g->OH * g->OW;
   size_t floats = dp_s2_scratch_floats(g, N, nt, DP_S2_FORWARD);
   if (dp_s2_scratch_floats(g, N, nt, DP_S2_BACKWARD) > floats) floats = dp_s2_scratch_floats(g, N, nt, DP_S2_BACKWARD);
   omp_set_num_threads(nt); /* as the CPU backend's cpu_enter (see winograd_threads.c) */
-  float *scratch = aligned_alloc(64, (floats * sizeof(float) + 63) & ~(size_t)63);
-  o->y = malloc(sizeof(float) * (size_t)ys);
-  o->dx = malloc(sizeof(float) * (size_t)xs);
-  o->dw = malloc(sizeof(float) * (size_t)g->O * g->C * 9);
-  o->db = malloc(sizeof(float) * (size_t)g->O);
-  if (!scratch || !o->y || !o->dx || !o->dw || !o->db) {
-    free(scratch);
-    return 0;
-  }
+  float *scratch = outputs_alloc(g, N, floats, o);
+  if (!scratch) return 0;
   for (size_t i = 0; i < floats; ++i) scratch[i] = NAN; /* nothing may read what it did not write */
   CHECK(dp_s2_forward(g, N, x, w, b, o->y, nt, scratch) == DP_OK);
   CHECK(dp_s2_backward(g, N, x, w, dy, o->dx, o->dw, o->db, nt, scratch) == DP_OK);

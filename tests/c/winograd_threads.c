@@ -20,10 +20,7 @@
 
 #include "check.h"
 #include "winograd.h"
-
-typedef struct outputs {
-  float *y, *dx, *dw, *db;
-} outputs;
+#include "conv_outputs.h"
 
 static int run(const dp_conv_geom *g, int64_t N, const float *x, const float *w, const float *b, const float *dy,
                int nt, outputs *o) {
@@ -33,15 +30,8 @@ static int run(const dp_conv_geom *g, int64_t N, const float *x, const float *w,
    * (with one thread the region is inactive, and OpenBLAS's OpenMP build would otherwise run its
    * GEMMs on all the cores, in other bits than the single-threaded calls inside a region) */
   omp_set_num_threads(nt);
-  float *scratch = aligned_alloc(64, (floats * sizeof(float) + 63) & ~(size_t)63);
-  o->y = malloc(sizeof(float) * (size_t)ys);
-  o->dx = malloc(sizeof(float) * (size_t)xs);
-  o->dw = malloc(sizeof(float) * (size_t)g->O * g->C * 9);
-  o->db = malloc(sizeof(float) * (size_t)g->O);
-  if (!scratch || !o->y || !o->dx || !o->dw || !o->db) {
-    free(scratch);
-    return 0;
-  }
+  float *scratch = outputs_alloc(g, N, floats, o);
+  if (!scratch) return 0;
   CHECK(dp_winograd_forward(g, N, x, w, b, o->y, nt, scratch, NULL) == DP_OK);
   CHECK(dp_winograd_backward_dx(g, N, w, dy, o->dx, nt, scratch, NULL) == DP_OK);
   /* and dx from the forward pass's kept filter transform: the same bits */
@@ -60,11 +50,6 @@ static int run(const dp_conv_geom *g, int64_t N, const float *x, const float *w,
   CHECK(dp_winograd_backward_dw(g, N, x, dy, o->dw, o->db, nt, scratch) == DP_OK);
   free(scratch);
   return 1;
-}
-
-static void release(outputs *o) {
-  free(o->y), free(o->dx), free(o->dw), free(o->db);
-  memset(o, 0, sizeof *o);
 }
 
 static void check_geometry(int64_t N, int C, int H, int O) {
