@@ -53,9 +53,8 @@ G = np.array([[1, 0, 0], [1, 0, 1], [0, 0, 1], [0, 1, 0], [0, 1, 0]], dtype=np.f
 A_T = np.array([[1, 1, 0, 1, 0], [0, 1, 1, 0, 1]], dtype=np.float64)
 
 
-# Passed signed: B^T's -1 entries make S smaller than the docstring's absolute-value
-# expression, so these bounds are tighter than derived (np.abs(B_T) gives the derived ones).
-S2_MATS = (A_T, G, B_T)
+# The transforms in absolute value (B^T has -1 entries): S of the docstring.
+S2_MATS = (np.abs(A_T), np.abs(G), np.abs(B_T))
 
 
 def s2_abs(x, w, b):
