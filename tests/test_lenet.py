@@ -548,3 +548,18 @@ def test_lenet_learns_block_dataset():
     assert hist.train_acc[-1] > 0.9, f"train accuracy per epoch {hist.train_acc}, loss {hist.train_loss}"
     Xt, yt = block_dataset(200, seed=1)
     assert net.evaluate(dp.data.from_arrays(Xt, yt, batch_size=100)).accuracy > 0.9
+
+
+def test_predict_needs_the_activations_of_64_samples_at_most():
+    """predict runs a batch in pieces of 64 samples (csrc/model.c, DP_PREDICT_PIECE): a 300-image
+    predict of a fresh model allocates no more activation memory than a 64-image one, and its
+    logits are the 64-image calls' bit for bit (the piece is a constant, not the model's history)."""
+    X, _ = random_batch(42, n=300)
+    big, small = make_net(), make_net()
+    out = big.predict(X)
+    small.predict(X[:64])
+    assert big._model.activation_bytes == small._model.activation_bytes > 0
+    np.testing.assert_array_equal(out, np.concatenate([small.predict(X[i:i + 64]) for i in range(0, 300, 64)]))
+    # after training at a larger batch, predict still cuts at 64: the same bits
+    big.train_step(*random_batch(43, n=128), lr=0.0)
+    np.testing.assert_array_equal(big.predict(X), out)
