@@ -22,14 +22,6 @@ static void Model_dealloc(ModelObject *self) {
   Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
-int model_check_idle(const ModelObject *self) {
-  if (self->busy) {
-    PyErr_SetString(PyExc_RuntimeError, "this model is in use by another thread");
-    return -1;
-  }
-  return 0;
-}
-
 int model_ready(ModelObject *self) {
   if (!self->model || !self->model->finalized) {
     PyErr_SetString(PyExc_RuntimeError, "Model is not initialized");
