@@ -5,6 +5,7 @@
  *                  arguments, the one way to release the GIL)
  *   py_device.c    the device registry's functions (list, logical devices)
  *   py_tensor.c    Tensor, and all_reduce over tensors (chapter 12.5)
+ *   py_batch.c     the calls on a batch that Model and Mirrored share
  *   py_model.c     Model (one replica) and Resident (a dataset on its device)
  *   py_mirrored.c  Mirrored (k replicas in lockstep, in one process or many)
  *   py_dist.c      the processes of a job (MPI): ranks, broadcast, allgather
@@ -13,9 +14,10 @@
  *                  functions of the files above, and its own module
  *                  functions (build and runtime info)
  *
- * A file uses only files listed above it (py_model.c py_tensor.c's views,
- * py_mirrored.c py_model.c's types, py_module.c every file), so that the
- * binding has no cycle (tests/test_binding_files.py checks it).
+ * A file uses only files listed above it (py_model.c py_tensor.c's views and
+ * py_batch.c's calls, py_mirrored.c py_model.c's types, py_module.c every
+ * file), so that the binding has no cycle (tests/test_binding_files.py
+ * checks it).
  *
  * Rules every file keeps: dp_status values become Python exceptions only
  * through raise_from_status; NumPy inputs go through the converters below,
@@ -170,6 +172,56 @@ DP_PY_LOCAL int model_check_idle(const ModelObject *self);
  * 0 when left allocated. Keeps any exception that was set. */
 DP_PY_LOCAL int device_free_in_dealloc(dp_device *dev, void (*free_fn)(void *ctx), void *ctx, int put_device,
                                        const char *what);
+
+/* ---- calls on a batch, shared by Model and Mirrored (py_batch.c) ------------ */
+
+typedef enum { BATCH_TRAIN_STEP, BATCH_FORWARD_BACKWARD, BATCH_EVALUATE, BATCH_FIND_NONFINITE } batch_call;
+
+typedef struct batch_type batch_type;
+
+/* One call on a batch: its arguments, then its results. */
+typedef struct batch_work {
+  const batch_type *type;
+  batch_call call;
+  void *core;            /* the type's dp_model or dp_mirrored (set by ready) */
+  const dp_model *input; /* the model whose input the images must fit (set by ready) */
+  dp_batch batch;        /* host images and labels, or rows of the datasets batch.resident[r] */
+  float lr, momentum, weight_decay, grad_scale;
+  double loss;           /* the loss sum, and the samples classified right */
+  int64_t correct;
+  int layer, what;       /* find_nonfinite */
+} batch_work;
+
+/* What the batch calls need of a type. */
+struct batch_type {
+  /* 1 with w->core and w->input set when self can take a call, else 0 with
+   * RuntimeError set */
+  int (*ready)(PyObject *self, batch_work *w);
+  /* train_step_rows' first argument's keyword ("resident", "residents") */
+  const char *datasets_name;
+  /* The datasets of train_step_rows in data[r], one per replica, from that
+   * argument: 0 with *keep a new reference that keeps them alive, or -1 with
+   * the exception set */
+  int (*datasets)(PyObject *self, PyObject *obj, dp_resident **data, PyObject **keep);
+  /* runs work(ctx) without the GIL, every replica of self marked busy
+   * (models_run_without_gil) */
+  int (*run_without_gil)(PyObject *self, nogil_work work, void *ctx);
+  /* the call, without the GIL; a training step on no samples never gets here */
+  dp_status (*compute)(batch_work *w);
+};
+
+/* Method bodies: the wrappers in a type's method table call these with its
+ * batch_type. Each returns (loss_sum, correct), or find_nonfinite's (layer,
+ * what), or NULL with the exception set. */
+/* train_step(images, labels, lr, momentum=0, weight_decay=0) */
+DP_PY_LOCAL PyObject *batch_train_step(const batch_type *t, PyObject *self, PyObject *args, PyObject *kwds);
+/* train_step_rows(<datasets_name>, rows, lr, momentum=0, weight_decay=0) */
+DP_PY_LOCAL PyObject *batch_train_step_rows(const batch_type *t, PyObject *self, PyObject *args, PyObject *kwds);
+/* forward_backward(images, labels, grad_scale) */
+DP_PY_LOCAL PyObject *batch_forward_backward(const batch_type *t, PyObject *self, PyObject *args, PyObject *kwds);
+/* call(images, labels): evaluate, find_nonfinite, or a forward_backward without a grad_scale */
+DP_PY_LOCAL PyObject *batch_on_images(const batch_type *t, batch_call call, PyObject *self, PyObject *args,
+                                      PyObject *kwds);
 
 /* ---- Tensor (py_tensor.c) --------------------------------------------------- */
 
