@@ -14,6 +14,18 @@
 
 static void model_destroy_in_dealloc(void *model) { dp_model_destroy(model); }
 
+/* A failed __init__ leaves the object as new, so that a retry can succeed:
+ * the model and the device reference go (as in a dealloc). The fields are
+ * cleared first, since freeing a CUDA model waits without the GIL. Keeps the
+ * exception set. */
+static void model_init_undo(ModelObject *self) {
+  dp_device *dev = self->device;
+  dp_model *m = self->model;
+  self->device = NULL;
+  self->model = NULL;
+  if (dev) device_free_in_dealloc(dev, model_destroy_in_dealloc, m, 1, "a Model's memory");
+}
+
 static void Model_dealloc(ModelObject *self) {
   /* the model before the device reference, since its buffers are the device's; both
    * stay when the device's work does not finish (device_free_in_dealloc) */
@@ -153,12 +165,11 @@ static int Model_init(ModelObject *self, PyObject *args, PyObject *kwds) {
     return -1;
   }
   if (model_device_init(self, kind, index, threads, gpu) < 0) return -1;
-  dp_status st = dp_model_create(self->device, shape[0], shape[1], shape[2], &self->model);
-  if (st != DP_OK) return raise_from_status(st), -1;
-  if ((headless || input_grad) && (st = dp_model_set_stage(self->model, headless, input_grad)) != DP_OK)
-    return raise_from_status(st), -1;
   PyObject *seq = NULL, *srcs = NULL;
   int rc = -1;
+  dp_status st = dp_model_create(self->device, shape[0], shape[1], shape[2], &self->model);
+  if (check_status(st) < 0) goto done;
+  if ((headless || input_grad) && check_status(dp_model_set_stage(self->model, headless, input_grad)) < 0) goto done;
   /* tuples: converting an item may run Python code, which could shrink a list */
   if (!(seq = items_of(layers, "layers must be a sequence of tuples"))) goto done;
   if (sources != Py_None && !(srcs = items_of(sources, "sources must be a sequence of ints"))) goto done;
@@ -191,6 +202,7 @@ static int Model_init(ModelObject *self, PyObject *args, PyObject *kwds) {
 done:
   Py_XDECREF(srcs);
   Py_XDECREF(seq);
+  if (rc < 0) model_init_undo(self);
   return rc;
 }
 

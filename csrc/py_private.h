@@ -160,7 +160,8 @@ DP_PY_LOCAL int model_check_idle(const ModelObject *self);
  * the memory allocated (device_free_in_dealloc). */
 #define DP_DEALLOC_WAIT_SECONDS 30.0
 
-/* For a tp_dealloc whose object holds memory of dev (a registry device). A
+/* For a tp_dealloc (or a failed __init__) whose object holds memory of dev (a
+ * registry device). A
  * CPU device's memory is freed at once. A CUDA device's: with the GIL
  * released (the dying object is out of Python's reach), takes dev's
  * step lock as every user of the device does, waits at most
