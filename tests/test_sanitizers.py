@@ -124,6 +124,16 @@ def test_every_failed_allocation_is_a_memory_error(tmp_path):
                   link_flags=["-Wl,--wrap=malloc,--wrap=calloc,--wrap=realloc,--wrap=aligned_alloc"])
 
 
+def test_a_replica_group_whose_locks_cannot_be_made_is_a_runtime_error(tmp_path):
+    """tests/c/sync_failures.c: with pthread_mutex_init and pthread_cond_init
+    wrapped (ld --wrap), a replica group is made with each of its inits failing
+    in turn: every one is DP_ERR_RUNTIME, with the locks it did make destroyed
+    and nothing leaked; then a whole group runs its three threads."""
+    build_and_run(tmp_path, "sync_failures", ["replica.c", "collective.c", *REGISTRY_CORE],
+                  link_flags=["-Wl,--wrap=pthread_mutex_init,--wrap=pthread_cond_init,"
+                              "--wrap=pthread_mutex_destroy,--wrap=pthread_cond_destroy", "-lpthread"])
+
+
 # Open MPI's own allocations that it never frees (LeakSanitizer reports them at
 # exit); dpcore's are never suppressed: a leak in dpcore's code has no frame of
 # these libraries on its allocation stack (dpcore calls MPI, MPI never calls
