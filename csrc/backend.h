@@ -66,6 +66,10 @@ typedef struct dp_device {
    * several times float32 GEMM's (dp_set_fast_convolutions): taken from the
    * process-wide settings where a call or a step begins (dp_cuda_take_defaults). */
   int fast_conv;
+  /* The registry's entry of a device made by dp_device_get (csrc/device.c:
+   * its references and step lock); NULL for one its caller initialised
+   * (dp_cpu_device_init), which the registry leaves alone. */
+  struct dp_device_entry *entry;
 } dp_device;
 
 /* Convolution geometry: input (N, C, H, W), filter (O, C, KH, KW), output (N, O, OH, OW). */
