@@ -136,6 +136,19 @@ def test_a_replica_group_whose_locks_cannot_be_made_is_a_runtime_error(tmp_path)
                               "--wrap=pthread_mutex_destroy,--wrap=pthread_cond_destroy", "-lpthread"])
 
 
+def mpi_flags():
+    """-DDP_HAVE_MPI and Open MPI's compile and link flags (mpicc -showme), for compile_program's
+    link_flags: -D and -I apply to every source wherever they stand on gcc's command line."""
+    mpicc = shutil.which("mpicc")
+    if mpicc is None:
+        pytest.fail("the MPI sanitizer tests need Open MPI's mpicc (scripts/bootstrap.sh installs it)")
+    flags = ["-DDP_HAVE_MPI"]
+    for what in ("-showme:compile", "-showme:link"):
+        flags += shlex.split(subprocess.run([mpicc, what], check=True, capture_output=True, text=True,
+                                            env=clean_env()).stdout)
+    return flags
+
+
 # Open MPI's own allocations that it never frees (LeakSanitizer reports them at
 # exit); dpcore's are never suppressed: a leak in dpcore's code has no frame of
 # these libraries on its allocation stack (dpcore calls MPI, MPI never calls
@@ -167,16 +180,10 @@ def test_mpi_processes_are_clean_under_asan_ubsan(tmp_path):
     six replicas bit for bit, digests included; a rank late for a barrier is
     a DP_ERR_DIST naming it on the others within seconds, and the job still
     ends cleanly. No sanitizer report, no leak of dpcore's."""
-    mpicc, mpirun = shutil.which("mpicc"), shutil.which("mpirun")
-    if mpicc is None or mpirun is None:
-        pytest.fail("the MPI sanitizer test needs Open MPI's mpicc and mpirun (scripts/bootstrap.sh installs them)")
-    mpi_compile = shlex.split(subprocess.run([mpicc, "-showme:compile"], check=True, capture_output=True,
-                                             text=True, env=clean_env()).stdout)
-    mpi_link = shlex.split(subprocess.run([mpicc, "-showme:link"], check=True, capture_output=True, text=True,
-                                          env=clean_env()).stdout)
-    # -D and -I apply to every source wherever they stand on gcc's command line
-    exe = compile_program(tmp_path, "dist_mpi", MIRRORED_CORE, ASAN_UBSAN,
-                          ["-DDP_HAVE_MPI", *mpi_compile, *mpi_link, "-lpthread"])
+    mpirun = shutil.which("mpirun")
+    if mpirun is None:
+        pytest.fail("the MPI sanitizer test needs Open MPI's mpirun (scripts/bootstrap.sh installs it)")
+    exe = compile_program(tmp_path, "dist_mpi", MIRRORED_CORE, ASAN_UBSAN, [*mpi_flags(), "-lpthread"])
     suppressions = tmp_path / "lsan_open_mpi.supp"
     suppressions.write_text(MPI_LSAN_SUPPRESSIONS)
     # fast_unwind_on_malloc=0: Open MPI's libraries are built without frame
@@ -212,6 +219,15 @@ def run_tsan_clean(exe, program):
     assert proc.returncode == 0, report
     assert f"{program}: ok" in proc.stdout, report
     assert "ThreadSanitizer" not in report, report
+
+
+def test_the_mpi_library_version_is_filled_once_without_a_race(tmp_path):
+    """tests/c/dist_version.c under ThreadSanitizer: eight threads ask for
+    dp_dist_library_version at once (MPI_Get_library_version wrapped by the
+    program, so that its writes are seen); one fill, one answer, no race."""
+    exe = compile_program(tmp_path, "dist_version", ["dist.c", "status.c"], ["-fsanitize=thread"],
+                          [*mpi_flags(), "-lpthread", "-Wl,--wrap=MPI_Get_library_version"])
+    run_tsan_clean(exe, "dist_version")
 
 
 def test_replica_threads_barriers_and_all_reduce_are_race_free_under_tsan(tmp_path):
