@@ -303,10 +303,10 @@ unsigned long long dp_cuda_failed_frees(char *last_error, size_t len);
  * chunks). DP_ERR_VALUE for another kind of device; DP_ERR_UNSUPPORTED without CUDA. */
 DP_MUST_CHECK dp_status dp_cuda_memory_stats(dp_device *dev, dp_arena_stats *out);
 /* A CUDA device's physical GPU ordinal and its stream (a cudaStream_t), for
- * the collectives (csrc/collective_cuda.c); -1 / NULL for other devices. */
+ * the collectives (csrc/comm.c); -1 / NULL for other devices. */
 int dp_cuda_device_gpu(const dp_device *dev);
 void *dp_cuda_device_stream(const dp_device *dev);
-/* Calls the backend's destroy hook; safe on a zeroed or destroyed device. */
+/* Calls the backend's destroy hook (csrc/device.c); safe on a zeroed or destroyed device. */
 void dp_device_destroy(dp_device *dev);
 
 /* cuDNN's inferred output (n, c, h, w) for a convolution of N samples, with
