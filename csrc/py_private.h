@@ -160,11 +160,11 @@ DP_PY_LOCAL int model_check_idle(const ModelObject *self);
  * the memory allocated (device_free_in_dealloc). */
 #define DP_DEALLOC_WAIT_SECONDS 30.0
 
-/* For a tp_dealloc (or a failed __init__) whose object holds memory of dev (a
- * registry device). A
- * CPU device's memory is freed at once. A CUDA device's: with the GIL
- * released (the dying object is out of Python's reach), takes dev's
- * step lock as every user of the device does, waits at most
+/* For a tp_dealloc, or a failed __init__, whose object holds memory of dev (a
+ * registry device). A CPU device's memory is freed at once. A CUDA device's:
+ * with the GIL released (no other thread reaches the memory through the
+ * object: it is dying, or no longer points at it), takes dev's step lock as
+ * every user of the device does, waits at most
  * DP_DEALLOC_WAIT_SECONDS for the work queued on dev (dp_cuda_wait_idle),
  * then calls free_fn(ctx) and, when put_device, drops one reference to dev.
  * When the work did not finish (or the stream failed), nothing is freed and
