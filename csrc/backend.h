@@ -62,6 +62,10 @@ typedef struct dp_device {
    * GEMM's rounding error (dp_set_fast_convolutions); taken from the
    * process-wide setting where a call or a step begins (dp_cuda_take_defaults). */
   int fast_conv;
+  /* The registry's entry of a device made by dp_device_get (csrc/device.c:
+   * its references and step lock); NULL for one its caller initialised
+   * (dp_cpu_device_init), which the registry leaves alone. */
+  struct dp_device_entry *entry;
 } dp_device;
 
 /* Convolution geometry: input (N, C, H, W), filter (O, C, KH, KW), output (N, O, OH, OW). */
@@ -289,10 +293,10 @@ unsigned long long dp_cuda_failed_frees(char *last_error, size_t len);
  * chunks). DP_ERR_VALUE for another kind of device; DP_ERR_UNSUPPORTED without CUDA. */
 DP_MUST_CHECK dp_status dp_cuda_memory_stats(dp_device *dev, dp_arena_stats *out);
 /* A CUDA device's physical GPU ordinal and its stream (a cudaStream_t), for
- * the collectives (csrc/collective_cuda.c); -1 / NULL for other devices. */
+ * the collectives (csrc/comm.c); -1 / NULL for other devices. */
 int dp_cuda_device_gpu(const dp_device *dev);
 void *dp_cuda_device_stream(const dp_device *dev);
-/* Calls the backend's destroy hook; safe on a zeroed or destroyed device. */
+/* Calls the backend's destroy hook (csrc/device.c); safe on a zeroed or destroyed device. */
 void dp_device_destroy(dp_device *dev);
 
 /* cuDNN's inferred output (n, c, h, w) for a convolution of N samples, with

@@ -1513,8 +1513,3 @@ dp_status dp_cpu_device_init(dp_device *dev, int index, int nthreads) {
   return DP_OK;
 }
 
-void dp_device_destroy(dp_device *dev) {
-  if (!dev || !dev->ctx) return;
-  if (dev->backend && dev->backend->destroy) dev->backend->destroy(dev);
-  dev->ctx = NULL;
-}

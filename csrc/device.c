@@ -13,14 +13,13 @@
 #include "dp_cuda.h"
 #endif
 
-/* A registry device: the dp_device first, so that the dp_device * handed out
- * is the entry's address. */
-typedef struct device_entry {
+/* A registry device; dev.entry points back at it. */
+typedef struct dp_device_entry {
   dp_device dev;
   int refs;
   int physical; /* cuda: the physical GPU; cpu: -1 */
   pthread_mutex_t step_lock;
-  struct device_entry *next;
+  struct dp_device_entry *next;
 } device_entry;
 
 static pthread_mutex_t registry_mutex = PTHREAD_MUTEX_INITIALIZER;
@@ -94,6 +93,7 @@ static dp_status entry_create(const dp_device_info *want, device_entry **out) {
     free(e);
     return st;
   }
+  e->dev.entry = e;
   e->physical = want->physical;
   e->refs = 1;
   *out = e;
@@ -152,7 +152,7 @@ dp_status dp_device_get(const char *name, dp_device **out) {
 }
 
 void dp_device_put(dp_device *dev) {
-  if (!dev) return;
+  if (!dev || !dev->entry) return;
   device_entry *gone = NULL;
   pthread_mutex_lock(&registry_mutex);
   for (device_entry **p = &live; *p; p = &(*p)->next) {
@@ -172,9 +172,19 @@ void dp_device_put(dp_device *dev) {
   free(gone);
 }
 
-void dp_device_lock(dp_device *dev) { pthread_mutex_lock(&((device_entry *)dev)->step_lock); }
+void dp_device_lock(dp_device *dev) {
+  if (dev->entry) pthread_mutex_lock(&dev->entry->step_lock);
+}
 
-void dp_device_unlock(dp_device *dev) { pthread_mutex_unlock(&((device_entry *)dev)->step_lock); }
+void dp_device_unlock(dp_device *dev) {
+  if (dev->entry) pthread_mutex_unlock(&dev->entry->step_lock);
+}
+
+void dp_device_destroy(dp_device *dev) {
+  if (!dev || !dev->ctx) return;
+  if (dev->backend && dev->backend->destroy) dev->backend->destroy(dev);
+  dev->ctx = NULL;
+}
 
 dp_status dp_devices_set_logical(dp_device_kind kind, int count) {
   if (kind != DP_DEVICE_CPU && kind != DP_DEVICE_CUDA)

@@ -66,7 +66,8 @@ DP_MUST_CHECK dp_status dp_device_get_index(dp_device_kind kind, int index, int 
 void dp_device_put(dp_device *dev);
 
 /* The step lock of a registry device (see above). Not recursive; a caller
- * holding several takes them in increasing address order. */
+ * holding several takes them in increasing address order. A device that is
+ * not the registry's has none (its owner orders its calls): both do nothing. */
 void dp_device_lock(dp_device *dev);
 void dp_device_unlock(dp_device *dev);
 

@@ -74,17 +74,25 @@ enum { TAG_GATHER = 1, TAG_CHAIN_BASE = 16 };
 
 int dp_dist_built(void) { return 1; }
 
+static char library_version[MPI_MAX_LIBRARY_VERSION_STRING];
+static pthread_once_t library_version_once = PTHREAD_ONCE_INIT;
+
+/* library_version's first line, once: any thread may ask first */
+static void library_version_fill(void) {
+  int len = 0;
+  /* callable before MPI_Init (MPI 3.1, 8.1.1) */
+  if (MPI_Get_library_version(library_version, &len) != MPI_SUCCESS)
+    snprintf(library_version, sizeof library_version, "MPI");
+  char *nl = strchr(library_version, '\n');
+  if (nl) *nl = '\0';
+  for (char *c = library_version + strlen(library_version); c > library_version && (c[-1] == ' ' || c[-1] == ',');
+       --c)
+    c[-1] = '\0';
+}
+
 const char *dp_dist_library_version(void) {
-  static char version[MPI_MAX_LIBRARY_VERSION_STRING];
-  if (!version[0]) {
-    int len = 0;
-    /* callable before MPI_Init (MPI 3.1, 8.1.1) */
-    if (MPI_Get_library_version(version, &len) != MPI_SUCCESS) snprintf(version, sizeof version, "MPI");
-    char *nl = strchr(version, '\n');
-    if (nl) *nl = '\0';
-    for (char *c = version + strlen(version); c > version && (c[-1] == ' ' || c[-1] == ','); --c) c[-1] = '\0';
-  }
-  return version;
+  pthread_once(&library_version_once, library_version_fill);
+  return library_version;
 }
 
 int dp_dist_cuda_aware(void) {

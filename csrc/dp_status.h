@@ -4,7 +4,7 @@
  * (what failed, and the file:line that detected it) is kept in a thread-local
  * buffer, read with dp_error_message() on the same thread. The binding turns
  * status + message into a Python exception in exactly one place
- * (raise_from_status in csrc/py_module.c). The core never exits or aborts.
+ * (raise_from_status in csrc/py_common.c). The core never exits or aborts.
  *
  * Every function that returns a dp_status is declared DP_MUST_CHECK, so a
  * caller that drops one gets a compiler warning (an error under the

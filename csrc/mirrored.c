@@ -554,6 +554,12 @@ typedef struct step_header {
   uint32_t lr, momentum, weight_decay; /* the bits */
 } step_header;
 
+/* agree_on_step gathers every process's header into m->gathered, which holds
+ * one dp_step_metrics per process */
+_Static_assert(sizeof(step_header) <= sizeof(dp_step_metrics) &&
+                   _Alignof(dp_step_metrics) % _Alignof(step_header) == 0,
+               "a step_header must fit where a dp_step_metrics stands");
+
 static const char *call_name(const step_header *h) {
   return h->evaluate_only ? "an evaluation" : h->step ? "a training step" : "a forward-backward";
 }
@@ -575,7 +581,7 @@ static dp_status agree_on_step(dp_mirrored *m, const dp_batch *b, int evaluate_o
   memcpy(&h.lr, &lr, sizeof lr);
   memcpy(&h.momentum, &momentum, sizeof momentum);
   memcpy(&h.weight_decay, &weight_decay, sizeof weight_decay);
-  step_header *all = (step_header *)m->gathered; /* big enough: see dp_step_metrics */
+  step_header *all = (step_header *)m->gathered; /* big enough: the _Static_assert above */
   char what[96];
   snprintf(what, sizeof what, "the start of call %lld (%s of %lld samples)", (long long)m->calls, call_name(&h),
            (long long)h.n);

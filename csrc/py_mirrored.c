@@ -101,121 +101,92 @@ static int Mirrored_init(MirroredObject *self, PyObject *args, PyObject *kwds) {
   return 0;
 }
 
-enum mirrored_call {
-  MIRRORED_TRAIN,
-  MIRRORED_FORWARD_BACKWARD,
-  MIRRORED_EVALUATE,
-  MIRRORED_BROADCAST,
-  MIRRORED_BROADCAST_ACROSS,
-  MIRRORED_DIGEST
-};
+/* ---- the calls on a batch (py_batch.c) -------------------------------------- */
+
+static int mirrored_batch_ready(PyObject *self, batch_work *w) {
+  MirroredObject *mo = (MirroredObject *)self;
+  if (!mirrored_ready(mo)) return 0;
+  w->core = mo->mirrored;
+  w->input = mo->mirrored->models[0];
+  return 1;
+}
+
+/* train_step_rows' residents: residents[r] is the dataset resident on replica
+ * r's device; the tuple *keep holds every Resident */
+static int mirrored_batch_datasets(PyObject *self, PyObject *R, dp_resident **data, PyObject **keep) {
+  PyObject *models = ((MirroredObject *)self)->models;
+  PyObject *residents = items_of(R, "residents must be a sequence, one Resident per replica");
+  if (!residents) return -1;
+  const Py_ssize_t k = PyTuple_GET_SIZE(models);
+  if (PyTuple_GET_SIZE(residents) != k) {
+    PyErr_Format(PyExc_ValueError, "residents: need one per replica (%zd), got %zd", k, PyTuple_GET_SIZE(residents));
+    goto fail;
+  }
+  for (Py_ssize_t r = 0; r < k; ++r)
+    if (!(data[r] = resident_of(PyTuple_GET_ITEM(residents, r), (ModelObject *)PyTuple_GET_ITEM(models, r))))
+      goto fail;
+  *keep = residents;
+  return 0;
+fail:
+  Py_DECREF(residents);
+  return -1;
+}
+
+static int mirrored_batch_run_without_gil(PyObject *self, nogil_work work, void *ctx) {
+  return mirrored_run_without_gil((MirroredObject *)self, work, ctx);
+}
+
+static dp_status mirrored_batch_compute(batch_work *w) {
+  dp_mirrored *m = w->core;
+  if (w->call == BATCH_FORWARD_BACKWARD) return dp_mirrored_forward_backward(m, &w->batch, &w->loss, &w->correct);
+  if (w->call == BATCH_EVALUATE) return dp_mirrored_evaluate(m, &w->batch, &w->loss, &w->correct);
+  return dp_mirrored_train_step(m, &w->batch, w->lr, w->momentum, w->weight_decay, &w->loss, &w->correct);
+}
+
+/* Mirrored has no find_nonfinite, and its forward_backward takes no
+ * grad_scale: the gradients are all-reduced as a mean. */
+static const batch_type mirrored_batches = {mirrored_batch_ready, "residents", mirrored_batch_datasets,
+                                            mirrored_batch_run_without_gil, mirrored_batch_compute};
+
+static PyObject *Mirrored_train_step(PyObject *self, PyObject *args, PyObject *kwds) {
+  return batch_train_step(&mirrored_batches, self, args, kwds);
+}
+static PyObject *Mirrored_train_step_rows(PyObject *self, PyObject *args, PyObject *kwds) {
+  return batch_train_step_rows(&mirrored_batches, self, args, kwds);
+}
+static PyObject *Mirrored_forward_backward(PyObject *self, PyObject *args, PyObject *kwds) {
+  return batch_on_images(&mirrored_batches, BATCH_FORWARD_BACKWARD, self, args, kwds);
+}
+static PyObject *Mirrored_evaluate(PyObject *self, PyObject *args, PyObject *kwds) {
+  return batch_on_images(&mirrored_batches, BATCH_EVALUATE, self, args, kwds);
+}
+
+/* ---- the calls on the replicas' parameters ---------------------------------- */
+
+enum mirrored_call { MIRRORED_BROADCAST, MIRRORED_BROADCAST_ACROSS, MIRRORED_DIGEST };
 
 typedef struct {
   dp_mirrored *mirrored;
   enum mirrored_call call;
-  dp_batch batch; /* host images and labels, or rows of the datasets batch.resident[r] */
-  float lr, momentum, weight_decay;
-  int root;       /* broadcast */
+  int root; /* broadcast */
   uint64_t digest;
-  double loss;
-  int64_t correct;
 } mirrored_work;
 
 static dp_status mirrored_work_run(void *p) {
   mirrored_work *w = p;
   switch (w->call) {
-    case MIRRORED_FORWARD_BACKWARD: return dp_mirrored_forward_backward(w->mirrored, &w->batch, &w->loss, &w->correct);
-    case MIRRORED_EVALUATE: return dp_mirrored_evaluate(w->mirrored, &w->batch, &w->loss, &w->correct);
     case MIRRORED_BROADCAST: return dp_mirrored_broadcast(w->mirrored, w->root);
     case MIRRORED_BROADCAST_ACROSS: return dp_mirrored_broadcast_across(w->mirrored);
-    case MIRRORED_DIGEST: return dp_mirrored_digest(w->mirrored, &w->digest);
-    case MIRRORED_TRAIN: break;
+    case MIRRORED_DIGEST: break;
   }
-  if (w->batch.n == 0) return DP_OK; /* an empty batch changes nothing */
-  return dp_mirrored_train_step(w->mirrored, &w->batch, w->lr, w->momentum, w->weight_decay, &w->loss, &w->correct);
+  return dp_mirrored_digest(w->mirrored, &w->digest);
 }
 
-/* train_step / forward_backward / evaluate on a host batch split over the replicas. */
-static PyObject *mirrored_batch(MirroredObject *self, PyObject *X, PyObject *Y, mirrored_work *w) {
-  if (!mirrored_ready(self)) return NULL;
-  PyArrayObject *xa = NULL, *ya = NULL;
-  PyObject *ret = NULL;
-  int is_u8 = 0;
-  if (convert_images(X, self->mirrored->models[0], &xa, &is_u8) < 0) goto done;
-  if (convert_labels(Y, PyArray_DIM(xa, 0), &ya) < 0) goto done;
+/* Runs w on self's replicas: 0, or -1 with the exception set. */
+static int mirrored_call(MirroredObject *self, mirrored_work *w) {
+  if (!mirrored_ready(self)) return -1;
   w->mirrored = self->mirrored;
-  w->batch = (dp_batch){PyArray_DATA(xa), is_u8, (const int64_t *)PyArray_DATA(ya), (int64_t)PyArray_DIM(xa, 0),
-                        NULL, NULL};
-  if (mirrored_run_without_gil(self, mirrored_work_run, w) < 0) goto done;
-  ret = Py_BuildValue("(dL)", w->loss, (long long)w->correct);
-done:
-  Py_XDECREF(xa);
-  Py_XDECREF(ya);
-  return ret;
-}
-
-static PyObject *Mirrored_train_step(MirroredObject *self, PyObject *args, PyObject *kwds) {
-  static char *kwlist[] = {"images", "labels", "lr", "momentum", "weight_decay", NULL};
-  PyObject *X, *Y;
-  mirrored_work w = {.call = MIRRORED_TRAIN};
-  PyObject *lr, *momentum = NULL, *weight_decay = NULL;
-  if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOO|OO", kwlist, &X, &Y, &lr, &momentum, &weight_decay) ||
-      sgd_args_from("train_step", lr, momentum, weight_decay, &w.lr, &w.momentum, &w.weight_decay) < 0)
-    return NULL;
-  return mirrored_batch(self, X, Y, &w);
-}
-
-static PyObject *Mirrored_forward_backward(MirroredObject *self, PyObject *args, PyObject *kwds) {
-  static char *kwlist[] = {"images", "labels", NULL};
-  PyObject *X, *Y;
-  mirrored_work w = {.call = MIRRORED_FORWARD_BACKWARD};
-  if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO", kwlist, &X, &Y)) return NULL;
-  return mirrored_batch(self, X, Y, &w);
-}
-
-static PyObject *Mirrored_evaluate(MirroredObject *self, PyObject *args, PyObject *kwds) {
-  static char *kwlist[] = {"images", "labels", NULL};
-  PyObject *X, *Y;
-  mirrored_work w = {.call = MIRRORED_EVALUATE};
-  if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO", kwlist, &X, &Y)) return NULL;
-  return mirrored_batch(self, X, Y, &w);
-}
-
-/* train_step_rows(residents, rows, lr, momentum=0, weight_decay=0): residents[r]
- * is the dataset resident on replica r's device. */
-static PyObject *Mirrored_train_step_rows(MirroredObject *self, PyObject *args, PyObject *kwds) {
-  static char *kwlist[] = {"residents", "rows", "lr", "momentum", "weight_decay", NULL};
-  PyObject *R, *rows_obj;
-  mirrored_work w = {.call = MIRRORED_TRAIN};
-  PyObject *lr, *momentum = NULL, *weight_decay = NULL;
-  if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOO|OO", kwlist, &R, &rows_obj, &lr, &momentum, &weight_decay) ||
-      sgd_args_from("train_step_rows", lr, momentum, weight_decay, &w.lr, &w.momentum, &w.weight_decay) < 0)
-    return NULL;
-  if (!mirrored_ready(self)) return NULL;
-  /* the step runs without the GIL: the tuple keeps every Resident (and its
-   * dataset) alive whatever happens to the caller's list */
-  PyObject *residents = items_of(R, "residents must be a sequence, one Resident per replica");
-  if (!residents) return NULL;
-  const Py_ssize_t k = PyTuple_GET_SIZE(self->models);
-  dp_resident *data[DP_COMM_MAX_REPLICAS];
-  PyArrayObject *rows = NULL;
-  PyObject *ret = NULL;
-  if (PyTuple_GET_SIZE(residents) != k) {
-    PyErr_Format(PyExc_ValueError, "residents: need one per replica (%zd), got %zd", k, PyTuple_GET_SIZE(residents));
-    goto done;
-  }
-  for (Py_ssize_t r = 0; r < k; ++r)
-    if (!(data[r] = resident_of(PyTuple_GET_ITEM(residents, r), (ModelObject *)PyTuple_GET_ITEM(self->models, r))))
-      goto done;
-  if (!(rows = convert_rows(rows_obj))) goto done;
-  w.mirrored = self->mirrored;
-  w.batch = (dp_batch){NULL, 0, NULL, (int64_t)PyArray_DIM(rows, 0), (const int64_t *)PyArray_DATA(rows), data};
-  if (mirrored_run_without_gil(self, mirrored_work_run, &w) < 0) goto done;
-  ret = Py_BuildValue("(dL)", w.loss, (long long)w.correct);
-done:
-  Py_XDECREF(rows);
-  Py_DECREF(residents);
-  return ret;
+  return mirrored_run_without_gil(self, mirrored_work_run, w);
 }
 
 static PyObject *Mirrored_broadcast(MirroredObject *self, PyObject *args) {
@@ -224,26 +195,20 @@ static PyObject *Mirrored_broadcast(MirroredObject *self, PyObject *args) {
   if (!PyArg_ParseTuple(args, "|O", &root) ||
       (root && int_arg(root, "broadcast", "root", 0, DP_COMM_MAX_REPLICAS - 1, &w.root) < 0))
     return NULL;
-  if (!mirrored_ready(self)) return NULL;
-  w.mirrored = self->mirrored;
-  if (mirrored_run_without_gil(self, mirrored_work_run, &w) < 0) return NULL;
+  if (mirrored_call(self, &w) < 0) return NULL;
   Py_RETURN_NONE;
 }
 
 /* broadcast_across(): process 0's replica 0 to every replica of every process, checked. */
 static PyObject *Mirrored_broadcast_across(MirroredObject *self, PyObject *unused) {
   mirrored_work w = {.call = MIRRORED_BROADCAST_ACROSS};
-  if (!mirrored_ready(self)) return NULL;
-  w.mirrored = self->mirrored;
-  if (mirrored_run_without_gil(self, mirrored_work_run, &w) < 0) return NULL;
+  if (mirrored_call(self, &w) < 0) return NULL;
   Py_RETURN_NONE;
 }
 
 static PyObject *Mirrored_digest(MirroredObject *self, PyObject *unused) {
   mirrored_work w = {.call = MIRRORED_DIGEST};
-  if (!mirrored_ready(self)) return NULL;
-  w.mirrored = self->mirrored;
-  if (mirrored_run_without_gil(self, mirrored_work_run, &w) < 0) return NULL;
+  if (mirrored_call(self, &w) < 0) return NULL;
   return PyLong_FromUnsignedLongLong(w.digest);
 }
 

@@ -14,20 +14,24 @@
 
 static void model_destroy_in_dealloc(void *model) { dp_model_destroy(model); }
 
+/* A failed __init__ leaves the object as new, so that a retry can succeed:
+ * the model and the device reference go (as in a dealloc). The fields are
+ * cleared first, since freeing a CUDA model waits without the GIL. Keeps the
+ * exception set. */
+static void model_init_undo(ModelObject *self) {
+  dp_device *dev = self->device;
+  dp_model *m = self->model;
+  self->device = NULL;
+  self->model = NULL;
+  if (dev) device_free_in_dealloc(dev, model_destroy_in_dealloc, m, 1, "a Model's memory");
+}
+
 static void Model_dealloc(ModelObject *self) {
   /* the model before the device reference, since its buffers are the device's; both
    * stay when the device's work does not finish (device_free_in_dealloc) */
   if (self->device)
     device_free_in_dealloc(self->device, model_destroy_in_dealloc, self->model, 1, "a Model's memory");
   Py_TYPE(self)->tp_free((PyObject *)self);
-}
-
-int model_check_idle(const ModelObject *self) {
-  if (self->busy) {
-    PyErr_SetString(PyExc_RuntimeError, "this model is in use by another thread");
-    return -1;
-  }
-  return 0;
 }
 
 int model_ready(ModelObject *self) {
@@ -161,12 +165,11 @@ static int Model_init(ModelObject *self, PyObject *args, PyObject *kwds) {
     return -1;
   }
   if (model_device_init(self, kind, index, threads, gpu) < 0) return -1;
-  dp_status st = dp_model_create(self->device, shape[0], shape[1], shape[2], &self->model);
-  if (st != DP_OK) return raise_from_status(st), -1;
-  if ((headless || input_grad) && (st = dp_model_set_stage(self->model, headless, input_grad)) != DP_OK)
-    return raise_from_status(st), -1;
   PyObject *seq = NULL, *srcs = NULL;
   int rc = -1;
+  dp_status st = dp_model_create(self->device, shape[0], shape[1], shape[2], &self->model);
+  if (check_status(st) < 0) goto done;
+  if ((headless || input_grad) && check_status(dp_model_set_stage(self->model, headless, input_grad)) < 0) goto done;
   /* tuples: converting an item may run Python code, which could shrink a list */
   if (!(seq = items_of(layers, "layers must be a sequence of tuples"))) goto done;
   if (sources != Py_None && !(srcs = items_of(sources, "sources must be a sequence of ints"))) goto done;
@@ -199,6 +202,7 @@ static int Model_init(ModelObject *self, PyObject *args, PyObject *kwds) {
 done:
   Py_XDECREF(srcs);
   Py_XDECREF(seq);
+  if (rc < 0) model_init_undo(self);
   return rc;
 }
 
@@ -398,34 +402,36 @@ static PyObject *Model_params_tensor(ModelObject *self, PyObject *u) { return mo
 
 /* ---- the calls that compute: without the GIL, the model marked busy --------- */
 
-enum model_call {
-  MODEL_TRAIN_STEP, MODEL_FORWARD_BACKWARD, MODEL_EVALUATE, MODEL_PREDICT, MODEL_SGD_STEP, MODEL_FIND_NONFINITE
-};
+/* The calls on a batch are py_batch.c's, over this batch_type. */
+static int model_batch_ready(PyObject *self, batch_work *w) {
+  ModelObject *mo = (ModelObject *)self;
+  if (!model_ready(mo)) return 0;
+  w->core = mo->model;
+  w->input = mo->model;
+  return 1;
+}
 
-typedef struct {
-  dp_model *model;
-  enum model_call call;
-  dp_batch batch;  /* host images and labels, or rows of the dataset batch.resident[0] */
-  float grad_scale, lr, momentum, weight_decay;
-  float *logits;   /* predict: (n, num_classes), host memory */
-  double loss;
-  int64_t correct;
-  int layer, what;  /* find_nonfinite */
-} model_work;
+/* train_step_rows' resident: a Resident on this model's device (R, held by
+ * the call's arguments, keeps the dataset alive) */
+static int model_batch_datasets(PyObject *self, PyObject *R, dp_resident **data, PyObject **keep) {
+  if (!(data[0] = resident_of(R, (const ModelObject *)self))) return -1;
+  *keep = Py_NewRef(R);
+  return 0;
+}
 
-static dp_status model_work_run(void *p) {
-  model_work *w = p;
-  dp_model *m = w->model;
+static int model_batch_run_without_gil(PyObject *self, nogil_work work, void *ctx) {
+  return model_run_without_gil((ModelObject *)self, work, ctx);
+}
+
+static dp_status model_batch_compute(batch_work *w) {
+  dp_model *m = w->core;
   const dp_batch *b = &w->batch;
   switch (w->call) {
-    case MODEL_EVALUATE: return dp_model_evaluate(m, b, &w->loss, &w->correct);
-    case MODEL_FORWARD_BACKWARD: return dp_model_forward_backward(m, b, w->grad_scale, &w->loss, &w->correct);
-    case MODEL_PREDICT: return dp_model_predict(m, b, w->logits);
-    case MODEL_SGD_STEP: return dp_model_sgd_step(m, w->lr, w->momentum, w->weight_decay);
-    case MODEL_FIND_NONFINITE: return dp_model_find_nonfinite(m, b, &w->layer, &w->what);
-    case MODEL_TRAIN_STEP: break;
+    case BATCH_EVALUATE: return dp_model_evaluate(m, b, &w->loss, &w->correct);
+    case BATCH_FORWARD_BACKWARD: return dp_model_forward_backward(m, b, w->grad_scale, &w->loss, &w->correct);
+    case BATCH_FIND_NONFINITE: return dp_model_find_nonfinite(m, b, &w->layer, &w->what);
+    case BATCH_TRAIN_STEP: break;
   }
-  if (b->n == 0) return DP_OK; /* an empty batch changes nothing */
   /* one replica's step, recorded in its timeline when it profiles (trace.h) */
   dp_trace_count_step(&m->trace);
   dp_trace *previous = dp_trace_step_begin(&m->trace);
@@ -440,76 +446,57 @@ static dp_status model_work_run(void *p) {
   return st;
 }
 
-/* train_step / forward_backward / evaluate on a host batch: convert, run
- * without the GIL, report (loss_sum, correct). */
-static PyObject *model_batch(ModelObject *self, PyObject *X, PyObject *Y, model_work *w) {
-  if (!model_ready(self)) return NULL;
-  PyArrayObject *xa = NULL, *ya = NULL;
-  PyObject *ret = NULL;
-  int is_u8 = 0;
-  if (convert_images(X, self->model, &xa, &is_u8) < 0) goto done;
-  if (convert_labels(Y, PyArray_DIM(xa, 0), &ya) < 0) goto done;
-  w->model = self->model;
-  w->batch = (dp_batch){PyArray_DATA(xa), is_u8, (const int64_t *)PyArray_DATA(ya), (int64_t)PyArray_DIM(xa, 0),
-                        NULL, NULL};
-  if (model_run_without_gil(self, model_work_run, w) < 0) goto done;
-  ret = w->call == MODEL_FIND_NONFINITE ? Py_BuildValue("(ii)", w->layer, w->what)
-                                        : Py_BuildValue("(dL)", w->loss, (long long)w->correct);
-done:
-  Py_XDECREF(xa);
-  Py_XDECREF(ya);
-  return ret;
+static const batch_type model_batches = {model_batch_ready, "resident", model_batch_datasets,
+                                         model_batch_run_without_gil, model_batch_compute};
+
+static PyObject *Model_train_step(PyObject *self, PyObject *args, PyObject *kwds) {
+  return batch_train_step(&model_batches, self, args, kwds);
+}
+static PyObject *Model_train_step_rows(PyObject *self, PyObject *args, PyObject *kwds) {
+  return batch_train_step_rows(&model_batches, self, args, kwds);
+}
+static PyObject *Model_forward_backward(PyObject *self, PyObject *args, PyObject *kwds) {
+  return batch_forward_backward(&model_batches, self, args, kwds);
+}
+static PyObject *Model_evaluate(PyObject *self, PyObject *args, PyObject *kwds) {
+  return batch_on_images(&model_batches, BATCH_EVALUATE, self, args, kwds);
+}
+static PyObject *Model_find_nonfinite(PyObject *self, PyObject *args, PyObject *kwds) {
+  return batch_on_images(&model_batches, BATCH_FIND_NONFINITE, self, args, kwds);
 }
 
-static PyObject *Model_train_step(ModelObject *self, PyObject *args, PyObject *kwds) {
-  static char *kwlist[] = {"images", "labels", "lr", "momentum", "weight_decay", NULL};
-  PyObject *X, *Y;
-  model_work w = {.call = MODEL_TRAIN_STEP};
-  PyObject *lr, *momentum = NULL, *weight_decay = NULL;
-  if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOO|OO", kwlist, &X, &Y, &lr, &momentum, &weight_decay) ||
-      sgd_args_from("train_step", lr, momentum, weight_decay, &w.lr, &w.momentum, &w.weight_decay) < 0)
-    return NULL;
-  return model_batch(self, X, Y, &w);
-}
+typedef struct {
+  dp_model *model;
+  float lr, momentum, weight_decay;
+} sgd_work;
 
-static PyObject *Model_forward_backward(ModelObject *self, PyObject *args, PyObject *kwds) {
-  static char *kwlist[] = {"images", "labels", "grad_scale", NULL};
-  PyObject *X, *Y;
-  model_work w = {.call = MODEL_FORWARD_BACKWARD};
-  PyObject *grad_scale;
-  if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOO", kwlist, &X, &Y, &grad_scale) ||
-      grad_scale_from("forward_backward", grad_scale, &w.grad_scale) < 0)
-    return NULL;
-  return model_batch(self, X, Y, &w);
-}
-
-static PyObject *Model_evaluate(ModelObject *self, PyObject *args, PyObject *kwds) {
-  static char *kwlist[] = {"images", "labels", NULL};
-  PyObject *X, *Y;
-  model_work w = {.call = MODEL_EVALUATE};
-  if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO", kwlist, &X, &Y)) return NULL;
-  return model_batch(self, X, Y, &w);
-}
-
-static PyObject *Model_find_nonfinite(ModelObject *self, PyObject *args, PyObject *kwds) {
-  static char *kwlist[] = {"images", "labels", NULL};
-  PyObject *X, *Y;
-  model_work w = {.call = MODEL_FIND_NONFINITE};
-  if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO", kwlist, &X, &Y)) return NULL;
-  return model_batch(self, X, Y, &w);
+static dp_status sgd_run(void *p) {
+  const sgd_work *w = p;
+  return dp_model_sgd_step(w->model, w->lr, w->momentum, w->weight_decay);
 }
 
 static PyObject *Model_sgd_step(ModelObject *self, PyObject *args, PyObject *kwds) {
   static char *kwlist[] = {"lr", "momentum", "weight_decay", NULL};
-  model_work w = {.call = MODEL_SGD_STEP};
+  sgd_work w = {NULL, 0.0f, 0.0f, 0.0f};
   PyObject *lr, *momentum = NULL, *weight_decay = NULL;
   if (!PyArg_ParseTupleAndKeywords(args, kwds, "O|OO", kwlist, &lr, &momentum, &weight_decay) ||
       sgd_args_from("sgd_step", lr, momentum, weight_decay, &w.lr, &w.momentum, &w.weight_decay) < 0)
     return NULL;
   if (!model_ready(self)) return NULL;
   w.model = self->model;
-  if (model_run_without_gil(self, model_work_run, &w) < 0) return NULL;
+  if (model_run_without_gil(self, sgd_run, &w) < 0) return NULL;
   Py_RETURN_NONE;
+}
+
+typedef struct {
+  dp_model *model;
+  dp_batch batch;
+  float *logits; /* (n, num_classes), host memory */
+} predict_work;
+
+static dp_status predict_run(void *p) {
+  const predict_work *w = p;
+  return dp_model_predict(w->model, &w->batch, w->logits);
 }
 
 static PyObject *Model_predict(ModelObject *self, PyObject *X) {
@@ -520,37 +507,13 @@ static PyObject *Model_predict(ModelObject *self, PyObject *X) {
   if (convert_images(X, self->model, &xa, &is_u8) < 0) goto done;
   npy_intp dims[2] = {PyArray_DIM(xa, 0), dp_model_num_classes(self->model)};
   if (!(out = new_float32(2, dims))) goto done;
-  model_work w = {.model = self->model, .call = MODEL_PREDICT, .logits = (float *)PyArray_DATA(out)};
-  w.batch = (dp_batch){PyArray_DATA(xa), is_u8, NULL, (int64_t)dims[0], NULL, NULL};
-  if (model_run_without_gil(self, model_work_run, &w) < 0) goto done;
+  predict_work w = {self->model, {PyArray_DATA(xa), is_u8, NULL, (int64_t)dims[0], NULL, NULL},
+                    (float *)PyArray_DATA(out)};
+  if (model_run_without_gil(self, predict_run, &w) < 0) goto done;
   ret = Py_NewRef(out);
 done:
   Py_XDECREF(xa);
   Py_XDECREF(out);
-  return ret;
-}
-
-/* train_step_rows(resident, rows, lr, momentum=0, weight_decay=0) -> (loss_sum, correct) */
-static PyObject *Model_train_step_rows(ModelObject *self, PyObject *args, PyObject *kwds) {
-  static char *kwlist[] = {"resident", "rows", "lr", "momentum", "weight_decay", NULL};
-  PyObject *R, *rows_obj;
-  model_work w = {.call = MODEL_TRAIN_STEP};
-  PyObject *lr, *momentum = NULL, *weight_decay = NULL;
-  if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOO|OO", kwlist, &R, &rows_obj, &lr, &momentum, &weight_decay) ||
-      sgd_args_from("train_step_rows", lr, momentum, weight_decay, &w.lr, &w.momentum, &w.weight_decay) < 0)
-    return NULL;
-  if (!model_ready(self)) return NULL;
-  /* R (held by the call's arguments) keeps the dataset alive */
-  dp_resident *data = resident_of(R, self);
-  if (!data) return NULL;
-  PyArrayObject *rows = convert_rows(rows_obj);
-  if (!rows) return NULL;
-  w.model = self->model;
-  w.batch = (dp_batch){NULL, 0, NULL, (int64_t)PyArray_DIM(rows, 0), (const int64_t *)PyArray_DATA(rows), &data};
-  PyObject *ret = NULL;
-  if (model_run_without_gil(self, model_work_run, &w) == 0)
-    ret = Py_BuildValue("(dL)", w.loss, (long long)w.correct);
-  Py_DECREF(rows);
   return ret;
 }
 

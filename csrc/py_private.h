@@ -1,15 +1,23 @@
 /* py_private.h — what the files of the CPython binding (module dpcore._core)
  * share, as CPython's Modules/_io shares _iomodule.h:
  *
- *   py_module.c    the module: PyInit__core, module functions, build and
- *                  runtime info; the shared helpers declared here (errors,
- *                  NumPy converters, the one way to release the GIL)
+ *   py_common.c    the helpers every file uses (errors, NumPy converters,
+ *                  arguments, the one way to release the GIL)
  *   py_device.c    the device registry's functions (list, logical devices)
  *   py_tensor.c    Tensor, and all_reduce over tensors (chapter 12.5)
+ *   py_batch.c     the calls on a batch that Model and Mirrored share
  *   py_model.c     Model (one replica) and Resident (a dataset on its device)
  *   py_mirrored.c  Mirrored (k replicas in lockstep, in one process or many)
  *   py_dist.c      the processes of a job (MPI): ranks, broadcast, allgather
  *   py_ops.c       single ops on NumPy arrays (tests, notebooks)
+ *   py_module.c    the module: PyInit__core, which gathers the types and
+ *                  functions of the files above, and its own module
+ *                  functions (build and runtime info)
+ *
+ * A file uses only files listed above it (py_model.c py_tensor.c's views and
+ * py_batch.c's calls, py_mirrored.c py_model.c's types, py_module.c every
+ * file), so that the binding has no cycle (tests/test_binding_files.py
+ * checks it).
  *
  * Rules every file keeps: dp_status values become Python exceptions only
  * through raise_from_status; NumPy inputs go through the converters below,
@@ -24,10 +32,10 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 /* NumPy's C API is a table of pointers filled by import_array(). With several
- * files, all share one table under this name; only py_module.c (which
- * defines DP_PY_MODULE_INIT) defines it and calls import_array(). */
+ * files, all share one table under this name; only py_common.c (which
+ * defines DP_PY_NUMPY_TABLE) defines it, and fills it in common_init. */
 #define PY_ARRAY_UNIQUE_SYMBOL dpcore_ARRAY_API
-#ifndef DP_PY_MODULE_INIT
+#ifndef DP_PY_NUMPY_TABLE
 #define NO_IMPORT_ARRAY
 #endif
 #include <numpy/arrayobject.h>
@@ -41,7 +49,7 @@
  * so that they cannot clash with another extension's (NumPy's NPY_NO_EXPORT). */
 #define DP_PY_LOCAL __attribute__((visibility("hidden")))
 
-/* ---- errors (py_module.c) ------------------------------------------------- */
+/* ---- errors (py_common.c) ------------------------------------------------- */
 
 DP_PY_LOCAL extern PyObject *DpcoreError; /* dpcore.errors.DpcoreError */
 DP_PY_LOCAL extern PyObject *DeviceError; /* dpcore.errors.DeviceError */
@@ -54,7 +62,11 @@ DP_PY_LOCAL PyObject *raise_from_status(dp_status s);
 /* 0 when st is DP_OK; else the exception raised and -1. For `goto done` wrappers. */
 static inline int check_status(dp_status st) { return st == DP_OK ? 0 : (raise_from_status(st), -1); }
 
-/* ---- NumPy converters (py_module.c) ---------------------------------------- */
+/* Fills NumPy's API table and looks up the exception types above; PyInit__core
+ * calls it first. 0, or -1 with the exception set. */
+DP_PY_LOCAL int common_init(void);
+
+/* ---- NumPy converters (py_common.c) ---------------------------------------- */
 
 DP_PY_LOCAL const char *dtype_name(PyArrayObject *a);
 /* A C-contiguous, aligned, native float32 array of the given rank (rank < 0:
@@ -74,7 +86,7 @@ DP_PY_LOCAL PyArrayObject *convert_rows(PyObject *obj);
  * call runs without the GIL, as it could empty a list. */
 DP_PY_LOCAL PyObject *items_of(PyObject *obj, const char *what);
 
-/* ---- arguments (py_module.c) ------------------------------------------------ */
+/* ---- arguments (py_common.c) ------------------------------------------------ */
 
 /* An integer argument (an int, or anything with __index__) in 64 bits, for
  * the core to range-check with a message naming it. 0, or -1 with TypeError
@@ -97,7 +109,7 @@ DP_PY_LOCAL int sgd_args_from(const char *what, PyObject *lr, PyObject *momentum
 /* A gradient scale, the same way (dp_grad_scale_check). */
 DP_PY_LOCAL int grad_scale_from(const char *what, PyObject *obj, float *out);
 
-/* ---- Model (py_model.c) ---------------------------------------------------- */
+/* ---- Model (py_model.c; its busy mark is py_common.c's) --------------------- */
 
 typedef struct {
   PyObject_HEAD
@@ -114,14 +126,11 @@ DP_PY_LOCAL extern PyTypeObject ResidentType;
 /* 1 when the model is initialized and no call runs on it without the GIL;
  * else 0 with RuntimeError set. Every method that touches the model checks it. */
 DP_PY_LOCAL int model_ready(ModelObject *self);
-/* 0 when no call runs on the model without the GIL, else -1 with RuntimeError
- * set ("in use by another thread"). */
-DP_PY_LOCAL int model_check_idle(const ModelObject *self);
 /* The dataset of an initialized Resident on model mo's device, or NULL with
  * TypeError/ValueError set. Borrowed: the Resident object owns it. */
 DP_PY_LOCAL dp_resident *resident_of(PyObject *obj, const ModelObject *mo);
 
-/* ---- the one way to release the GIL (py_module.c) --------------------------- */
+/* ---- the one way to release the GIL (py_common.c) --------------------------- */
 
 /* Pure C work done without the GIL; it may touch only memory the caller keeps
  * alive (strong references taken before the call) and the models marked busy. */
@@ -143,15 +152,19 @@ DP_PY_LOCAL int models_run_without_gil(PyObject *const *models, Py_ssize_t n, no
  * NULLs and repeats allowed) taken too: work on tensors' devices. */
 DP_PY_LOCAL int devices_run_without_gil(PyObject *const *models, Py_ssize_t n, dp_device *const *devs,
                                         Py_ssize_t ndevs, nogil_work work, void *ctx);
+/* 0 when no call runs on the model without the GIL, else -1 with RuntimeError
+ * set ("in use by another thread"). */
+DP_PY_LOCAL int model_check_idle(const ModelObject *self);
 
 /* Seconds a deallocation waits for its device's queued work before it leaves
  * the memory allocated (device_free_in_dealloc). */
 #define DP_DEALLOC_WAIT_SECONDS 30.0
 
-/* For a tp_dealloc whose object holds memory of dev (a registry device). A
- * CPU device's memory is freed at once. A CUDA device's: with the GIL
- * released (the dying object is out of Python's reach), takes dev's
- * step lock as every user of the device does, waits at most
+/* For a tp_dealloc, or a failed __init__, whose object holds memory of dev (a
+ * registry device). A CPU device's memory is freed at once. A CUDA device's:
+ * with the GIL released (no other thread reaches the memory through the
+ * object: it is dying, or no longer points at it), takes dev's step lock as
+ * every user of the device does, waits at most
  * DP_DEALLOC_WAIT_SECONDS for the work queued on dev (dp_cuda_wait_idle),
  * then calls free_fn(ctx) and, when put_device, drops one reference to dev.
  * When the work did not finish (or the stream failed), nothing is freed and
@@ -160,6 +173,56 @@ DP_PY_LOCAL int devices_run_without_gil(PyObject *const *models, Py_ssize_t n, d
  * 0 when left allocated. Keeps any exception that was set. */
 DP_PY_LOCAL int device_free_in_dealloc(dp_device *dev, void (*free_fn)(void *ctx), void *ctx, int put_device,
                                        const char *what);
+
+/* ---- calls on a batch, shared by Model and Mirrored (py_batch.c) ------------ */
+
+typedef enum { BATCH_TRAIN_STEP, BATCH_FORWARD_BACKWARD, BATCH_EVALUATE, BATCH_FIND_NONFINITE } batch_call;
+
+typedef struct batch_type batch_type;
+
+/* One call on a batch: its arguments, then its results. */
+typedef struct batch_work {
+  const batch_type *type;
+  batch_call call;
+  void *core;            /* the type's dp_model or dp_mirrored (set by ready) */
+  const dp_model *input; /* the model whose input the images must fit (set by ready) */
+  dp_batch batch;        /* host images and labels, or rows of the datasets batch.resident[r] */
+  float lr, momentum, weight_decay, grad_scale;
+  double loss;           /* the loss sum, and the samples classified right */
+  int64_t correct;
+  int layer, what;       /* find_nonfinite */
+} batch_work;
+
+/* What the batch calls need of a type. */
+struct batch_type {
+  /* 1 with w->core and w->input set when self can take a call, else 0 with
+   * RuntimeError set */
+  int (*ready)(PyObject *self, batch_work *w);
+  /* train_step_rows' first argument's keyword ("resident", "residents") */
+  const char *datasets_name;
+  /* The datasets of train_step_rows in data[r], one per replica, from that
+   * argument: 0 with *keep a new reference that keeps them alive, or -1 with
+   * the exception set */
+  int (*datasets)(PyObject *self, PyObject *obj, dp_resident **data, PyObject **keep);
+  /* runs work(ctx) without the GIL, every replica of self marked busy
+   * (models_run_without_gil) */
+  int (*run_without_gil)(PyObject *self, nogil_work work, void *ctx);
+  /* the call, without the GIL; a training step on no samples never gets here */
+  dp_status (*compute)(batch_work *w);
+};
+
+/* Method bodies: the wrappers in a type's method table call these with its
+ * batch_type. Each returns (loss_sum, correct), or find_nonfinite's (layer,
+ * what), or NULL with the exception set. */
+/* train_step(images, labels, lr, momentum=0, weight_decay=0) */
+DP_PY_LOCAL PyObject *batch_train_step(const batch_type *t, PyObject *self, PyObject *args, PyObject *kwds);
+/* train_step_rows(<datasets_name>, rows, lr, momentum=0, weight_decay=0) */
+DP_PY_LOCAL PyObject *batch_train_step_rows(const batch_type *t, PyObject *self, PyObject *args, PyObject *kwds);
+/* forward_backward(images, labels, grad_scale) */
+DP_PY_LOCAL PyObject *batch_forward_backward(const batch_type *t, PyObject *self, PyObject *args, PyObject *kwds);
+/* call(images, labels): evaluate, find_nonfinite, or a forward_backward without a grad_scale */
+DP_PY_LOCAL PyObject *batch_on_images(const batch_type *t, batch_call call, PyObject *self, PyObject *args,
+                                      PyObject *kwds);
 
 /* ---- Tensor (py_tensor.c) --------------------------------------------------- */
 

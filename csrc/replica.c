@@ -100,6 +100,19 @@ static int cpu_device_cores(int index, int count, cpu_set_t *out) {
   return 1;
 }
 
+/* g's lock and condition variables: DP_OK, or DP_ERR_RUNTIME with none of
+ * them left initialized. */
+static dp_status group_sync_init(dp_group *g) {
+  int err = pthread_mutex_init(&g->mutex, NULL);
+  if (err != 0) return DP_FAIL(DP_ERR_RUNTIME, "replica group: pthread_mutex_init failed: %s", strerror(err));
+  if ((err = pthread_cond_init(&g->work_cv, NULL)) == 0) {
+    if ((err = pthread_cond_init(&g->done_cv, NULL)) == 0) return DP_OK;
+    pthread_cond_destroy(&g->work_cv);
+  }
+  pthread_mutex_destroy(&g->mutex);
+  return DP_FAIL(DP_ERR_RUNTIME, "replica group: pthread_cond_init failed: %s", strerror(err));
+}
+
 dp_status dp_group_create(int k, const int *threads, const int *cpu_device, dp_group **out) {
   *out = NULL;
   atomic_fetch_add(&groups_created, 1);
@@ -113,14 +126,12 @@ dp_status dp_group_create(int k, const int *threads, const int *cpu_device, dp_g
     return DP_FAIL(DP_ERR_MEMORY, "cannot allocate %d replica workers", k);
   }
   dp_status st = dp_barrier_init(&g->barrier, k);
+  if (st == DP_OK && (st = group_sync_init(g)) != DP_OK) dp_barrier_destroy(&g->barrier);
   if (st != DP_OK) {
     free(g->workers);
     free(g);
     return st;
   }
-  pthread_mutex_init(&g->mutex, NULL);
-  pthread_cond_init(&g->work_cv, NULL);
-  pthread_cond_init(&g->done_cv, NULL);
   for (int r = 0; r < k; ++r) {
     worker *w = &g->workers[r];
     w->group = g;

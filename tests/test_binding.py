@@ -10,6 +10,7 @@
 - A failing backend call is an exception, from the single ops and from the
   model calls alike, and leaves no model marked busy.
 """
+import gc
 import subprocess
 import sys
 import textwrap
@@ -209,6 +210,43 @@ def test_init_of_a_live_object_is_refused():
     with pytest.raises(RuntimeError, match="already initialized"):
         resident.__init__(net._model, X, y)
     assert resident.num_samples == 16
+
+
+@pytest.mark.parametrize("bad", [
+    dict(input_shape=(1, 28, 28), layers=[("flatten",), ("dense", 10), ("no such kind",)]),
+    dict(input_shape=(1, 28, 28), layers=[("conv2d", 4, 99)]),
+    dict(input_shape=(0, 28, 28), layers=[("flatten",), ("dense", 10)]),
+    dict(input_shape=(1, 28, 28), layers=[("flatten",), ("dense", 10)], sources=[5, None]),
+])
+def test_a_failed_model_init_leaves_an_object_a_retry_initializes(bad):
+    """A Model whose __init__ failed after it got its device (a bad layer, input
+    shape or source) is left as new: it says "not initialized" to every method
+    until an __init__ succeeds, a retry is not refused as "already
+    initialized", and the device reference it took is given back."""
+    def cpu0_refs():
+        gc.collect()
+        return sum(r for n, _, _, _, _, r in dp._core.live_devices() if n == "cpu:0")
+
+    keep = dp._core.Model((1, 28, 28), [("flatten",), ("dense", 10)])  # cpu:0 stays alive throughout
+    before = cpu0_refs()
+    m = dp._core.Model.__new__(dp._core.Model)
+    with pytest.raises((ValueError, TypeError)):
+        m.__init__(**bad)
+    assert cpu0_refs() == before
+    assert m.device is None and m.nparams == 0
+    with pytest.raises(RuntimeError, match="Model is not initialized"):
+        m.get_params()
+    m.__init__((1, 28, 28), [("flatten",), ("dense", 10)])
+    assert cpu0_refs() == before + 1
+    X, y = batch(8)
+    loss, correct = m.train_step(X, y, 0.1)
+    assert np.isfinite(loss) and 0 <= correct <= 8
+    assert m.get_params().shape == (m.nparams,) and m.nparams >= 28 * 28 * 10 + 10
+    with pytest.raises(RuntimeError, match="already initialized"):
+        m.__init__((1, 28, 28), [("flatten",), ("dense", 10)])
+    del m
+    assert cpu0_refs() == before
+    del keep
 
 
 # ---- (b) all_reduce and a list that changes meanwhile ----------------------------

@@ -44,12 +44,14 @@ def clean_env(**options):
 
 
 ASAN_UBSAN = ["-fsanitize=address,undefined", "-fno-sanitize-recover=undefined"]
-# the CPU backend's files; the core of the replica threads (replicas, collectives, comm, mirrored runners),
-# and the device registry's
-CPU_BACKEND = ["backend_cpu.c", "implicit_gemm.c", "small_gemm.c", "winograd.c", "winograd_lanes.c", "winograd_s2.c", "cpu_caches.c"]
-MIRRORED_CORE = [*CPU_BACKEND, "backend_cuda.c", "collective.c", "comm.c", "device.c", "dist.c", "mirrored.c", "layers.c",
-                 "model.c", "replica.c", "resident.c", "shapes.c", "status.c"]
-REGISTRY_CORE = [*CPU_BACKEND, "backend_cuda.c", "device.c", "layers.c", "model.c", "resident.c", "shapes.c", "status.c"]
+# the CPU backend's files with device.c (dp_device_destroy; the registry, which names the CUDA backend's
+# entries too); the core of the replica threads (replicas, collectives, comm, mirrored runners), and the
+# device registry's
+CPU_DEVICE = ["backend_cpu.c", "implicit_gemm.c", "small_gemm.c", "winograd.c", "winograd_lanes.c", "winograd_s2.c",
+              "cpu_caches.c", "backend_cuda.c", "device.c"]
+MIRRORED_CORE = [*CPU_DEVICE, "collective.c", "comm.c", "dist.c", "mirrored.c", "layers.c", "model.c", "replica.c",
+                 "resident.c", "shapes.c", "status.c"]
+REGISTRY_CORE = [*CPU_DEVICE, "layers.c", "model.c", "resident.c", "shapes.c", "status.c"]
 
 
 def compile_program(tmp_path, program, core_sources, sanitizers, link_flags=()):
@@ -85,7 +87,7 @@ def build_and_run(tmp_path, program, core_sources, link_flags=()):
 def test_core_is_clean_under_asan_lsan_ubsan(tmp_path):
     """Models (LeNet, strides/padding/max-pool) trained, evaluated and misused, a
     resident dataset gathered from, all freed."""
-    build_and_run(tmp_path, "core_smoke", [*CPU_BACKEND, "layers.c", "model.c", "resident.c", "shapes.c", "status.c"])
+    build_and_run(tmp_path, "core_smoke", [*CPU_DEVICE, "layers.c", "model.c", "resident.c", "shapes.c", "status.c"])
 
 
 def test_dp_hd_bodies_as_the_gpu_runs_them(tmp_path):
@@ -93,7 +95,7 @@ def test_dp_hd_bodies_as_the_gpu_runs_them(tmp_path):
     launchers call, and the CPU backend's loops over them, against reference
     loops written in the test (exact where the formula fixes the bits, a
     stated tolerance otherwise), under the sanitizers too."""
-    build_and_run(tmp_path, "kernel_bodies", [*CPU_BACKEND, "collective.c", "status.c"])
+    build_and_run(tmp_path, "kernel_bodies", [*CPU_DEVICE, "collective.c", "status.c"])
 
 
 def test_replica_threads_and_collectives_are_clean(tmp_path):
@@ -120,8 +122,31 @@ def test_every_failed_allocation_is_a_memory_error(tmp_path):
     allocations failing in turn; every run ends in DP_ERR_MEMORY with nothing
     leaked, and pooling's window tables and the convolution scratch, failed
     through the backend table as the single ops call it, are DP_ERR_MEMORY too."""
-    build_and_run(tmp_path, "alloc_failures", [*CPU_BACKEND, "layers.c", "model.c", "resident.c", "shapes.c", "status.c"],
+    build_and_run(tmp_path, "alloc_failures", [*CPU_DEVICE, "layers.c", "model.c", "resident.c", "shapes.c", "status.c"],
                   link_flags=["-Wl,--wrap=malloc,--wrap=calloc,--wrap=realloc,--wrap=aligned_alloc"])
+
+
+def test_a_replica_group_whose_locks_cannot_be_made_is_a_runtime_error(tmp_path):
+    """tests/c/sync_failures.c: with pthread_mutex_init and pthread_cond_init
+    wrapped (ld --wrap), a replica group is made with each of its inits failing
+    in turn: every one is DP_ERR_RUNTIME, with the locks it did make destroyed
+    and nothing leaked; then a whole group runs its three threads."""
+    build_and_run(tmp_path, "sync_failures", ["replica.c", "collective.c", *REGISTRY_CORE],
+                  link_flags=["-Wl,--wrap=pthread_mutex_init,--wrap=pthread_cond_init,"
+                              "--wrap=pthread_mutex_destroy,--wrap=pthread_cond_destroy", "-lpthread"])
+
+
+def mpi_flags():
+    """-DDP_HAVE_MPI and Open MPI's compile and link flags (mpicc -showme), for compile_program's
+    link_flags: -D and -I apply to every source wherever they stand on gcc's command line."""
+    mpicc = shutil.which("mpicc")
+    if mpicc is None:
+        pytest.fail("the MPI sanitizer tests need Open MPI's mpicc (scripts/bootstrap.sh installs it)")
+    flags = ["-DDP_HAVE_MPI"]
+    for what in ("-showme:compile", "-showme:link"):
+        flags += shlex.split(subprocess.run([mpicc, what], check=True, capture_output=True, text=True,
+                                            env=clean_env()).stdout)
+    return flags
 
 
 # Open MPI's own allocations that it never frees (LeakSanitizer reports them at
@@ -155,16 +180,10 @@ def test_mpi_processes_are_clean_under_asan_ubsan(tmp_path):
     six replicas bit for bit, digests included; a rank late for a barrier is
     a DP_ERR_DIST naming it on the others within seconds, and the job still
     ends cleanly. No sanitizer report, no leak of dpcore's."""
-    mpicc, mpirun = shutil.which("mpicc"), shutil.which("mpirun")
-    if mpicc is None or mpirun is None:
-        pytest.fail("the MPI sanitizer test needs Open MPI's mpicc and mpirun (scripts/bootstrap.sh installs them)")
-    mpi_compile = shlex.split(subprocess.run([mpicc, "-showme:compile"], check=True, capture_output=True,
-                                             text=True, env=clean_env()).stdout)
-    mpi_link = shlex.split(subprocess.run([mpicc, "-showme:link"], check=True, capture_output=True, text=True,
-                                          env=clean_env()).stdout)
-    # -D and -I apply to every source wherever they stand on gcc's command line
-    exe = compile_program(tmp_path, "dist_mpi", MIRRORED_CORE, ASAN_UBSAN,
-                          ["-DDP_HAVE_MPI", *mpi_compile, *mpi_link, "-lpthread"])
+    mpirun = shutil.which("mpirun")
+    if mpirun is None:
+        pytest.fail("the MPI sanitizer test needs Open MPI's mpirun (scripts/bootstrap.sh installs it)")
+    exe = compile_program(tmp_path, "dist_mpi", MIRRORED_CORE, ASAN_UBSAN, [*mpi_flags(), "-lpthread"])
     suppressions = tmp_path / "lsan_open_mpi.supp"
     suppressions.write_text(MPI_LSAN_SUPPRESSIONS)
     # fast_unwind_on_malloc=0: Open MPI's libraries are built without frame
@@ -200,6 +219,15 @@ def run_tsan_clean(exe, program):
     assert proc.returncode == 0, report
     assert f"{program}: ok" in proc.stdout, report
     assert "ThreadSanitizer" not in report, report
+
+
+def test_the_mpi_library_version_is_filled_once_without_a_race(tmp_path):
+    """tests/c/dist_version.c under ThreadSanitizer: eight threads ask for
+    dp_dist_library_version at once (MPI_Get_library_version wrapped by the
+    program, so that its writes are seen); one fill, one answer, no race."""
+    exe = compile_program(tmp_path, "dist_version", ["dist.c", "status.c"], ["-fsanitize=thread"],
+                          [*mpi_flags(), "-lpthread", "-Wl,--wrap=MPI_Get_library_version"])
+    run_tsan_clean(exe, "dist_version")
 
 
 def test_replica_threads_barriers_and_all_reduce_are_race_free_under_tsan(tmp_path):

@@ -50,11 +50,17 @@ static void check_sharing(void) {
   dp_device_put(a);
   CHECK(live_count() == 0);
   dp_device_put(NULL); /* fine */
-  /* a device its caller made is not the registry's: put leaves it alone */
+  /* a device its caller made is not the registry's: put leaves it alone, and
+   * it has no step lock to take (py_ops.c's device is one) */
   dp_device own;
   CHECK(dp_cpu_device_init(&own, 0, 1) == DP_OK);
+  CHECK(own.entry == NULL);
   dp_device_put(&own);
   CHECK(own.ctx != NULL);
+  dp_device_lock(&own);
+  dp_device_lock(&own); /* nothing held: not even a second lock waits */
+  dp_device_unlock(&own);
+  dp_device_unlock(&own);
   dp_device_destroy(&own);
   /* an explicit core count other than the share is a device of its own */
   if (dp_cpu_core_count() > 1) {
