@@ -91,6 +91,8 @@ typedef struct dp_batch {
   dp_resident *const *resident;
 } dp_batch;
 
+/* dev NULL: a model that is only laid out, for its layers' shapes (the
+ * binding's layer_shapes); it allocates nothing and is never finalized. */
 DP_MUST_CHECK dp_status dp_model_create(dp_device *dev, int64_t in_c, int64_t in_h, int64_t in_w, dp_model **out);
 void dp_model_destroy(dp_model *m);
 /* Append a layer of the given kind (layers.h) with its first nargs

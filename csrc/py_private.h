@@ -7,6 +7,7 @@
  *   py_device.c    the device registry's functions (list, logical devices)
  *   py_tensor.c    Tensor, and all_reduce over tensors (chapter 12.5)
  *   py_model.c     Model (one replica) and Resident (a dataset on its device)
+ *   py_layers.c    layer specs into a model; layer_shapes (a model's layout, built without one)
  *   py_mirrored.c  Mirrored (k replicas in lockstep, in one process or many)
  *   py_dist.c      the processes of a job (MPI): ranks, broadcast, allgather
  *   py_ops.c       single ops on NumPy arrays (tests, notebooks)
@@ -160,6 +161,19 @@ DP_PY_LOCAL int devices_run_without_gil(PyObject *const *models, Py_ssize_t n, d
  * 0 when left allocated. Keeps any exception that was set. */
 DP_PY_LOCAL int device_free_in_dealloc(dp_device *dev, void (*free_fn)(void *ctx), void *ctx, int put_device,
                                        const char *what);
+
+/* ---- layer specs (py_layers.c) ---------------------------------------------- */
+
+/* input_shape (C, H, W): three integers, in 64 bits for the core to check.
+ * 0, or -1 with TypeError/ValueError set. */
+DP_PY_LOCAL int input_shape_from(PyObject *obj, int64_t shape[3]);
+/* Adds `layers` (a sequence of tuples (kind, *args)) to m, layer i reading
+ * sources[i] (None, or sources None: the previous layer); each through
+ * dp_model_add_layer. 0, or -1 with the exception set. */
+DP_PY_LOCAL int model_add_layers(dp_model *m, PyObject *layers, PyObject *sources);
+/* The shape of tensor t of layer l, a new tuple or NULL. */
+DP_PY_LOCAL PyObject *layer_tensor_shape(const dp_layer *l, int t);
+DP_PY_LOCAL extern PyMethodDef layer_functions[]; /* layer_shapes */
 
 /* ---- Tensor (py_tensor.c) --------------------------------------------------- */
 

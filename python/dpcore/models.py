@@ -680,6 +680,7 @@ class Replica:
 
 # the classes a checkpoint may name (dpcore.checkpoint)
 _CLASSES = {cls.__name__: cls for cls in (Sequential, LeNet, ResNet18)}
+checkpoint.register_classes(_CLASSES, _SKIP_INIT)
 
 
 def load(path, devices=None, allow_nonfinite=False):
