@@ -134,7 +134,7 @@ static const dp_layer_kind_info kinds[] = {
     /* gamma 1, beta 0; running mean 0, running variance 1 (PyTorch's) */
     [DP_LAYER_BATCHNORM] = {.name = "batchnorm", .op = "batchnorm", .nargs = 2,
                             .args = {FLOAT_ARG_OR("eps", 1e-5), FLOAT_ARG_OR("momentum", 0.1)},
-                            .split = DP_SPLIT_CHANNELS, .ntensors = 4,
+                            .split = DP_SPLIT_CHANNELS, .batch_stats = 1, .ntensors = 4,
                             .tensors = {PARAM("weight", 1, DIMS(DP_DIM_IN_C), DP_INIT_ONES, DP_INIT_ONES,
                                               DP_INIT_ONES),
                                         PARAM("bias", 1, DIMS(DP_DIM_IN_C), DP_INIT_ZEROS, DP_INIT_ZEROS,

@@ -132,6 +132,9 @@ typedef struct dp_layer_kind_info {
   /* 1: its output is its source's memory seen in its own shape (no copy,
    * nothing of its own to allocate); its gradient is the output's, reshaped */
   int view;
+  /* 1: in training it normalises each channel with its batch's statistics,
+   * which needs more than one value per channel (dp_model_check_batchnorm_batch) */
+  int batch_stats;
   int ntensors;
   dp_layer_tensor tensors[DP_LAYER_MAX_TENSORS]; /* parameters first, then state */
   /* Sets l's output shape and its kind's fields from args (all nargs of

@@ -804,11 +804,11 @@ dp_status dp_model_check_batchnorm_batch(const dp_model *m, int64_t n) {
   if (n <= 0) return DP_OK;
   for (int i = 0; i < m->nlayers; ++i) {
     const dp_layer *l = &m->layers[i];
-    if (l->kind == DP_LAYER_BATCHNORM && n * l->in_h * l->in_w <= 1)
+    const dp_layer_kind_info *info = dp_layer_kind_info_of(l->kind);
+    if (info->batch_stats && n * l->in_h * l->in_w <= 1)
       return DP_FAIL(DP_ERR_VALUE,
-                     "batchnorm (layer %d): training needs more than one value per channel, got %lld sample(s) of "
-                     "%dx%d",
-                     i, (long long)n, l->in_h, l->in_w);
+                     "%s (layer %d): training needs more than one value per channel, got %lld sample(s) of %dx%d",
+                     info->op, i, (long long)n, l->in_h, l->in_w);
   }
   return DP_OK;
 }

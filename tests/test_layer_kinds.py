@@ -177,21 +177,25 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
 def kind_sites_in_c():
-    """{(file, function)} of every `case DP_LAYER_...:` in csrc (a switch that must
-    name every kind), and the files that give a kind its table entry (`[DP_LAYER_...] =`)."""
+    """In csrc: {(file, function)} of every `case DP_LAYER_...:` (a switch that
+    must name every kind), the files that give a kind its table entry
+    (`[DP_LAYER_...] =`), and {(file, function)} of every other line that names
+    a kind (code for that kind alone, which a new kind need not touch)."""
     enumerator = "DP_LAYER_(?:" + "|".join(name.upper() for name in KINDS) + ")"
-    cases, entries = set(), set()
+    cases, entries, named = set(), set(), set()
     for path in sorted((ROOT / "csrc").glob("*.[ch]")):
         function = None
         for line in path.read_text().splitlines():
-            head = re.match(r"^(?:static )?[a-z_ ]+[ *]+(\w+)\(.*\{\s*$", line)
+            head = re.match(r"^(?:static )?[a-z_ ]+[ *]+(\w+)\(.*\{", line)
             if head:
                 function = head.group(1)
             if re.search(rf"\bcase {enumerator}:", line):
                 cases.add((path.name, function))
-            if re.search(rf"\[{enumerator}\]\s*=", line):
+            elif re.search(rf"\[{enumerator}\]\s*=", line):
                 entries.add(path.name)
-    return cases, entries
+            elif re.search(rf"\b{enumerator}\b", line) and path.name != "layers.h":
+                named.add((path.name, function))
+    return cases, entries, named
 
 
 def kind_sites_in_python(files):
@@ -240,11 +244,14 @@ def test_a_new_kind_touches_the_table_and_the_backends_only():
     csrc/model.c over the backends' kernels (switches that -Wswitch checks for
     a missing kind); the Python package reads the table (_core.layer_kinds,
     _core.layer_shapes) and names no kind."""
-    cases, entries = kind_sites_in_c()
+    cases, entries, named = kind_sites_in_c()
     print("sites a new layer kind touches:", "layers.h (enum dp_layer_kind)", "layers.c (kinds[])",
           *sorted(f"{f} ({fn})" for f, fn in cases), "backend.h and each backend (its kernels)", sep="\n  ")
+    print("code for one existing kind (fusions, shorthands):", *sorted(f"{f} ({fn})" for f, fn in named),
+          sep="\n  ")
     assert entries == {"layers.c"}
     assert cases == {("model.c", "forward"), ("model.c", "backward")}
+    assert {f for f, _ in named} <= {"layers.c", "model.c"}
     header = (ROOT / "csrc" / "layers.h").read_text()
     enum = re.search(r"typedef enum dp_layer_kind \{(.*?)\} dp_layer_kind;", header, re.S).group(1)
     assert [e.lower() for e in re.findall(r"DP_LAYER_([A-Z0-9_]+)", enum)] == list(KINDS)
