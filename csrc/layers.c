@@ -117,25 +117,35 @@ static dp_status infer_global_avgpool(dp_layer *l, const dp_layer_arg_value *a, 
 #define POOL_ARGS {INT_ARG("kernel"), INT_ARG("stride"), INT_ARG("padding")}
 
 static const dp_layer_kind_info kinds[] = {
-    [DP_LAYER_CONV2D] = {"conv2d", "conv2d", 4,
-                         {INT_ARG("out_channels"), INT_ARG("kernel"), INT_ARG("stride"), INT_ARG("padding")}, 0, 2,
-                         {WEIGHT((DP_DIM_OUT_C, DP_DIM_IN_C, DP_DIM_K, DP_DIM_K), 4), BIAS}, infer_conv2d},
-    [DP_LAYER_DENSE] = {"dense", "dense", 1, {INT_ARG("out_features")}, 0, 2,
-                        {WEIGHT((DP_DIM_OUT_C, DP_DIM_IN_C), 2), BIAS}, infer_dense},
-    [DP_LAYER_RELU] = {"relu", "relu", 0, {{0}}, 0, 0, {{0}}, infer_elementwise},
-    [DP_LAYER_AVGPOOL] = {"avgpool", "avg_pool2d", 3, POOL_ARGS, 0, 0, {{0}}, infer_pool},
-    [DP_LAYER_MAXPOOL] = {"maxpool", "max_pool2d", 3, POOL_ARGS, 0, 0, {{0}}, infer_pool},
-    [DP_LAYER_FLATTEN] = {"flatten", "flatten", 0, {{0}}, 0, 0, {{0}}, infer_flatten},
+    [DP_LAYER_CONV2D] = {.name = "conv2d", .op = "conv2d", .nargs = 4,
+                         .args = {INT_ARG("out_channels"), INT_ARG("kernel"), INT_ARG("stride"), INT_ARG("padding")},
+                         .split = DP_SPLIT_OUTPUT, .ntensors = 2,
+                         .tensors = {WEIGHT((DP_DIM_OUT_C, DP_DIM_IN_C, DP_DIM_K, DP_DIM_K), 4), BIAS},
+                         .infer = infer_conv2d},
+    [DP_LAYER_DENSE] = {.name = "dense", .op = "dense", .nargs = 1, .args = {INT_ARG("out_features")},
+                        .split = DP_SPLIT_OUTPUT, .ntensors = 2,
+                        .tensors = {WEIGHT((DP_DIM_OUT_C, DP_DIM_IN_C), 2), BIAS}, .infer = infer_dense},
+    [DP_LAYER_RELU] = {.name = "relu", .op = "relu", .split = DP_SPLIT_CHANNELS, .infer = infer_elementwise},
+    [DP_LAYER_AVGPOOL] = {.name = "avgpool", .op = "avg_pool2d", .nargs = 3, .args = POOL_ARGS,
+                          .split = DP_SPLIT_CHANNELS, .infer = infer_pool},
+    [DP_LAYER_MAXPOOL] = {.name = "maxpool", .op = "max_pool2d", .nargs = 3, .args = POOL_ARGS,
+                          .split = DP_SPLIT_CHANNELS, .infer = infer_pool},
+    [DP_LAYER_FLATTEN] = {.name = "flatten", .op = "flatten", .view = 1, .infer = infer_flatten},
     /* gamma 1, beta 0; running mean 0, running variance 1 (PyTorch's) */
-    [DP_LAYER_BATCHNORM] = {"batchnorm", "batchnorm", 2, {FLOAT_ARG_OR("eps", 1e-5), FLOAT_ARG_OR("momentum", 0.1)},
-                            0, 4,
-                            {PARAM("weight", 1, DIMS(DP_DIM_IN_C), DP_INIT_ONES, DP_INIT_ONES, DP_INIT_ONES),
-                             PARAM("bias", 1, DIMS(DP_DIM_IN_C), DP_INIT_ZEROS, DP_INIT_ZEROS, DP_INIT_ZEROS),
-                             STATE("running_mean", 1, DIMS(DP_DIM_IN_C), DP_INIT_ZEROS),
-                             STATE("running_var", 1, DIMS(DP_DIM_IN_C), DP_INIT_ONES)},
-                            infer_batchnorm},
-    [DP_LAYER_ADD] = {"add", "add", 2, {INT_ARG("layer_a"), INT_ARG("layer_b")}, 2, 0, {{0}}, infer_add},
-    [DP_LAYER_GLOBAL_AVGPOOL] = {"global_avgpool", "global_avgpool", 0, {{0}}, 0, 0, {{0}}, infer_global_avgpool},
+    [DP_LAYER_BATCHNORM] = {.name = "batchnorm", .op = "batchnorm", .nargs = 2,
+                            .args = {FLOAT_ARG_OR("eps", 1e-5), FLOAT_ARG_OR("momentum", 0.1)},
+                            .split = DP_SPLIT_CHANNELS, .batch_stats = 1, .ntensors = 4,
+                            .tensors = {PARAM("weight", 1, DIMS(DP_DIM_IN_C), DP_INIT_ONES, DP_INIT_ONES,
+                                              DP_INIT_ONES),
+                                        PARAM("bias", 1, DIMS(DP_DIM_IN_C), DP_INIT_ZEROS, DP_INIT_ZEROS,
+                                              DP_INIT_ZEROS),
+                                        STATE("running_mean", 1, DIMS(DP_DIM_IN_C), DP_INIT_ZEROS),
+                                        STATE("running_var", 1, DIMS(DP_DIM_IN_C), DP_INIT_ONES)},
+                            .infer = infer_batchnorm},
+    [DP_LAYER_ADD] = {.name = "add", .op = "add", .nargs = 2, .args = {INT_ARG("layer_a"), INT_ARG("layer_b")},
+                      .sources = 2, .joins = DP_JOIN_SUM, .infer = infer_add},
+    [DP_LAYER_GLOBAL_AVGPOOL] = {.name = "global_avgpool", .op = "global_avgpool", .split = DP_SPLIT_CHANNELS,
+                                 .infer = infer_global_avgpool},
 };
 /* One entry per kind; and, as ggml counts its ops, the count written out, so
  * that a new kind is added here (and to model.c's forward and backward) on purpose. */
@@ -165,6 +175,12 @@ static const char *const init_mode_names[] = {[DP_INIT_MODE_NORMAL] = "normal", 
 _Static_assert(sizeof init_mode_names / sizeof init_mode_names[0] == DP_INIT_MODE_COUNT, "every mode needs its name");
 
 const dp_layer_kind_info *dp_layer_kind_info_of(dp_layer_kind k) { return &kinds[k]; }
+
+const char *dp_layer_split_name(dp_layer_split s) {
+  return s == DP_SPLIT_OUTPUT ? "output" : s == DP_SPLIT_CHANNELS ? "channels" : NULL;
+}
+
+const char *dp_layer_join_name(dp_layer_join j) { return j == DP_JOIN_SUM ? "sum" : NULL; }
 
 int dp_layer_kind_find(const char *name) {
   for (int k = 0; k < DP_LAYER_KIND_COUNT; ++k)

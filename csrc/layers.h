@@ -2,13 +2,17 @@
  *
  * Per kind: its name (the first item of a dp.models layer tuple), its
  * arguments (names, types, defaults), its shape inference (64-bit, checked by
- * shapes.c), and its tensors (PyTorch's state_dict names, buffer, shape and
- * init rule). The model builds layers from it (dp_model_add_layer), the
- * binding parses layer tuples and reports layouts from it, and dpcore.models
- * reads it through _core.layer_kinds() (initialisation, documentation).
+ * shapes.c), its tensors (PyTorch's state_dict names, buffer, shape and
+ * init rule), and how it joins its sources, splits over devices and views its
+ * input. The model builds layers from it (dp_model_add_layer), the binding
+ * parses layer tuples and reports layouts and shapes from it, and the Python
+ * package reads it through _core.layer_kinds() and _core.layer_shapes()
+ * (initialisation, checkpoints, pipeline and layerwise splits) and names no
+ * kind itself.
  *
  * A new kind is an enum value here, its entry in the table, and its forward
- * and backward in model.c over the backend's kernels.
+ * and backward in model.c over the backend's kernels
+ * (tests/test_layer_kinds.py lists these sites).
  */
 #ifndef DP_LAYERS_H
 #define DP_LAYERS_H
@@ -100,6 +104,21 @@ typedef struct dp_layer_tensor {
   dp_init_rule init[DP_INIT_MODE_COUNT];  /* state tensors: the same rule in every mode */
 } dp_layer_tensor;
 
+/* How a layerwise split (ModelParallelStrategy, python/dpcore/tensor_parallel.py)
+ * runs a kind over k devices. */
+typedef enum dp_layer_split {
+  DP_SPLIT_NONE,     /* not split: a view or a join (below), done on the gathered activations */
+  DP_SPLIT_OUTPUT,   /* its first argument and its tensors' first extent are its output channels: each device
+                      * computes a slice of them from the whole input */
+  DP_SPLIT_CHANNELS  /* acts on each channel alone: each device runs it on its slice of the channels */
+} dp_layer_split;
+
+/* What a kind that reads several sources makes of them. */
+typedef enum dp_layer_join {
+  DP_JOIN_NONE,  /* one source */
+  DP_JOIN_SUM    /* the elementwise sum of its sources (of one shape); each source's gradient is the output's */
+} dp_layer_join;
+
 typedef struct dp_layer_kind_info {
   const char *name;  /* the layer tuple's first item: "avgpool" */
   const char *op;    /* the single op it computes (dp.ops), which its errors name: "avg_pool2d" */
@@ -108,6 +127,14 @@ typedef struct dp_layer_kind_info {
   /* how many leading arguments are layer indices (-1: the model input) that
    * it reads; 0: it reads the layer chosen by dp_model_set_source */
   int sources;
+  dp_layer_join joins;
+  dp_layer_split split;
+  /* 1: its output is its source's memory seen in its own shape (no copy,
+   * nothing of its own to allocate); its gradient is the output's, reshaped */
+  int view;
+  /* 1: in training it normalises each channel with its batch's statistics,
+   * which needs more than one value per channel (dp_model_check_batchnorm_batch) */
+  int batch_stats;
   int ntensors;
   dp_layer_tensor tensors[DP_LAYER_MAX_TENSORS]; /* parameters first, then state */
   /* Sets l's output shape and its kind's fields from args (all nargs of
@@ -117,6 +144,8 @@ typedef struct dp_layer_kind_info {
   DP_MUST_CHECK dp_status (*infer)(dp_layer *l, const dp_layer_arg_value *args, const int *in2, const char *what);
 } dp_layer_kind_info;
 
+const char *dp_layer_split_name(dp_layer_split s); /* "output", "channels", NULL */
+const char *dp_layer_join_name(dp_layer_join j);    /* "sum", NULL */
 /* The table entry of kind k (k < DP_LAYER_KIND_COUNT). */
 const dp_layer_kind_info *dp_layer_kind_info_of(dp_layer_kind k);
 /* The kind named name, or -1. */

@@ -63,7 +63,7 @@ dp_status dp_model_create(dp_device *dev, int64_t in_c, int64_t in_h, int64_t in
 
 static void free_activations(dp_model *m) {
   for (int i = 0; i < m->nlayers; ++i) {
-    if (m->acts && m->layers[i].kind != DP_LAYER_FLATTEN) dp_device_free(m->dev, m->acts[i]);
+    if (m->acts && !dp_layer_kind_info_of(m->layers[i].kind)->view) dp_device_free(m->dev, m->acts[i]);
     if (m->dacts) dp_device_free(m->dev, m->dacts[i]);
     if (m->argmax) dp_device_free(m->dev, m->argmax[i]);
   }
@@ -344,6 +344,7 @@ static void mark_fusions(dp_model *m) {
 
 dp_status dp_model_finalize(dp_model *m) {
   if (m->finalized) return DP_OK;
+  if (!m->dev) return DP_FAIL(DP_ERR_VALUE, "a model without a device is only laid out, never finalized");
   if (m->nlayers == 0) return DP_FAIL(DP_ERR_VALUE, "a model needs at least one layer");
   const dp_layer *last = &m->layers[m->nlayers - 1];
   if (!m->headless && (last->out_h != 1 || last->out_w != 1))
@@ -418,7 +419,7 @@ static dp_status ensure_batch(dp_model *m, int64_t n) {
     const int64_t sz = layer_out_size(l);
     const size_t bytes = sizeof(float) * (size_t)(cap * sz);
     ACT_ALLOC(bytes, &m->dacts[i]);
-    if (l->kind == DP_LAYER_FLATTEN) continue; /* its output is a view of its source's, set in forward */
+    if (dp_layer_kind_info_of(l->kind)->view) continue; /* its output is its source's, set in forward */
     ACT_ALLOC(bytes, &m->acts[i]);
     if (l->kind == DP_LAYER_MAXPOOL) ACT_ALLOC(sizeof(int32_t) * (size_t)(cap * sz), &m->argmax[i]);
   }
@@ -803,11 +804,11 @@ dp_status dp_model_check_batchnorm_batch(const dp_model *m, int64_t n) {
   if (n <= 0) return DP_OK;
   for (int i = 0; i < m->nlayers; ++i) {
     const dp_layer *l = &m->layers[i];
-    if (l->kind == DP_LAYER_BATCHNORM && n * l->in_h * l->in_w <= 1)
+    const dp_layer_kind_info *info = dp_layer_kind_info_of(l->kind);
+    if (info->batch_stats && n * l->in_h * l->in_w <= 1)
       return DP_FAIL(DP_ERR_VALUE,
-                     "batchnorm (layer %d): training needs more than one value per channel, got %lld sample(s) of "
-                     "%dx%d",
-                     i, (long long)n, l->in_h, l->in_w);
+                     "%s (layer %d): training needs more than one value per channel, got %lld sample(s) of %dx%d",
+                     info->op, i, (long long)n, l->in_h, l->in_w);
   }
   return DP_OK;
 }

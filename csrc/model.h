@@ -91,6 +91,8 @@ typedef struct dp_batch {
   dp_resident *const *resident;
 } dp_batch;
 
+/* dev NULL: a model that is only laid out, for its layers' shapes (the
+ * binding's layer_shapes); it allocates nothing and is never finalized. */
 DP_MUST_CHECK dp_status dp_model_create(dp_device *dev, int64_t in_c, int64_t in_h, int64_t in_w, dp_model **out);
 void dp_model_destroy(dp_model *m);
 /* Append a layer of the given kind (layers.h) with its first nargs
@@ -144,8 +146,9 @@ DP_MUST_CHECK dp_status dp_model_check_rows(const dp_model *m, const dp_resident
 /* Stage rows[0..n-1] of a dataset resident on the model's device: only the
  * indices travel; the device gathers the images and labels. */
 DP_MUST_CHECK dp_status dp_model_load_rows(dp_model *m, const dp_resident *d, const int64_t *rows, int64_t n);
-/* DP_ERR_VALUE when a BatchNorm layer would see at most one value per
- * channel in training on n samples (n > 0); checked before anything changes. */
+/* DP_ERR_VALUE when a BatchNorm layer (a kind with batch_stats, layers.h)
+ * would see at most one value per channel in training on n samples (n > 0);
+ * checked before anything changes. */
 DP_MUST_CHECK dp_status dp_model_check_batchnorm_batch(const dp_model *m, int64_t n);
 /* dp_model_forward_backward on the batch staged last by dp_model_load, as
  * one replica of a group: coll (collective.h; NULL for a lone model)

@@ -48,57 +48,6 @@ static int model_run_without_gil(ModelObject *self, nogil_work work, void *ctx) 
   return models_run_without_gil(models, 1, work, ctx);
 }
 
-/* One layer spec: (kind, *args), its arguments named and typed by the
- * layer kinds' table (layers.c). Returns -1 with a Python exception for a
- * malformed spec; otherwise 0 and the core's verdict in *st. */
-static int layer_from_tuple(dp_model *m, PyObject *spec, dp_status *st) {
-  if (!PyTuple_Check(spec) || PyTuple_GET_SIZE(spec) < 1 || !PyUnicode_Check(PyTuple_GET_ITEM(spec, 0))) {
-    PyErr_SetString(PyExc_TypeError, "each layer must be a tuple (name, *args)");
-    return -1;
-  }
-  const char *name = PyUnicode_AsUTF8(PyTuple_GET_ITEM(spec, 0));
-  if (!name) return -1;
-  const int kind = dp_layer_kind_find(name);
-  if (kind < 0) {
-    PyErr_Format(PyExc_ValueError, "unknown layer kind '%s'", name);
-    return -1;
-  }
-  const dp_layer_kind_info *info = dp_layer_kind_info_of((dp_layer_kind)kind);
-  char what[48];
-  snprintf(what, sizeof what, "%s (layer %d)", info->op, m->nlayers);
-  /* only the arguments the kind takes are parsed; a count it does not take
-   * is the core's to refuse, naming the arguments */
-  const Py_ssize_t n = PyTuple_GET_SIZE(spec) - 1;
-  dp_layer_arg_value args[DP_LAYER_MAX_ARGS] = {{0}};
-  for (Py_ssize_t i = 0; i < n && i < info->nargs; ++i) {
-    PyObject *item = PyTuple_GET_ITEM(spec, i + 1);
-    const dp_layer_arg *arg = &info->args[i];
-    if (arg->type == DP_ARG_INT ? int64_arg(item, what, arg->name, &args[i].i) < 0
-                                : float64_arg(item, what, arg->name, &args[i].f) < 0)
-      return -1;
-  }
-  *st = dp_model_add_layer(m, (dp_layer_kind)kind, args, n > INT_MAX ? INT_MAX : (int)n);
-  return 0;
-}
-
-/* input_shape (C, H, W): three integers, in 64 bits for the core to check. */
-static int input_shape_from(PyObject *obj, int64_t shape[3]) {
-  PyObject *items = items_of(obj, "input_shape must be a sequence (C, H, W)");
-  if (!items) return -1;
-  static const char *names[3] = {"channels", "height", "width"};
-  int rc = -1;
-  if (PySequence_Fast_GET_SIZE(items) != 3) {
-    PyErr_Format(PyExc_TypeError, "input_shape must be (C, H, W), got %zd values", PySequence_Fast_GET_SIZE(items));
-    goto done;
-  }
-  for (int i = 0; i < 3; ++i)
-    if (int64_arg(PySequence_Fast_GET_ITEM(items, i), "model input", names[i], &shape[i]) < 0) goto done;
-  rc = 0;
-done:
-  Py_DECREF(items);
-  return rc;
-}
-
 typedef struct {
   dp_device_kind kind;
   int index, threads;
@@ -165,43 +114,15 @@ static int Model_init(ModelObject *self, PyObject *args, PyObject *kwds) {
     return -1;
   }
   if (model_device_init(self, kind, index, threads, gpu) < 0) return -1;
-  PyObject *seq = NULL, *srcs = NULL;
   int rc = -1;
   dp_status st = dp_model_create(self->device, shape[0], shape[1], shape[2], &self->model);
   if (check_status(st) < 0) goto done;
   if ((headless || input_grad) && check_status(dp_model_set_stage(self->model, headless, input_grad)) < 0) goto done;
-  /* tuples: converting an item may run Python code, which could shrink a list */
-  if (!(seq = items_of(layers, "layers must be a sequence of tuples"))) goto done;
-  if (sources != Py_None && !(srcs = items_of(sources, "sources must be a sequence of ints"))) goto done;
-  if (srcs && PySequence_Fast_GET_SIZE(srcs) != PySequence_Fast_GET_SIZE(seq)) {
-    PyErr_SetString(PyExc_ValueError, "sources must have one entry per layer");
-    goto done;
-  }
-  for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(seq); ++i) {
-    /* the layer's input: an earlier layer, -1 for the model input, None for the previous layer */
-    PyObject *src = srcs ? PySequence_Fast_GET_ITEM(srcs, i) : Py_None;
-    if (src != Py_None) {
-      int64_t v;
-      char what[32];
-      snprintf(what, sizeof what, "sources[%zd]", i);
-      if (int64_arg(src, what, "layer", &v) < 0) goto done;
-      if ((st = dp_model_set_source(self->model, v)) != DP_OK) {
-        raise_from_status(st);
-        goto done;
-      }
-    }
-    if (layer_from_tuple(self->model, PySequence_Fast_GET_ITEM(seq, i), &st) < 0) goto done;
-    if (st != DP_OK) {
-      raise_from_status(st);
-      goto done;
-    }
-  }
+  if (model_add_layers(self->model, layers, sources) < 0) goto done;
   /* its buffers are allocated holding the device's step lock (device.h) */
   if (model_run_without_gil(self, model_finalize_run, self->model) < 0) goto done;
   rc = 0;
 done:
-  Py_XDECREF(srcs);
-  Py_XDECREF(seq);
   if (rc < 0) model_init_undo(self);
   return rc;
 }
@@ -227,12 +148,7 @@ static PyObject *model_layout(ModelObject *self, dp_layer_buffer buffer) {
     for (int t = 0; t < info->ntensors; ++t) {
       const dp_layer_tensor *x = &info->tensors[t];
       if (x->buffer != buffer) continue;
-      PyObject *shape = PyTuple_New(x->rank);
-      for (int d = 0; shape && d < x->rank; ++d) {
-        PyObject *extent = PyLong_FromLongLong(dp_layer_dim_of(l, x->dims[d]));
-        if (!extent) Py_CLEAR(shape);
-        else PyTuple_SET_ITEM(shape, d, extent);
-      }
+      PyObject *shape = layer_tensor_shape(l, t);
       if (!shape || list_append_new(out, Py_BuildValue("(isLN)", i, x->name, (long long)dp_layer_tensor_offset(l, t),
                                                        shape)) < 0) {
         Py_DECREF(out);

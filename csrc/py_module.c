@@ -138,8 +138,9 @@ static PyObject *layer_kind_dict(const dp_layer_kind_info *info) {
     if (!item) goto done;
     PyTuple_SET_ITEM(tensors, t, item);
   }
-  d = Py_BuildValue("{s:s,s:O,s:O,s:O,s:i,s:O}", "op", info->op, "args", args, "types", types, "defaults", defaults,
-                    "sources", info->sources, "tensors", tensors);
+  d = Py_BuildValue("{s:s,s:O,s:O,s:O,s:i,s:z,s:z,s:N,s:O}", "op", info->op, "args", args, "types", types, "defaults",
+                    defaults, "sources", info->sources, "joins", dp_layer_join_name(info->joins), "split",
+                    dp_layer_split_name(info->split), "view", PyBool_FromLong(info->view), "tensors", tensors);
 done:
   Py_XDECREF(args);
   Py_XDECREF(types);
@@ -148,9 +149,9 @@ done:
   return d;
 }
 
-/* layer_kinds() -> {name: {op, args, types, defaults, sources, tensors}}: the
- * layer kinds' table (csrc/layers.c), in its order. A tensor is (name,
- * 'params'|'state', dims, {init mode: rule}). */
+/* layer_kinds() -> {name: {op, args, types, defaults, sources, joins, split, view, tensors}}: the
+ * layer kinds' table (csrc/layers.c), in its order. joins: 'sum' or None; split: 'output', 'channels' or
+ * None (layers.h). A tensor is (name, 'params'|'state', dims, {init mode: rule}). */
 static PyObject *mod_layer_kinds(PyObject *m, PyObject *unused) {
   PyObject *out = PyDict_New();
   for (int k = 0; out && k < DP_LAYER_KIND_COUNT; ++k) {
@@ -294,7 +295,8 @@ static PyMethodDef module_methods[] = {
     {"backend_null_entries", mod_backend_null_entries, METH_VARARGS,
      "backend_null_entries(name) -> names of the NULL entries of backend 'cpu' or 'cuda' (None if not built)"},
     {"layer_kinds", mod_layer_kinds, METH_NOARGS,
-     "layer_kinds() -> {name: {op, args, types, defaults, sources, tensors}}: the table of layer kinds"},
+     "layer_kinds() -> {name: {op, args, types, defaults, sources, joins, split, view, tensors}}: the table of "
+     "layer kinds"},
     {"build_info_json", mod_build_info_json, METH_NOARGS, "what the build found and used, as JSON"},
     {"runtime_info", mod_runtime_info, METH_NOARGS, "devices and libraries found at run time"},
     {"allreduce_benchmark", mod_allreduce_benchmark, METH_VARARGS,
@@ -330,6 +332,7 @@ PyMODINIT_FUNC PyInit__core(void) {
   if (!m) return NULL;
   if (PyModule_AddFunctions(m, tensor_functions) < 0 || PyModule_AddFunctions(m, ops_functions) < 0 ||
       PyModule_AddFunctions(m, device_functions) < 0 || PyModule_AddFunctions(m, dist_functions) < 0 ||
+      PyModule_AddFunctions(m, layer_functions) < 0 ||
       PyModule_AddObjectRef(m, "Model", (PyObject *)&ModelType) < 0 ||
       PyModule_AddObjectRef(m, "Tensor", (PyObject *)&TensorType) < 0 ||
       PyModule_AddObjectRef(m, "Mirrored", (PyObject *)&MirroredType) < 0 ||

@@ -6,6 +6,7 @@
  *   py_device.c    the device registry's functions (list, logical devices)
  *   py_tensor.c    Tensor, and all_reduce over tensors (chapter 12.5)
  *   py_batch.c     the calls on a batch that Model and Mirrored share
+ *   py_layers.c    layer specs into a model; layer_shapes (a model's layout, built without one)
  *   py_model.c     Model (one replica) and Resident (a dataset on its device)
  *   py_mirrored.c  Mirrored (k replicas in lockstep, in one process or many)
  *   py_dist.c      the processes of a job (MPI): ranks, broadcast, allgather
@@ -14,8 +15,8 @@
  *                  functions of the files above, and its own module
  *                  functions (build and runtime info)
  *
- * A file uses only files listed above it (py_model.c py_tensor.c's views and
- * py_batch.c's calls, py_mirrored.c py_model.c's types, py_module.c every
+ * A file uses only files listed above it (py_model.c py_tensor.c's views,
+ * py_batch.c's calls and py_layers.c's specs, py_mirrored.c py_model.c's types, py_module.c every
  * file), so that the binding has no cycle (tests/test_binding_files.py
  * checks it).
  *
@@ -173,6 +174,19 @@ DP_PY_LOCAL int model_check_idle(const ModelObject *self);
  * 0 when left allocated. Keeps any exception that was set. */
 DP_PY_LOCAL int device_free_in_dealloc(dp_device *dev, void (*free_fn)(void *ctx), void *ctx, int put_device,
                                        const char *what);
+
+/* ---- layer specs (py_layers.c) ---------------------------------------------- */
+
+/* input_shape (C, H, W): three integers, in 64 bits for the core to check.
+ * 0, or -1 with TypeError/ValueError set. */
+DP_PY_LOCAL int input_shape_from(PyObject *obj, int64_t shape[3]);
+/* Adds `layers` (a sequence of tuples (kind, *args)) to m, layer i reading
+ * sources[i] (None, or sources None: the previous layer); each through
+ * dp_model_add_layer. 0, or -1 with the exception set. */
+DP_PY_LOCAL int model_add_layers(dp_model *m, PyObject *layers, PyObject *sources);
+/* The shape of tensor t of layer l, a new tuple or NULL. */
+DP_PY_LOCAL PyObject *layer_tensor_shape(const dp_layer *l, int t);
+DP_PY_LOCAL extern PyMethodDef layer_functions[]; /* layer_shapes */
 
 /* ---- calls on a batch, shared by Model and Mirrored (py_batch.c) ------------ */
 

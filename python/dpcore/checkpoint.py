@@ -36,7 +36,8 @@ header over :data:`MAX_HEADER_BYTES`), a dtype other than F32, metadata that
 is not a dpcore architecture, a layer list the layer kinds' table does not
 accept, a class whose layers are not that class's, and any tensor missing,
 extra, or of another shape than the architecture implies (every shape is
-inferred from the layer specs here, in Python, without building a model;
+inferred from the layer specs by the C core's own rules,
+``_core.layer_shapes``, without building a model or allocating its buffers;
 after the model is built its own layout is compared once more). Then, as the
 tensors are read into the model's buffers: a SHA-256 that disagrees, and
 non-finite values unless ``allow_nonfinite=True``.
@@ -84,6 +85,18 @@ _INT_MAX = 2**31 - 1  # the C core's largest size (shapes.c)
 _ARCH_KEYS = ("format", "class", "layers", "input_shape", "sources", "names")
 
 _LAYER_KINDS = _core.layer_kinds()
+# The classes a checkpoint may name ({name: class}; "Sequential" builds every
+# model that load reads) and the init= value that builds one without drawing
+# its weights: dpcore.models's, which imports this module and registers them
+# (register_classes); this module never imports dpcore.models.
+_CLASSES = {}
+_SKIP_INIT = None
+
+
+def register_classes(classes, skip_init):
+    global _SKIP_INIT
+    _CLASSES.update(classes)
+    _SKIP_INIT = skip_init
 
 # a tensor the header declares: its shape and where its bytes lie in the data region
 _Stored = namedtuple("_Stored", ["name", "shape", "begin", "end"])
@@ -349,33 +362,23 @@ def _plan(arch, where):
         if not 1 <= d <= _INT_MAX:
             bad(f"input_shape: {label} {d} is outside 1..{_INT_MAX}")
     _check_volume(tuple(shape), "input_shape", bad)
-    plan, outs = [], []  # outs: each layer's output (C, H, W)
-
-    def shape_of(src, label, what):
-        """The output of layer src (-1: the model input), an earlier layer."""
-        if not -1 <= src < len(outs):
-            bad(f"{label}: {what} {src} is not an earlier layer (0..{len(outs) - 1}) or the input (-1)")
-        return outs[src] if src >= 0 else tuple(shape)
-
     for i, (kind, args) in enumerate(specs):
-        info = _LAYER_KINDS[kind]
         label = f"layers[{i}] ({kind})"
-        chosen = sources[i] if sources is not None else None
-        if chosen is not None:
-            shape_of(chosen, label, "source")  # checked even where the kind names its own sources
-        src = args[0] if info["sources"] else (i - 1 if chosen is None else chosen)
-        for a in range(info["sources"]):
-            shape_of(args[a], label, info["args"][a])
-        in_shape = shape_of(src, label, "source")
-        out = _OUTPUT_SHAPE[kind](label, args, in_shape, shape_of, bad)
-        _check_volume(out, label, bad)
-        outs.append(out)
-        extents = {"in_channels": in_shape[0], "out_channels": out[0],
-                   "kernel": args[info["args"].index("kernel")] if "kernel" in info["args"] else None}
-        for tname, buffer, dims, _ in info["tensors"]:
-            if any(extents.get(d) is None for d in dims):
-                bad(f"{label}: dpcore cannot check tensor {tname!r} of shape {dims} in a checkpoint")
-            plan.append(_Planned(f"{names[i]}.{tname}", buffer, tuple(extents[d] for d in dims)))
+        info = _LAYER_KINDS[kind]
+        # checked even where the kind names its own sources
+        reads = [] if sources is None or sources[i] is None else [("source", sources[i])]
+        reads += [(info["args"][a], args[a]) for a in range(info["sources"])]
+        for what, src in reads:
+            if not -1 <= src < i:
+                bad(f"{label}: {what} {src} is not an earlier layer (0..{i - 1}) or the input (-1)")
+    try:  # the C core's shape inference, as it builds the model (its message names the layer)
+        laid_out = _core.layer_shapes(tuple(shape), [(kind,) + args for kind, args in specs], sources)
+    except (ValueError, TypeError) as e:
+        bad(str(e))
+    plan = [_Planned(f"{names[i]}.{tensor[0]}", tensor[1], tshape)
+            for i, (kind, _, _, tshapes) in enumerate(laid_out)
+            for tensor, tshape in zip(_LAYER_KINDS[kind]["tensors"], tshapes)]
+    outs = [out for _, _, out, _ in laid_out]
     if outs[-1][1:] != (1, 1):
         bad(f"the last layer produces {outs[-1]}, not logits (classes, 1, 1)")
     seen = set()
@@ -396,8 +399,6 @@ def _layer_spec(i, spec, bad):
     kind, args = spec[0], spec[1:]
     if kind not in _LAYER_KINDS:
         bad(f"layers[{i}]: unknown layer kind {kind!r:.40} (dpcore knows {', '.join(_LAYER_KINDS)})")
-    if kind not in _OUTPUT_SHAPE:
-        bad(f"layers[{i}]: dpcore cannot check layer kind {kind!r} in a checkpoint")
     info = _LAYER_KINDS[kind]
     names = info["args"]
     required = len([a for a in names if a not in info["defaults"]])
@@ -426,78 +427,8 @@ def _check_volume(out, label, bad):
         bad(f"{label}: {out} has {c * h * w} values per sample, more than the largest supported {_INT_MAX}")
 
 
-def _window(label, args, shape, pool, bad):
-    """Output (H, W) of a square window over shape: 1 + (in + 2 pad - k) // stride."""
-    k, stride, pad = args
-    _, h, w = shape
-    if not (1 <= k <= _INT_MAX and 1 <= stride <= _INT_MAX and 0 <= pad <= _INT_MAX):
-        bad(f"{label}: kernel {k}, stride {stride}, padding {pad} out of range (kernel, stride >= 1, padding >= 0)")
-    if pool and 2 * pad > k:
-        bad(f"{label}: padding {pad} must be at most half the kernel {k}")
-    if h + 2 * pad < k or w + 2 * pad < k:
-        bad(f"{label}: kernel {k} is larger than the padded input {h}x{w} (padding {pad})")
-    return (h + 2 * pad - k) // stride + 1, (w + 2 * pad - k) // stride + 1
-
-
-def _conv_output(label, args, shape, shape_of, bad):
-    o, k = args[0], args[1]
-    if not 1 <= o <= _INT_MAX:
-        bad(f"{label}: out_channels {o} is outside 1..{_INT_MAX}")
-    out = (o,) + _window(label, args[1:], shape, False, bad)
-    if o * shape[0] * k * k > _INT_MAX:
-        bad(f"{label}: {o * shape[0] * k * k} weights, more than the largest supported {_INT_MAX}")
-    return out
-
-
-def _dense_output(label, args, shape, shape_of, bad):
-    o = args[0]
-    if not 1 <= o <= _INT_MAX:
-        bad(f"{label}: out_features {o} is outside 1..{_INT_MAX}")
-    if shape[1:] != (1, 1):
-        bad(f"{label}: input is {shape}; a flatten layer must come first")
-    if o * shape[0] > _INT_MAX:
-        bad(f"{label}: {o * shape[0]} weights, more than the largest supported {_INT_MAX}")
-    return (o, 1, 1)
-
-
-def _batchnorm_output(label, args, shape, shape_of, bad):
-    with np.errstate(over="ignore"):  # as the core stores them: float
-        eps, momentum = np.float32(args[0]), np.float32(args[1])
-    if not eps > 0:
-        bad(f"{label}: eps must be > 0 (as a float32), got {args[0]}")
-    if not 0 <= momentum <= 1:
-        bad(f"{label}: momentum must be in [0, 1], got {args[1]}")
-    return shape
-
-
-def _add_output(label, args, shape, shape_of, bad):
-    other = shape_of(args[1], label, "layer_b")
-    if other != shape:
-        bad(f"{label}: shapes differ: {shape} and {other}")
-    return shape
-
-
-# Per layer kind: (label, args, input (C, H, W), shape_of, bad) -> output
-# (C, H, W), for the kinds of the C core's table (csrc/layers.c, whose checks
-# the core repeats when the model is built). A kind missing here is refused in
-# checkpoints; tests/test_checkpoints.py checks that none is.
-_OUTPUT_SHAPE = {
-    "conv2d": _conv_output,
-    "dense": _dense_output,
-    "relu": lambda label, args, shape, shape_of, bad: shape,
-    "batchnorm": _batchnorm_output,
-    "avgpool": lambda label, args, shape, shape_of, bad: (shape[0],) + _window(label, args, shape, True, bad),
-    "maxpool": lambda label, args, shape, shape_of, bad: (shape[0],) + _window(label, args, shape, True, bad),
-    "flatten": lambda label, args, shape, shape_of, bad: (shape[0] * shape[1] * shape[2], 1, 1),
-    "global_avgpool": lambda label, args, shape, shape_of, bad: (shape[0], 1, 1),
-    "add": _add_output,
-}
-
-
 def _check_class(arch, num_classes, bad):
     """The class is one dpcore knows, and a built-in network's layers are exactly its own."""
-    from .models import _CLASSES
-
     name = arch["class"]
     if not isinstance(name, str) or name not in _CLASSES:
         bad(f"class {name!r:.40} is not one of dpcore's ({', '.join(_CLASSES)})")
@@ -522,8 +453,6 @@ def _normal_value(key, value, n):
 
 def architecture(net):
     """The architecture object of a model, as save writes it (without checksums)."""
-    from .models import _CLASSES
-
     def ints(values):
         return None if values is None else [None if v is None else int(v) for v in values]
 
@@ -610,7 +539,6 @@ def load(path, devices=None, allow_nonfinite=False):
     """A model saved with ``net.save(path)``; see :func:`dpcore.models.load`."""
     from . import _check
     from .devices import check_device
-    from .models import _CLASSES, _SKIP_INIT, Sequential
 
     where = _check.path("path", path)  # a str for messages (a bytes path decodes reversibly)
     allow_nonfinite = _check.boolean("allow_nonfinite", allow_nonfinite)
@@ -627,7 +555,7 @@ def load(path, devices=None, allow_nonfinite=False):
         # everything declared is now checked against the file: the model's
         # buffers are as large as the file's tensors
         try:
-            net = Sequential(arch["layers"], input_shape=arch["input_shape"], devices=devices,
+            net = _CLASSES["Sequential"](arch["layers"], input_shape=arch["input_shape"], devices=devices,
                              sources=arch["sources"], names=arch["names"], init=_SKIP_INIT)
         except (ValueError, TypeError, OverflowError) as e:
             if isinstance(e, DataError):

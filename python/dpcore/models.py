@@ -31,9 +31,12 @@ _SKIP_INIT = object()
 def layer_kinds():
     """The layer kinds a :class:`Sequential` takes: name -> dict with ``args``
     (argument names, in order), ``types``, ``defaults`` (of the optional ones),
-    ``sources`` (how many leading arguments are layer indices it reads) and
-    ``tensors``: (name, 'params' or 'state', shape as named extents,
-    {init mode: rule}) in the order they are laid out and saved."""
+    ``sources`` (how many leading arguments are layer indices it reads),
+    ``joins`` ('sum': its output is the sum of its sources; else None),
+    ``split`` (how ModelParallelStrategy splits it: 'output' channels,
+    'channels' each alone, or None), ``view`` (its output is its input
+    reshaped) and ``tensors``: (name, 'params' or 'state', shape as named
+    extents, {init mode: rule}) in the order they are laid out and saved."""
     return _core.layer_kinds()
 
 
@@ -680,6 +683,7 @@ class Replica:
 
 # the classes a checkpoint may name (dpcore.checkpoint)
 _CLASSES = {cls.__name__: cls for cls in (Sequential, LeNet, ResNet18)}
+checkpoint.register_classes(_CLASSES, _SKIP_INIT)
 
 
 def load(path, devices=None, allow_nonfinite=False):

@@ -54,12 +54,18 @@ SCHEDULES = ("1f1b", "gpipe")
 
 # ---- where the network may be cut -----------------------------------------------
 
+_LAYER_KINDS = _core.layer_kinds()
+
+
 def layer_sources(specs, sources):
-    """Per layer, the layers whose outputs it reads (-1: the network input)."""
+    """Per layer, the layers whose outputs it reads (-1: the network input):
+    the leading arguments of a kind that names its sources (the table's
+    ``sources``), else its entry of ``sources``."""
     out = []
     for j, spec in enumerate(specs):
-        if spec[0] == "add":
-            out.append([int(spec[1]), int(spec[2])])
+        named = _LAYER_KINDS[spec[0]]["sources"]
+        if named:
+            out.append([int(a) for a in spec[1:1 + named]])
         else:
             src = None if sources is None else sources[j]
             out.append([j - 1 if src is None else int(src)])
@@ -77,20 +83,18 @@ def valid_cuts(specs, sources):
     return cuts
 
 
-def layer_costs(specs, shapes):
+def layer_costs(shapes):
     """Counted training FLOPs per sample of each layer (forward, input gradient,
-    weight gradient: 3x the forward multiply-adds of convolutions and dense
-    layers); an element-wise layer counts a few operations per value."""
+    weight gradient: 3x the forward multiply-adds of a layer that computes each
+    output channel from the whole input through its weight, the table's split
+    'output': its weight's size per output position); any other layer counts a
+    few operations per value."""
     costs = []
-    for spec, (kind, ins, outs) in zip(specs, shapes):
-        out_size = int(np.prod(outs))
-        if kind == "conv2d":
-            k = int(spec[2])
-            costs.append(3 * 2 * out_size * ins[0] * k * k)
-        elif kind == "dense":
-            costs.append(3 * 2 * out_size * int(np.prod(ins)))
+    for kind, ins, outs, tensors in shapes:
+        if _LAYER_KINDS[kind]["split"] == "output":
+            costs.append(3 * 2 * int(np.prod(tensors[0])) * outs[1] * outs[2])
         else:
-            costs.append(8 * out_size)
+            costs.append(8 * int(np.prod(outs)))
     return costs
 
 
@@ -100,8 +104,9 @@ def measured_costs(specs, shapes, device, threads=0, batch=8, repeats=2):
     a warm-up) on `batch` random samples."""
     rng = np.random.default_rng(0)
     costs = []
-    for spec, (kind, ins, outs) in zip(specs, shapes):
-        layer = ("add", -1, -1) if kind == "add" else tuple(spec)
+    for spec, (kind, ins, _, _) in zip(specs, shapes):
+        # alone, a layer reads the model input in place of every source it names
+        layer = (kind,) + (-1,) * _LAYER_KINDS[kind]["sources"] + tuple(spec[1 + _LAYER_KINDS[kind]["sources"]:])
         model = _core.Model(tuple(ins), [layer], threads or device_threads(device), device_index(device), [-1],
                             device_kind(device), device_gpu(device) if device_kind(device) == "cuda" else 0,
                             headless=True, input_grad=True)
@@ -181,9 +186,10 @@ def stage_layers(specs, sources, begin, end):
     out_specs, out_sources = [], []
     for j in range(begin, end):
         spec = specs[j]
-        if spec[0] == "add":
-            a, b = (s - begin if s >= begin else -1 for s in reads[j])
-            out_specs.append(("add", a, b) + tuple(spec[3:]))
+        named = _LAYER_KINDS[spec[0]]["sources"]
+        if named:
+            out_specs.append((spec[0],) + tuple(s - begin if s >= begin else -1 for s in reads[j]) +
+                             tuple(spec[1 + named:]))
             out_sources.append(None)
         else:
             s = reads[j][0]
@@ -362,17 +368,17 @@ class Pipeline(SplitModel):
         if p > len(specs):
             raise ValueError(f"PipelineStrategy: {p} stages for a network of {len(specs)} layers: at most one stage "
                              f"per layer")
+        shapes = _shapes(specs, sources, input_shape)  # first: the core's verdict on the network
         cuts = valid_cuts(specs, sources)
         if p - 1 > len(cuts):
             raise ValueError(f"PipelineStrategy: {p} stages, but this network can be cut only at {len(cuts)} "
                              f"layer(s) ({cuts}): at most {len(cuts) + 1} stages")
-        shapes = _shapes(specs, sources, input_shape)
         if strategy.split is not None:
             self.split = check_split(strategy.split, p, cuts, len(specs))
         else:
             d = check_device(self.stage_devices[0][0])
             costs = (measured_costs(specs, shapes, d, threads) if strategy.balance == "measured"
-                     else layer_costs(specs, shapes))
+                     else layer_costs(shapes))
             self.layer_costs = costs
             self.split = balanced_split(costs, cuts, p)
         bounds = list(zip(self.split, self.split[1:] + [len(specs)]))
@@ -417,7 +423,7 @@ class Pipeline(SplitModel):
         return [d for row in self.stage_devices for d in row]
 
     def layers(self):
-        return [tuple(s) for s in self._shapes]
+        return [(kind, ins, outs) for kind, ins, outs, _ in self._shapes]
 
     def _layout(self, which):
         rows, offsets = [], self._param_offsets if which == "params" else self._state_offsets
@@ -658,12 +664,10 @@ def hand_over(devices):
 
 
 def _shapes(specs, sources, input_shape):
-    """[(kind, input shape, output shape)] of every layer, from a throwaway model
-    of one sample's worth of activations on cpu:0 (the C core's shape rules)."""
-    probe = _core.Model(tuple(input_shape), [tuple(s) for s in specs], 1, 0, sources, "cpu", 0)
-    shapes = probe.layers()
-    del probe
-    return shapes
+    """[(kind, input shape, output shape, tensor shapes)] of every layer, by the
+    C core's shape rules (nothing is allocated); a network the core refuses
+    raises its error."""
+    return _core.layer_shapes(tuple(input_shape), [tuple(s) for s in specs], sources)
 
 
 def find_nonfinite_on_cpu(specs, sources, input_shape, params, state, X, y):

@@ -8,17 +8,19 @@
 
 How it works (the C core computes; this module moves activations between layers):
 
-- Each convolution's output channels and each dense layer's output features
-  are split across the k devices (contiguous slices, sizes differ by at most
-  one): device d holds rows a_d..b_d of the weight (and bias) and computes
-  those output channels from the whole input. The layers that act on each
-  channel alone (BatchNorm, with its slice of gamma, beta and running
-  statistics; ReLU; the poolings) run on each device on its slice of the
-  channels. Every layer is a ``_core.Model`` of its own per device.
+- How each kind is split is the layer kinds' table's ``split``
+  (``_core.layer_kinds()``). ``'output'`` (convolutions, dense layers): the
+  output channels are split across the k devices (contiguous slices, sizes
+  differ by at most one): device d holds rows a_d..b_d of the weight (and
+  bias) and computes those output channels from the whole input.
+  ``'channels'`` (BatchNorm, with its slice of gamma, beta and running
+  statistics; ReLU; the poolings): each device runs the layer on its slice of
+  the channels. Every such layer is a ``_core.Model`` of its own per device.
 - Forward: after each layer the devices' slices are gathered along the channel
-  axis into the whole activation (an all-gather through host memory). A
-  residual ``add`` and ``flatten`` are done on the gathered array (a float32
-  add and a reshape: bitwise what the C kernels do).
+  axis into the whole activation (an all-gather through host memory). A kind
+  the table marks a join (``joins='sum'``: a residual ``add``) or a view
+  (``flatten``) is done on the gathered array (a float32 sum and a reshape:
+  bitwise what the C kernels do).
 - Backward: a split layer's devices each get their slice of the output
   gradient and produce a partial gradient of the whole input; the partials are
   summed with ``dp.all_reduce`` (the collective of data parallelism). A
@@ -42,9 +44,16 @@ from . import _core
 from .devices import check_device, device_gpu, device_index, device_kind, device_threads
 from .pipeline import SplitModel, _shapes, find_nonfinite_on_cpu, layer_sources, reduce_over_copies
 
-SPLIT_OUT = ("conv2d", "dense")           # output channels / features split
-CHANNELWISE = ("batchnorm", "relu", "avgpool", "maxpool", "global_avgpool")   # each device its channel slice
-ON_HOST = ("add", "flatten")              # on the gathered activations
+_LAYER_KINDS = _core.layer_kinds()
+
+
+def _split(kind):
+    """The table's split of a kind: 'output', 'channels', or 'host' (a join or a
+    view, done on the gathered activations), or None: it cannot be split."""
+    info = _LAYER_KINDS[kind]
+    if info["split"] is not None:
+        return info["split"]
+    return "host" if info["joins"] == "sum" or info["view"] else None
 
 
 def _model_on(dev, in_shape, layers, threads, **kw):
@@ -100,8 +109,8 @@ class TensorParallel(SplitModel):
         self.devices = self.all_devices
         self.specs = [tuple(s) for s in specs]
         self._sources = sources
+        self._shapes = _shapes(self.specs, sources, input_shape)  # first: the core's verdict on the network
         self.reads = layer_sources(self.specs, sources)
-        self._shapes = _shapes(self.specs, sources, input_shape)
         # the whole network's flat layout, read from the same probe's rules
         probe = _core.Model(tuple(input_shape), self.specs, 1, 0, sources, "cpu", 0)
         self._layout = probe.param_layout()
@@ -112,11 +121,11 @@ class TensorParallel(SplitModel):
         self._input_shape = probe.input_shape
         del probe
         self.bounds = []   # per layer: the channel slice of each device ((a, b) of the output channels)
-        for j, (spec, (kind, ins, outs)) in enumerate(zip(self.specs, self._shapes)):
-            if kind in ON_HOST:
+        for j, (kind, ins, outs, _) in enumerate(self._shapes):
+            if _split(kind) == "host":
                 self.bounds.append(None)
                 continue
-            if kind not in SPLIT_OUT + CHANNELWISE:
+            if _split(kind) is None:
                 raise ValueError(f"ModelParallelStrategy cannot split layer {j} ({kind})")
             channels = outs[0]
             if channels < k:
@@ -129,13 +138,13 @@ class TensorParallel(SplitModel):
         self.groups, self.heads, self._pools = [], [], []
         for devs in self.group_devices:
             rows = []
-            for j, (spec, (kind, ins, outs)) in enumerate(zip(self.specs, self._shapes)):
-                if kind in ON_HOST:
+            for j, (spec, (kind, ins, outs, _)) in enumerate(zip(self.specs, self._shapes)):
+                if self.bounds[j] is None:
                     rows.append([])
                     continue
                 row = []
                 for dev, (a, b) in zip(devs, self.bounds[j]):
-                    if kind in SPLIT_OUT:
+                    if _split(kind) == "output":
                         layer = (spec[0], b - a) + tuple(spec[2:])
                         in_shape = tuple(ins)
                     else:
@@ -190,7 +199,7 @@ class TensorParallel(SplitModel):
         return self.devices[0]
 
     def layers(self):
-        return [tuple(s) for s in self._shapes]
+        return [(kind, ins, outs) for kind, ins, outs, _ in self._shapes]
 
     def param_layout(self):
         return list(self._layout)
@@ -278,13 +287,15 @@ class TensorParallel(SplitModel):
         for j, (spec, row) in enumerate(zip(self.specs, self.groups[g])):
             kind = spec[0]
             src = self.reads[j][0]
-            if kind == "add":
-                acts[j] = acts[self.reads[j][0]] + acts[self.reads[j][1]]
-            elif kind == "flatten":
-                acts[j] = acts[src].reshape(N, -1, 1, 1)
+            if _LAYER_KINDS[kind]["joins"] == "sum":
+                acts[j] = acts[src]
+                for other in self.reads[j][1:]:
+                    acts[j] = acts[j] + acts[other]
+            elif _LAYER_KINDS[kind]["view"]:
+                acts[j] = acts[src].reshape((N,) + tuple(self._shapes[j][2]))
             else:
                 x = acts[src]
-                if kind in SPLIT_OUT:
+                if _split(kind) == "output":
                     inputs = [x] * self.k
                 else:
                     inputs = [np.ascontiguousarray(x[:, a:b]) for a, b in self.in_bounds(j)]
@@ -375,11 +386,11 @@ class TensorParallel(SplitModel):
             if dy is None:  # nothing reads this layer's output: its gradients are zero
                 dy = np.zeros(shapes[j], np.float32)
             src = self.reads[j][0]
-            if kind == "add":
-                deliver(self.reads[j][0], dy)
-                deliver(self.reads[j][1], dy)
+            if _LAYER_KINDS[kind]["joins"] == "sum":
+                for read in self.reads[j]:
+                    deliver(read, dy)
                 continue
-            if kind == "flatten":
+            if _LAYER_KINDS[kind]["view"]:
                 deliver(src, dy.reshape(shapes[src]))
                 continue
             want_dx = src >= 0
@@ -387,7 +398,7 @@ class TensorParallel(SplitModel):
             dxs = self._each(g, lambda d, dy_d: row[d].stage_backward(0, N, dy_d, input_grad=want_dx), slices)
             if not want_dx:
                 continue
-            if kind in SPLIT_OUT:
+            if _split(kind) == "output":
                 if self.k == 1:
                     dx = dxs[0]
                 else:
