@@ -172,11 +172,11 @@ DP_MUST_CHECK dp_status dp_model_read_metrics(dp_model *m, double *loss_sum, int
  * only at the end, for the sums. n == 0: nothing changes. */
 DP_MUST_CHECK dp_status dp_model_train_step_loaded(dp_model *m, int64_t n, float lr, float momentum, float weight_decay,
                                                    double *loss_sum, int64_t *correct);
-/* w -= lr * (momentum-smoothed g + wd * w), over the flat buffer, one kernel. */
+/* torch.optim.SGD over the flat buffer, one kernel: v = momentum v + g + wd w; w -= lr v. */
 DP_MUST_CHECK dp_status dp_model_sgd_step(dp_model *m, float lr, float momentum, float weight_decay);
-/* lr, momentum and weight_decay finite, >= 0 and within float32's range, else DP_ERR_VALUE naming the
- * argument: the one check of every SGD step's arguments (dp_model_sgd_step, the guarded steps, the
- * mirrored runner, and the binding, which passes the doubles it parsed so that 1e39 is not seen as inf) */
+/* DP_ERR_VALUE naming the argument unless lr, momentum and weight_decay are finite, >= 0 and
+ * within float32's range. The one check of every SGD step's arguments; it takes doubles so that
+ * the binding can pass what it parsed (1e39 must be refused, not seen as inf). */
 DP_MUST_CHECK dp_status dp_sgd_args_check(double lr, double momentum, double weight_decay);
 /* A gradient scale: finite and within float32's range, else DP_ERR_VALUE naming grad_scale. */
 DP_MUST_CHECK dp_status dp_grad_scale_check(double grad_scale);
@@ -251,7 +251,9 @@ DP_MUST_CHECK dp_status dp_model_stage_backward(dp_model *m, int slot, int64_t n
 
 /* Forward only: loss and accuracy sums (labels required). */
 DP_MUST_CHECK dp_status dp_model_evaluate(dp_model *m, const dp_batch *b, double *loss_sum, int64_t *correct);
-/* Forward only: logits (n, num_classes) copied to host memory. */
+/* Forward only: logits (n, num_classes) copied to host memory, computed in
+ * pieces of 64 samples (at most their activations are allocated; a sample's
+ * logits never depend on how big the activation sets already are). */
 DP_MUST_CHECK dp_status dp_model_predict(dp_model *m, const dp_batch *b, float *logits_host);
 
 #endif
