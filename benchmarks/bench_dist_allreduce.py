@@ -3,7 +3,7 @@
 owner-computes form (the same bits) and MPI_Allreduce (mpi4py, float32 sum: not rank-ordered),
 for 2, 4 and 8 processes on this machine.
 
-    benchmarks/bench_allreduce.py [--procs 2 4 8] [--sizes 1024 262144 4194304] [--iters 20]
+    benchmarks/bench_dist_allreduce.py [--procs 2 4 8] [--sizes 1024 262144 4194304] [--iters 20]
 
 One mpirun job per process count (``--oversubscribe --bind-to none``: with more processes than
 cores the ranks take turns, so latency is what shows); in each, per size, the three forms
