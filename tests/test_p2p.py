@@ -138,6 +138,8 @@ def test_collectives_in_one_process_are_the_identity():
     b, c = a * 2, a * 3
     out = dp.distributed.all_reduce([a.copy(), b.copy(), c.copy()])
     assert all(np.array_equal(o, (a + b) + c) for o in out) and len(out) == 3
+    mean = dp.distributed.all_reduce([a.copy(), b.copy(), c.copy()], op="mean")
+    assert all(np.array_equal(m, ((a + b) + c) * np.float32(1 / 3)) for m in mean)
     with pytest.raises(ValueError, match="this process's tensors differ"):
         dp.distributed.all_reduce([a.copy(), np.zeros(2, np.float32)])
     with pytest.raises(ValueError, match="an empty list"):

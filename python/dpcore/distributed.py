@@ -402,7 +402,7 @@ def all_reduce(tensor, op="sum", timeout=DEFAULT_TIMEOUT):
     R = sum(ks)
     what = f"dp.distributed.all_reduce(op='{op}')"
     if R > 1:
-        if op in ("sum", "mean") and dtype == np.float32:
+        if op in ("sum", "mean") and dtype == np.float32 and P > 1:
             _core.dist_allreduce_sum(arrays, 1.0 / R if op == "mean" else 1.0, timeout, what,
                                      ks if _owner_computes() else None)
         else:
@@ -413,8 +413,8 @@ def all_reduce(tensor, op="sum", timeout=DEFAULT_TIMEOUT):
             out = parts[0].copy()
             for p in parts[1:]:
                 out = np.maximum(out, p) if op == "max" else out + p
-            if op == "mean":
-                out = out / dtype.type(R)
+            if op == "mean":  # times 1/R, rounded, as the chain scales
+                out = out * dtype.type(1.0 / R)
             for a in arrays:
                 a[...] = out
     results = [rebuild(a) if rebuild is not None else a for a, (_, rebuild) in zip(arrays, pairs)]
