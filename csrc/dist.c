@@ -774,7 +774,8 @@ dp_status dp_dist_owner_allreduce_on(const dp_dist_channel *ch, float *const *bu
  * of a message carries (user tag, sequence mod DP_DIST_P2P_SLOTS, phase), so
  * operations in flight at once on several threads still pair the k-th send
  * with the k-th receive. */
-static int64_t *p2p_seq; /* [2][size][DP_DIST_MAX_USER_TAG] */
+static int64_t *p2p_seq; /* [2][size][DP_DIST_MAX_USER_TAG]: the next sequence number */
+static int *p2p_busy;    /* the same shape: operations taken and not yet finished */
 static pthread_mutex_t p2p_lock = PTHREAD_MUTEX_INITIALIZER;
 
 enum { P2P_DESC, P2P_ANSWER, P2P_DATA, P2P_PHASES };
@@ -799,12 +800,32 @@ static dp_status p2p_check(int peer, int tag, const char *verb) {
 
 dp_status dp_dist_p2p_next_seq(int is_send, int peer, int tag, int64_t *seq) {
   DP_TRY(p2p_check(peer, tag, is_send ? "send" : "recv"));
+  const size_t n = (size_t)2 * (size_t)world.size * DP_DIST_MAX_USER_TAG;
+  const size_t at = ((size_t)(is_send ? 1 : 0) * (size_t)world.size + (size_t)peer) * DP_DIST_MAX_USER_TAG + (size_t)tag;
+  dp_status st = DP_OK;
   pthread_mutex_lock(&p2p_lock);
-  if (!p2p_seq) p2p_seq = calloc((size_t)2 * (size_t)world.size * DP_DIST_MAX_USER_TAG, sizeof *p2p_seq);
-  if (p2p_seq) *seq = p2p_seq[((size_t)(is_send ? 1 : 0) * (size_t)world.size + (size_t)peer) * DP_DIST_MAX_USER_TAG
-                              + (size_t)tag]++;
+  if (!p2p_seq) p2p_seq = calloc(n, sizeof *p2p_seq);
+  if (!p2p_busy) p2p_busy = calloc(n, sizeof *p2p_busy);
+  if (!p2p_seq || !p2p_busy)
+    st = DP_FAIL(DP_ERR_MEMORY, "point to point: cannot allocate the sequence numbers");
+  else if (p2p_busy[at] >= DP_DIST_P2P_SLOTS) /* their tags would repeat: messages could pair wrongly */
+    st = DP_FAIL(DP_ERR_VALUE, "%s: %d operations with rank %d on tag %d are in flight already, the most there may be; "
+                 "wait() for some first", is_send ? "isend" : "irecv", p2p_busy[at], peer, tag);
+  else
+    *seq = p2p_seq[at]++, p2p_busy[at]++;
   pthread_mutex_unlock(&p2p_lock);
-  return p2p_seq ? DP_OK : DP_FAIL(DP_ERR_MEMORY, "point to point: cannot allocate the sequence numbers");
+  return st;
+}
+
+/* The operation taken by dp_dist_p2p_next_seq is over (done or failed). */
+static void p2p_finished(int is_send, int peer, int tag) {
+  pthread_mutex_lock(&p2p_lock);
+  if (p2p_busy && peer >= 0 && peer < world.size && tag >= 0 && tag < DP_DIST_MAX_USER_TAG) {
+    int *b = &p2p_busy[((size_t)(is_send ? 1 : 0) * (size_t)world.size + (size_t)peer) * DP_DIST_MAX_USER_TAG +
+                       (size_t)tag];
+    if (*b > 0) --*b;
+  }
+  pthread_mutex_unlock(&p2p_lock);
 }
 
 /* "float32[2, 3] on cpu" */
@@ -875,8 +896,8 @@ typedef struct p2p_answer {
   dp_dist_desc want;
 } p2p_answer;
 
-dp_status dp_dist_send_seq(const void *buf, const dp_dist_desc *desc, int dst, int tag, int64_t seq, double timeout,
-                           const char *what) {
+static dp_status send_seq(const void *buf, const dp_dist_desc *desc, int dst, int tag, int64_t seq, double timeout,
+                          const char *what) {
   DP_TRY(p2p_check(dst, tag, "send"));
   DP_TRY(p2p_desc_valid(desc, "send"));
   p2p_answer answer;
@@ -902,8 +923,8 @@ dp_status dp_dist_send_seq(const void *buf, const dp_dist_desc *desc, int dst, i
   return p2p_data(1, (void *)buf, desc_bytes(desc), dst, p2p_tag(tag, seq, P2P_DATA), timeout, what);
 }
 
-dp_status dp_dist_recv_seq(void *buf, const dp_dist_desc *expect, int src, int tag, int64_t seq, double timeout,
-                           const char *what) {
+static dp_status recv_seq(void *buf, const dp_dist_desc *expect, int src, int tag, int64_t seq, double timeout,
+                          const char *what) {
   DP_TRY(p2p_check(src, tag, "recv"));
   DP_TRY(p2p_desc_valid(expect, "recv"));
   dp_dist_desc got;
@@ -931,6 +952,20 @@ dp_status dp_dist_recv_seq(void *buf, const dp_dist_desc *expect, int src, int t
                    world.rank, what, src, theirs, mine, tag);
   }
   return p2p_data(0, buf, desc_bytes(expect), src, p2p_tag(tag, seq, P2P_DATA), timeout, what);
+}
+
+dp_status dp_dist_send_seq(const void *buf, const dp_dist_desc *desc, int dst, int tag, int64_t seq, double timeout,
+                           const char *what) {
+  const dp_status st = send_seq(buf, desc, dst, tag, seq, timeout, what);
+  p2p_finished(1, dst, tag);
+  return st;
+}
+
+dp_status dp_dist_recv_seq(void *buf, const dp_dist_desc *expect, int src, int tag, int64_t seq, double timeout,
+                           const char *what) {
+  const dp_status st = recv_seq(buf, expect, src, tag, seq, timeout, what);
+  p2p_finished(0, src, tag);
+  return st;
 }
 
 #else /* !DP_HAVE_MPI: every process is a world of one */

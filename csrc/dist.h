@@ -131,7 +131,9 @@ DP_MUST_CHECK dp_status dp_dist_owner_allreduce_on(const dp_dist_channel *ch, fl
  * The k-th send from a to b with tag t pairs with b's k-th receive from a with
  * tag t, whatever the threads: the caller takes k (dp_dist_p2p_next_seq) in
  * program order, and at most DP_DIST_P2P_SLOTS may be in flight per peer and
- * tag. Not collective; a process alone (or built without MPI) has no peer. */
+ * tag (it refuses more: their MPI tags would repeat); every k taken is given
+ * to one dp_dist_send_seq / dp_dist_recv_seq, whose return ends it. Not
+ * collective; a process alone (or built without MPI) has no peer. */
 enum { DP_DIST_MAX_DIMS = 8, DP_DIST_MAX_USER_TAG = 100, DP_DIST_P2P_SLOTS = 32 };
 typedef struct dp_dist_desc {
   int32_t dtype;  /* 0 float32, 1 float64, 2 int32, 3 int64, 4 uint8 */

@@ -198,9 +198,29 @@ def hierarchical():
     say(f"hierarchical {ok}")
 
 
+def slots():
+    """32 isends in flight to one rank on one tag are the most: the 33rd is refused (their MPI tags
+    would repeat and messages could pair wrongly); once they are done, sending goes on, in order."""
+    if dist.rank() == 0:
+        works = [dist.isend(np.full(2, k, np.float32), 1, tag=3) for k in range(32)]
+        try:
+            dist.isend(np.zeros(2, np.float32), 1, tag=3)
+            say("no error")
+        except ValueError as e:
+            say(f"ValueError {e}")
+        dist.send(np.ones(1, np.float32), 1, tag=4)  # only now may rank 1 start receiving
+        for w in works:
+            w.wait()
+        dist.send(np.full(2, 99, np.float32), 1, tag=3)
+    else:
+        dist.recv((1,), 0, tag=4)
+        got = [int(dist.recv((2,), 0, tag=3)[0]) for _ in range(33)]
+        say(f"received in order {got == list(range(32)) + [99]}")
+
+
 CASES = {"basic": basic, "exchange": exchange, "mismatch": mismatch, "silent": silent, "bad_calls": bad_calls,
          "collectives": collectives, "owner": owner,
-         "formdiff": formdiff, "hierarchical": hierarchical}
+         "formdiff": formdiff, "hierarchical": hierarchical, "slots": slots}
 
 
 if __name__ == "__main__":

@@ -47,6 +47,11 @@ def test_isend_exchange_and_order_on_one_tag():
     expect("exchange", ["rank 0: exchange True", "rank 1: exchange True", "rank 1: in order 0 1 2 3 4"])
 
 
+def test_at_most_32_operations_in_flight_per_peer_and_tag():
+    expect("slots", ["rank 0: ValueError isend: 32 operations with rank 1 on tag 3 are in flight already, the most "
+                     "there may be; wait() for some first", "rank 1: received in order True"])
+
+
 def test_a_mismatch_is_an_error_on_both_ranks_and_the_job_goes_on():
     expect("mismatch", [
         "rank 0: DistributedError rank 0: dp.distributed.send(to rank 1, tag 0): rank 1 expects "

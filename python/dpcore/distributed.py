@@ -319,7 +319,8 @@ def recv(tensor_or_shape, src, tag=0, timeout=DEFAULT_TIMEOUT, dtype=None):
 
 def isend(tensor, dst, tag=0, timeout=DEFAULT_TIMEOUT):
     """``send`` in the background: returns a :class:`Work` at once. The array must not change
-    until ``wait()`` returns."""
+    until ``wait()`` returns. At most 32 sends (and 32 receives) to one rank on one tag may be
+    in flight: the 33rd is a ValueError until one of them is done."""
     return Work(*_p2p(True, tensor, dst, tag, timeout))
 
 
