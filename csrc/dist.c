@@ -745,7 +745,6 @@ dp_status dp_dist_owner_allreduce_on(const dp_dist_channel *ch, float *const *bu
   if (st == DP_OK)
     st = wait_requests_abandonable(r.req + phase1_recvs, r.peer + phase1_recvs, r.recv + phase1_recvs,
                                    phase1_end - phase1_recvs, timeout, what, abandon);
-  const int phase2_recvs = r.n;
   for (int q = 0; q < P && st == DP_OK; ++q) {
     if (q == me) continue;
     const int64_t qL = owner_lo(n, q, P), qlen = owner_lo(n, q + 1, P) - qL;
@@ -762,7 +761,6 @@ dp_status dp_dist_owner_allreduce_on(const dp_dist_channel *ch, float *const *bu
       for (int i = 1; i < k; ++i) memcpy(bufs[i] + qL, bufs[0] + qL, sizeof(float) * (size_t)qlen);
     }
   if (st != DP_OK && r.req) cancel_receives(r.req, r.recv, r.n); /* none may land in memory we return */
-  (void)phase2_recvs;
   free(r.req), free(r.peer), free(r.recv), free(stage);
   return st;
 }

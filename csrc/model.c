@@ -1021,7 +1021,8 @@ dp_status dp_model_predict(dp_model *m, const dp_batch *b, float *logits_host) {
   /* resident rows are gathered whole (the rows index a dataset, not the images) */
   const int64_t piece = b->rows && b->n > DP_PREDICT_PIECE ? b->n : DP_PREDICT_PIECE;
   const int64_t in_size = (int64_t)m->in_c * m->in_h * m->in_w, K = dp_model_num_classes(m);
-  for (int64_t i0 = 0; i0 < b->n || (b->n == 0 && i0 == 0); i0 += piece) {
+  int64_t i0 = 0;
+  do { /* once for an empty batch too: it is staged and checked as any other */
     dp_batch part = *b;
     part.n = b->n - i0 < piece ? b->n - i0 : piece;
     if (!b->rows) part.x = (const char *)b->x + (size_t)(i0 * in_size) * (b->x_is_u8 ? 1 : sizeof(float));
@@ -1031,7 +1032,8 @@ dp_status dp_model_predict(dp_model *m, const dp_batch *b, float *logits_host) {
     DP_TRY(forward(m, part.n, NULL));
     DP_TRY(m->dev->backend->copy_to_host(m->dev, logits_host + i0 * K, logits_of(m),
                                          sizeof(float) * (size_t)(part.n * K)));
-  }
+    i0 += piece;
+  } while (i0 < b->n);
   return DP_OK;
 }
 

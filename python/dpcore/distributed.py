@@ -204,8 +204,6 @@ _DTYPES = {"float32": 0, "float64": 1, "int32": 2, "int64": 3, "uint8": 4}
 def _host_array(t, verb):
     """(NumPy array, rebuild) of what send / recv take: a NumPy array, or a dp.Tensor in host memory
     (rebuild makes the dp.Tensor of a received array on the same device)."""
-    import numpy as np
-
     from . import parallel
 
     if isinstance(t, parallel.Tensor):
@@ -263,8 +261,6 @@ class Work:
 
 def _p2p(is_send, t, peer, tag, timeout, dtype=None):
     """(run, what) of one send or receive, its sequence number taken now (program order)."""
-    import numpy as np
-
     verb = "send" if is_send else "recv"
     timeout = _check_timeout(timeout)
     info = _join()
