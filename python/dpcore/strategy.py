@@ -31,7 +31,7 @@ import contextlib
 import contextvars
 
 from . import _check, _core
-from .devices import list_devices
+from .devices import check_device, list_devices
 from .info import build_flags
 from .parallel import _devices
 
@@ -251,12 +251,25 @@ class ModelParallelStrategy(MirroredStrategy):
     MirroredStrategy does. See :mod:`dpcore.tensor_parallel`.
     """
 
-    def __init__(self, devices=None, replicas=1):
-        super().__init__(devices)
+    def __init__(self, devices=None, replicas=1, timeout=None):
+        self.timeout = None
+        if _across_ranks(devices):
+            from . import distributed
+
+            self.timeout = distributed._check_timeout(distributed.DEFAULT_TIMEOUT if timeout is None else timeout)
+            super().__init__(["cpu:0"])
+            self._devices = _job_devices("ModelParallelStrategy", devices, self.timeout)
+        else:
+            super().__init__(devices)
         self.replicas = _check.integer("replicas", replicas, 1, len(self._devices))
         if len(self._devices) % self.replicas:
             raise ValueError(f"replicas={self.replicas} must divide the {len(self._devices)} devices "
                              f"{self._devices} (each copy is split over the same number of devices)")
+
+    @property
+    def across_ranks(self):
+        """Whether the slices live on the ranks of an MPI job (devices 'rankQ/dev')."""
+        return self.timeout is not None
 
     @property
     def num_replicas_in_sync(self):
@@ -264,6 +277,55 @@ class ModelParallelStrategy(MirroredStrategy):
 
     def __repr__(self):
         return f"ModelParallelStrategy(devices={self._devices}, replicas={self.replicas})"
+
+
+def _across_ranks(devices):
+    """A split strategy spans the ranks of an MPI job when its devices name ranks
+    ('rank1/cpu:0'), or when none are given in a job of several processes."""
+    from . import distributed
+
+    if devices is None:
+        return distributed._launched_size() > 1
+    names = [devices] if isinstance(devices, str) else devices
+    return isinstance(names, (list, tuple)) and any(isinstance(d, str) and d.startswith("rank") for d in names)
+
+
+def _job_devices(who, devices, timeout):
+    """The job-wide device list ('rankQ/dev', one per rank) of a strategy whose parts live
+    on the ranks of an MPI job: by default every rank's own device (its GPU
+    'cuda:{local_rank}' where the host has GPUs, else 'cpu:0') in rank order. Every rank
+    must pass the same list (checked: a DistributedError on every rank otherwise); each
+    rank's own entry must be one of its devices."""
+    from . import distributed
+
+    info = distributed._join()
+    W, me = info["world_size"], info["rank"]
+    if devices is None:
+        gpus = [d for d in list_devices() if d.startswith("cuda:")]
+        if gpus and info["local_rank"] >= len(gpus):
+            raise ValueError(f"{who}: {info['local_size']} processes on this host share {len(gpus)} GPU(s); each "
+                             "rank needs its own (NCCL refuses two ranks on one GPU): start one process per GPU, or "
+                             "pass devices=")
+        mine = gpus[info["local_rank"]] if gpus else "cpu:0"
+        return [f"rank{q}/{d}" for q, d in enumerate(distributed.allgather_object(
+            mine, timeout, f"the devices of {who}"))]
+    names = _check.device_names("devices", devices)
+    ranks = []
+    for name in names:
+        head, _, local = name.partition("/")
+        if not (head.startswith("rank") and head[4:].isdigit() and local):
+            raise ValueError(f"{who}: across the ranks of a job every device names its rank, as 'rank1/cpu:0'; "
+                             f"got {name!r} in {names}")
+        q = int(head[4:])
+        if q >= W:
+            raise ValueError(f"{who}: {name!r} names rank {q}, but the job has {W} rank(s) (0..{W - 1})")
+        ranks.append(q)
+    if sorted(ranks) != list(range(W)):
+        raise ValueError(f"{who}: across the ranks of a job each of the {W} ranks holds one device: "
+                         f"{names} names ranks {ranks}")
+    distributed.agree(f"the devices of {who}", list(names), timeout)
+    check_device(names[ranks.index(me)].partition("/")[2])
+    return list(names)
 
 
 def get_strategy():
