@@ -255,6 +255,68 @@ class _Mailbox:
             return self._items.pop(k)
 
 
+def micro_batch_work(N, replicas, micro_batches):
+    """(shards, work) of a step on N samples: each pipeline's shard of the batch
+    (index arrays, sizes differing by at most one) and, per pipeline, the
+    micro-batches of its shard (fewer when the shard is smaller)."""
+    shards = np.array_split(np.arange(N), replicas)
+    work = []
+    for rows in shards:
+        m = min(micro_batches, len(rows))
+        work.append([mb for mb in np.array_split(rows, m) if len(mb)] if m else [])
+    return shards, work
+
+
+def run_stage(model, ops, mbs, X, y, grad_scale, s, p, receive, send, hand_over=(False, False), abort=None):
+    """Stage s of p runs its operations (schedule()'s list for it) on the
+    micro-batches mbs (index arrays into X, y). receive(kind, k) returns what
+    the neighbour handed over: the activations of micro-batch k ('F', from
+    stage s - 1) or their gradient ('B', from stage s + 1); send(kind, k,
+    value) hands this stage's on. hand_over: (forward, backward), whether the
+    outputs are dp.Tensors on the stage's device (see hand_over()). Raises
+    _Abort once abort is set. Returns (loss_sum, correct, [(kind, k, t0, t1)]):
+    the loss and hits summed over the micro-batches in order (the last stage's;
+    0.0 and 0 elsewhere) and each operation's compute time."""
+    last = s == p - 1
+    free_slots, slot_of, new_slot = [], {}, 0
+    first_backward = True
+    loss_sum, correct_sum = 0.0, 0
+    timed = []
+    for kind, k in ops:
+        if abort is not None and abort.is_set():
+            raise _Abort()
+        if kind == "F":
+            x = X[mbs[k]] if s == 0 else receive("F", k)
+            # an activation set per micro-batch in flight: a free one, else a new one
+            if free_slots:
+                slot = free_slots.pop()
+            else:
+                slot, new_slot = new_slot, new_slot + 1
+            slot_of[k] = slot
+            t0 = time.perf_counter()
+            out, loss, correct = model.stage_forward(slot, x, y[mbs[k]] if last else None, training=True,
+                                                     grad_scale=grad_scale, output=not last, to_tensor=hand_over[0])
+            t1 = time.perf_counter()
+            if last:
+                loss_sum += loss
+                correct_sum += correct
+            else:
+                send("F", k, out)
+        else:
+            dy = None if last else receive("B", k)
+            slot = slot_of.pop(k)
+            t0 = time.perf_counter()
+            dx = model.stage_backward(slot, len(mbs[k]), dy, input_grad=s > 0, accumulate=not first_backward,
+                                      to_tensor=hand_over[1])
+            t1 = time.perf_counter()
+            first_backward = False
+            free_slots.append(slot)
+            if s > 0:
+                send("B", k, dx)
+        timed.append((kind, k, t0, t1))
+    return loss_sum, correct_sum, timed
+
+
 class PipelineReport:
     """What the steps since the model was built (or reset) spent per stage."""
 
@@ -264,19 +326,20 @@ class PipelineReport:
         self.micro_batches = p.micro_batches
         self.schedule = p.schedule_kind
         self.replicas = p.num_replicas
-        self.steps = p._stats["steps"]
+        stats = p.report_values()
+        self.steps = stats["steps"]
         self.devices = [list(row) for row in p.stage_devices]
         self.layers = [(b, e - 1) for b, e in zip(p.split, p.split[1:] + [p.num_layers])]
-        makespan = p._stats["makespan"]
+        makespan = stats["makespan"]
         self.step_seconds = makespan / self.steps if self.steps else 0.0
-        self.busy_seconds = [b / self.steps if self.steps else 0.0 for b in p._stats["busy"]]
+        self.busy_seconds = [b / self.steps if self.steps else 0.0 for b in stats["busy"]]
         self.idle_seconds = [max(self.step_seconds - b, 0.0) for b in self.busy_seconds]
         total = self.step_seconds * self.stages
         self.bubble = (sum(self.idle_seconds) / total) if total > 0 else 0.0
         self.bubble_formula = bubble_formula(self.stages, self.micro_batches)
-        self.activation_bytes = [max(m.activation_bytes for m in column) for column in zip(*p.models)]
-        self.param_bytes = [4 * m.nparams for m in p.models[0]]
-        self.timeline = list(p._last_ops)
+        self.activation_bytes = stats["activation_bytes"]
+        self.param_bytes = stats["param_bytes"]
+        self.timeline = list(stats["timeline"])
 
     def as_dict(self):
         keys = ("stages", "micro_batches", "schedule", "replicas", "steps", "devices", "layers", "step_seconds",
@@ -513,17 +576,21 @@ class Pipeline(SplitModel):
     def report(self):
         return PipelineReport(self)
 
+    def report_values(self):
+        """What PipelineReport shows: steps, makespan and busy seconds (sums over
+        the steps), per stage its peak activation bytes (over the copies) and
+        parameter bytes, and the last step's operations."""
+        return {"steps": self._stats["steps"], "makespan": self._stats["makespan"], "busy": self._stats["busy"],
+                "activation_bytes": [max(m.activation_bytes for m in column) for column in zip(*self.models)],
+                "param_bytes": [4 * m.nparams for m in self.models[0]], "timeline": self._last_ops}
+
     def train_step(self, X, y, lr, momentum=0.0, weight_decay=0.0):
         """One SGD step on the batch (mean loss). Returns (loss_sum, correct)."""
         N = len(y)
         if N == 0:
             return 0.0, 0
         R, p = self.num_replicas, self.num_stages
-        shards = np.array_split(np.arange(N), R)
-        work = []  # per replica: the micro-batches (index arrays) of its shard
-        for rows in shards:
-            m = min(self.micro_batches, len(rows))
-            work.append([mb for mb in np.array_split(rows, m) if len(mb)] if m else [])
+        shards, work = micro_batch_work(N, R, self.micro_batches)
         states = self._saved_state()
         abort = threading.Event()
         errors = []
@@ -533,58 +600,26 @@ class Pipeline(SplitModel):
         lock = threading.Lock()
         grad_scale = 1.0 / N
 
-        def run_stage(r, s, fwd_in, fwd_out, bwd_in, bwd_out):
-            model = self.models[r][s]
-            mbs = work[r]
-            last = s == p - 1
-            plan = schedule(self.schedule_kind, p, len(mbs))[s]
-            free_slots, slot_of, new_slot = [], {}, 0
-            first_backward = True
-            local_ops = []
+        def run(r, s, fwd_in, fwd_out, bwd_in, bwd_out):
             try:
-                for kind, k in plan:
-                    if abort.is_set():
-                        raise _Abort()
-                    if kind == "F":
-                        x = X[mbs[k]] if s == 0 else fwd_in.get(k)
-                        # an activation set per micro-batch in flight: a free one, else a new one
-                        if free_slots:
-                            slot = free_slots.pop()
-                        else:
-                            slot, new_slot = new_slot, new_slot + 1
-                        slot_of[k] = slot
-                        t0 = time.perf_counter()
-                        out, loss, correct = model.stage_forward(slot, x, y[mbs[k]] if last else None, training=True,
-                                                                 grad_scale=grad_scale, output=not last,
-                                                                 to_tensor=self._hand_over[r][s][0])
-                        t1 = time.perf_counter()
-                        if last:
-                            losses[r][0] += loss
-                            losses[r][1] += correct
-                        else:
-                            fwd_out.put(k, out)
-                    else:
-                        dy = None if last else bwd_in.get(k)
-                        slot = slot_of.pop(k)
-                        t0 = time.perf_counter()
-                        dx = model.stage_backward(slot, len(mbs[k]), dy, input_grad=s > 0,
-                                                  accumulate=not first_backward, to_tensor=self._hand_over[r][s][1])
-                        t1 = time.perf_counter()
-                        first_backward = False
-                        free_slots.append(slot)
-                        if s > 0:
-                            bwd_out.put(k, dx)
-                    local_ops.append((s, r, kind, t0, t1, k))
+                loss, correct, timed = run_stage(
+                    self.models[r][s], schedule(self.schedule_kind, p, len(work[r]))[s], work[r], X, y, grad_scale,
+                    s, p, lambda kind, k: (fwd_in if kind == "F" else bwd_in).get(k),
+                    lambda kind, k, value: (fwd_out if kind == "F" else bwd_out).put(k, value),
+                    self._hand_over[r][s], abort)
             except _Abort:
-                pass
+                return
             except BaseException as e:  # noqa: B902 - handed to the caller's thread
                 with lock:
                     errors.append((r, s, e))
                 abort.set()
+                return
             with lock:
-                ops_log.extend(local_ops)
+                if s == p - 1:
+                    losses[r] = [loss, correct]
+                ops_log.extend((s, r, kind, t0, t1, k) for kind, k, t0, t1 in timed)
                 if r == 0:
-                    busy[s] += sum(t1 - t0 for _, _, _, t0, t1, _ in local_ops)
+                    busy[s] += sum(t1 - t0 for _, _, t0, t1 in timed)
 
         threads = []
         start = time.perf_counter()
@@ -593,7 +628,7 @@ class Pipeline(SplitModel):
             bwd = [_Mailbox(abort) for _ in range(p)]
             for s in range(p):
                 args = (r, s, fwd[s - 1] if s else None, fwd[s], bwd[s], bwd[s - 1] if s else None)
-                threads.append(threading.Thread(target=run_stage, args=args, name=f"dpcore-stage{s}-r{r}",
+                threads.append(threading.Thread(target=run, args=args, name=f"dpcore-stage{s}-r{r}",
                                                 daemon=True))
         for t in threads:
             t.start()
