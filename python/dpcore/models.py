@@ -5,6 +5,7 @@ follow PyTorch's ``state_dict`` names for the equivalent ``torch.nn.Sequential``
 (``'0.weight'``, ``'0.bias'``, ``'3.weight'``, ...), so weights move between the
 two libraries with ``get_weights`` / ``set_weights``.
 """
+import contextlib
 import os
 from collections import OrderedDict, namedtuple
 
@@ -154,13 +155,17 @@ class Sequential:
             self._pipeline = TensorParallel(self._specs, self._sources, input_shape, strategy.devices, threads,
                                             strategy.replicas)
         else:
-            from .pipeline import Pipeline
-
             if sync_batchnorm:
                 raise ValueError("sync_batchnorm is not available with PipelineStrategy: BatchNorm normalises each "
                                  "micro-batch with its own statistics")
-            self._pipeline = Pipeline(self._specs, self._sources, input_shape, strategy, threads)
-        self._timeout = 0.0
+            if strategy.spans_processes:
+                from .pipeline_mpi import ProcessPipeline as Stages
+            else:
+                from .pipeline import Pipeline as Stages
+            self._pipeline = Stages(self._specs, self._sources, input_shape, strategy, threads)
+        # across processes: the seconds to wait for another process (a job's
+        # collective calls: dp.train, save); 0 within one process
+        self._timeout = strategy.timeout if getattr(strategy, "spans_processes", False) else 0.0
         self._replicas = [self._pipeline]
         self._model = self._pipeline
         self._mirrored = None
@@ -177,8 +182,9 @@ class Sequential:
         ``.plot()`` draws the last step). Averaged over the steps since the
         model was built or since ``pipeline_report(reset=True)``."""
         from .pipeline import Pipeline
+        from .pipeline_mpi import ProcessPipeline
 
-        if not isinstance(self._pipeline, Pipeline):
+        if not isinstance(self._pipeline, (Pipeline, ProcessPipeline)):
             raise ValueError("pipeline_report: this model was not built under a PipelineStrategy's scope")
         return self._pipeline.report()
 
@@ -293,7 +299,8 @@ class Sequential:
 
     @property
     def multi_process(self):
-        """True for a model of MultiWorkerMirroredStrategy (replicas in several processes)."""
+        """True for a model of MultiWorkerMirroredStrategy (replicas in several processes)
+        or of a PipelineStrategy across processes (stages in several)."""
         return bool(self._timeout)
 
     def digest(self):
@@ -391,8 +398,9 @@ class Sequential:
         self._set_flat(params)
         for replica in self._replicas:
             replica.set_state(state)
-        if self._timeout:
+        if self._timeout and self._mirrored is not None:
             # collective: rank 0's weights win, so the replicas never diverge
+            # (a pipeline across processes: each rank keeps its stages' slices)
             self._mirrored.broadcast_across()
 
     # ---- files ---------------------------------------------------------------
@@ -421,10 +429,13 @@ class Sequential:
         if self._timeout:
             from . import distributed
 
-            if distributed.rank() == 0:
-                # a failure here ends the job (MPI_Abort) if nothing catches it,
-                # else the others give up waiting after the timeout
-                checkpoint.save(self, path, training)
+            # a pipeline's stages live on several ranks: every rank gathers the
+            # whole network, then rank 0 reads it without further messages
+            with self._pipeline.held() if self._pipeline is not None else contextlib.nullcontext():
+                if distributed.rank() == 0:
+                    # a failure here ends the job (MPI_Abort) if nothing catches it,
+                    # else the others give up waiting after the timeout
+                    checkpoint.save(self, path, training)
             distributed.barrier(self._timeout, f"net.save({os.fspath(path)!r}) by rank 0")
             return
         checkpoint.save(self, path, training)

@@ -414,7 +414,105 @@ class SplitModel:
                 m.set_state(st)
 
 
-class Pipeline(SplitModel):
+class StageBuffers:
+    """The whole network's flat buffers over a network cut into stages (the
+    stages' buffers one after the other, in one-device layout): what Pipeline
+    and the pipeline across processes (dpcore.pipeline_mpi) share. A subclass
+    gives _stage_models() ((stage, model) of every model it holds),
+    _stage_layout(stage, 'params' or 'state') and _gather(getter, offsets),
+    and sets split, stage_devices, _shapes, _param_offsets and _state_offsets."""
+
+    @property
+    def nparams(self):
+        return self._param_offsets[-1]
+
+    @property
+    def device(self):
+        return self.stage_devices[0][0]
+
+    @property
+    def devices(self):
+        """Every stage's device, pipeline by pipeline (across processes 'rank1/cpu:0')."""
+        return [d for row in self.stage_devices for d in row]
+
+    def layers(self):
+        return [(kind, ins, outs) for kind, ins, outs, _ in self._shapes]
+
+    def reset_report(self):
+        self._stats = {"steps": 0, "makespan": 0.0, "busy": [0.0] * self.num_stages}
+        self._last_ops = []
+
+    def report(self):
+        """PipelineReport of the steps since the model was built or reset (across
+        processes collective: every rank's times gathered)."""
+        return PipelineReport(self)
+
+    def _finish_step(self, losses, states, makespan, busy, ops_log, lr, momentum, weight_decay):
+        """The end of a step whose passes (and copies' reduction) are done: the
+        loss summed over the pipelines ([loss, correct] each, in order); a loss
+        that is not finite puts the BatchNorm statistics back (`states`) and
+        raises, else every model takes its SGD step and the report its times.
+        Returns (loss_sum, correct)."""
+        loss_sum = float(sum(l for l, _ in losses))
+        correct = int(sum(c for _, c in losses))
+        if not np.isfinite(loss_sum):
+            self._restore(states)
+            raise FloatingPointError(f"the loss is not finite ({loss_sum}) on a pipeline of {self.num_stages} stages; "
+                                     f"the step applied no update: the parameters, momentum and BatchNorm statistics "
+                                     f"are those of the last finite step")
+        for m in self.all_models():
+            m.sgd_step(lr, momentum, weight_decay)
+        self._stats["steps"] += 1
+        self._stats["makespan"] += makespan
+        for st, b in enumerate(busy):
+            self._stats["busy"][st] += b
+        self._last_ops = sorted(ops_log, key=lambda o: o[3])
+        return loss_sum, correct
+
+    def _layout(self, which):
+        rows, offsets = [], self._param_offsets if which == "params" else self._state_offsets
+        for st, b in enumerate(self.split):
+            rows += [(layer + b, kind, offset + offsets[st], shape)
+                     for layer, kind, offset, shape in self._stage_layout(st, which)]
+        return rows
+
+    def param_layout(self):
+        return self._layout("params")
+
+    def state_layout(self):
+        return self._layout("state")
+
+    def _scatter(self, setter, flat, offsets, what):
+        """The whole network's buffer `flat`: each model keeps its stage's slice."""
+        flat = np.ascontiguousarray(flat, dtype=np.float32).ravel()
+        if len(flat) != offsets[-1]:
+            raise ValueError(f"{what} must hold {offsets[-1]} values, got {len(flat)}")
+        for st, m in self._stage_models():
+            getattr(m, setter)(flat[offsets[st]:offsets[st + 1]])
+
+    def get_params(self):
+        return self._gather("get_params", self._param_offsets)
+
+    def set_params(self, flat):
+        self._scatter("set_params", flat, self._param_offsets, "params")
+
+    def get_grads(self):
+        return self._gather("get_grads", self._param_offsets)
+
+    def get_state(self):
+        return self._gather("get_state", self._state_offsets)
+
+    def set_state(self, flat):
+        self._scatter("set_state", flat, self._state_offsets, "state")
+
+    def get_velocity(self):
+        return self._gather("get_velocity", self._param_offsets)
+
+    def set_velocity(self, flat):
+        self._scatter("set_velocity", flat, self._param_offsets, "velocity")
+
+
+class Pipeline(StageBuffers, SplitModel):
     """The stages of a network on their devices (``_core.Model`` per stage and
     replica), with the interface Sequential uses of a replica group: it trains,
     evaluates and predicts, and shows the whole network's flat buffers."""
@@ -473,66 +571,16 @@ class Pipeline(SplitModel):
     def num_classes(self):
         return self.models[0][-1].num_classes
 
-    @property
-    def nparams(self):
-        return self._param_offsets[-1]
+    def _stage_models(self):
+        return [(st, m) for row in self.models for st, m in enumerate(row)]
 
-    @property
-    def device(self):
-        return self.stage_devices[0][0]
-
-    @property
-    def devices(self):
-        return [d for row in self.stage_devices for d in row]
-
-    def layers(self):
-        return [(kind, ins, outs) for kind, ins, outs, _ in self._shapes]
-
-    def _layout(self, which):
-        rows, offsets = [], self._param_offsets if which == "params" else self._state_offsets
-        for s, (m, b) in enumerate(zip(self.models[0], self.split)):
-            part = m.param_layout() if which == "params" else m.state_layout()
-            rows += [(layer + b, kind, offset + offsets[s], shape) for layer, kind, offset, shape in part]
-        return rows
-
-    def param_layout(self):
-        return self._layout("params")
-
-    def state_layout(self):
-        return self._layout("state")
+    def _stage_layout(self, st, which):
+        m = self.models[0][st]
+        return m.param_layout() if which == "params" else m.state_layout()
 
     def _gather(self, getter, offsets):
         return np.concatenate([getattr(m, getter)() for m in self.models[0]]) if offsets[-1] else \
             np.zeros(0, np.float32)
-
-    def _scatter(self, setter, flat, offsets, what):
-        flat = np.ascontiguousarray(flat, dtype=np.float32).ravel()
-        if len(flat) != offsets[-1]:
-            raise ValueError(f"{what} must hold {offsets[-1]} values, got {len(flat)}")
-        for row in self.models:
-            for s, m in enumerate(row):
-                getattr(m, setter)(flat[offsets[s]:offsets[s + 1]])
-
-    def get_params(self):
-        return self._gather("get_params", self._param_offsets)
-
-    def set_params(self, flat):
-        self._scatter("set_params", flat, self._param_offsets, "params")
-
-    def get_grads(self):
-        return self._gather("get_grads", self._param_offsets)
-
-    def get_state(self):
-        return self._gather("get_state", self._state_offsets)
-
-    def set_state(self, flat):
-        self._scatter("set_state", flat, self._state_offsets, "state")
-
-    def get_velocity(self):
-        return self._gather("get_velocity", self._param_offsets)
-
-    def set_velocity(self, flat):
-        self._scatter("set_velocity", flat, self._param_offsets, "velocity")
 
     def replicas_identical(self):
         first = [np.concatenate([m.get_params(), m.get_state()]).view(np.uint32) for m in self.models[0]]
@@ -568,14 +616,6 @@ class Pipeline(SplitModel):
                                      self.get_state(), X, y)
 
     # ---- training ----------------------------------------------------------
-    def reset_report(self):
-        p = self.num_stages
-        self._stats = {"steps": 0, "makespan": 0.0, "busy": [0.0] * p}
-        self._last_ops = []
-
-    def report(self):
-        return PipelineReport(self)
-
     def report_values(self):
         """What PipelineReport shows: steps, makespan and busy seconds (sums over
         the steps), per stage its peak activation bytes (over the copies) and
@@ -642,22 +682,7 @@ class Pipeline(SplitModel):
             raise e
         if R > 1:
             reduce_over_copies(self.models, [len(rows) > 0 for rows in shards])
-        loss_sum = float(sum(l for l, _ in losses))
-        correct = int(sum(c for _, c in losses))
-        if not np.isfinite(loss_sum):
-            self._restore(states)
-            raise FloatingPointError(f"the loss is not finite ({loss_sum}) on a pipeline of {p} stages; the step "
-                                     f"applied no update: the parameters, momentum and BatchNorm statistics are those "
-                                     f"of the last finite step")
-        for row in self.models:
-            for m in row:
-                m.sgd_step(lr, momentum, weight_decay)
-        self._stats["steps"] += 1
-        self._stats["makespan"] += makespan
-        for s in range(p):
-            self._stats["busy"][s] += busy[s]
-        self._last_ops = sorted(ops_log, key=lambda o: o[3])
-        return loss_sum, correct
+        return self._finish_step(losses, states, makespan, busy, ops_log, lr, momentum, weight_decay)
 
 
 def reduce_over_copies(copies, ran):
