@@ -40,6 +40,10 @@ def resnet():
 CONFIGS = {
     "lenet-1f1b": (lenet, 25, (1, 28, 28), dict(schedule="1f1b", micro_batches=3)),  # measured by rank 0
     "lenet-gpipe": (lenet, 26, (1, 28, 28), dict(schedule="gpipe", micro_batches=4, balance="flops")),
+    # 3 stages on 2 ranks, rank 0 holding the first and the last: channels both ways between
+    # the two ranks, and a stage that hands over to a stage of its own process
+    "lenet-interleaved": (lenet, 25, (1, 28, 28), dict(schedule="1f1b", micro_batches=4, balance="flops",
+                                                       devices=["rank0/cpu:0", "rank1/cpu:0", "rank0/cpu:1"])),
     "resnet-1f1b": (resnet, 12, (1, 12, 12), dict(schedule="1f1b", micro_batches=2, balance="flops")),
     # stages that begin at evenly spaced block boundaries: BatchNorm in every stage
     "resnet-gpipe": (resnet, 12, (1, 12, 12), dict(schedule="gpipe", micro_batches=3, split="spread")),
@@ -69,7 +73,7 @@ def equal(names, replicas=1):
     if RANK == 0:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)  # more logical devices than cores
-            dp.set_logical_devices("cpu", WORLD)
+            dp.set_logical_devices("cpu", max(WORLD, 3))  # one per stage of the references
     jobs = {}
     for name in names:
         model, n, shape, kw = CONFIGS[name]
@@ -78,27 +82,27 @@ def equal(names, replicas=1):
             kw = dict(kw, split=spread(WORLD // replicas))
         with dp.PipelineStrategy(replicas=replicas, timeout=30, **kw).scope():
             net = model()
-        assert net.devices == [f"rank{q}/cpu:0" for q in range(WORLD)], net.devices
+        assert net.devices == kw.get("devices", [f"rank{q}/cpu:0" for q in range(WORLD)]), net.devices
         losses = steps(net, X, y)
         bits = whole(net)
         say(f"{name} digest {zlib.crc32(bits.tobytes() + repr(losses).encode()):08x}")
         say(f"{name} identical copies {net._pipeline.replicas_identical()}")
-        jobs[name] = (net._pipeline.split, losses, bits)
+        jobs[name] = (net._pipeline.split, len(net.devices), losses, bits)
     if RANK != 0:
         return
     for name in names:
         model, n, shape, kw = CONFIGS[name]
         X, y = data(n, shape)
-        split, losses, bits = jobs[name]
-        with dp.PipelineStrategy(devices=[f"cpu:{i}" for i in range(WORLD)], replicas=replicas,
-                                 **dict(kw, split=split)).scope():
+        split, devices, losses, bits = jobs[name]
+        with dp.PipelineStrategy(replicas=replicas, **dict(kw, split=split,
+                                                           devices=[f"cpu:{i}" for i in range(devices)])).scope():
             ref = model()
         ref_losses = steps(ref, X, y)
         say(f"{name} split {split} equal {ref_losses == losses and np.array_equal(whole(ref), bits)}")
 
 
 def two():
-    equal(["lenet-1f1b", "lenet-gpipe", "resnet-1f1b", "resnet-gpipe"])
+    equal(["lenet-1f1b", "lenet-gpipe", "lenet-interleaved", "resnet-1f1b", "resnet-gpipe"])
     train(sys.argv[2])
 
 
@@ -112,7 +116,8 @@ def replicated():
 
 def train(folder):
     """dp.train with a checkpoint: the same History on every rank, rank 0 writes the
-    whole network, which loads in one process; evaluate, predict and the report."""
+    whole network, which loads in one process; evaluate, predict and the report; a
+    run resumed from a checkpoint ends with the straight run's bits."""
     X, y = data(60, seed=3)
     it = dp.data.from_arrays(X, y, batch_size=20, shuffle=True, seed=0)
     test = dp.data.from_arrays(X, y, batch_size=25)
@@ -128,6 +133,15 @@ def train(folder):
     r = net.pipeline_report()
     say(f"report steps {r.steps} stages {r.stages} busy {all(b > 0 for b in r.busy_seconds)} "
         f"ops {len(r.timeline)} devices {r.devices}")
+    # resumed: 1 epoch checkpointed, then a fresh net resumes it to 2: the straight run's bits
+    half = os.path.join(folder, "half.safetensors")
+    for epochs in (1, 2):
+        with dp.PipelineStrategy(micro_batches=2, balance="flops", timeout=30).scope():
+            again = dp.models.LeNet(seed=0 if epochs == 1 else 5)  # the resumed one from other weights
+        it = dp.data.from_arrays(X, y, batch_size=20, shuffle=True, seed=0)
+        dp.train(again, it, test, num_epochs=epochs, lr=0.2, momentum=0.9, verbose=False, checkpoint=half,
+                 resume=epochs == 2)
+    say(f"resumed equal {np.array_equal(whole(again), whole(net))}")
     dist.barrier(30)
     if RANK == 0:
         one = dp.models.load(path, devices=["cpu:0"])
@@ -162,6 +176,11 @@ def failure(kill):
     with dp.PipelineStrategy(micro_batches=4, split=[0, 6], timeout=60 if kill else 5).scope():
         net = dp.models.LeNet()
     net.train_step(X, y, lr=0.1)  # a step that goes through
+    try:  # a rank with another batch: refused on every rank before anything moves, and the job goes on
+        net.train_step(X[:39] if RANK == 1 else X, y[:39] if RANK == 1 else y, lr=0.1)
+    except dist.DistributedError as e:
+        say(f"DistributedError {e}")
+    net.train_step(X, y, lr=0.1)
     if RANK == 1:
         net._pipeline.local_models[(0, 1)] = FailingStage(net._pipeline.local_models[(0, 1)], 1, kill)
     start = time.monotonic()

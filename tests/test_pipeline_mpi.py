@@ -53,12 +53,14 @@ def equals_one_process(text, names, ranks):
 
 def test_two_process_pipelines_equal_one_process_and_train(tmp_path):
     """2 stages on 2 ranks, LeNet and ResNet-18, both schedules (LeNet 1f1b split by
-    rank 0's measurement), 2 steps: the one-process pipeline's bits. Then dp.train with
+    rank 0's measurement), and 3 stages on 2 ranks (rank 0 holds the first and the
+    last), 2 steps: the one-process pipeline's bits. Then dp.train with
     a checkpoint: every rank's History, predictions, evaluation and report are the
-    same; the file (written by rank 0) holds the whole network and loads in one process."""
+    same; the file (written by rank 0) holds the whole network and loads in one process,
+    and a run resumed from an epoch's checkpoint ends with the straight run's bits."""
     proc, text, _ = run("two", 2, str(tmp_path))
     assert proc.returncode == 0, text
-    equals_one_process(text, ["lenet-1f1b", "lenet-gpipe", "resnet-1f1b", "resnet-gpipe"], 2)
+    equals_one_process(text, ["lenet-1f1b", "lenet-gpipe", "lenet-interleaved", "resnet-1f1b", "resnet-gpipe"], 2)
     histories = re.findall(r"rank (\d): history (\[[^]]*\] \[[^]]*\] \[[^]]*\] \[[^]]*\])", text)
     assert len(histories) == 2 and histories[0][1] == histories[1][1], text
     assert histories[0][1].endswith("['rank0/cpu:0', 'rank1/cpu:0']"), histories
@@ -68,6 +70,8 @@ def test_two_process_pipelines_equal_one_process_and_train(tmp_path):
         # 2 epochs of 3 steps; the last step's 2 micro-batches, F and B, on 2 stages
         assert (f"rank {r}: report steps 6 stages 2 busy True ops 8 devices [['rank0/cpu:0', 'rank1/cpu:0']]"
                 in text), text
+    for r in range(2):
+        assert f"rank {r}: resumed equal True" in text, text
     m = re.search(r"rank 0: checkpoint weights True predictions differ by (\S+) argmax True accuracy True", text)
     assert m and float(m.group(1)) <= 1e-5, text
 
@@ -88,10 +92,14 @@ def test_two_pipelines_of_two_processes_equal_one_process():
 
 
 def test_a_failing_stage_is_named_on_its_peer_within_the_timeout():
-    """Rank 1's stage raises in the middle of a step (timeout=5): rank 1 raises its
+    """Rank 1 passes another batch: a DistributedError on both ranks, before any
+    stage runs. Then rank 1's stage raises in the middle of a step (timeout=5): rank 1 raises its
     error at once; rank 0, waiting for that stage's gradient, raises DistributedError
     naming rank 1 and the stage after 5 s, not a hang."""
     proc, text, seconds = run("raise", 2, timeout=120)
+    for r in range(2):  # first a batch that differs on rank 1: refused everywhere, and the job goes on
+        assert (f"rank {r}: DistributedError the processes step on different batches: rank 1 has 39 samples" in text
+                and "every process must pass the same batches" in text), text
     assert "rank 1: RuntimeError after 0 s: injected failure in stage 1 on rank 1" in text, text
     assert re.search(r"rank 0: DistributedError after [5-9] s: rank 0 gave up after [5-9] s waiting for rank 1 in "
                      r"pipeline stage 0 on rank 0: the gradient of micro-batch \d+ from stage 1 on rank 1", text), text
@@ -168,3 +176,19 @@ def test_strategy_across_processes_checks_its_arguments(four_cpus):
     assert "timeout=5" in repr(s)
     # outside mpirun, no devices: this process's devices, as before
     assert not dp.PipelineStrategy().spans_processes
+
+
+def test_the_guides_multi_process_example_runs_under_mpirun(tmp_path):
+    """docs/model-parallel.md's pipeline job (tests/test_docs.py runs it in one process):
+    under mpirun -np 2 its stages are on ranks 0 and 1, and the file rank 0 wrote
+    holds the whole network."""
+    guide = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "model-parallel.md")
+    blocks = [b for b in re.findall(r"```python\n(.*?)```", open(guide, encoding="utf-8").read(), re.S)
+              if "mpirun -np 2 python pipeline_job.py" in b]
+    assert len(blocks) == 1, blocks
+    script = tmp_path / "pipeline_job.py"
+    script.write_text(blocks[0])
+    cmd = ["mpirun", "-np", "2", "--oversubscribe", "--bind-to", "none", sys.executable, str(script)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=mpi_env(), timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "8 ['rank0/cpu:0', 'rank1/cpu:0']" in proc.stdout, proc.stdout

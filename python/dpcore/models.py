@@ -419,9 +419,11 @@ class Sequential:
         leaves is removed by the next save to this path); the file's mode is
         0666 & ~umask.
 
-        Across the processes of a job (MultiWorkerMirroredStrategy) it is
-        collective: rank 0 writes (every replica holds the same bits) and the
-        others wait until the file is complete."""
+        Across the processes of a job (MultiWorkerMirroredStrategy, or a
+        PipelineStrategy whose stages are on several ranks) it is collective:
+        rank 0 writes (every replica holds the same bits; a pipeline's stages
+        are first gathered on every rank) and the others wait until the file
+        is complete."""
         self._write(_check.path("path", path))
 
     def _write(self, path, training=None):

@@ -347,13 +347,14 @@ class PipelineReport:
         return {k: getattr(self, k) for k in keys}
 
     def __str__(self):
+        width = max([8] + [len(d) for d in self.devices[0]])  # 'rank1/cpu:0' across processes
         lines = [f"pipeline: {self.stages} stages x {self.replicas} replica(s), {self.micro_batches} micro-batches, "
                  f"{self.schedule}; {self.steps} step(s), {self.step_seconds * 1e3:.1f} ms per step",
-                 f"{'stage':>5}  {'layers':<9} {'device':<8} {'busy ms':>8} {'idle ms':>8} {'busy':>6} "
+                 f"{'stage':>5}  {'layers':<9} {'device':<{width}} {'busy ms':>8} {'idle ms':>8} {'busy':>6} "
                  f"{'params MB':>9} {'activations MB':>14}"]
         for i in range(self.stages):
             share = self.busy_seconds[i] / self.step_seconds if self.step_seconds else 0.0
-            lines.append(f"{i:>5}  {'%d-%d' % self.layers[i]:<9} {self.devices[0][i]:<8} "
+            lines.append(f"{i:>5}  {'%d-%d' % self.layers[i]:<9} {self.devices[0][i]:<{width}} "
                          f"{self.busy_seconds[i] * 1e3:>8.1f} {self.idle_seconds[i] * 1e3:>8.1f} {share:>6.0%} "
                          f"{self.param_bytes[i] / 2**20:>9.2f} {self.activation_bytes[i] / 2**20:>14.2f}")
         lines.append(f"bubble: {self.bubble:.1%} measured (idle / (stages x step time)); "
