@@ -92,12 +92,14 @@ def test_two_pipelines_of_two_processes_equal_one_process():
 
 
 def test_a_failing_stage_is_named_on_its_peer_within_the_timeout():
-    """Rank 1 passes another batch: a DistributedError on both ranks, before any
-    stage runs. Then rank 1's stage raises in the middle of a step (timeout=5): rank 1 raises its
+    """A device only rank 1 lacks: a ValueError naming rank 1 on both ranks. Rank 1
+    passes another batch: a DistributedError on both ranks, before any stage runs. Then rank 1's stage raises in the middle of a step (timeout=5): rank 1 raises its
     error at once; rank 0, waiting for that stage's gradient, raises DistributedError
     naming rank 1 and the stage after 5 s, not a hang."""
     proc, text, seconds = run("raise", 2, timeout=120)
-    for r in range(2):  # first a batch that differs on rank 1: refused everywhere, and the job goes on
+    for r in range(2):  # a device rank 1 does not have: refused on both ranks at once
+        assert f"rank {r}: ValueError PipelineStrategy: rank 1: unknown device 'cpu:5'" in text, text
+    for r in range(2):  # then a batch that differs on rank 1: refused everywhere, and the job goes on
         assert (f"rank {r}: DistributedError the processes step on different batches: rank 1 has 39 samples" in text
                 and "every process must pass the same batches" in text), text
     assert "rank 1: RuntimeError after 0 s: injected failure in stage 1 on rank 1" in text, text

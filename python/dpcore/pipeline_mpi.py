@@ -79,21 +79,25 @@ def spans_processes(devices):
 
 def job_stages(devices, replicas, timeout):
     """[(rank, device)] of every stage of the job (pipeline by pipeline), the
-    same on every rank (checked). devices None: one stage per rank, on
-    ``cuda:{local_rank}`` where the host has GPUs, else ``cpu:0``."""
+    same on every rank. devices None: one stage per rank, on
+    ``cuda:{local_rank}`` where the host has GPUs, else ``cpu:0``. A problem
+    found on one rank (another list, a device it does not have) is an error on
+    every rank, not a wait for the one that gave up."""
     info = distributed._join()
     W, me = info["world_size"], info["rank"]
     if devices is None:
         gpus = [d for d in list_devices() if d.startswith("cuda:")]
+        mine, problem = (gpus[info["local_rank"]] if gpus else "cpu:0"), None
         if gpus and info["local_size"] > len(gpus):
-            raise ValueError(f"PipelineStrategy: {info['local_size']} processes on this host share {len(gpus)} "
-                             "GPU(s); across processes each stage needs a GPU of its own: start one process per "
-                             "GPU, or pass devices=['rank0/cuda:0', ...]")
-        mine = gpus[info["local_rank"]] if gpus else "cpu:0"
-        names = distributed.allgather_object(mine, timeout, "the devices of PipelineStrategy()")
-        placement = list(enumerate(names))
+            problem = (f"{info['local_size']} processes on its host share {len(gpus)} GPU(s); across processes "
+                       "each stage needs a GPU of its own: start one process per GPU, or pass "
+                       "devices=['rank0/cuda:0', ...]")
+        found = distributed.allgather_object((mine, problem), timeout, "the devices of PipelineStrategy()")
+        _raise_first_problem([p for _, p in found])
+        placement = [(q, d) for q, (d, _) in enumerate(found)]
     else:
         names = [devices] if isinstance(devices, str) else list(devices)
+        distributed.agree("PipelineStrategy's devices", [str(d) for d in names], timeout)
         placement = []
         for d in names:
             m = _RANK_DEVICE.fullmatch(d) if isinstance(d, str) else None
@@ -104,15 +108,29 @@ def job_stages(devices, replicas, timeout):
             if q >= W:
                 raise ValueError(f"PipelineStrategy: {d!r} names rank {q}, but this job has {W} process(es) "
                                  f"(ranks 0..{W - 1})")
-            # this rank's devices are checked here; the others' where they are
-            placement.append((q, check_device(dev) if q == me else (dev if ":" in dev else dev + ":0")))
+            placement.append((q, dev if ":" in dev else dev + ":0"))
         if len(set(placement)) != len(placement):
             raise ValueError(f"PipelineStrategy: devices must name each device once, got {names}")
-        distributed.agree("PipelineStrategy's devices", placement, timeout)
+        # each rank checks its own devices; every rank hears what they found
+        problem = None
+        for q, dev in placement:
+            try:
+                if q == me:
+                    check_device(dev)
+            except (ValueError, TypeError) as e:
+                problem = problem or str(e)
+        _raise_first_problem(distributed.allgather_object(problem, timeout, "the check of PipelineStrategy's devices"))
     if len(placement) % replicas:
         raise ValueError(f"replicas={replicas} must divide the job's {len(placement)} stage devices "
                          f"{[f'rank{q}/{d}' for q, d in placement]} (each pipeline has the same number of stages)")
     return placement
+
+
+def _raise_first_problem(problems):
+    """ValueError naming the first rank whose entry (a message, or None) is one."""
+    for q, problem in enumerate(problems):
+        if problem:
+            raise ValueError(f"PipelineStrategy: rank {q}: {problem}")
 
 
 class _Sends:
@@ -174,19 +192,28 @@ class ProcessPipeline(StageBuffers, SplitModel):
         # per stage: the shape of one sample of its input and of its output
         self._in_shapes = [tuple(input_shape) if b == 0 else tuple(shapes[b - 1][2]) for b, _ in bounds]
         self._out_shapes = [tuple(shapes[e - 1][2]) for _, e in bounds]
-        self.local_models = {}
-        for r, s in mine:
-            d = placement[r * p + s][1]
-            b, e = bounds[s]
-            st_specs, st_sources = stage_layers(specs, sources, b, e)
-            self.local_models[(r, s)] = _core.Model(
-                self._in_shapes[s], st_specs, threads_of(d), device_index(d), st_sources, device_kind(d),
-                device_gpu(d) if device_kind(d) == "cuda" else 0, headless=s < p - 1, input_grad=s > 0)
+        self.local_models, failure = {}, None
+        try:
+            for r, s in mine:
+                d = placement[r * p + s][1]
+                b, e = bounds[s]
+                st_specs, st_sources = stage_layers(specs, sources, b, e)
+                self.local_models[(r, s)] = _core.Model(
+                    self._in_shapes[s], st_specs, threads_of(d), device_index(d), st_sources, device_kind(d),
+                    device_gpu(d) if device_kind(d) == "cuda" else 0, headless=s < p - 1, input_grad=s > 0)
+        except Exception as e:  # noqa: BLE001 - raised here, and named on the other ranks
+            failure = e
         self.models = [list(self.local_models.values())]  # SplitModel's rows: this rank's stages
-        # every stage's flat buffers, from the ranks that hold it
+        # every stage's flat buffers, from the ranks that hold it (or what kept a rank from building its stages)
         described = distributed.allgather_object(
+            f"{type(failure).__name__}: {failure}" if failure is not None else
             {s: (m.nparams, len(m.get_state()), m.param_layout(), m.state_layout())
              for (r, s), m in self.local_models.items()}, self.timeout, "the stages' buffer sizes")
+        if failure is not None:
+            raise failure
+        for q, d in enumerate(described):
+            if isinstance(d, str):
+                raise DistributedError(f"PipelineStrategy: rank {q} could not build its stages: {d}")
         self._stage_buffers = [next(d[s] for d in described if s in d) for s in range(p)]
         self._param_offsets = np.cumsum([0] + [b[0] for b in self._stage_buffers]).tolist()
         self._state_offsets = np.cumsum([0] + [b[1] for b in self._stage_buffers]).tolist()
