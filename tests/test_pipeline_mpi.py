@@ -102,8 +102,9 @@ def test_a_failing_stage_is_named_on_its_peer_within_the_timeout():
     for r in range(2):  # then a batch that differs on rank 1: refused everywhere, and the job goes on
         assert (f"rank {r}: DistributedError the processes step on different batches: rank 1 has 39 samples" in text
                 and "every process must pass the same batches" in text), text
-    assert "rank 1: RuntimeError after 0 s: injected failure in stage 1 on rank 1" in text, text
-    assert re.search(r"rank 0: DistributedError after [5-9] s: rank 0 gave up after [5-9] s waiting for rank 1 in "
+    assert re.search(r"rank 1: RuntimeError after \d+ s: injected failure in stage 1 on rank 1", text), text
+    # 5 s, or a little more on a loaded machine (the wait polls)
+    assert re.search(r"rank 0: DistributedError after \d+ s: rank 0 gave up after [5-9] s waiting for rank 1 in "
                      r"pipeline stage 0 on rank 0: the gradient of micro-batch \d+ from stage 1 on rank 1", text), text
     assert proc.returncode != 0  # the job is out of step: rank 0 aborts it at exit
     assert seconds < 45, seconds
