@@ -184,6 +184,10 @@ def failure(kill):
         net.train_step(X[:39] if RANK == 1 else X, y[:39] if RANK == 1 else y, lr=0.1)
     except dist.DistributedError as e:
         say(f"DistributedError {e}")
+    try:
+        net.predict(X[:5] if RANK == 0 else X[5:10])
+    except dist.DistributedError as e:
+        say(f"DistributedError {e}")
     net.train_step(X, y, lr=0.1)
     if RANK == 1:
         net._pipeline.local_models[(0, 1)] = FailingStage(net._pipeline.local_models[(0, 1)], 1, kill)

@@ -93,7 +93,8 @@ def test_two_pipelines_of_two_processes_equal_one_process():
 
 def test_a_failing_stage_is_named_on_its_peer_within_the_timeout():
     """A device only rank 1 lacks: a ValueError naming rank 1 on both ranks. Rank 1
-    passes another batch: a DistributedError on both ranks, before any stage runs. Then rank 1's stage raises in the middle of a step (timeout=5): rank 1 raises its
+    passes another batch to a step, and to predict: a DistributedError on both ranks,
+    before any stage runs. Then rank 1's stage raises in the middle of a step (timeout=5): rank 1 raises its
     error at once; rank 0, waiting for that stage's gradient, raises DistributedError
     naming rank 1 and the stage after 5 s, not a hang."""
     proc, text, seconds = run("raise", 2, timeout=120)
@@ -102,6 +103,7 @@ def test_a_failing_stage_is_named_on_its_peer_within_the_timeout():
     for r in range(2):  # then a batch that differs on rank 1: refused everywhere, and the job goes on
         assert (f"rank {r}: DistributedError the processes step on different batches: rank 1 has 39 samples" in text
                 and "every process must pass the same batches" in text), text
+        assert f"rank {r}: DistributedError the processes predict on different batches: rank 1 has 5 samples" in text
     assert re.search(r"rank 1: RuntimeError after \d+ s: injected failure in stage 1 on rank 1", text), text
     # 5 s, or a little more on a loaded machine (the wait polls)
     assert re.search(r"rank 0: DistributedError after \d+ s: rank 0 gave up after [5-9] s waiting for rank 1 in "

@@ -40,6 +40,8 @@ How it works (the C core does the arithmetic; this module only schedules it):
 - ``replicas=R``: R pipelines side by side on R * p devices, each on 1/R of
   the batch; after the backward passes each stage's gradients are all-reduced
   among its R copies (dp.all_reduce, the collective of data parallelism).
+- Stages in several processes of an MPI job: :mod:`dpcore.pipeline_mpi`, the
+  same stages and the same ``run_stage`` loop, the values sent over MPI.
 """
 import threading
 import time
@@ -416,9 +418,10 @@ class SplitModel:
 
 
 class StageBuffers:
-    """The whole network's flat buffers over a network cut into stages (the
-    stages' buffers one after the other, in one-device layout): what Pipeline
-    and the pipeline across processes (dpcore.pipeline_mpi) share. A subclass
+    """What Pipeline and the pipeline across processes (dpcore.pipeline_mpi)
+    share: the whole network's flat buffers over its stages (the stages'
+    buffers one after the other, in one-device layout), the report's counters
+    and the end of a step. A subclass
     gives _stage_models() ((stage, model) of every model it holds),
     _stage_layout(stage, 'params' or 'state') and _gather(getter, offsets),
     and sets split, stage_devices, _shapes, _param_offsets and _state_offsets."""

@@ -343,12 +343,13 @@ class ProcessPipeline(StageBuffers, SplitModel):
                 result = (out, loss, correct)
             elif owner[s + 1] != me:
                 distributed._private_p2p(True, _host_array(out, (len(X),) + self._out_shapes[s]), owner[s + 1],
-                                         self._tags[(0, s)],
-                                         self.timeout, f"pipeline stage {s} on rank {me}: the activations of an "
-                                         f"evaluation to stage {s + 1} on rank {owner[s + 1]}")()
+                                         self._tags[(0, s)], self.timeout,
+                                         f"pipeline stage {s} on rank {me}: the activations of an evaluation to "
+                                         f"stage {s + 1} on rank {owner[s + 1]}")()
         return result
 
     def evaluate(self, X, y):
+        self._check_batch("evaluate", X, y)
         if len(y) == 0:
             return 0.0, 0
         result = self._forward(X, y)
@@ -358,6 +359,7 @@ class ProcessPipeline(StageBuffers, SplitModel):
         return loss, correct
 
     def predict(self, X):
+        self._check_batch("predict", X)
         result = self._forward(X)
         logits = (_host_array(result[0], (len(X), self.num_classes)) if result is not None
                   else np.empty((len(X), self.num_classes), np.float32))
@@ -387,21 +389,23 @@ class ProcessPipeline(StageBuffers, SplitModel):
                 "activation_bytes": act, "param_bytes": [4 * b[0] for b in self._stage_buffers],
                 "timeline": sorted((op for part in parts for op in part["timeline"]), key=lambda o: o[3])}
 
-    def _check_batch(self, X, y):
-        """Every rank must step on the same batch: its size and CRC-32s gathered and compared."""
-        mine = (len(y), zlib.crc32(np.ascontiguousarray(X)), zlib.crc32(np.ascontiguousarray(y)))
-        seen = distributed.allgather_object(mine, self.timeout, "the start of a pipeline step (the batch's digest)")
+    def _check_batch(self, what, X, y=None):
+        """Every rank must pass the same batch to `what` (a step, evaluate,
+        predict): its size and the CRC-32s of its images and labels gathered and
+        compared; a DistributedError on every rank otherwise."""
+        mine = (len(X), zlib.crc32(np.ascontiguousarray(X)), 0 if y is None else zlib.crc32(np.ascontiguousarray(y)))
+        seen = distributed.allgather_object(mine, self.timeout, f"the start of {what} (the batch's digest)")
         for q, theirs in enumerate(seen):
             if theirs != seen[0]:
-                raise DistributedError(f"the processes step on different batches: rank {q} has {theirs[0]} samples "
-                                       f"(CRC-32 {theirs[1]:08x}, labels {theirs[2]:08x}), rank 0 {seen[0][0]} "
-                                       f"({seen[0][1]:08x}, {seen[0][2]:08x}); every process must pass the same "
-                                       "batches (the same data and shuffling seed)")
+                raise DistributedError(f"the processes {what} on different batches: rank {q} has {theirs[0]} "
+                                       f"samples (CRC-32 {theirs[1]:08x}, labels {theirs[2]:08x}), rank 0 "
+                                       f"{seen[0][0]} ({seen[0][1]:08x}, {seen[0][2]:08x}); every process must pass "
+                                       "the same batches (the same data and shuffling seed)")
 
     def _stage_io(self, r, s, mbs, sends):
         """(receive, send) of stage s of pipeline r for run_stage: mailboxes to
         stages of this process, dp.distributed messages to the others'."""
-        p, owner, me = self.num_stages, self.owner[r], self.rank
+        owner, me = self.owner[r], self.rank
         boxes = self._boxes
 
         def receive(kind, k):
@@ -431,7 +435,7 @@ class ProcessPipeline(StageBuffers, SplitModel):
     def train_step(self, X, y, lr, momentum=0.0, weight_decay=0.0):
         """One SGD step on the batch (mean loss), the same call on every rank.
         Returns (loss_sum, correct), the same on every rank."""
-        self._check_batch(X, y)
+        self._check_batch("step", X, y)
         N = len(y)
         if N == 0:
             return 0.0, 0
