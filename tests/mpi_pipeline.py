@@ -142,6 +142,15 @@ def train(folder):
         dp.train(again, it, test, num_epochs=epochs, lr=0.2, momentum=0.9, verbose=False, checkpoint=half,
                  resume=epochs == 2)
     say(f"resumed equal {np.array_equal(whole(again), whole(net))}")
+    # a NaN weight in stage 1 (set on every rank): every rank stops at the same step, and
+    # check_numerics names the layer from a re-run of the gathered network
+    w = net.get_weights()
+    w["7.weight"][3, 17] = np.nan
+    net.set_weights(w, allow_nonfinite=True)
+    try:
+        dp.train(net, it, num_epochs=1, lr=0.2, verbose=False, check_numerics=True)
+    except FloatingPointError as e:
+        say(f"FloatingPointError {e}")
     dist.barrier(30)
     if RANK == 0:
         one = dp.models.load(path, devices=["cpu:0"])

@@ -57,7 +57,8 @@ def test_two_process_pipelines_equal_one_process_and_train(tmp_path):
     last), 2 steps: the one-process pipeline's bits. Then dp.train with
     a checkpoint: every rank's History, predictions, evaluation and report are the
     same; the file (written by rank 0) holds the whole network and loads in one process,
-    and a run resumed from an epoch's checkpoint ends with the straight run's bits."""
+    and a run resumed from an epoch's checkpoint ends with the straight run's bits. A NaN
+    weight stops every rank at the same step; check_numerics names its layer."""
     proc, text, _ = run("two", 2, str(tmp_path))
     assert proc.returncode == 0, text
     equals_one_process(text, ["lenet-1f1b", "lenet-gpipe", "lenet-interleaved", "resnet-1f1b", "resnet-gpipe"], 2)
@@ -72,6 +73,9 @@ def test_two_process_pipelines_equal_one_process_and_train(tmp_path):
                 in text), text
     for r in range(2):
         assert f"rank {r}: resumed equal True" in text, text
+    for r in range(2):
+        assert re.search(rf"rank {r}: FloatingPointError training stopped at epoch 1, step 1: .*check_numerics: the "
+                         r"input batch is finite; the first non-finite values: layer 7 \(dense\)'s output", text), text
     m = re.search(r"rank 0: checkpoint weights True predictions differ by (\S+) argmax True accuracy True", text)
     assert m and float(m.group(1)) <= 1e-5, text
 
