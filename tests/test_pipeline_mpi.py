@@ -181,10 +181,10 @@ def test_strategy_across_processes_checks_its_arguments(four_cpus):
     with pytest.raises(ValueError, match="timeout"):
         dp.PipelineStrategy(devices=["rank0/cpu:0", "rank0/cpu:1"], timeout=0)
     s = dp.PipelineStrategy(devices=["rank0/cpu:0", "rank0/cpu:1"], timeout=5)
-    assert s.spans_processes and s.num_stages == 2 and s.devices == ["rank0/cpu:0", "rank0/cpu:1"]
+    assert s.across_ranks and s.num_stages == 2 and s.devices == ["rank0/cpu:0", "rank0/cpu:1"]
     assert "timeout=5" in repr(s)
     # outside mpirun, no devices: this process's devices, as before
-    assert not dp.PipelineStrategy().spans_processes
+    assert not dp.PipelineStrategy().across_ranks
 
 
 def test_the_guides_multi_process_example_runs_under_mpirun(tmp_path):

@@ -158,14 +158,14 @@ class Sequential:
             if sync_batchnorm:
                 raise ValueError("sync_batchnorm is not available with PipelineStrategy: BatchNorm normalises each "
                                  "micro-batch with its own statistics")
-            if strategy.spans_processes:
+            if strategy.across_ranks:
                 from .pipeline_mpi import ProcessPipeline as Stages
             else:
                 from .pipeline import Pipeline as Stages
             self._pipeline = Stages(self._specs, self._sources, input_shape, strategy, threads)
-        # across processes: the seconds to wait for another process (a job's
-        # collective calls: dp.train, save); 0 within one process
-        self._timeout = strategy.timeout if getattr(strategy, "spans_processes", False) else 0.0
+        # across the ranks of a job: the seconds to wait for another rank (dp.train then runs
+        # as a job: one process prints, rank 0 writes checkpoints)
+        self._timeout = getattr(self._pipeline, "_timeout", 0.0)
         self._replicas = [self._pipeline]
         self._model = self._pipeline
         self._mirrored = None
@@ -400,7 +400,6 @@ class Sequential:
             replica.set_state(state)
         if self._timeout and self._mirrored is not None:
             # collective: rank 0's weights win, so the replicas never diverge
-            # (a pipeline across processes: each rank keeps its stages' slices)
             self._mirrored.broadcast_across()
 
     # ---- files ---------------------------------------------------------------
@@ -431,9 +430,9 @@ class Sequential:
         if self._timeout:
             from . import distributed
 
-            # a pipeline's stages live on several ranks: every rank gathers the
-            # whole network, then rank 0 reads it without further messages
-            with self._pipeline.held() if self._pipeline is not None else contextlib.nullcontext():
+            # a model split over the ranks gathers its whole network on every rank first
+            gathered = getattr(self._pipeline, "gathered", contextlib.nullcontext)
+            with gathered():
                 if distributed.rank() == 0:
                     # a failure here ends the job (MPI_Abort) if nothing catches it,
                     # else the others give up waiting after the timeout

@@ -155,10 +155,13 @@ class ProcessPipeline(StageBuffers, SplitModel):
     Sequential uses of a replica group (see :class:`dpcore.pipeline.Pipeline`).
     ``local_models``: this rank's stages, {(pipeline, stage): _core.Model}."""
 
+    # dp.train and net.save run it as a job; _timeout: the seconds to wait for another rank
+    across_ranks = True
+
     def __init__(self, specs, sources, input_shape, strategy, threads=0):
         info = distributed._join()
         self.rank, self.world = info["rank"], info["world_size"]
-        self.timeout = strategy.timeout
+        self._timeout = strategy.timeout
         self.micro_batches = strategy.micro_batches
         self.schedule_kind = strategy.schedule
         self.num_replicas = R = strategy.replicas
@@ -208,7 +211,7 @@ class ProcessPipeline(StageBuffers, SplitModel):
         described = distributed.allgather_object(
             f"{type(failure).__name__}: {failure}" if failure is not None else
             {s: (m.nparams, len(m.get_state()), m.param_layout(), m.state_layout())
-             for (r, s), m in self.local_models.items()}, self.timeout, "the stages' buffer sizes")
+             for (r, s), m in self.local_models.items()}, self._timeout, "the stages' buffer sizes")
         if failure is not None:
             raise failure
         for q, d in enumerate(described):
@@ -242,9 +245,9 @@ class ProcessPipeline(StageBuffers, SplitModel):
                                                   self.num_stages))
             except Exception as e:  # noqa: BLE001 - every rank raises it, rank 0 its own
                 result = ("error", f"{type(e).__name__}: {e}")
-                distributed.broadcast_object(result, 0, self.timeout, "the pipeline's split (rank 0 measures)")
+                distributed.broadcast_object(result, 0, self._timeout, "the pipeline's split (rank 0 measures)")
                 raise
-        kind, value = distributed.broadcast_object(result, 0, self.timeout, "the pipeline's split (rank 0 measures)")
+        kind, value = distributed.broadcast_object(result, 0, self._timeout, "the pipeline's split (rank 0 measures)")
         if kind == "error":
             raise DistributedError(f"PipelineStrategy: rank 0 could not measure the layers' cost: {value}")
         return value
@@ -293,12 +296,12 @@ class ProcessPipeline(StageBuffers, SplitModel):
             part = out[offsets[s]:offsets[s + 1]]
             if self.owner[0][s] == self.rank:
                 part[...] = getattr(self.local_models[(0, s)], getter)()
-            distributed._private_bcast(part, self.owner[0][s], self.timeout,
+            distributed._private_bcast(part, self.owner[0][s], self._timeout,
                                        f"{getter} of pipeline stage {s} from rank {self.owner[0][s]}")
         return out
 
     @contextlib.contextmanager
-    def held(self):
+    def gathered(self):
         """A context in which get_params / get_state / get_velocity return the whole
         network's buffers gathered once on entry (collective), without further
         communication: for what one rank alone reads (rank 0 writing a file)."""
@@ -315,7 +318,7 @@ class ProcessPipeline(StageBuffers, SplitModel):
         bits = {key: np.concatenate([m.get_params(), m.get_state()]).tobytes()
                 for key, m in self.local_models.items()}
         digests = {}
-        for part in distributed.allgather_object({k: zlib.crc32(b) for k, b in bits.items()}, self.timeout,
+        for part in distributed.allgather_object({k: zlib.crc32(b) for k, b in bits.items()}, self._timeout,
                                                  "the copies' digests"):
             digests.update(part)
         return all(digests[(r, s)] == digests[(0, s)] for r in range(self.num_replicas)
@@ -333,7 +336,7 @@ class ProcessPipeline(StageBuffers, SplitModel):
             last = s == p - 1
             if s > 0 and owner[s - 1] != me:
                 h = np.empty((len(X),) + self._in_shapes[s], np.float32)
-                distributed._private_p2p(False, h, owner[s - 1], self._tags[(0, s - 1)], self.timeout,
+                distributed._private_p2p(False, h, owner[s - 1], self._tags[(0, s - 1)], self._timeout,
                                          f"pipeline stage {s} on rank {me}: the activations of an evaluation from "
                                          f"stage {s - 1} on rank {owner[s - 1]}")()
             out, loss, correct = self.local_models[(0, s)].stage_forward(
@@ -343,7 +346,7 @@ class ProcessPipeline(StageBuffers, SplitModel):
                 result = (out, loss, correct)
             elif owner[s + 1] != me:
                 distributed._private_p2p(True, _host_array(out, (len(X),) + self._out_shapes[s]), owner[s + 1],
-                                         self._tags[(0, s)], self.timeout,
+                                         self._tags[(0, s)], self._timeout,
                                          f"pipeline stage {s} on rank {me}: the activations of an evaluation to "
                                          f"stage {s + 1} on rank {owner[s + 1]}")()
         return result
@@ -354,7 +357,7 @@ class ProcessPipeline(StageBuffers, SplitModel):
             return 0.0, 0
         result = self._forward(X, y)
         loss, correct = distributed.broadcast_object(
-            None if result is None else (result[1], result[2]), self.owner[0][-1], self.timeout,
+            None if result is None else (result[1], result[2]), self.owner[0][-1], self._timeout,
             f"the evaluation's loss from the last stage on rank {self.owner[0][-1]}")
         return loss, correct
 
@@ -363,7 +366,7 @@ class ProcessPipeline(StageBuffers, SplitModel):
         result = self._forward(X)
         logits = (_host_array(result[0], (len(X), self.num_classes)) if result is not None
                   else np.empty((len(X), self.num_classes), np.float32))
-        return distributed._private_bcast(logits, self.owner[0][-1], self.timeout,
+        return distributed._private_bcast(logits, self.owner[0][-1], self._timeout,
                                           f"the logits from the last stage on rank {self.owner[0][-1]}")
 
     def find_nonfinite(self, X, y):
@@ -378,7 +381,7 @@ class ProcessPipeline(StageBuffers, SplitModel):
                 "busy": {s: self._stats["busy"][s] for r, s in self.local_models if r == 0},
                 "activation_bytes": {key: m.activation_bytes for key, m in self.local_models.items()},
                 "timeline": self._last_ops}
-        parts = distributed.allgather_object(mine, self.timeout, "the pipeline report's times")
+        parts = distributed.allgather_object(mine, self._timeout, "the pipeline report's times")
         busy, act = [0.0] * self.num_stages, [0] * self.num_stages
         for part in parts:
             for s, b in part["busy"].items():
@@ -394,7 +397,7 @@ class ProcessPipeline(StageBuffers, SplitModel):
         predict): its size and the CRC-32s of its images and labels gathered and
         compared; a DistributedError on every rank otherwise."""
         mine = (len(X), zlib.crc32(np.ascontiguousarray(X)), 0 if y is None else zlib.crc32(np.ascontiguousarray(y)))
-        seen = distributed.allgather_object(mine, self.timeout, f"the start of {what} (the batch's digest)")
+        seen = distributed.allgather_object(mine, self._timeout, f"the start of {what} (the batch's digest)")
         for q, theirs in enumerate(seen):
             if theirs != seen[0]:
                 raise DistributedError(f"the processes {what} on different batches: rank {q} has {theirs[0]} "
@@ -417,7 +420,7 @@ class ProcessPipeline(StageBuffers, SplitModel):
             what = (f"pipeline stage {s} on rank {me}: the {'activations' if kind == 'F' else 'gradient'} of "
                     f"micro-batch {k} from stage {t} on rank {owner[t]}")
             tag = self._tags[(r, min(s, t))] + (kind == "B")
-            return distributed._private_p2p(False, into, owner[t], tag, self.timeout, what)()
+            return distributed._private_p2p(False, into, owner[t], tag, self._timeout, what)()
 
         def send(kind, k, value):
             t = s + 1 if kind == "F" else s - 1
@@ -429,7 +432,7 @@ class ProcessPipeline(StageBuffers, SplitModel):
             tag = self._tags[(r, min(s, t))] + (kind == "B")
             shape = self._out_shapes[s] if kind == "F" else self._in_shapes[s]
             sends[kind].add(distributed._private_p2p(True, _host_array(value, (len(mbs[k]),) + shape), owner[t], tag,
-                                                     self.timeout, what), what)
+                                                     self._timeout, what), what)
         return receive, send
 
     def train_step(self, X, y, lr, momentum=0.0, weight_decay=0.0):
@@ -495,7 +498,7 @@ class ProcessPipeline(StageBuffers, SplitModel):
             self._reduce_copies([len(rows) > 0 for rows in shards])
         mine = {r: results[(r, s)] for r, s in results if s == p - 1}
         losses = {}
-        for part in distributed.allgather_object(mine, self.timeout, "the step's losses from the last stages"):
+        for part in distributed.allgather_object(mine, self._timeout, "the step's losses from the last stages"):
             losses.update(part)
         losses = [losses[r] for r in range(R)]
         return self._finish_step(losses, states, makespan, busy, ops_log, lr, momentum, weight_decay)
@@ -522,7 +525,7 @@ class ProcessPipeline(StageBuffers, SplitModel):
                 if src == dst:
                     return
                 if me in (src, dst):
-                    distributed._private_p2p(me == src, array, dst if me == src else src, TAG_REDUCE, self.timeout,
+                    distributed._private_p2p(me == src, array, dst if me == src else src, TAG_REDUCE, self._timeout,
                                              f"the sum of pipeline stage {s}'s copies: {what} from rank {src} to "
                                              f"rank {dst}")()
 

@@ -244,8 +244,8 @@ class PipelineStrategy(MirroredStrategy):
         return len(self._devices) // self.replicas
 
     @property
-    def spans_processes(self):
-        """True when the stages run in several processes of an MPI job."""
+    def across_ranks(self):
+        """Whether the stages live on the ranks of an MPI job (devices 'rankQ/dev')."""
         return self._placement is not None
 
     @property
@@ -255,7 +255,7 @@ class PipelineStrategy(MirroredStrategy):
     def __repr__(self):
         return (f"PipelineStrategy(devices={self._devices}, micro_batches={self.micro_batches}, "
                 f"schedule={self.schedule!r}, split={self.split}, replicas={self.replicas}, "
-                f"balance={self.balance!r}{f', timeout={self.timeout}' if self.spans_processes else ''})")
+                f"balance={self.balance!r}{f', timeout={self.timeout}' if self.across_ranks else ''})")
 
 
 class ModelParallelStrategy(MirroredStrategy):
