@@ -161,12 +161,14 @@ class Sequential:
                 self._pipeline = TensorParallel(self._specs, self._sources, input_shape, strategy.devices, threads,
                                                 strategy.replicas)
         else:
-            from .pipeline import Pipeline
-
             if sync_batchnorm:
                 raise ValueError("sync_batchnorm is not available with PipelineStrategy: BatchNorm normalises each "
                                  "micro-batch with its own statistics")
-            self._pipeline = Pipeline(self._specs, self._sources, input_shape, strategy, threads)
+            if strategy.across_ranks:
+                from .pipeline_mpi import ProcessPipeline as Stages
+            else:
+                from .pipeline import Pipeline as Stages
+            self._pipeline = Stages(self._specs, self._sources, input_shape, strategy, threads)
         # across the ranks of a job: the seconds to wait for another rank (dp.train then runs
         # as a job: one process prints, rank 0 writes checkpoints)
         self._timeout = getattr(self._pipeline, "_timeout", 0.0)
@@ -186,8 +188,9 @@ class Sequential:
         ``.plot()`` draws the last step). Averaged over the steps since the
         model was built or since ``pipeline_report(reset=True)``."""
         from .pipeline import Pipeline
+        from .pipeline_mpi import ProcessPipeline
 
-        if not isinstance(self._pipeline, Pipeline):
+        if not isinstance(self._pipeline, (Pipeline, ProcessPipeline)):
             raise ValueError("pipeline_report: this model was not built under a PipelineStrategy's scope")
         return self._pipeline.report()
 
@@ -302,7 +305,8 @@ class Sequential:
 
     @property
     def multi_process(self):
-        """True for a model of MultiWorkerMirroredStrategy (replicas in several processes)."""
+        """True for a model of MultiWorkerMirroredStrategy (replicas in several processes)
+        or of a PipelineStrategy across processes (stages in several)."""
         return bool(self._timeout)
 
     def digest(self):
@@ -420,9 +424,11 @@ class Sequential:
         leaves is removed by the next save to this path); the file's mode is
         0666 & ~umask.
 
-        Across the processes of a job (MultiWorkerMirroredStrategy) it is
-        collective: rank 0 writes (every replica holds the same bits) and the
-        others wait until the file is complete."""
+        Across the processes of a job (MultiWorkerMirroredStrategy, or a
+        PipelineStrategy whose stages are on several ranks) it is collective:
+        rank 0 writes (every replica holds the same bits; a pipeline's stages
+        are first gathered on every rank) and the others wait until the file
+        is complete."""
         self._write(_check.path("path", path))
 
     def _write(self, path, training=None):

@@ -31,7 +31,7 @@ import contextlib
 import contextvars
 
 from . import _check, _core
-from .devices import check_device, list_devices
+from .devices import list_devices
 from .info import build_flags
 from .parallel import _devices
 
@@ -192,15 +192,36 @@ class PipelineStrategy(MirroredStrategy):
     stage's gradients all-reduced among its copies. The step applies the
     full-batch gradient; BatchNorm normalises each micro-batch with its own
     statistics (as GPipe does). See :mod:`dpcore.pipeline`.
+
+    Across the processes of an MPI job (:mod:`dpcore.pipeline_mpi`): under
+    ``mpirun -np W`` without devices, stage i of pipeline r runs on rank
+    r * p + i (p = W / replicas), on ``cuda:{local_rank}`` where the host has
+    GPUs, else ``cpu:0``; or devices name their ranks, ``['rank0/cpu:0',
+    'rank1/cpu:0']`` (the same list on every rank). Every rank runs the same
+    script and calls: the same bits as one process running the same stages.
+    timeout: seconds a process waits for another before raising
+    :class:`dpcore.DistributedError` naming it and the stage (default 60).
     """
 
-    def __init__(self, devices=None, micro_batches=4, schedule="1f1b", split=None, replicas=1, balance="measured"):
-        super().__init__(devices)
+    def __init__(self, devices=None, micro_batches=4, schedule="1f1b", split=None, replicas=1, balance="measured",
+                 timeout=None):
+        from . import distributed
         from .pipeline import SCHEDULES
+        from .ranks import job_devices, spans_processes
 
+        self.timeout = distributed._check_timeout(distributed.DEFAULT_TIMEOUT if timeout is None else timeout)
         self.micro_batches = _check.integer("micro_batches", micro_batches, 1, 2**31 - 1)
         self.schedule = _check.one_of("schedule", schedule.lower() if isinstance(schedule, str) else schedule,
                                       SCHEDULES)
+        self.replicas = _check.integer("replicas", replicas, 1, _check.MAX_DEVICES)
+        # across processes (dpcore.pipeline_mpi): [(rank, device)] of the job's stages; None: this process's
+        self._placement = None
+        if spans_processes(devices):
+            self._placement = job_devices("PipelineStrategy", devices, self.replicas, self.timeout)
+            self._devices = [f"rank{q}/{d}" for q, d in self._placement]
+            self.all_reduce, self.bucket_mb, self.no_gpu_reason = "auto", DEFAULT_BUCKET_MB, None
+        else:
+            super().__init__(devices)
         self.replicas = _check.integer("replicas", replicas, 1, len(self._devices))
         if len(self._devices) % self.replicas:
             raise ValueError(f"replicas={self.replicas} must divide the {len(self._devices)} devices "
@@ -223,13 +244,18 @@ class PipelineStrategy(MirroredStrategy):
         return len(self._devices) // self.replicas
 
     @property
+    def across_ranks(self):
+        """Whether the stages live on the ranks of an MPI job (devices 'rankQ/dev')."""
+        return self._placement is not None
+
+    @property
     def num_replicas_in_sync(self):
         return self.replicas
 
     def __repr__(self):
         return (f"PipelineStrategy(devices={self._devices}, micro_batches={self.micro_batches}, "
                 f"schedule={self.schedule!r}, split={self.split}, replicas={self.replicas}, "
-                f"balance={self.balance!r})")
+                f"balance={self.balance!r}{f', timeout={self.timeout}' if self.across_ranks else ''})")
 
 
 class ModelParallelStrategy(MirroredStrategy):
@@ -249,16 +275,30 @@ class ModelParallelStrategy(MirroredStrategy):
     trains on its shard of the batch, each slice's gradients are all-reduced
     among its R copies and BatchNorm's running statistics averaged, as
     MirroredStrategy does. See :mod:`dpcore.tensor_parallel`.
+
+    Across the processes of an MPI job: under ``mpirun -np W`` without devices,
+    slice i of every layer runs on rank i (``cuda:{local_rank}`` where the host
+    has GPUs, else ``cpu:0``); or devices name their ranks, one each
+    (``['rank0/cpu:0', 'rank1/cpu:0']``, the same list on every rank). The same
+    bits as one process with the same slices. timeout: seconds a rank waits
+    for another before raising :class:`dpcore.DistributedError` (default 60).
     """
 
     def __init__(self, devices=None, replicas=1, timeout=None):
-        self.timeout = None
-        if _across_ranks(devices):
-            from . import distributed
+        from . import distributed
+        from .ranks import job_devices, spans_processes
 
-            self.timeout = distributed._check_timeout(distributed.DEFAULT_TIMEOUT if timeout is None else timeout)
-            super().__init__(["cpu:0"])
-            self._devices = _job_devices("ModelParallelStrategy", devices, self.timeout)
+        self.timeout = distributed._check_timeout(distributed.DEFAULT_TIMEOUT if timeout is None else timeout)
+        replicas = _check.integer("replicas", replicas, 1, _check.MAX_DEVICES)
+        self.across_ranks = spans_processes(devices)
+        if self.across_ranks:
+            placement = job_devices("ModelParallelStrategy", devices, replicas, self.timeout)
+            ranks = sorted(q for q, _ in placement)
+            if ranks != list(range(distributed.world_size())):
+                raise ValueError(f"ModelParallelStrategy: across processes each rank holds one slice: "
+                                 f"{[f'rank{q}/{d}' for q, d in placement]} names ranks {ranks}")
+            self._devices = [f"rank{q}/{d}" for q, d in placement]
+            self.all_reduce, self.bucket_mb, self.no_gpu_reason = "auto", DEFAULT_BUCKET_MB, None
         else:
             super().__init__(devices)
         self.replicas = _check.integer("replicas", replicas, 1, len(self._devices))
@@ -267,65 +307,11 @@ class ModelParallelStrategy(MirroredStrategy):
                              f"{self._devices} (each copy is split over the same number of devices)")
 
     @property
-    def across_ranks(self):
-        """Whether the slices live on the ranks of an MPI job (devices 'rankQ/dev')."""
-        return self.timeout is not None
-
-    @property
     def num_replicas_in_sync(self):
         return self.replicas
 
     def __repr__(self):
         return f"ModelParallelStrategy(devices={self._devices}, replicas={self.replicas})"
-
-
-def _across_ranks(devices):
-    """A split strategy spans the ranks of an MPI job when its devices name ranks
-    ('rank1/cpu:0'), or when none are given in a job of several processes."""
-    from . import distributed
-
-    if devices is None:
-        return distributed._launched_size() > 1
-    names = [devices] if isinstance(devices, str) else devices
-    return isinstance(names, (list, tuple)) and any(isinstance(d, str) and d.startswith("rank") for d in names)
-
-
-def _job_devices(who, devices, timeout):
-    """The job-wide device list ('rankQ/dev', one per rank) of a strategy whose parts live
-    on the ranks of an MPI job: by default every rank's own device (its GPU
-    'cuda:{local_rank}' where the host has GPUs, else 'cpu:0') in rank order. Every rank
-    must pass the same list (checked: a DistributedError on every rank otherwise); each
-    rank's own entry must be one of its devices."""
-    from . import distributed
-
-    info = distributed._join()
-    W, me = info["world_size"], info["rank"]
-    if devices is None:
-        gpus = [d for d in list_devices() if d.startswith("cuda:")]
-        if gpus and info["local_rank"] >= len(gpus):
-            raise ValueError(f"{who}: {info['local_size']} processes on this host share {len(gpus)} GPU(s); each "
-                             "rank needs its own (NCCL refuses two ranks on one GPU): start one process per GPU, or "
-                             "pass devices=")
-        mine = gpus[info["local_rank"]] if gpus else "cpu:0"
-        return [f"rank{q}/{d}" for q, d in enumerate(distributed.allgather_object(
-            mine, timeout, f"the devices of {who}"))]
-    names = _check.device_names("devices", devices)
-    ranks = []
-    for name in names:
-        head, _, local = name.partition("/")
-        if not (head.startswith("rank") and head[4:].isdigit() and local):
-            raise ValueError(f"{who}: across the ranks of a job every device names its rank, as 'rank1/cpu:0'; "
-                             f"got {name!r} in {names}")
-        q = int(head[4:])
-        if q >= W:
-            raise ValueError(f"{who}: {name!r} names rank {q}, but the job has {W} rank(s) (0..{W - 1})")
-        ranks.append(q)
-    if sorted(ranks) != list(range(W)):
-        raise ValueError(f"{who}: across the ranks of a job each of the {W} ranks holds one device: "
-                         f"{names} names ranks {ranks}")
-    distributed.agree(f"the devices of {who}", list(names), timeout)
-    check_device(names[ranks.index(me)].partition("/")[2])
-    return list(names)
 
 
 def get_strategy():
