@@ -16,8 +16,9 @@ How it works (the C core computes; this module moves activations between layers)
   ``'channels'`` (BatchNorm, with its slice of gamma, beta and running
   statistics; ReLU; the poolings): each device runs the layer on its slice of
   the channels. Every such layer is a ``_core.Model`` of its own per device.
-- Forward: after each layer the devices' slices are gathered along the channel
-  axis into the whole activation (an all-gather through host memory). A kind
+- Forward: the devices' slices are gathered along the channel axis into the
+  whole activation (an all-gather through host memory) where a layer needs it
+  whole; a channel-wise layer after a split one reads its own slice. A kind
   the table marks a join (``joins='sum'``: a residual ``add``) or a view
   (``flatten``) is done on the gathered array (a float32 sum and a reshape:
   bitwise what the C kernels do).
@@ -98,6 +99,33 @@ class ModelParallelReport:
         return "\n".join(lines)
 
     __repr__ = __str__
+
+
+class _Slices:
+    """A tensor held as channel slices (parts: device index -> its slice along axis 1), the
+    whole gathered only when something needs it (whole()): a channel-wise layer after a split
+    layer reads its own slice, so ReLU, pooling and BatchNorm after a convolution move
+    nothing between devices."""
+
+    def __init__(self, parts, shape, gather):
+        self.parts, self.shape, self._gather, self._whole = parts, tuple(shape), gather, None
+
+    def whole(self):
+        if self._whole is None:
+            self._whole = self._gather(self.parts)
+        return self._whole
+
+
+def _whole(x):
+    return x.whole() if isinstance(x, _Slices) else x
+
+
+def _part(x, d, bounds):
+    """Device d's channel slice of x (bounds: the slices' channel ranges)."""
+    if isinstance(x, _Slices):
+        return x.parts[d]
+    a, b = bounds[d]
+    return np.ascontiguousarray(x[:, a:b])
 
 
 class TensorParallel(SplitModel):
@@ -291,24 +319,26 @@ class TensorParallel(SplitModel):
             kind = spec[0]
             src = self.reads[j][0]
             if _LAYER_KINDS[kind]["joins"] == "sum":
-                acts[j] = acts[src]
+                acts[j] = _whole(acts[src])
                 for other in self.reads[j][1:]:
-                    acts[j] = acts[j] + acts[other]
+                    acts[j] = acts[j] + _whole(acts[other])
             elif _LAYER_KINDS[kind]["view"]:
-                acts[j] = acts[src].reshape((N,) + tuple(self._shapes[j][2]))
+                acts[j] = _whole(acts[src]).reshape((N,) + tuple(self._shapes[j][2]))
             else:
                 acts[j] = self._split_forward(j, acts[src], training, g)
         return acts
 
     def _split_forward(self, j, x, training, g):
-        """Split layer j's whole output on copy g, from its whole input x: each device's slice, gathered."""
+        """Split layer j's output on copy g (_Slices), from its input x (whole, or _Slices with
+        the same channel slices for a channel-wise layer)."""
         row = self.groups[g][j]
         if _split(self.specs[j][0]) == "output":
-            inputs = [x] * self.k
+            inputs = [_whole(x)] * self.k
         else:
-            inputs = [np.ascontiguousarray(x[:, a:b]) for a, b in self.in_bounds(j)]
+            inputs = [_part(x, d, self.in_bounds(j)) for d in range(self.k)]
         outs = self._each(g, lambda d, xi: row[d].stage_forward(0, xi, training=training)[0], inputs)
-        return np.concatenate(outs, axis=1)
+        return _Slices(dict(enumerate(outs)), (len(inputs[0]),) + tuple(self._shapes[j][2]),
+                       lambda parts: np.concatenate([parts[d] for d in range(self.k)], axis=1))
 
     def in_bounds(self, j):
         """The channel slices of layer j's input (a channel-wise layer's input channels are its output's)."""
@@ -317,12 +347,12 @@ class TensorParallel(SplitModel):
     def evaluate(self, X, y):
         if len(y) == 0:
             return 0.0, 0
-        logits = self._forward(X, False)[len(self.specs) - 1]
+        logits = _whole(self._forward(X, False)[len(self.specs) - 1])
         _, loss, correct = self.head.stage_forward(0, logits, y, training=False, output=False)
         return loss, correct
 
     def predict(self, X):
-        return self._forward(X, False)[len(self.specs) - 1].reshape(len(X), -1)
+        return _whole(self._forward(X, False)[len(self.specs) - 1]).reshape(len(X), -1)
 
     def train_step(self, X, y, lr, momentum=0.0, weight_decay=0.0):
         N = len(y)
@@ -373,7 +403,7 @@ class TensorParallel(SplitModel):
         N = len(y)
         L = len(self.specs)
         acts = self._forward(X, True, g)
-        loss, correct, dlogits = self._loss(g, acts[L - 1], y, total)
+        loss, correct, dlogits = self._loss(g, _whole(acts[L - 1]), y, total)
         grads = {L - 1: dlogits}
         shapes = {j: a.shape for j, a in acts.items()}
         del acts
@@ -381,7 +411,7 @@ class TensorParallel(SplitModel):
         def deliver(src, grad):
             if src < 0:
                 return
-            grads[src] = grads[src] + grad if src in grads else grad
+            grads[src] = _whole(grads[src]) + _whole(grad) if src in grads else grad
 
         for j in reversed(range(L)):
             kind = self.specs[j][0]
@@ -394,7 +424,7 @@ class TensorParallel(SplitModel):
                     deliver(read, dy)
                 continue
             if _LAYER_KINDS[kind]["view"]:
-                deliver(src, dy.reshape(shapes[src]))
+                deliver(src, _whole(dy).reshape(shapes[src]))
                 continue
             dx = self._split_backward(j, dy, g, N, want_dx=src >= 0)
             if dx is not None:
@@ -413,12 +443,13 @@ class TensorParallel(SplitModel):
         from .parallel import all_reduce, tensor
 
         row = self.groups[g][j]
-        slices = [np.ascontiguousarray(dy[:, a:b]) for a, b in self.bounds[j]]
+        slices = [_part(dy, d, self.bounds[j]) for d in range(self.k)]
         dxs = self._each(g, lambda d, dy_d: row[d].stage_backward(0, N, dy_d, input_grad=want_dx), slices)
         if not want_dx:
             return None
         if _split(self.specs[j][0]) != "output":
-            return np.concatenate(dxs, axis=1)
+            return _Slices(dict(enumerate(dxs)), (N,) + tuple(self._shapes[j][1]),
+                           lambda parts: np.concatenate([parts[d] for d in range(self.k)], axis=1))
         if self.k == 1:
             return dxs[0]
         # each device's partial gradient of the whole input, summed on every device
@@ -434,9 +465,9 @@ class TensorParallelRanks(TensorParallel):
     on the rank at position g * k + d of the strategy's device list ('rankQ/dev', one per
     rank), in that rank's process. Every rank runs the same script on the same batches.
 
-    The arithmetic is the one-process TensorParallel's, in the same order: after each split
-    layer the slices are gathered across the ranks (an all-gather of every rank's slice,
-    padded to the largest), a layer split by output channels has its partial input gradients
+    The arithmetic is the one-process TensorParallel's, in the same order: where a layer needs
+    a whole activation the slices are gathered across the ranks (an all-gather of every rank's
+    slice, padded to the largest), a layer split by output channels has its partial input gradients
     summed over the copy's ranks in position order (((p0 + p1) + p2) ..., float32, as
     dp.all_reduce sums in one process), the loss and its gradient are computed on every rank
     from the gathered logits (the same bits everywhere), and with replicas=R each slice's
@@ -528,7 +559,7 @@ class TensorParallelRanks(TensorParallel):
         from . import distributed
 
         if error is not None:
-            data = f"{type(error).__name__}: {error}".encode()
+            data = f"in {what}: {type(error).__name__}: {error}".encode()
         # each exchange numbered and named, so that ranks out of step (one left a step
         # early) are an error naming both places, never one rank's bytes read as another's
         self._exchanges += 1
@@ -550,8 +581,9 @@ class TensorParallelRanks(TensorParallel):
         failed = [q for q, h in enumerate(heads) if h[0]]
         if failed and error is None:
             q = failed[0]
-            raise distributed.DistributedError(f"rank {q} failed during {what}: "
-                                               f"{parts[q].decode(errors='replace')}")
+            raise distributed.DistributedError(f"rank {q} of a ModelParallelStrategy model failed "
+                                               f"{parts[q].decode(errors='replace')} (this rank learned it "
+                                               f"in {what})")
         return parts
 
     def _all_gather(self, array, what):
@@ -705,16 +737,16 @@ class TensorParallelRanks(TensorParallel):
 
     # ---- computing (TensorParallel's passes; these hooks are this rank's part) ----------
     def _split_forward(self, j, x, training, g):
-        N = len(x)
+        N = x.shape[0]
         a, b = self.bounds[j][self._d]
+        x = _whole(x) if _split(self.specs[j][0]) == "output" else _part(x, self._d, self.bounds[j])
         if N:
-            if _split(self.specs[j][0]) != "output":
-                x = np.ascontiguousarray(x[:, a:b])
             out = self._local(lambda: self.mine[j].stage_forward(0, x, training=training)[0],
                               f"layer {j}'s forward pass")
         else:  # a copy without samples still takes part in every exchange
             out = np.zeros((0, b - a) + tuple(self._shapes[j][2][1:]), np.float32)
-        return self._gather_slices(j, out, N, 2)
+        return _Slices({self._d: out}, (N,) + tuple(self._shapes[j][2]),
+                       lambda parts: self._gather_slices(j, parts[self._d], N, 2))
 
     def train_step(self, X, y, lr, momentum=0.0, weight_decay=0.0):
         N = len(y)
@@ -786,9 +818,9 @@ class TensorParallelRanks(TensorParallel):
     def _split_backward(self, j, dy, g, N, want_dx):
         kind = self.specs[j][0]
         a, b = self.bounds[j][self._d]
+        dy = _part(dy, self._d, self.bounds[j])
         if N:
-            dx = self._local(lambda: self.mine[j].stage_backward(0, N, np.ascontiguousarray(dy[:, a:b]),
-                                                                  input_grad=want_dx),
+            dx = self._local(lambda: self.mine[j].stage_backward(0, N, dy, input_grad=want_dx),
                              f"layer {j}'s backward pass")
         else:
             ins = tuple(self._shapes[j][1])
@@ -797,4 +829,5 @@ class TensorParallelRanks(TensorParallel):
             return None
         if _split(kind) == "output":
             return self._sum_over_copy(np.asarray(dx, np.float32), f"the sum of layer {j}'s input gradients")
-        return self._gather_slices(j, dx, N, 1)
+        return _Slices({self._d: dx}, (N,) + tuple(self._shapes[j][1]),
+                       lambda parts: self._gather_slices(j, parts[self._d], N, 1))
