@@ -28,12 +28,19 @@ def data(n, shape=(1, 28, 28), seed=0):
     return rng.random((n,) + shape, dtype=np.float32), rng.integers(0, 10, n)
 
 
+# threads per part, for the job and the one-process reference alike (0: each device's
+# default). A convolution's weight gradient is summed per thread, so the two must agree:
+# ranks sharing a host split its cores as logical devices do, but a rank alone on its
+# host (tests/test_distributed.py's two simulated hosts) would take them all.
+THREADS = int(os.environ.get("DPCORE_TEST_THREADS", "0"))
+
+
 def lenet():
-    return dp.models.LeNet()
+    return dp.models.LeNet(threads=THREADS)
 
 
 def resnet():
-    return dp.models.ResNet18(input_size=12)
+    return dp.models.ResNet18(input_size=12, threads=THREADS)
 
 
 # name -> (model, samples, input shape, strategy arguments); replicas come from the case
@@ -208,7 +215,7 @@ def failure(kill):
         say(f"{type(e).__name__} after {time.monotonic() - start:.0f} s: {e}")
 
 
-CASES = {"two": two, "three": three, "replicated": replicated, "raise": lambda: failure(False),
+CASES = {"two": two, "three": three, "replicated": replicated, "hosts": lambda: equal(["lenet-gpipe", "resnet-1f1b"]), "raise": lambda: failure(False),
          "kill": lambda: failure(True)}
 
 if __name__ == "__main__":

@@ -29,12 +29,19 @@ def data(n, shape, seed=0):
     return rng.random((n,) + shape, dtype=np.float32), rng.integers(0, 10, n)
 
 
+# threads per part, for the job and the one-process reference alike (0: each device's
+# default). A convolution's weight gradient is summed per thread, so the two must agree:
+# ranks sharing a host split its cores as logical devices do, but a rank alone on its
+# host (tests/test_distributed.py's two simulated hosts) would take them all.
+THREADS = int(os.environ.get("DPCORE_TEST_THREADS", "0"))
+
+
 def lenet():
-    return dp.models.LeNet(seed=4)
+    return dp.models.LeNet(seed=4, threads=THREADS)
 
 
 def resnet():
-    return dp.models.ResNet18(seed=4, input_size=12)
+    return dp.models.ResNet18(seed=4, input_size=12, threads=THREADS)
 
 
 def one_process(model_fn, k, replicas, steps, X, y, Xt):
