@@ -54,7 +54,18 @@ CONFIGS = {
     "resnet-1f1b": (resnet, 12, (1, 12, 12), dict(schedule="1f1b", micro_batches=2, balance="flops")),
     # stages that begin at evenly spaced block boundaries: BatchNorm in every stage
     "resnet-gpipe": (resnet, 12, (1, 12, 12), dict(schedule="gpipe", micro_batches=3, split="spread")),
+    # the GPU twins: both ranks' stages on GPU 0 (host hand-over: ranks may share a GPU),
+    # against logical GPUs of GPU 0 in one process
+    "lenet-gpu": (lenet, 26, (1, 28, 28), dict(schedule="1f1b", micro_batches=4, balance="flops",
+                                               devices=["rank0/cuda:0", "rank1/cuda:0"])),
+    "resnet-gpu": (resnet, 12, (1, 12, 12), dict(schedule="gpipe", micro_batches=3, balance="flops",
+                                                 devices=["rank0/cuda:0", "rank1/cuda:0"])),
 }
+
+
+def kind_of(kw):
+    """The kind of device a configuration's stages run on ('cuda' or 'cpu')."""
+    return "cuda" if any("cuda" in d for d in kw.get("devices", [])) else "cpu"
 
 
 def spread(stages):
@@ -80,7 +91,8 @@ def equal(names, replicas=1):
     if RANK == 0:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)  # more logical devices than cores
-            dp.set_logical_devices("cpu", max(WORLD, 3))  # one per stage of the references
+            for kind in {kind_of(CONFIGS[name][3]) for name in names}:
+                dp.set_logical_devices(kind, max(WORLD, 3))  # one per stage of the references
     jobs = {}
     for name in names:
         model, n, shape, kw = CONFIGS[name]
@@ -101,8 +113,8 @@ def equal(names, replicas=1):
         model, n, shape, kw = CONFIGS[name]
         X, y = data(n, shape)
         split, devices, losses, bits = jobs[name]
-        with dp.PipelineStrategy(replicas=replicas, **dict(kw, split=split,
-                                                           devices=[f"cpu:{i}" for i in range(devices)])).scope():
+        with dp.PipelineStrategy(replicas=replicas, **dict(kw, split=split, devices=[
+                f"{kind_of(kw)}:{i}" for i in range(devices)])).scope():
             ref = model()
         ref_losses = steps(ref, X, y)
         say(f"{name} split {split} equal {ref_losses == losses and np.array_equal(whole(ref), bits)}")
@@ -215,7 +227,8 @@ def failure(kill):
         say(f"{type(e).__name__} after {time.monotonic() - start:.0f} s: {e}")
 
 
-CASES = {"two": two, "three": three, "replicated": replicated, "hosts": lambda: equal(["lenet-gpipe", "resnet-1f1b"]), "raise": lambda: failure(False),
+CASES = {"two": two, "three": three, "replicated": replicated, "hosts": lambda: equal(["lenet-gpipe", "resnet-1f1b"]),
+         "gpu": lambda: equal(["lenet-gpu", "resnet-gpu"]), "raise": lambda: failure(False),
          "kill": lambda: failure(True)}
 
 if __name__ == "__main__":

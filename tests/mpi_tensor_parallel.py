@@ -6,7 +6,8 @@ rank.
 
     mpirun -np 2|3|4 python tests/mpi_tensor_parallel.py CASE[,CASE...] [DIR]
 
-CASE: equal, replicas (4 ranks: 2 copies x 2), checkpoint (writes into DIR), failure, killed.
+CASE: equal, replicas (4 ranks: 2 copies x 2), checkpoint (writes into DIR), failure, killed, gpu
+(every rank's slices on GPU 0).
 """
 import os
 import sys
@@ -44,17 +45,18 @@ def resnet():
     return dp.models.ResNet18(seed=4, input_size=12, threads=THREADS)
 
 
-def one_process(model_fn, k, replicas, steps, X, y, Xt):
-    """The one-process strategy over k * replicas logical CPU devices: (losses, weights, logits)."""
+def one_process(model_fn, k, replicas, steps, X, y, Xt, kind="cpu"):
+    """The one-process strategy over k * replicas logical devices of `kind` (GPUs: logical
+    GPUs of GPU 0, as the job's ranks share it): (losses, weights, logits)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # more logical devices than cores
-        dp.set_logical_devices("cpu", k * replicas)
-    with dp.ModelParallelStrategy(devices=[f"cpu:{i}" for i in range(k * replicas)], replicas=replicas).scope():
+        dp.set_logical_devices(kind, k * replicas)
+    with dp.ModelParallelStrategy(devices=[f"{kind}:{i}" for i in range(k * replicas)], replicas=replicas).scope():
         net = model_fn()
     losses = [net.train_step(X, y, lr=0.1, momentum=0.9) for _ in range(steps)]
     out = losses, net.get_weights(), net.predict(Xt)
     del net
-    dp.set_logical_devices("cpu", 1)
+    dp.set_logical_devices(kind, 1)
     return out
 
 
@@ -72,12 +74,12 @@ def same_bits(a, b):
     return not bad and a.keys() == b.keys()
 
 
-def compare(name, model_fn, shape, replicas, n=9, steps=2, **kw):
+def compare(name, model_fn, shape, replicas, n=9, steps=2, kind="cpu", **kw):
     X, y = data(n, shape)
     Xt, _ = data(5, shape, seed=1)
     net, losses, weights, logits = across(model_fn, replicas, steps, X, y, Xt, **kw)
     k = world // replicas
-    ref_losses, ref_weights, ref_logits = one_process(model_fn, k, replicas, steps, X, y, Xt)
+    ref_losses, ref_weights, ref_logits = one_process(model_fn, k, replicas, steps, X, y, Xt, kind)
     say(f"{name}: losses equal {losses == ref_losses}, weights bitwise {same_bits(weights, ref_weights)}, "
         f"logits bitwise {np.array_equal(logits.view(np.uint32), ref_logits.view(np.uint32))}, "
         f"devices {net.devices}")
@@ -98,6 +100,12 @@ def run(case):
         # a rank-named device list, in another order: rank 1's slice first
         order = [f"rank{q}/cpu:0" for q in reversed(range(world))]
         compare("reversed", lenet, (1, 28, 28), 1, devices=order)
+    elif case == "gpu":
+        # every rank's slices on GPU 0 (host gathers, no NCCL: ranks may share a GPU), against
+        # logical GPUs of GPU 0 in one process
+        gpus = [f"rank{q}/cuda:0" for q in range(world)]
+        compare("lenet gpu", lenet, (1, 28, 28), 1, kind="cuda", devices=gpus)
+        compare("resnet gpu", resnet, (1, 12, 12), 1, n=7, kind="cuda", devices=gpus)
     elif case == "replicas":
         compare("lenet x2", lenet, (1, 28, 28), 2)
         net = compare("resnet x2", resnet, (1, 12, 12), 2, n=7)

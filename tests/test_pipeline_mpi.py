@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 import dpcore as dp
+from split_common import GPUS, NO_GPU
 from test_distributed import mpi_env, mpi_required  # noqa: F401  (the fixture: MPI needed, or skipped in DPCORE_MPI=0 builds)
 
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "mpi_pipeline.py")
@@ -201,3 +202,14 @@ def test_the_guides_multi_process_example_runs_under_mpirun(tmp_path):
     proc = subprocess.run(cmd, capture_output=True, text=True, env=mpi_env(), timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "8 ['rank0/cpu:0', 'rank1/cpu:0']" in proc.stdout, proc.stdout
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(GPUS == 0, reason=NO_GPU)
+def test_two_ranks_on_one_gpu_equal_one_process_on_logical_gpus():
+    """The GPU twin: a 2-stage pipeline whose ranks share GPU 0 (activations and gradients
+    through host memory, so no NCCL and no second GPU are needed), LeNet 1F1B and ResNet-18
+    GPipe, against one process over 2 logical GPUs of GPU 0: the one-process bits."""
+    proc, text, _ = run("gpu", 2)
+    assert proc.returncode == 0, text
+    equals_one_process(text, ["lenet-gpu", "resnet-gpu"], 2)

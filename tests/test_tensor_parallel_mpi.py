@@ -4,7 +4,8 @@ runs). Held to the one-process strategy over as many logical CPU devices, comput
 rank: the same slices with the same kernels and thread counts, the partial input gradients
 summed in position order as dp.all_reduce sums them, so losses, weights and logits are
 bitwise equal -- for LeNet and ResNet-18, over 2 and 3 ranks, with replicas=2 over 4 ranks
-(also with a copy that gets no sample), and with the device list in another order. Also: a
+(also with a copy that gets no sample), and with the device list in another order (the GPU
+twin: both ranks on GPU 0 against logical GPUs, skipped without a GPU). Also: a
 checkpoint written by the job loads in one process with the same logits; a failure in one
 rank's slice is that error on its rank and a DistributedError naming it on the others, the
 step undone everywhere and the next step running; a rank that dies ends the job."""
@@ -14,6 +15,9 @@ import subprocess
 import sys
 import time
 
+import pytest
+
+from split_common import GPUS, NO_GPU
 from test_distributed import mpi_env, mpi_required  # noqa: F401  (the fixture: MPI needed, or skipped in DPCORE_MPI=0 builds)
 
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "mpi_tensor_parallel.py")
@@ -75,3 +79,15 @@ def test_a_rank_that_dies_ends_the_job_within_a_minute():
     proc, text, seconds = run(["killed"], 2, timeout=120)
     assert proc.returncode != 0, text
     assert seconds < 60, (seconds, text)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(GPUS == 0, reason=NO_GPU)
+def test_two_ranks_on_one_gpu_equal_one_process_on_logical_gpus():
+    """The GPU twin: 2 ranks whose slices share GPU 0 (the gathers go through host memory, so
+    no NCCL is needed and the ranks may share a GPU) against one process over 2 logical GPUs
+    of GPU 0: the same kernels on the same GPU, bitwise (cuDNN's deterministic algorithms,
+    the default precision)."""
+    proc, text, _ = run(["gpu"], 2)
+    assert proc.returncode == 0, text
+    equal_lines(text, ["lenet gpu", "resnet gpu"], 2)
