@@ -52,8 +52,8 @@ test-cpu-only:
 # build-independent ones, BUILD_INDEPENDENT_DESELECT, which build their own sanitized programs), the
 # multi-process ones (mpirun, dp.launch) included; mpirun itself runs without the runtime and
 # hands it to its ranks (Open MPI's launcher has a use-after-free of its own). Left out: the two
-# minutes-long experiments (-m "not slow": the book's LeNet for 10 epochs, ResNet-18 for 200
-# steps), which run the training code the short training tests run, only longer, and would take
+# minutes-long experiments (-m "not slow": the book's LeNet for 10 epochs, ResNet-18 for 4
+# epochs of 2,000 images), which run the training code the short training tests run, only longer, and would take
 # 17 of this run's 25 minutes on 2 cores (make test runs them); and the three peak-RSS bounds of the
 # loaders (ASAN_DESELECT): they measure a process's resident memory, which under ASan is its
 # allocator's (freed blocks held in a 256 MB quarantine, redzones, shadow memory: 245 MB of growth

@@ -742,33 +742,41 @@ def test_per_replica_batchnorm_shard_with_one_value_per_channel_fails_cleanly():
 # 5. ResNet-18 learns (slow)
 # ---------------------------------------------------------------------------
 
-STEPS, BATCH = 200, 16
+# The short version of the book's experiment (chapter 12.6's recipe on a subset, as test_train.py
+# keeps LeNet's): ResNet18(init='d2l') on one CPU device, batch 32, lr 0.05, 4 epochs over the first
+# 2,000 training images, evaluation-mode accuracy on the first 1,000 test images. Where it ends
+# depends on the seed (initial weights and data order) and, through the rounding of the machine's
+# kernels, acts like another seed elsewhere. `benchmarks/book_resnet.py --subset 2000 --test-subset
+# 1000 --batch-size 32 --lr 0.05 --epochs 4 --seeds 0 ... 9 --runs dpcore:d2l:float32` (SkylakeX
+# kernels, 2026-11-28): SUBSET_SEEDS below. The threshold is their mean less 4 sample sd, rounded
+# down (under a normal model a run falls below it with probability ~3e-5); a network that does not
+# learn stays near 0.10, and one with a broken gradient or BatchNorm well below the threshold.
+SUBSET_SEEDS = (0.740, 0.813, 0.774, 0.754, 0.703, 0.727)
+SUBSET_ACCURACY = 0.60
+
+
+def test_the_subset_threshold_is_the_seeds_mean_less_four_sd():
+    """SUBSET_ACCURACY is derived from the recorded seeds, not chosen."""
+    mean, sd = float(np.mean(SUBSET_SEEDS)), float(np.std(SUBSET_SEEDS, ddof=1))
+    assert len(SUBSET_SEEDS) >= 6
+    assert SUBSET_ACCURACY <= mean - 4 * sd < SUBSET_ACCURACY + 0.01, (mean, sd)
 
 
 @pytest.mark.slow
-def test_resnet18_learns_fashion_mnist_subset():
-    """ResNet-18 (d2l 12.6), batch 16, lr 0.05, 200 steps (1.6 epochs) over 2,000 Fashion-MNIST
-    training images: the mean loss of the last 20 steps is below 0.7x that of the first 20, and
-    evaluation mode (the running statistics) classifies 500 other images better than chance."""
+def test_resnet18_short_book_experiment_on_a_subset():
     X, y = fashion_subset(2000)
-    it = dp.data.from_arrays(X, y, batch_size=BATCH, shuffle=True, seed=0)
-    net = dp.models.ResNet18(seed=0)
-    losses, t0 = [], time.time()
-    while len(losses) < STEPS:
-        for Xb, yb in it:
-            loss_sum, _ = net.train_step(Xb, yb, lr=0.05)
-            losses.append(loss_sum / len(yb))
-            if len(losses) == STEPS:
-                break
-    seconds = time.time() - t0
-    first, last = np.mean(losses[:20]), np.mean(losses[-20:])
-    Xt, yt = fashion_subset(500, offset=50000)
-    acc = float((net.predict(Xt).argmax(axis=1) == yt).mean())
-    print(f"\nResNet-18, {STEPS} steps of {BATCH}: mean loss {first:.3f} (first 20) -> {last:.3f} (last 20), "
-          f"{seconds:.0f} s; evaluation-mode accuracy on 500 other images {acc:.3f}")
-    assert np.isfinite(losses).all()
-    assert last < 0.7 * first, (first, last)
-    assert acc > 0.5, acc
+    _, _, test_X, test_y = dp.data._load_fashion_mnist_arrays(None)
+    Xt, yt = np.array(test_X[:1000]).reshape(-1, 1, 28, 28), np.array(test_y[:1000]).astype(np.int64)
+    net = dp.models.ResNet18(seed=0, init="d2l", devices=["cpu:0"])
+    train_iter = dp.data.from_arrays(X, y.astype(np.int64), batch_size=32, shuffle=True, seed=0)
+    test_iter = dp.data.from_arrays(Xt, yt, batch_size=256)
+    start = time.time()
+    history = dp.train(net, train_iter, test_iter, num_epochs=4, lr=0.05, verbose=False, progress=False)
+    print(f"\nResNet-18 (d2l init), 4 epochs of 2,000 images at batch 32: test accuracy per epoch "
+          f"{[round(a, 4) for a in history.test_acc]}, {time.time() - start:.0f} s")
+    assert np.isfinite(history.train_loss).all()
+    assert history.train_loss[-1] < 0.7 * history.train_loss[0], history.train_loss
+    assert history.test_acc[-1] >= SUBSET_ACCURACY, history.test_acc
 
 
 # ---------------------------------------------------------------------------
