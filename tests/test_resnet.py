@@ -751,8 +751,8 @@ def test_per_replica_batchnorm_shard_with_one_value_per_channel_fails_cleanly():
 # kernels, 2026-11-28): SUBSET_SEEDS below. The threshold is their mean less 4 sample sd, rounded
 # down (under a normal model a run falls below it with probability ~3e-5); a network that does not
 # learn stays near 0.10, and one with a broken gradient or BatchNorm well below the threshold.
-SUBSET_SEEDS = (0.740, 0.813, 0.774, 0.754, 0.703, 0.727)
-SUBSET_ACCURACY = 0.60
+SUBSET_SEEDS = (0.740, 0.813, 0.774, 0.754, 0.703, 0.727, 0.740, 0.706)
+SUBSET_ACCURACY = 0.59
 
 
 def test_the_subset_threshold_is_the_seeds_mean_less_four_sd():
