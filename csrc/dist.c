@@ -964,31 +964,33 @@ static dp_status nccl_failed(dp_status st) {
   return mark_broken(DP_FAIL(st, "rank %d: %s", world.rank, text));
 }
 
-/* A GPU message's bytes, after the handshake: the sender's ticket over MPI (in the data phase's tag, which
- * GPU messages leave unused), then NCCL. Both sides fail when the sender cannot start NCCL. */
+/* A GPU message's bytes, after the handshake: the ticket from the pair's lower rank over MPI (in the data
+ * phase's tag, which GPU messages leave unused; sender or receiver, whichever is lower), then NCCL. Both sides
+ * fail when the lower rank cannot start NCCL. */
 static dp_status gpu_data(int is_send, void *buf, const dp_dist_desc *mine, const dp_dist_desc *theirs, int peer,
                           int mtag, void *stream, double timeout, const char *what) {
   const int64_t bytes = desc_bytes(mine);
   if (bytes == 0) return DP_OK;
+  const int lower = world.rank < peer;
   dp_nccl_ticket t;
   dp_status st = DP_OK;
-  if (is_send) st = dp_nccl_p2p_ticket(peer, mine->gpu, theirs->gpu, &t);
+  if (lower) st = dp_nccl_p2p_ticket(peer, mine->gpu, theirs->gpu, &t);
   MPI_Request req;
-  const unsigned char recv = (unsigned char)!is_send;
+  const unsigned char recv = (unsigned char)!lower;
   pthread_mutex_lock(&mpi_lock);
-  const int rc = is_send ? MPI_Isend(&t, (int)sizeof t, MPI_BYTE, peer, mtag, comm_p2p, &req)
-                         : MPI_Irecv(&t, (int)sizeof t, MPI_BYTE, peer, mtag, comm_p2p, &req);
+  const int rc = lower ? MPI_Isend(&t, (int)sizeof t, MPI_BYTE, peer, mtag, comm_p2p, &req)
+                       : MPI_Irecv(&t, (int)sizeof t, MPI_BYTE, peer, mtag, comm_p2p, &req);
   pthread_mutex_unlock(&mpi_lock);
-  if (rc != MPI_SUCCESS) return mpi_call(rc, is_send ? "MPI_Isend" : "MPI_Irecv", what);
+  if (rc != MPI_SUCCESS) return mpi_call(rc, lower ? "MPI_Isend" : "MPI_Irecv", what);
   const dp_status sent = wait_requests(&req, &peer, &recv, 1, timeout, what);
-  if (st != DP_OK) return st; /* the receiver has the reason in t.why */
+  if (st != DP_OK) return st; /* the higher rank has the reason in t.why */
   DP_TRY(sent);
   if (t.generation < 0) {
     t.why[sizeof t.why - 1] = '\0'; /* another process's bytes: terminated here whatever they hold */
-    return DP_FAIL(DP_ERR_DIST, "rank %d: %s: rank %d could not start NCCL (%s); nothing was received", world.rank,
-                   what, peer, t.why);
+    return DP_FAIL(DP_ERR_DIST, "rank %d: %s: rank %d could not start NCCL (%s); nothing was %s", world.rank, what,
+                   peer, t.why, is_send ? "sent" : "received");
   }
-  st = dp_nccl_p2p_move(is_send, peer, mine->gpu, &t, buf, bytes, stream, timeout, what);
+  st = dp_nccl_p2p_move(is_send, lower, peer, mine->gpu, &t, buf, bytes, stream, timeout, what);
   return st == DP_OK ? DP_OK : nccl_failed(st);
 }
 

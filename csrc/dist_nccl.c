@@ -7,8 +7,10 @@
  *   (ncclSuccess or ncclInProgress); the communicator is usable once
  *   ncclCommGetAsyncError reports ncclSuccess, and any call on it that
  *   returns ncclInProgress must be polled the same way before the next call
- *   on that communicator. So no NCCL call here waits for a peer: every wait
- *   is ours, against the deadline.
+ *   on that communicator, nor may other work go on its stream until then
+ *   (the call may not have reached the stream yet: the done event is
+ *   recorded after). So no NCCL call here waits for a peer: every wait is
+ *   ours, against the deadline.
  * - ncclSend / ncclRecv are queued on the given stream, ordered like kernel
  *   launches, and are "blocking for the GPU" until the peer's matching call,
  *   with the same count and type, runs; a communicator pairs them in the order
@@ -57,12 +59,13 @@ uint64_t dp_nccl_gpu_uid(int gpu) {
 
 enum { ENTRY_NEW, ENTRY_STARTING, ENTRY_READY, ENTRY_DEAD };
 
-/* One direction's communicator with one peer (and one pair of GPUs). */
+/* The communicator of this process and one peer (and one pair of GPUs). */
 typedef struct p2p_comm {
-  int peer, is_send, my_gpu, peer_gpu; /* peer_gpu: the sender's entries only */
-  int64_t generation;                  /* the sender's number for it */
+  int peer, my_gpu, peer_gpu; /* peer_gpu: known to the lower rank's entries only */
+  int rank;                   /* in the communicator: 0 the lower rank of the pair, 1 the higher */
+  int64_t generation;         /* the lower rank's number for it */
   unsigned char id[DP_NCCL_ID_BYTES];
-  int64_t taken; /* sender: tickets handed out */
+  int64_t taken; /* the lower rank: tickets handed out */
   int64_t next;  /* the ticket whose turn it is to be queued */
   int state;
   int busy; /* a thread is starting it or queueing on it */
@@ -77,7 +80,7 @@ static pthread_cond_t table_changed;
 static pthread_once_t table_once = PTHREAD_ONCE_INIT;
 static int table_cond_ok;
 static p2p_comm *table;
-static int64_t generations; /* the last generation this process made as a sender */
+static int64_t generations; /* the last generation this process made as the lower rank of a pair */
 
 static void table_init(void) {
   pthread_condattr_t a;
@@ -119,9 +122,9 @@ static void entry_kill(p2p_comm *e, const char *why) {
   pthread_cond_broadcast(&table_changed);
 }
 
-static p2p_comm *entry_find(int is_send, int peer, int64_t generation) {
+static p2p_comm *entry_find(int peer, int64_t generation) {
   for (p2p_comm *e = table; e; e = e->link)
-    if (e->is_send == is_send && e->peer == peer && e->generation == generation) return e;
+    if (e->peer == peer && e->generation == generation) return e;
   return NULL;
 }
 
@@ -133,7 +136,7 @@ dp_status dp_nccl_p2p_ticket(int peer, int my_gpu, int peer_gpu, dp_nccl_ticket 
   pthread_mutex_lock(&table_lock);
   p2p_comm *e = table;
   for (; e; e = e->link)
-    if (e->is_send && e->peer == peer && e->my_gpu == my_gpu && e->peer_gpu == peer_gpu && e->state != ENTRY_DEAD)
+    if (e->rank == 0 && e->peer == peer && e->my_gpu == my_gpu && e->peer_gpu == peer_gpu && e->state != ENTRY_DEAD)
       break;
   dp_status st = DP_OK;
   if (!e) {
@@ -148,7 +151,7 @@ dp_status dp_nccl_p2p_ticket(int peer, int my_gpu, int peer_gpu, dp_nccl_ticket 
       free(e);
       e = NULL;
     } else {
-      e->peer = peer, e->is_send = 1, e->my_gpu = my_gpu, e->peer_gpu = peer_gpu;
+      e->peer = peer, e->rank = 0, e->my_gpu = my_gpu, e->peer_gpu = peer_gpu;
       e->generation = ++generations;
       memcpy(e->id, &id, sizeof id);
       e->state = ENTRY_NEW;
@@ -218,7 +221,7 @@ static dp_status settle(const watch *w) {
 }
 
 /* With table_lock held and e->busy set by the caller: makes e's communicator
- * (rank 0 the sender, 1 the receiver) on my_gpu, with a stream of its own. */
+ * (rank 0 the lower rank of the pair, 1 the higher) on my_gpu, with a stream of its own. */
 static dp_status entry_start(p2p_comm *e, const watch *w) {
   DP_CUDA_CHECK(cudaSetDevice(e->my_gpu));
   DP_CUDA_CHECK(cudaStreamCreateWithFlags(&e->stream, cudaStreamNonBlocking));
@@ -227,7 +230,7 @@ static dp_status entry_start(p2p_comm *e, const watch *w) {
   ncclUniqueId id;
   memcpy(&id, e->id, sizeof id);
   ncclComm_t comm = NULL;
-  const ncclResult_t rc = ncclCommInitRankConfig(&comm, 2, id, e->is_send ? 0 : 1, &config);
+  const ncclResult_t rc = ncclCommInitRankConfig(&comm, 2, id, e->rank, &config);
   if (rc != ncclSuccess && rc != ncclInProgress) {
     char text[256], why[320];
     snprintf(why, sizeof why, "ncclCommInitRankConfig failed: %s", nccl_text(rc, text, sizeof text));
@@ -246,24 +249,25 @@ static dp_status entry_start(p2p_comm *e, const watch *w) {
 /* With table_lock held, e->busy set and e ready: queues the message on e's
  * stream after `stream`'s work so far; *rc is NCCL's answer (ncclInProgress:
  * still being queued, in the background). */
-static dp_status entry_queue(p2p_comm *e, void *buf, int64_t bytes, cudaStream_t stream, cudaEvent_t ready,
-                             ncclResult_t *rc) {
+static dp_status entry_queue(p2p_comm *e, int is_send, void *buf, int64_t bytes, cudaStream_t stream,
+                             cudaEvent_t ready, ncclResult_t *rc) {
   DP_CUDA_CHECK(cudaSetDevice(e->my_gpu));
   DP_CUDA_CHECK(cudaEventRecord(ready, stream));
   DP_CUDA_CHECK(cudaStreamWaitEvent(e->stream, ready, 0));
-  /* the receiver is rank 1 of the pair's communicator, the sender rank 0 */
-  *rc = e->is_send ? ncclSend(buf, (size_t)bytes, ncclUint8, 1, e->comm, e->stream)
-                   : ncclRecv(buf, (size_t)bytes, ncclUint8, 0, e->comm, e->stream);
+  /* the peer is the communicator's other rank */
+  *rc = is_send ? ncclSend(buf, (size_t)bytes, ncclUint8, 1 - e->rank, e->comm, e->stream)
+                : ncclRecv(buf, (size_t)bytes, ncclUint8, 1 - e->rank, e->comm, e->stream);
   return DP_OK;
 }
 
-static dp_status move(int is_send, int peer, int my_gpu, const dp_nccl_ticket *t, void *buf, int64_t bytes,
-                      void *stream, double timeout, const char *what, cudaEvent_t ready, cudaEvent_t done) {
+static dp_status move(int is_send, int lower, int peer, int my_gpu, const dp_nccl_ticket *t, void *buf,
+                      int64_t bytes, void *stream, double timeout, const char *what, cudaEvent_t ready,
+                      cudaEvent_t done) {
   const double start = now_seconds(), deadline = start + timeout;
   const char *doing = is_send ? "an NCCL send" : "an NCCL receive";
   pthread_mutex_lock(&table_lock);
-  p2p_comm *e = entry_find(is_send, peer, t->generation);
-  if (!e && is_send) {
+  p2p_comm *e = entry_find(peer, t->generation);
+  if (!e && lower) { /* the lower rank made it with the ticket */
     pthread_mutex_unlock(&table_lock);
     return DP_FAIL(DP_ERR_RUNTIME, "%s: no communicator of generation %lld", what, (long long)t->generation);
   }
@@ -273,7 +277,7 @@ static dp_status move(int is_send, int peer, int my_gpu, const dp_nccl_ticket *t
       pthread_mutex_unlock(&table_lock);
       return DP_FAIL(DP_ERR_MEMORY, "GPU point to point: a communicator entry");
     }
-    e->peer = peer, e->is_send = 0, e->my_gpu = my_gpu, e->peer_gpu = -1;
+    e->peer = peer, e->rank = 1, e->my_gpu = my_gpu, e->peer_gpu = -1;
     e->generation = t->generation;
     memcpy(e->id, t->id, sizeof e->id);
     e->state = ENTRY_NEW;
@@ -315,7 +319,7 @@ static dp_status move(int is_send, int peer, int my_gpu, const dp_nccl_ticket *t
   }
   ncclResult_t rc = ncclSuccess;
   if (st == DP_OK) {
-    st = entry_queue(e, buf, bytes, (cudaStream_t)stream, ready, &rc);
+    st = entry_queue(e, is_send, buf, bytes, (cudaStream_t)stream, ready, &rc);
     if (st == DP_OK && rc != ncclSuccess && rc != ncclInProgress) {
       char text[256], why[320];
       snprintf(why, sizeof why, "%s failed: %s", is_send ? "ncclSend" : "ncclRecv", nccl_text(rc, text, sizeof text));
@@ -379,8 +383,8 @@ static dp_status move(int is_send, int peer, int my_gpu, const dp_nccl_ticket *t
   }
 }
 
-dp_status dp_nccl_p2p_move(int is_send, int peer, int my_gpu, const dp_nccl_ticket *t, void *buf, int64_t bytes,
-                           void *stream, double timeout, const char *what) {
+dp_status dp_nccl_p2p_move(int is_send, int lower, int peer, int my_gpu, const dp_nccl_ticket *t, void *buf,
+                           int64_t bytes, void *stream, double timeout, const char *what) {
   pthread_once(&table_once, table_init);
   if (!table_cond_ok) return DP_FAIL(DP_ERR_RUNTIME, "GPU point to point: cannot make a condition variable");
   if (bytes < 0 || !buf) return DP_FAIL(DP_ERR_VALUE, "%s: %lld bytes at %p", what, (long long)bytes, buf);
@@ -394,7 +398,7 @@ dp_status dp_nccl_p2p_move(int is_send, int peer, int my_gpu, const dp_nccl_tick
     return DP_FAIL(DP_ERR_CUDA, "cudaEventCreateWithFlags failed: %s (%d): %s", cudaGetErrorName(ce), (int)ce,
                    cudaGetErrorString(ce));
   }
-  const dp_status st = move(is_send, peer, my_gpu, t, buf, bytes, stream, timeout, what, ready, done);
+  const dp_status st = move(is_send, lower, peer, my_gpu, t, buf, bytes, stream, timeout, what, ready, done);
   /* an event whose work is still queued is released once it completes (CUDA Runtime API, cudaEventDestroy) */
   cudaEventDestroy(ready);
   cudaEventDestroy(done);
@@ -434,9 +438,9 @@ dp_status dp_nccl_p2p_ticket(int peer, int my_gpu, int peer_gpu, dp_nccl_ticket 
   return DP_FAIL(DP_ERR_UNSUPPORTED, "GPU tensors across processes move by NCCL: dpcore was built without it");
 }
 
-dp_status dp_nccl_p2p_move(int is_send, int peer, int my_gpu, const dp_nccl_ticket *t, void *buf, int64_t bytes,
-                           void *stream, double timeout, const char *what) {
-  (void)is_send, (void)peer, (void)my_gpu, (void)t, (void)buf, (void)bytes, (void)stream, (void)timeout;
+dp_status dp_nccl_p2p_move(int is_send, int lower, int peer, int my_gpu, const dp_nccl_ticket *t, void *buf,
+                           int64_t bytes, void *stream, double timeout, const char *what) {
+  (void)is_send, (void)lower, (void)peer, (void)my_gpu, (void)t, (void)buf, (void)bytes, (void)stream, (void)timeout;
   return DP_FAIL(DP_ERR_UNSUPPORTED, "%s: GPU tensors across processes move by NCCL: dpcore was built without it",
                  what);
 }

@@ -299,8 +299,9 @@ def gpu_collectives():
 
 def gpu_p2p():
     """Rank r on its own GPU (cuda:local_rank): exact bytes of every tensor dtype, both directions
-    at once with isend (each direction its own communicator), five messages on one tag in order,
-    two tags received in the other order than sent (irecv), a tensor of 64 MiB, an empty one."""
+    at once with isend (one communicator, its messages numbered by the lower rank), five messages
+    on one tag in order, two tags received in the other order than sent (irecv), a tensor of
+    64 MiB, an empty one."""
     r, other = dist.rank(), 1 - dist.rank()
     dev = _gpu()
     f = np.arange(12, dtype=np.float32).reshape(3, 4) * 0.1

@@ -326,10 +326,11 @@ def send(tensor, dst, tag=0, timeout=DEFAULT_TIMEOUT):
     A dp.Tensor on a GPU goes from GPU to GPU by NCCL (the description still over MPI): the
     receiver passes a dp.Tensor on one of its GPUs, and each process needs a GPU of its own
     (cuda:local_rank; NCCL refuses two ranks on one GPU, a DistributedError on both ranks here).
-    Each direction between two processes gets its own two-rank NCCL communicator on the first
-    such message. A GPU send returns only once the receiver has the bytes (NCCL keeps no eager
-    buffer), so blocking sends and receives on different tags must come in the same order on both
-    ranks, or use isend / irecv. A peer that does not come within ``timeout`` is named in a
+    Two processes get a two-rank NCCL communicator of their own on their first such message, and
+    their GPU messages, either way, run one at a time in the order the lower rank numbers them. A
+    GPU send returns only once the receiver has the bytes (NCCL keeps no eager buffer), so
+    blocking sends and receives on different tags must come in the same order on both ranks, or
+    use isend / irecv. A peer that does not come within ``timeout`` is named in a
     DistributedError, the communicator aborted (ncclCommAbort)."""
     run, _ = _p2p(True, tensor, dst, tag, timeout)
     run()
