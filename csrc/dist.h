@@ -140,7 +140,7 @@ typedef struct dp_dist_desc {
   int32_t device; /* 0 host memory, 1 GPU memory */
   int32_t ndim;
   int32_t gpu;       /* GPU memory: the physical GPU's ordinal in its process */
-  uint64_t gpu_uid;  /* GPU memory: its host and PCI bus (dp_nccl_gpu_uid), 0 when unknown */
+  uint64_t gpu_uid;  /* GPU memory: the GPU's UUID, hashed (dp_nccl_gpu_uid), 0 when unknown */
   int64_t shape[DP_DIST_MAX_DIMS];
 } dp_dist_desc;
 /* The sequence number of the next send to (is_send) or receive from peer with tag. */

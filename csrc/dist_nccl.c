@@ -34,7 +34,6 @@
 #include <pthread.h>
 #include <stdlib.h>
 #include <time.h>
-#include <unistd.h>
 
 #include "cuda_check.h"
 
@@ -42,19 +41,32 @@ _Static_assert(sizeof(ncclUniqueId) == DP_NCCL_ID_BYTES, "the ticket carries one
 
 int dp_nccl_p2p_built(void) { return 1; }
 
+/* The uids asked for so far, by ordinal: cudaGetDeviceProperties fills a large struct, once per GPU. */
+static pthread_mutex_t uid_lock = PTHREAD_MUTEX_INITIALIZER;
+static uint64_t uids[64];
+
 uint64_t dp_nccl_gpu_uid(int gpu) {
-  char bus[64] = {0};
-  char host[256] = {0};
-  if (cudaDeviceGetPCIBusId(bus, (int)sizeof bus - 1, gpu) != cudaSuccess) {
+  const int cached = gpu >= 0 && gpu < (int)(sizeof uids / sizeof uids[0]);
+  pthread_mutex_lock(&uid_lock);
+  uint64_t h = cached ? uids[gpu] : 0;
+  pthread_mutex_unlock(&uid_lock);
+  if (h) return h;
+  struct cudaDeviceProp prop;
+  if (cudaGetDeviceProperties(&prop, gpu) != cudaSuccess) {
     (void)cudaGetLastError();
     return 0;
   }
-  if (gethostname(host, sizeof host - 1) != 0) host[0] = '\0';
-  uint64_t h = 1469598103934665603ull; /* FNV-1a */
-  for (const char *s = host; *s; ++s) h = (h ^ (unsigned char)*s) * 1099511628211ull;
-  h = (h ^ (unsigned char)'/') * 1099511628211ull;
-  for (const char *s = bus; *s; ++s) h = (h ^ (unsigned char)*s) * 1099511628211ull;
-  return h ? h : 1;
+  /* the GPU's 16-byte UUID (one per physical GPU or MIG instance, whatever the host or the
+   * process's CUDA_VISIBLE_DEVICES), folded by FNV-1a */
+  h = 1469598103934665603ull;
+  for (size_t i = 0; i < sizeof prop.uuid.bytes; ++i) h = (h ^ (unsigned char)prop.uuid.bytes[i]) * 1099511628211ull;
+  if (!h) h = 1;
+  if (cached) {
+    pthread_mutex_lock(&uid_lock);
+    uids[gpu] = h;
+    pthread_mutex_unlock(&uid_lock);
+  }
+  return h;
 }
 
 enum { ENTRY_NEW, ENTRY_STARTING, ENTRY_READY, ENTRY_DEAD };

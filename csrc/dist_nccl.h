@@ -53,9 +53,9 @@ typedef struct dp_nccl_ticket {
 /* 1 when dpcore was built with NCCL. */
 int dp_nccl_p2p_built(void);
 
-/* A number naming physical GPU `gpu` of this process among the job's: its
- * host name and PCI bus id hashed (FNV-1a); two processes on one GPU get the
- * same. 0 when CUDA cannot say. */
+/* A number naming GPU `gpu` of this process among the job's: its UUID
+ * hashed (FNV-1a); two processes on one GPU get the same. 0 when CUDA cannot
+ * say. */
 uint64_t dp_nccl_gpu_uid(int gpu);
 
 /* The lower rank's ticket for the next GPU message between it (GPU my_gpu)
