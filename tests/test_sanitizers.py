@@ -49,8 +49,8 @@ ASAN_UBSAN = ["-fsanitize=address,undefined", "-fno-sanitize-recover=undefined"]
 # device registry's
 CPU_DEVICE = ["backend_cpu.c", "implicit_gemm.c", "small_gemm.c", "winograd.c", "winograd_lanes.c", "winograd_s2.c",
               "cpu_caches.c", "backend_cuda.c", "device.c"]
-MIRRORED_CORE = [*CPU_DEVICE, "collective.c", "comm.c", "dist.c", "mirrored.c", "layers.c", "model.c", "replica.c",
-                 "resident.c", "shapes.c", "status.c"]
+MIRRORED_CORE = [*CPU_DEVICE, "collective.c", "comm.c", "dist.c", "dist_nccl.c", "mirrored.c", "layers.c", "model.c",
+                 "replica.c", "resident.c", "shapes.c", "status.c"]
 REGISTRY_CORE = [*CPU_DEVICE, "layers.c", "model.c", "resident.c", "shapes.c", "status.c"]
 
 
@@ -225,7 +225,7 @@ def test_the_mpi_library_version_is_filled_once_without_a_race(tmp_path):
     """tests/c/dist_version.c under ThreadSanitizer: eight threads ask for
     dp_dist_library_version at once (MPI_Get_library_version wrapped by the
     program, so that its writes are seen); one fill, one answer, no race."""
-    exe = compile_program(tmp_path, "dist_version", ["dist.c", "status.c"], ["-fsanitize=thread"],
+    exe = compile_program(tmp_path, "dist_version", ["dist.c", "dist_nccl.c", "status.c"], ["-fsanitize=thread"],
                           [*mpi_flags(), "-lpthread", "-Wl,--wrap=MPI_Get_library_version"])
     run_tsan_clean(exe, "dist_version")
 
