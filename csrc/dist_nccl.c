@@ -80,7 +80,8 @@ typedef struct p2p_comm {
   int64_t taken; /* the lower rank: tickets handed out */
   int64_t next;  /* the ticket whose turn it is to be queued */
   int state;
-  int busy; /* a thread is starting it or queueing on it */
+  int busy;  /* a thread is starting it or queueing on it */
+  int users; /* calls of dp_nccl_p2p_move on it (shutdown frees it only without any) */
   ncclComm_t comm;
   cudaStream_t stream;
   char why[320]; /* ENTRY_DEAD: why */
@@ -272,22 +273,19 @@ static dp_status entry_queue(p2p_comm *e, int is_send, void *buf, int64_t bytes,
   return DP_OK;
 }
 
-static dp_status move(int is_send, int lower, int peer, int my_gpu, const dp_nccl_ticket *t, void *buf,
-                      int64_t bytes, void *stream, double timeout, const char *what, cudaEvent_t ready,
-                      cudaEvent_t done) {
-  const double start = now_seconds(), deadline = start + timeout;
-  const char *doing = is_send ? "an NCCL send" : "an NCCL receive";
-  pthread_mutex_lock(&table_lock);
+/* With table_lock held: ticket t's entry (the higher rank makes it from the
+ * first ticket of a generation it sees), or NULL and an error. */
+static p2p_comm *entry_of(const dp_nccl_ticket *t, int lower, int peer, int my_gpu, const char *what, dp_status *st) {
   p2p_comm *e = entry_find(peer, t->generation);
   if (!e && lower) { /* the lower rank made it with the ticket */
-    pthread_mutex_unlock(&table_lock);
-    return DP_FAIL(DP_ERR_RUNTIME, "%s: no communicator of generation %lld", what, (long long)t->generation);
+    *st = DP_FAIL(DP_ERR_RUNTIME, "%s: no communicator of generation %lld", what, (long long)t->generation);
+    return NULL;
   }
   if (!e) {
     e = calloc(1, sizeof *e);
     if (!e) {
-      pthread_mutex_unlock(&table_lock);
-      return DP_FAIL(DP_ERR_MEMORY, "GPU point to point: a communicator entry");
+      *st = DP_FAIL(DP_ERR_MEMORY, "GPU point to point: a communicator entry");
+      return NULL;
     }
     e->peer = peer, e->rank = 1, e->my_gpu = my_gpu, e->peer_gpu = -1;
     e->generation = t->generation;
@@ -296,15 +294,27 @@ static dp_status move(int is_send, int lower, int peer, int my_gpu, const dp_ncc
     e->link = table;
     table = e;
   }
+  return e;
+}
+
+/* Called with table_lock held (e->users counting this call); returns with it released. */
+static dp_status move(p2p_comm *e, int is_send, int peer, const dp_nccl_ticket *t, void *buf, int64_t bytes,
+                      void *stream, double timeout, const char *what, cudaEvent_t ready, cudaEvent_t done) {
+  const double start = now_seconds(), deadline = start + timeout;
+  const char *doing = is_send ? "an NCCL send" : "an NCCL receive";
   /* my turn: every earlier ticket of this communicator queued */
   while (e->state != ENTRY_DEAD && (e->busy || e->next != t->ticket)) {
     const double left = deadline - now_seconds();
     if (left <= 0) {
+      /* message e->next never came: the pair is out of step, and every later message would wait too */
+      const dp_status st = DP_FAIL(DP_ERR_DIST, "gave up after %.0f s waiting for the earlier GPU messages with "
+                                   "rank %d in %s (message %lld of their NCCL communicator waits for message %lld): a "
+                                   "process stopped, hung, or runs a different sequence of steps (the limit is "
+                                   "timeout=%g s)", now_seconds() - start, peer, what, (long long)t->ticket,
+                                   (long long)e->next, timeout);
+      entry_kill(e, dp_error_message());
       pthread_mutex_unlock(&table_lock);
-      return DP_FAIL(DP_ERR_DIST, "gave up after %.0f s waiting for the earlier GPU messages with rank %d in %s "
-                     "(message %lld of their NCCL communicator waits for message %lld): a process stopped, hung, or "
-                     "runs a different sequence of steps (the limit is timeout=%g s)",
-                     now_seconds() - start, peer, what, (long long)t->ticket, (long long)e->next, timeout);
+      return st;
     }
     struct timespec until;
     clock_gettime(CLOCK_MONOTONIC, &until);
@@ -410,7 +420,16 @@ dp_status dp_nccl_p2p_move(int is_send, int lower, int peer, int my_gpu, const d
     return DP_FAIL(DP_ERR_CUDA, "cudaEventCreateWithFlags failed: %s (%d): %s", cudaGetErrorName(ce), (int)ce,
                    cudaGetErrorString(ce));
   }
-  const dp_status st = move(is_send, lower, peer, my_gpu, t, buf, bytes, stream, timeout, what, ready, done);
+  dp_status st = DP_OK;
+  pthread_mutex_lock(&table_lock);
+  p2p_comm *e = entry_of(t, lower, peer, my_gpu, what, &st);
+  if (e) {
+    e->users++;
+    st = move(e, is_send, peer, t, buf, bytes, stream, timeout, what, ready, done);
+    pthread_mutex_lock(&table_lock);
+    e->users--;
+  }
+  pthread_mutex_unlock(&table_lock);
   /* an event whose work is still queued is released once it completes (CUDA Runtime API, cudaEventDestroy) */
   cudaEventDestroy(ready);
   cudaEventDestroy(done);
@@ -419,14 +438,19 @@ dp_status dp_nccl_p2p_move(int is_send, int lower, int peer, int my_gpu, const d
 
 void dp_nccl_p2p_shutdown(void) {
   pthread_mutex_lock(&table_lock);
-  while (table) {
-    p2p_comm *e = table;
-    table = e->link;
-    if (e->comm) ncclCommAbort(e->comm);
+  p2p_comm **link = &table;
+  while (*link) {
+    p2p_comm *e = *link;
+    entry_kill(e, "the job is finishing (MPI_Finalize)");
+    if (e->users) { /* a call still polls it (an isend never waited for): it fails, the entry stays */
+      link = &e->link;
+      continue;
+    }
     if (e->stream) {
       cudaSetDevice(e->my_gpu);
       cudaStreamDestroy(e->stream);
     }
+    *link = e->link;
     free(e);
   }
   (void)cudaGetLastError();
