@@ -127,7 +127,7 @@ static const char *nccl_text(ncclResult_t rc, char *buf, size_t size) {
 /* With table_lock held: the communicator aborted, its entry dead for every later call. */
 static void entry_kill(p2p_comm *e, const char *why) {
   if (e->comm) {
-    ncclCommAbort(e->comm); /* its result: the communicator is gone either way */
+    (void)ncclCommAbort(e->comm); /* its result: the communicator is gone either way */
     e->comm = NULL;
   }
   if (e->state != ENTRY_DEAD) snprintf(e->why, sizeof e->why, "%s", why);
@@ -247,7 +247,7 @@ static dp_status entry_start(p2p_comm *e, const watch *w) {
   if (rc != ncclSuccess && rc != ncclInProgress) {
     char text[256], why[320];
     snprintf(why, sizeof why, "ncclCommInitRankConfig failed: %s", nccl_text(rc, text, sizeof text));
-    if (comm) ncclCommAbort(comm);
+    if (comm) (void)ncclCommAbort(comm); /* what is left of it; the error reported is the init's */
     entry_kill(e, why);
     return DP_FAIL(DP_ERR_DIST, "%s: %s", w->what, why);
   }
@@ -416,7 +416,7 @@ dp_status dp_nccl_p2p_move(int is_send, int lower, int peer, int my_gpu, const d
   cudaError_t ce = cudaEventCreateWithFlags(&done, cudaEventDisableTiming);
   if (ce != cudaSuccess) {
     (void)cudaGetLastError();
-    cudaEventDestroy(ready);
+    (void)cudaEventDestroy(ready); /* a free: the error reported is the create's */
     return DP_FAIL(DP_ERR_CUDA, "cudaEventCreateWithFlags failed: %s (%d): %s", cudaGetErrorName(ce), (int)ce,
                    cudaGetErrorString(ce));
   }
@@ -430,9 +430,12 @@ dp_status dp_nccl_p2p_move(int is_send, int lower, int peer, int my_gpu, const d
     e->users--;
   }
   pthread_mutex_unlock(&table_lock);
-  /* an event whose work is still queued is released once it completes (CUDA Runtime API, cudaEventDestroy) */
-  cudaEventDestroy(ready);
-  cudaEventDestroy(done);
+  /* an event whose work is still queued is released once it completes (CUDA Runtime API,
+   * cudaEventDestroy); a free path, whose failure (a broken context) has nobody to tell but the
+   * status already returned */
+  (void)cudaEventDestroy(ready);
+  (void)cudaEventDestroy(done);
+  (void)cudaGetLastError();
   return st;
 }
 
@@ -447,8 +450,9 @@ void dp_nccl_p2p_shutdown(void) {
       continue;
     }
     if (e->stream) {
-      cudaSetDevice(e->my_gpu);
-      cudaStreamDestroy(e->stream);
+      /* at exit: a failure here has nobody to tell */
+      (void)cudaSetDevice(e->my_gpu);
+      (void)cudaStreamDestroy(e->stream);
     }
     *link = e->link;
     free(e);
