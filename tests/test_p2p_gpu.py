@@ -7,8 +7,10 @@ Needs a GPU (marked ``gpu``, skipped with the reason without one) and MPI (skipp
 DPCORE_MPI=0 build, as tests/test_distributed.py's are). NCCL refuses two ranks on one GPU, so
 the GPU-to-GPU messages need two GPUs; with one, what runs is every refusal (a GPU tensor against a
 host receiver, two processes on the one GPU: DistributedErrors on both ranks, the job going on)
-and the collectives. tests/test_p2p.py's test of the descriptions is the CPU twin of the
-refusals: the same protocol, without a GPU."""
+and the collectives. The CPU twins: tests/test_p2p.py's test of the descriptions (the refusals,
+the same protocol without a GPU) and tests/c/p2p_order.c (csrc/dist_nccl.c against host fakes of
+CUDA and NCCL: the order of a pair's messages, NCCL's non-blocking contract, the deadlines and
+aborts; tests/test_sanitizers.py runs it)."""
 import numpy as np
 import pytest
 
