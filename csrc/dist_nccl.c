@@ -441,6 +441,7 @@ dp_status dp_nccl_p2p_move(int is_send, int lower, int peer, int my_gpu, const d
 
 void dp_nccl_p2p_shutdown(void) {
   pthread_mutex_lock(&table_lock);
+  const int any = table != NULL; /* a job that sent no GPU message makes no CUDA call here */
   p2p_comm **link = &table;
   while (*link) {
     p2p_comm *e = *link;
@@ -457,7 +458,7 @@ void dp_nccl_p2p_shutdown(void) {
     *link = e->link;
     free(e);
   }
-  (void)cudaGetLastError();
+  if (any) (void)cudaGetLastError();
   pthread_mutex_unlock(&table_lock);
 }
 
