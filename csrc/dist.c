@@ -774,7 +774,7 @@ dp_status dp_dist_owner_allreduce_on(const dp_dist_channel *ch, float *const *bu
  * of a message carries (user tag, sequence mod DP_DIST_P2P_SLOTS, phase), so
  * operations in flight at once on several threads still pair the k-th send
  * with the k-th receive. */
-static int64_t *p2p_seq; /* [2][size][DP_DIST_MAX_USER_TAG]: the next sequence number */
+static int64_t *p2p_seq; /* [2][size][DP_DIST_P2P_TAGS]: the next sequence number */
 static int *p2p_busy;    /* the same shape: operations taken and not yet finished */
 static pthread_mutex_t p2p_lock = PTHREAD_MUTEX_INITIALIZER;
 
@@ -793,15 +793,15 @@ static dp_status p2p_check(int peer, int tag, const char *verb) {
   if (peer == world.rank)
     return DP_FAIL(DP_ERR_VALUE, "%s: rank %d cannot %s itself", verb, peer,
                    strcmp(verb, "send") == 0 ? "send to" : "receive from");
-  if (tag < 0 || tag >= DP_DIST_MAX_USER_TAG)
-    return DP_FAIL(DP_ERR_VALUE, "%s: tag %d is not in [0, %d)", verb, tag, DP_DIST_MAX_USER_TAG);
+  if (tag < 0 || tag >= DP_DIST_P2P_TAGS)
+    return DP_FAIL(DP_ERR_VALUE, "%s: tag %d is not in [0, %d)", verb, tag, DP_DIST_P2P_TAGS);
   return DP_OK;
 }
 
 dp_status dp_dist_p2p_next_seq(int is_send, int peer, int tag, int64_t *seq) {
   DP_TRY(p2p_check(peer, tag, is_send ? "send" : "recv"));
-  const size_t n = (size_t)2 * (size_t)world.size * DP_DIST_MAX_USER_TAG;
-  const size_t at = ((size_t)(is_send ? 1 : 0) * (size_t)world.size + (size_t)peer) * DP_DIST_MAX_USER_TAG + (size_t)tag;
+  const size_t n = (size_t)2 * (size_t)world.size * DP_DIST_P2P_TAGS;
+  const size_t at = ((size_t)(is_send ? 1 : 0) * (size_t)world.size + (size_t)peer) * DP_DIST_P2P_TAGS + (size_t)tag;
   dp_status st = DP_OK;
   pthread_mutex_lock(&p2p_lock);
   if (!p2p_seq) p2p_seq = calloc(n, sizeof *p2p_seq);
@@ -820,8 +820,8 @@ dp_status dp_dist_p2p_next_seq(int is_send, int peer, int tag, int64_t *seq) {
 /* The operation taken by dp_dist_p2p_next_seq is over (done or failed). */
 static void p2p_finished(int is_send, int peer, int tag) {
   pthread_mutex_lock(&p2p_lock);
-  if (p2p_busy && peer >= 0 && peer < world.size && tag >= 0 && tag < DP_DIST_MAX_USER_TAG) {
-    int *b = &p2p_busy[((size_t)(is_send ? 1 : 0) * (size_t)world.size + (size_t)peer) * DP_DIST_MAX_USER_TAG +
+  if (p2p_busy && peer >= 0 && peer < world.size && tag >= 0 && tag < DP_DIST_P2P_TAGS) {
+    int *b = &p2p_busy[((size_t)(is_send ? 1 : 0) * (size_t)world.size + (size_t)peer) * DP_DIST_P2P_TAGS +
                        (size_t)tag];
     if (*b > 0) --*b;
   }
@@ -1085,8 +1085,8 @@ dp_status dp_dist_owner_allreduce_on(const dp_dist_channel *ch, float *const *bu
 }
 
 static dp_status p2p_alone(int peer, int tag, const char *verb) {
-  if (tag < 0 || tag >= DP_DIST_MAX_USER_TAG)
-    return DP_FAIL(DP_ERR_VALUE, "%s: tag %d is not in [0, %d)", verb, tag, DP_DIST_MAX_USER_TAG);
+  if (tag < 0 || tag >= DP_DIST_P2P_TAGS)
+    return DP_FAIL(DP_ERR_VALUE, "%s: tag %d is not in [0, %d)", verb, tag, DP_DIST_P2P_TAGS);
   if (peer == 0) return DP_FAIL(DP_ERR_VALUE, "%s: rank 0 cannot %s itself", verb,
                                 verb[0] == 's' ? "send to" : "receive from");
   return DP_FAIL(DP_ERR_VALUE, "%s: rank %d is not a rank of this job (0..0)", verb, peer);

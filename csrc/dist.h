@@ -134,7 +134,11 @@ DP_MUST_CHECK dp_status dp_dist_owner_allreduce_on(const dp_dist_channel *ch, fl
  * tag (it refuses more: their MPI tags would repeat); every k taken is given
  * to one dp_dist_send_seq / dp_dist_recv_seq, whose return ends it. Not
  * collective; a process alone (or built without MPI) has no peer. */
-enum { DP_DIST_MAX_DIMS = 8, DP_DIST_MAX_USER_TAG = 100, DP_DIST_P2P_SLOTS = 32 };
+/* Point-to-point tags: 0..99 are the user's (dp.distributed checks them),
+ * 100..DP_DIST_P2P_TAGS - 1 dpcore's own channels (the multi-process
+ * pipeline). The largest MPI tag, (255 * 32 + 31) * 3 + 2 = 24575, stays under
+ * 32767, the least MPI_TAG_UB the standard allows. */
+enum { DP_DIST_MAX_DIMS = 8, DP_DIST_P2P_TAGS = 256, DP_DIST_P2P_SLOTS = 32 };
 typedef struct dp_dist_desc {
   int32_t dtype;  /* 0 float32, 1 float64, 2 int32, 3 int64, 4 uint8 */
   int32_t device; /* 0 host memory, 1 GPU memory */

@@ -2,6 +2,7 @@
 same dpcore calls on CPU devices (a few batches), so that the script works on
 the day a GPU is lent (make bench-gpu)."""
 import os
+import re
 import subprocess
 import sys
 
@@ -97,8 +98,15 @@ def test_scaling_benchmark_quick_run(model):
 def test_book_resnet_quick_run():
     """benchmarks/book_resnet.py (the GPU day's book experiment) on 64 images for one epoch, on the
     CPU, both of dpcore's inits: each run's epoch line and the table's rows."""
-    proc = run_benchmark("book_resnet.py", "--device", "cpu", "--epochs", "1",
-                         "--subset", "64", "--runs", "dpcore:d2l:float32,dpcore:torch:fast")
-    for line in ("dpcore:d2l:float32 seed 0 epoch 1: test acc", "dpcore:torch:fast seed 0 epoch 1: test acc",
-                 "| dpcore:d2l:float32 | 0 |", "| dpcore:torch:fast | 0 |"):
+    proc = run_benchmark("book_resnet.py", "--device", "cpu", "--epochs", "1", "--subset", "64",
+                         "--test-subset", "32", "--batch-size", "16", "--lr", "0.05", "--seeds", "0", "1",
+                         "--runs", "dpcore:d2l:float32,dpcore:torch:fast")
+    for line in ("dpcore:d2l:float32 seed 0 epoch 1: test acc", "dpcore:torch:fast seed 1 epoch 1: test acc",
+                 "| dpcore:d2l:float32 | 0 |", "| dpcore:torch:fast | 1 |", "batch 16, lr 0.05",
+                 "the first 64 training images, the first 32 test images"):
         assert line in proc.stdout, proc.stdout
+    # the summary over the seeds: each run's mean, sd, min and mean - 4 sd of its last epoch
+    rows = re.findall(r"\| (dpcore:\S+) \| 2 \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \| (-?[\d.]+) \|", proc.stdout)
+    assert [r[0] for r in rows] == ["dpcore:d2l:float32", "dpcore:torch:fast"], proc.stdout
+    for _, mean, sd, low, bound in rows:
+        assert float(low) <= float(mean) and abs(float(mean) - 4 * float(sd) - float(bound)) < 2e-4, proc.stdout

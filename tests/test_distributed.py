@@ -161,13 +161,11 @@ def test_resnet18_per_replica_batchnorm_bitwise_equal_to_one_process(tmp_path):
     assert_same_bits(job, ref)
 
 
-def test_two_hosts_simulated_on_this_machine(tmp_path):
-    """Two Open MPI nodes on one machine: a hostfile names this host and
-    'nodeb'; mpirun's remote launcher (plm_rsh_agent, ssh on a real cluster)
-    is a script that starts the command here in a UTS namespace whose host
-    name is the node's, and the processes talk over TCP only (btl tcp,self),
-    as across hosts. Each process is then alone on its "host" (local_rank 0 of
-    1), and 2 hosts x 2 replicas train bitwise as one process with 4."""
+def on_two_hosts(tmp_path, args, timeout=180, env=()):
+    """mpirun -np 2 of `python args...` on two simulated Open MPI nodes: a hostfile names this
+    host and 'nodeb'; mpirun's remote launcher (plm_rsh_agent, ssh on a real cluster) is a
+    script that starts the command here in a UTS namespace whose host name is the node's, and
+    the processes talk over TCP only (btl tcp,self), as across hosts."""
     if subprocess.run(["unshare", "--uts", "true"], capture_output=True).returncode != 0:
         pytest.skip("needs `unshare --uts` (root or CAP_SYS_ADMIN) to give the second node its own host name")
     agent = tmp_path / "fake_ssh"
@@ -176,13 +174,42 @@ def test_two_hosts_simulated_on_this_machine(tmp_path):
     agent.chmod(0o755)
     hosts = tmp_path / "hosts"
     hosts.write_text("localhost slots=1\nnodeb slots=1\n")
+    cmd = ["mpirun", "-np", "2", "--hostfile", str(hosts), "--mca", "plm_rsh_agent", str(agent), "--mca", "btl",
+           "tcp,self", "--bind-to", "none"] + [a for kv in env for a in ("-x", kv)] + [sys.executable] + \
+        [str(a) for a in args]
+    return subprocess.run(cmd, capture_output=True, text=True, env=mpi_env(), timeout=timeout)
+
+
+def test_model_parallel_strategies_on_two_simulated_hosts(tmp_path):
+    """A 2-stage pipeline (LeNet, GPipe; ResNet-18, 1F1B) and a layerwise split (LeNet, ResNet-18),
+    one part per host, over TCP: the one-process strategy's bits (tests/test_pipeline_mpi.py and
+    tests/test_tensor_parallel_mpi.py run the same cases on one host). One thread per part in
+    the job and in the reference alike: alone on its host a rank would take both cores, and a
+    convolution's weight gradient is summed per thread."""
+    from test_pipeline_mpi import SCRIPT as PIPELINE, equals_one_process
+    from test_tensor_parallel_mpi import SCRIPT as LAYERWISE, equal_lines
+
+    threads = ["DPCORE_TEST_THREADS=1"]
+    proc = on_two_hosts(tmp_path, [PIPELINE, "hosts"], env=threads)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    equals_one_process(proc.stdout + proc.stderr, ["lenet-gpipe", "resnet-1f1b"], 2)
+    proc = on_two_hosts(tmp_path, [LAYERWISE, "equal"], env=threads)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    equal_lines(proc.stdout + proc.stderr, ["lenet", "resnet", "reversed"], 2)
+
+
+def test_two_hosts_simulated_on_this_machine(tmp_path):
+    """Two Open MPI nodes on one machine: a hostfile names this host and
+    'nodeb'; mpirun's remote launcher (plm_rsh_agent, ssh on a real cluster)
+    is a script that starts the command here in a UTS namespace whose host
+    name is the node's, and the processes talk over TCP only (btl tcp,self),
+    as across hosts. Each process is then alone on its "host" (local_rank 0 of
+    1), and 2 hosts x 2 replicas train bitwise as one process with 4."""
     job, ref = tmp_path / "job", tmp_path / "ref"
     job.mkdir()
     ref.mkdir()
     extra = ["--local", "2", "--batch", "64", "--samples", "228", "--eval", "1000"]
-    cmd = ["mpirun", "-np", "2", "--hostfile", str(hosts), "--mca", "plm_rsh_agent", str(agent), "--mca", "btl",
-           "tcp,self", "--bind-to", "none", sys.executable, SCENARIOS, "train", str(job)] + extra
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=mpi_env(), timeout=180)
+    proc = on_two_hosts(tmp_path, [SCENARIOS, "train", str(job)] + extra)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     single(["train", str(ref), "--local", "4"] + extra[2:])
     out = results(job, 2)

@@ -189,3 +189,25 @@ def test_default_lenet_is_as_close_to_float64_as_the_gemm_path(monkeypatch):
           f"{default[1]:.2g}; GEMM path {gemm[0]:.2g}, {gemm[1]:.2g}; fast {fast[0]:.2g}, {fast[1]:.2g}")
     assert gemm[0] < 1e-4 and gemm[1] < 1e-4, gemm
     assert default[0] <= 2 * gemm[0] and default[1] <= 2 * gemm[1], (default, gemm)
+
+
+def test_resnet18_on_the_cpu_is_the_same_arithmetic_in_both_precisions():
+    """ResNet-18 has no 5x5 layer, so on the CPU the fast precision runs the same forms as
+    the default: two SGD steps and the evaluation logits are bitwise equal (and no
+    F(3x3, 5x5) pass runs). benchmarks/RESULTS.md's book run records the fast precision's
+    epochs on the CPU as the default's on this ground: a change to what "fast" switches
+    on the CPU fails here first."""
+    rng = np.random.default_rng(5)
+    X = rng.integers(0, 256, (6, 1, 16, 16), dtype=np.uint8)
+    y = rng.integers(0, 10, 6)
+    runs = {}
+    for precision in ("float32", "fast"):
+        dp.set_precision(precision)
+        before = f35_passes()
+        net = dp.models.ResNet18(seed=2, input_size=16, init="d2l", devices=["cpu:0"])
+        losses = [net.train_step(X, y, lr=0.1, momentum=0.9)[0] for _ in range(2)]
+        runs[precision] = (losses, np.concatenate([w.ravel() for w in net.get_weights().values()]).view(np.uint32), net.predict(X).view(np.uint32))
+        assert f35_passes() == before
+    assert runs["float32"][0] == runs["fast"][0]
+    assert np.array_equal(runs["float32"][1], runs["fast"][1])
+    assert np.array_equal(runs["float32"][2], runs["fast"][2])

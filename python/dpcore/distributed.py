@@ -524,3 +524,34 @@ def _cpu_shared_by(local):
     except (AttributeError, OSError):
         return 1
     return local if mine >= (os.cpu_count() or mine) and local > 1 else 1
+
+
+# ---- dpcore's own point-to-point channels (the multi-process pipeline) ----
+
+# tags no user call can take (dp.distributed checks 0-99); csrc/dist.h: DP_DIST_P2P_TAGS
+PRIVATE_TAGS = range(100, 256)
+
+
+def _private_p2p(is_send, array, peer, tag, timeout, what):
+    """A callable that sends the C-contiguous host array ``array`` to rank ``peer``
+    (or receives into it, in place) on dpcore's own tag ``tag``, its sequence
+    number taken now (program order pairs the k-th send with the k-th receive per
+    peer and tag); ``what`` names the wait in a DistributedError."""
+    if tag not in PRIVATE_TAGS:
+        raise ValueError(f"a private tag is in [{PRIVATE_TAGS.start}, {PRIVATE_TAGS.stop}), got {tag}")
+    if not array.flags.c_contiguous or array.dtype.name not in _DTYPES:
+        raise TypeError(f"{what}: a C-contiguous array of {', '.join(_DTYPES)}, got {array.dtype}")
+    seq = _core.dist_p2p_seq(is_send, peer, tag)
+
+    def run():
+        _core.dist_p2p(is_send, array, _DTYPES[array.dtype.name], peer, tag, seq, timeout, what)
+        return array
+    return run
+
+
+def _private_bcast(array, root, timeout, what):
+    """Rank ``root``'s C-contiguous ``array`` on every rank, in place (collective; no
+    agreement round: every rank already knows the dtype and shape)."""
+    if _join()["world_size"] > 1:
+        _core.dist_bcast(array, root, timeout, what)
+    return array

@@ -5,6 +5,7 @@ follow PyTorch's ``state_dict`` names for the equivalent ``torch.nn.Sequential``
 (``'0.weight'``, ``'0.bias'``, ``'3.weight'``, ...), so weights move between the
 two libraries with ``get_weights`` / ``set_weights``.
 """
+import contextlib
 import os
 from collections import OrderedDict, namedtuple
 
@@ -151,16 +152,26 @@ class Sequential:
             if sync_batchnorm:
                 raise ValueError("sync_batchnorm has no meaning with ModelParallelStrategy: each BatchNorm channel "
                                  "already sees the whole batch")
-            self._pipeline = TensorParallel(self._specs, self._sources, input_shape, strategy.devices, threads,
-                                            strategy.replicas)
-        else:
-            from .pipeline import Pipeline
+            if strategy.across_ranks:
+                from .tensor_parallel import TensorParallelRanks
 
+                self._pipeline = TensorParallelRanks(self._specs, self._sources, input_shape, strategy.devices,
+                                                     threads, strategy.replicas, strategy.timeout)
+            else:
+                self._pipeline = TensorParallel(self._specs, self._sources, input_shape, strategy.devices, threads,
+                                                strategy.replicas)
+        else:
             if sync_batchnorm:
                 raise ValueError("sync_batchnorm is not available with PipelineStrategy: BatchNorm normalises each "
                                  "micro-batch with its own statistics")
-            self._pipeline = Pipeline(self._specs, self._sources, input_shape, strategy, threads)
-        self._timeout = 0.0
+            if strategy.across_ranks:
+                from .pipeline_mpi import ProcessPipeline as Stages
+            else:
+                from .pipeline import Pipeline as Stages
+            self._pipeline = Stages(self._specs, self._sources, input_shape, strategy, threads)
+        # across the ranks of a job: the seconds to wait for another rank (dp.train then runs
+        # as a job: one process prints, rank 0 writes checkpoints)
+        self._timeout = getattr(self._pipeline, "_timeout", 0.0)
         self._replicas = [self._pipeline]
         self._model = self._pipeline
         self._mirrored = None
@@ -177,8 +188,9 @@ class Sequential:
         ``.plot()`` draws the last step). Averaged over the steps since the
         model was built or since ``pipeline_report(reset=True)``."""
         from .pipeline import Pipeline
+        from .pipeline_mpi import ProcessPipeline
 
-        if not isinstance(self._pipeline, Pipeline):
+        if not isinstance(self._pipeline, (Pipeline, ProcessPipeline)):
             raise ValueError("pipeline_report: this model was not built under a PipelineStrategy's scope")
         return self._pipeline.report()
 
@@ -293,7 +305,8 @@ class Sequential:
 
     @property
     def multi_process(self):
-        """True for a model of MultiWorkerMirroredStrategy (replicas in several processes)."""
+        """True for a model of MultiWorkerMirroredStrategy (replicas in several processes)
+        or of a PipelineStrategy across processes (stages in several)."""
         return bool(self._timeout)
 
     def digest(self):
@@ -391,7 +404,7 @@ class Sequential:
         self._set_flat(params)
         for replica in self._replicas:
             replica.set_state(state)
-        if self._timeout:
+        if self._timeout and self._mirrored is not None:
             # collective: rank 0's weights win, so the replicas never diverge
             self._mirrored.broadcast_across()
 
@@ -411,9 +424,11 @@ class Sequential:
         leaves is removed by the next save to this path); the file's mode is
         0666 & ~umask.
 
-        Across the processes of a job (MultiWorkerMirroredStrategy) it is
-        collective: rank 0 writes (every replica holds the same bits) and the
-        others wait until the file is complete."""
+        Across the processes of a job (MultiWorkerMirroredStrategy, or a
+        PipelineStrategy whose stages are on several ranks) it is collective:
+        rank 0 writes (every replica holds the same bits; a pipeline's stages
+        are first gathered on every rank) and the others wait until the file
+        is complete."""
         self._write(_check.path("path", path))
 
     def _write(self, path, training=None):
@@ -421,10 +436,13 @@ class Sequential:
         if self._timeout:
             from . import distributed
 
-            if distributed.rank() == 0:
-                # a failure here ends the job (MPI_Abort) if nothing catches it,
-                # else the others give up waiting after the timeout
-                checkpoint.save(self, path, training)
+            # a model split over the ranks gathers its whole network on every rank first
+            gathered = getattr(self._pipeline, "gathered", contextlib.nullcontext)
+            with gathered():
+                if distributed.rank() == 0:
+                    # a failure here ends the job (MPI_Abort) if nothing catches it,
+                    # else the others give up waiting after the timeout
+                    checkpoint.save(self, path, training)
             distributed.barrier(self._timeout, f"net.save({os.fspath(path)!r}) by rank 0")
             return
         checkpoint.save(self, path, training)

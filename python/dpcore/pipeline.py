@@ -40,6 +40,8 @@ How it works (the C core does the arithmetic; this module only schedules it):
 - ``replicas=R``: R pipelines side by side on R * p devices, each on 1/R of
   the batch; after the backward passes each stage's gradients are all-reduced
   among its R copies (dp.all_reduce, the collective of data parallelism).
+- Stages in several processes of an MPI job: :mod:`dpcore.pipeline_mpi`, the
+  same stages and the same ``run_stage`` loop, the values sent over MPI.
 """
 import threading
 import time
@@ -255,6 +257,68 @@ class _Mailbox:
             return self._items.pop(k)
 
 
+def micro_batch_work(N, replicas, micro_batches):
+    """(shards, work) of a step on N samples: each pipeline's shard of the batch
+    (index arrays, sizes differing by at most one) and, per pipeline, the
+    micro-batches of its shard (fewer when the shard is smaller)."""
+    shards = np.array_split(np.arange(N), replicas)
+    work = []
+    for rows in shards:
+        m = min(micro_batches, len(rows))
+        work.append([mb for mb in np.array_split(rows, m) if len(mb)] if m else [])
+    return shards, work
+
+
+def run_stage(model, ops, mbs, X, y, grad_scale, s, p, receive, send, hand_over=(False, False), abort=None):
+    """Stage s of p runs its operations (schedule()'s list for it) on the
+    micro-batches mbs (index arrays into X, y). receive(kind, k) returns what
+    the neighbour handed over: the activations of micro-batch k ('F', from
+    stage s - 1) or their gradient ('B', from stage s + 1); send(kind, k,
+    value) hands this stage's on. hand_over: (forward, backward), whether the
+    outputs are dp.Tensors on the stage's device (see hand_over()). Raises
+    _Abort once abort is set. Returns (loss_sum, correct, [(kind, k, t0, t1)]):
+    the loss and hits summed over the micro-batches in order (the last stage's;
+    0.0 and 0 elsewhere) and each operation's compute time."""
+    last = s == p - 1
+    free_slots, slot_of, new_slot = [], {}, 0
+    first_backward = True
+    loss_sum, correct_sum = 0.0, 0
+    timed = []
+    for kind, k in ops:
+        if abort is not None and abort.is_set():
+            raise _Abort()
+        if kind == "F":
+            x = X[mbs[k]] if s == 0 else receive("F", k)
+            # an activation set per micro-batch in flight: a free one, else a new one
+            if free_slots:
+                slot = free_slots.pop()
+            else:
+                slot, new_slot = new_slot, new_slot + 1
+            slot_of[k] = slot
+            t0 = time.perf_counter()
+            out, loss, correct = model.stage_forward(slot, x, y[mbs[k]] if last else None, training=True,
+                                                     grad_scale=grad_scale, output=not last, to_tensor=hand_over[0])
+            t1 = time.perf_counter()
+            if last:
+                loss_sum += loss
+                correct_sum += correct
+            else:
+                send("F", k, out)
+        else:
+            dy = None if last else receive("B", k)
+            slot = slot_of.pop(k)
+            t0 = time.perf_counter()
+            dx = model.stage_backward(slot, len(mbs[k]), dy, input_grad=s > 0, accumulate=not first_backward,
+                                      to_tensor=hand_over[1])
+            t1 = time.perf_counter()
+            first_backward = False
+            free_slots.append(slot)
+            if s > 0:
+                send("B", k, dx)
+        timed.append((kind, k, t0, t1))
+    return loss_sum, correct_sum, timed
+
+
 class PipelineReport:
     """What the steps since the model was built (or reset) spent per stage."""
 
@@ -264,19 +328,20 @@ class PipelineReport:
         self.micro_batches = p.micro_batches
         self.schedule = p.schedule_kind
         self.replicas = p.num_replicas
-        self.steps = p._stats["steps"]
+        stats = p.report_values()
+        self.steps = stats["steps"]
         self.devices = [list(row) for row in p.stage_devices]
         self.layers = [(b, e - 1) for b, e in zip(p.split, p.split[1:] + [p.num_layers])]
-        makespan = p._stats["makespan"]
+        makespan = stats["makespan"]
         self.step_seconds = makespan / self.steps if self.steps else 0.0
-        self.busy_seconds = [b / self.steps if self.steps else 0.0 for b in p._stats["busy"]]
+        self.busy_seconds = [b / self.steps if self.steps else 0.0 for b in stats["busy"]]
         self.idle_seconds = [max(self.step_seconds - b, 0.0) for b in self.busy_seconds]
         total = self.step_seconds * self.stages
         self.bubble = (sum(self.idle_seconds) / total) if total > 0 else 0.0
         self.bubble_formula = bubble_formula(self.stages, self.micro_batches)
-        self.activation_bytes = [max(m.activation_bytes for m in column) for column in zip(*p.models)]
-        self.param_bytes = [4 * m.nparams for m in p.models[0]]
-        self.timeline = list(p._last_ops)
+        self.activation_bytes = stats["activation_bytes"]
+        self.param_bytes = stats["param_bytes"]
+        self.timeline = list(stats["timeline"])
 
     def as_dict(self):
         keys = ("stages", "micro_batches", "schedule", "replicas", "steps", "devices", "layers", "step_seconds",
@@ -284,13 +349,14 @@ class PipelineReport:
         return {k: getattr(self, k) for k in keys}
 
     def __str__(self):
+        width = max([8] + [len(d) for d in self.devices[0]])  # 'rank1/cpu:0' across processes
         lines = [f"pipeline: {self.stages} stages x {self.replicas} replica(s), {self.micro_batches} micro-batches, "
                  f"{self.schedule}; {self.steps} step(s), {self.step_seconds * 1e3:.1f} ms per step",
-                 f"{'stage':>5}  {'layers':<9} {'device':<8} {'busy ms':>8} {'idle ms':>8} {'busy':>6} "
+                 f"{'stage':>5}  {'layers':<9} {'device':<{width}} {'busy ms':>8} {'idle ms':>8} {'busy':>6} "
                  f"{'params MB':>9} {'activations MB':>14}"]
         for i in range(self.stages):
             share = self.busy_seconds[i] / self.step_seconds if self.step_seconds else 0.0
-            lines.append(f"{i:>5}  {'%d-%d' % self.layers[i]:<9} {self.devices[0][i]:<8} "
+            lines.append(f"{i:>5}  {'%d-%d' % self.layers[i]:<9} {self.devices[0][i]:<{width}} "
                          f"{self.busy_seconds[i] * 1e3:>8.1f} {self.idle_seconds[i] * 1e3:>8.1f} {share:>6.0%} "
                          f"{self.param_bytes[i] / 2**20:>9.2f} {self.activation_bytes[i] / 2**20:>14.2f}")
         lines.append(f"bubble: {self.bubble:.1%} measured (idle / (stages x step time)); "
@@ -351,7 +417,106 @@ class SplitModel:
                 m.set_state(st)
 
 
-class Pipeline(SplitModel):
+class StageBuffers:
+    """What Pipeline and the pipeline across processes (dpcore.pipeline_mpi)
+    share: the whole network's flat buffers over its stages (the stages'
+    buffers one after the other, in one-device layout), the report's counters
+    and the end of a step. A subclass
+    gives _stage_models() ((stage, model) of every model it holds),
+    _stage_layout(stage, 'params' or 'state') and _gather(getter, offsets),
+    and sets split, stage_devices, _shapes, _param_offsets and _state_offsets."""
+
+    @property
+    def nparams(self):
+        return self._param_offsets[-1]
+
+    @property
+    def device(self):
+        return self.stage_devices[0][0]
+
+    @property
+    def devices(self):
+        """Every stage's device, pipeline by pipeline (across processes 'rank1/cpu:0')."""
+        return [d for row in self.stage_devices for d in row]
+
+    def layers(self):
+        return [(kind, ins, outs) for kind, ins, outs, _ in self._shapes]
+
+    def reset_report(self):
+        self._stats = {"steps": 0, "makespan": 0.0, "busy": [0.0] * self.num_stages}
+        self._last_ops = []
+
+    def report(self):
+        """PipelineReport of the steps since the model was built or reset (across
+        processes collective: every rank's times gathered)."""
+        return PipelineReport(self)
+
+    def _finish_step(self, losses, states, makespan, busy, ops_log, lr, momentum, weight_decay):
+        """The end of a step whose passes (and copies' reduction) are done: the
+        loss summed over the pipelines ([loss, correct] each, in order); a loss
+        that is not finite puts the BatchNorm statistics back (`states`) and
+        raises, else every model takes its SGD step and the report its times.
+        Returns (loss_sum, correct)."""
+        loss_sum = float(sum(l for l, _ in losses))
+        correct = int(sum(c for _, c in losses))
+        if not np.isfinite(loss_sum):
+            self._restore(states)
+            raise FloatingPointError(f"the loss is not finite ({loss_sum}) on a pipeline of {self.num_stages} stages; "
+                                     f"the step applied no update: the parameters, momentum and BatchNorm statistics "
+                                     f"are those of the last finite step")
+        for m in self.all_models():
+            m.sgd_step(lr, momentum, weight_decay)
+        self._stats["steps"] += 1
+        self._stats["makespan"] += makespan
+        for st, b in enumerate(busy):
+            self._stats["busy"][st] += b
+        self._last_ops = sorted(ops_log, key=lambda o: o[3])
+        return loss_sum, correct
+
+    def _layout(self, which):
+        rows, offsets = [], self._param_offsets if which == "params" else self._state_offsets
+        for st, b in enumerate(self.split):
+            rows += [(layer + b, kind, offset + offsets[st], shape)
+                     for layer, kind, offset, shape in self._stage_layout(st, which)]
+        return rows
+
+    def param_layout(self):
+        return self._layout("params")
+
+    def state_layout(self):
+        return self._layout("state")
+
+    def _scatter(self, setter, flat, offsets, what):
+        """The whole network's buffer `flat`: each model keeps its stage's slice."""
+        flat = np.ascontiguousarray(flat, dtype=np.float32).ravel()
+        if len(flat) != offsets[-1]:
+            raise ValueError(f"{what} must hold {offsets[-1]} values, got {len(flat)}")
+        for st, m in self._stage_models():
+            getattr(m, setter)(flat[offsets[st]:offsets[st + 1]])
+
+    def get_params(self):
+        return self._gather("get_params", self._param_offsets)
+
+    def set_params(self, flat):
+        self._scatter("set_params", flat, self._param_offsets, "params")
+
+    def get_grads(self):
+        return self._gather("get_grads", self._param_offsets)
+
+    def get_state(self):
+        return self._gather("get_state", self._state_offsets)
+
+    def set_state(self, flat):
+        self._scatter("set_state", flat, self._state_offsets, "state")
+
+    def get_velocity(self):
+        return self._gather("get_velocity", self._param_offsets)
+
+    def set_velocity(self, flat):
+        self._scatter("set_velocity", flat, self._param_offsets, "velocity")
+
+
+class Pipeline(StageBuffers, SplitModel):
     """The stages of a network on their devices (``_core.Model`` per stage and
     replica), with the interface Sequential uses of a replica group: it trains,
     evaluates and predicts, and shows the whole network's flat buffers."""
@@ -410,66 +575,16 @@ class Pipeline(SplitModel):
     def num_classes(self):
         return self.models[0][-1].num_classes
 
-    @property
-    def nparams(self):
-        return self._param_offsets[-1]
+    def _stage_models(self):
+        return [(st, m) for row in self.models for st, m in enumerate(row)]
 
-    @property
-    def device(self):
-        return self.stage_devices[0][0]
-
-    @property
-    def devices(self):
-        return [d for row in self.stage_devices for d in row]
-
-    def layers(self):
-        return [(kind, ins, outs) for kind, ins, outs, _ in self._shapes]
-
-    def _layout(self, which):
-        rows, offsets = [], self._param_offsets if which == "params" else self._state_offsets
-        for s, (m, b) in enumerate(zip(self.models[0], self.split)):
-            part = m.param_layout() if which == "params" else m.state_layout()
-            rows += [(layer + b, kind, offset + offsets[s], shape) for layer, kind, offset, shape in part]
-        return rows
-
-    def param_layout(self):
-        return self._layout("params")
-
-    def state_layout(self):
-        return self._layout("state")
+    def _stage_layout(self, st, which):
+        m = self.models[0][st]
+        return m.param_layout() if which == "params" else m.state_layout()
 
     def _gather(self, getter, offsets):
         return np.concatenate([getattr(m, getter)() for m in self.models[0]]) if offsets[-1] else \
             np.zeros(0, np.float32)
-
-    def _scatter(self, setter, flat, offsets, what):
-        flat = np.ascontiguousarray(flat, dtype=np.float32).ravel()
-        if len(flat) != offsets[-1]:
-            raise ValueError(f"{what} must hold {offsets[-1]} values, got {len(flat)}")
-        for row in self.models:
-            for s, m in enumerate(row):
-                getattr(m, setter)(flat[offsets[s]:offsets[s + 1]])
-
-    def get_params(self):
-        return self._gather("get_params", self._param_offsets)
-
-    def set_params(self, flat):
-        self._scatter("set_params", flat, self._param_offsets, "params")
-
-    def get_grads(self):
-        return self._gather("get_grads", self._param_offsets)
-
-    def get_state(self):
-        return self._gather("get_state", self._state_offsets)
-
-    def set_state(self, flat):
-        self._scatter("set_state", flat, self._state_offsets, "state")
-
-    def get_velocity(self):
-        return self._gather("get_velocity", self._param_offsets)
-
-    def set_velocity(self, flat):
-        self._scatter("set_velocity", flat, self._param_offsets, "velocity")
 
     def replicas_identical(self):
         first = [np.concatenate([m.get_params(), m.get_state()]).view(np.uint32) for m in self.models[0]]
@@ -505,13 +620,13 @@ class Pipeline(SplitModel):
                                      self.get_state(), X, y)
 
     # ---- training ----------------------------------------------------------
-    def reset_report(self):
-        p = self.num_stages
-        self._stats = {"steps": 0, "makespan": 0.0, "busy": [0.0] * p}
-        self._last_ops = []
-
-    def report(self):
-        return PipelineReport(self)
+    def report_values(self):
+        """What PipelineReport shows: steps, makespan and busy seconds (sums over
+        the steps), per stage its peak activation bytes (over the copies) and
+        parameter bytes, and the last step's operations."""
+        return {"steps": self._stats["steps"], "makespan": self._stats["makespan"], "busy": self._stats["busy"],
+                "activation_bytes": [max(m.activation_bytes for m in column) for column in zip(*self.models)],
+                "param_bytes": [4 * m.nparams for m in self.models[0]], "timeline": self._last_ops}
 
     def train_step(self, X, y, lr, momentum=0.0, weight_decay=0.0):
         """One SGD step on the batch (mean loss). Returns (loss_sum, correct)."""
@@ -519,11 +634,7 @@ class Pipeline(SplitModel):
         if N == 0:
             return 0.0, 0
         R, p = self.num_replicas, self.num_stages
-        shards = np.array_split(np.arange(N), R)
-        work = []  # per replica: the micro-batches (index arrays) of its shard
-        for rows in shards:
-            m = min(self.micro_batches, len(rows))
-            work.append([mb for mb in np.array_split(rows, m) if len(mb)] if m else [])
+        shards, work = micro_batch_work(N, R, self.micro_batches)
         states = self._saved_state()
         abort = threading.Event()
         errors = []
@@ -533,58 +644,26 @@ class Pipeline(SplitModel):
         lock = threading.Lock()
         grad_scale = 1.0 / N
 
-        def run_stage(r, s, fwd_in, fwd_out, bwd_in, bwd_out):
-            model = self.models[r][s]
-            mbs = work[r]
-            last = s == p - 1
-            plan = schedule(self.schedule_kind, p, len(mbs))[s]
-            free_slots, slot_of, new_slot = [], {}, 0
-            first_backward = True
-            local_ops = []
+        def run(r, s, fwd_in, fwd_out, bwd_in, bwd_out):
             try:
-                for kind, k in plan:
-                    if abort.is_set():
-                        raise _Abort()
-                    if kind == "F":
-                        x = X[mbs[k]] if s == 0 else fwd_in.get(k)
-                        # an activation set per micro-batch in flight: a free one, else a new one
-                        if free_slots:
-                            slot = free_slots.pop()
-                        else:
-                            slot, new_slot = new_slot, new_slot + 1
-                        slot_of[k] = slot
-                        t0 = time.perf_counter()
-                        out, loss, correct = model.stage_forward(slot, x, y[mbs[k]] if last else None, training=True,
-                                                                 grad_scale=grad_scale, output=not last,
-                                                                 to_tensor=self._hand_over[r][s][0])
-                        t1 = time.perf_counter()
-                        if last:
-                            losses[r][0] += loss
-                            losses[r][1] += correct
-                        else:
-                            fwd_out.put(k, out)
-                    else:
-                        dy = None if last else bwd_in.get(k)
-                        slot = slot_of.pop(k)
-                        t0 = time.perf_counter()
-                        dx = model.stage_backward(slot, len(mbs[k]), dy, input_grad=s > 0,
-                                                  accumulate=not first_backward, to_tensor=self._hand_over[r][s][1])
-                        t1 = time.perf_counter()
-                        first_backward = False
-                        free_slots.append(slot)
-                        if s > 0:
-                            bwd_out.put(k, dx)
-                    local_ops.append((s, r, kind, t0, t1, k))
+                loss, correct, timed = run_stage(
+                    self.models[r][s], schedule(self.schedule_kind, p, len(work[r]))[s], work[r], X, y, grad_scale,
+                    s, p, lambda kind, k: (fwd_in if kind == "F" else bwd_in).get(k),
+                    lambda kind, k, value: (fwd_out if kind == "F" else bwd_out).put(k, value),
+                    self._hand_over[r][s], abort)
             except _Abort:
-                pass
+                return
             except BaseException as e:  # noqa: B902 - handed to the caller's thread
                 with lock:
                     errors.append((r, s, e))
                 abort.set()
+                return
             with lock:
-                ops_log.extend(local_ops)
+                if s == p - 1:
+                    losses[r] = [loss, correct]
+                ops_log.extend((s, r, kind, t0, t1, k) for kind, k, t0, t1 in timed)
                 if r == 0:
-                    busy[s] += sum(t1 - t0 for _, _, _, t0, t1, _ in local_ops)
+                    busy[s] += sum(t1 - t0 for _, _, t0, t1 in timed)
 
         threads = []
         start = time.perf_counter()
@@ -593,7 +672,7 @@ class Pipeline(SplitModel):
             bwd = [_Mailbox(abort) for _ in range(p)]
             for s in range(p):
                 args = (r, s, fwd[s - 1] if s else None, fwd[s], bwd[s], bwd[s - 1] if s else None)
-                threads.append(threading.Thread(target=run_stage, args=args, name=f"dpcore-stage{s}-r{r}",
+                threads.append(threading.Thread(target=run, args=args, name=f"dpcore-stage{s}-r{r}",
                                                 daemon=True))
         for t in threads:
             t.start()
@@ -607,22 +686,7 @@ class Pipeline(SplitModel):
             raise e
         if R > 1:
             reduce_over_copies(self.models, [len(rows) > 0 for rows in shards])
-        loss_sum = float(sum(l for l, _ in losses))
-        correct = int(sum(c for _, c in losses))
-        if not np.isfinite(loss_sum):
-            self._restore(states)
-            raise FloatingPointError(f"the loss is not finite ({loss_sum}) on a pipeline of {p} stages; the step "
-                                     f"applied no update: the parameters, momentum and BatchNorm statistics are those "
-                                     f"of the last finite step")
-        for row in self.models:
-            for m in row:
-                m.sgd_step(lr, momentum, weight_decay)
-        self._stats["steps"] += 1
-        self._stats["makespan"] += makespan
-        for s in range(p):
-            self._stats["busy"][s] += busy[s]
-        self._last_ops = sorted(ops_log, key=lambda o: o[3])
-        return loss_sum, correct
+        return self._finish_step(losses, states, makespan, busy, ops_log, lr, momentum, weight_decay)
 
 
 def reduce_over_copies(copies, ran):

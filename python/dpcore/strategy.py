@@ -192,15 +192,36 @@ class PipelineStrategy(MirroredStrategy):
     stage's gradients all-reduced among its copies. The step applies the
     full-batch gradient; BatchNorm normalises each micro-batch with its own
     statistics (as GPipe does). See :mod:`dpcore.pipeline`.
+
+    Across the processes of an MPI job (:mod:`dpcore.pipeline_mpi`): under
+    ``mpirun -np W`` without devices, stage i of pipeline r runs on rank
+    r * p + i (p = W / replicas), on ``cuda:{local_rank}`` where the host has
+    GPUs, else ``cpu:0``; or devices name their ranks, ``['rank0/cpu:0',
+    'rank1/cpu:0']`` (the same list on every rank). Every rank runs the same
+    script and calls: the same bits as one process running the same stages.
+    timeout: seconds a process waits for another before raising
+    :class:`dpcore.DistributedError` naming it and the stage (default 60).
     """
 
-    def __init__(self, devices=None, micro_batches=4, schedule="1f1b", split=None, replicas=1, balance="measured"):
-        super().__init__(devices)
+    def __init__(self, devices=None, micro_batches=4, schedule="1f1b", split=None, replicas=1, balance="measured",
+                 timeout=None):
+        from . import distributed
         from .pipeline import SCHEDULES
+        from .ranks import job_devices, spans_processes
 
+        self.timeout = distributed._check_timeout(distributed.DEFAULT_TIMEOUT if timeout is None else timeout)
         self.micro_batches = _check.integer("micro_batches", micro_batches, 1, 2**31 - 1)
         self.schedule = _check.one_of("schedule", schedule.lower() if isinstance(schedule, str) else schedule,
                                       SCHEDULES)
+        self.replicas = _check.integer("replicas", replicas, 1, _check.MAX_DEVICES)
+        # across processes (dpcore.pipeline_mpi): [(rank, device)] of the job's stages; None: this process's
+        self._placement = None
+        if spans_processes(devices):
+            self._placement = job_devices("PipelineStrategy", devices, self.replicas, self.timeout)
+            self._devices = [f"rank{q}/{d}" for q, d in self._placement]
+            self.all_reduce, self.bucket_mb, self.no_gpu_reason = "auto", DEFAULT_BUCKET_MB, None
+        else:
+            super().__init__(devices)
         self.replicas = _check.integer("replicas", replicas, 1, len(self._devices))
         if len(self._devices) % self.replicas:
             raise ValueError(f"replicas={self.replicas} must divide the {len(self._devices)} devices "
@@ -223,13 +244,18 @@ class PipelineStrategy(MirroredStrategy):
         return len(self._devices) // self.replicas
 
     @property
+    def across_ranks(self):
+        """Whether the stages live on the ranks of an MPI job (devices 'rankQ/dev')."""
+        return self._placement is not None
+
+    @property
     def num_replicas_in_sync(self):
         return self.replicas
 
     def __repr__(self):
         return (f"PipelineStrategy(devices={self._devices}, micro_batches={self.micro_batches}, "
                 f"schedule={self.schedule!r}, split={self.split}, replicas={self.replicas}, "
-                f"balance={self.balance!r})")
+                f"balance={self.balance!r}{f', timeout={self.timeout}' if self.across_ranks else ''})")
 
 
 class ModelParallelStrategy(MirroredStrategy):
@@ -249,10 +275,32 @@ class ModelParallelStrategy(MirroredStrategy):
     trains on its shard of the batch, each slice's gradients are all-reduced
     among its R copies and BatchNorm's running statistics averaged, as
     MirroredStrategy does. See :mod:`dpcore.tensor_parallel`.
+
+    Across the processes of an MPI job: under ``mpirun -np W`` without devices,
+    slice i of every layer runs on rank i (``cuda:{local_rank}`` where the host
+    has GPUs, else ``cpu:0``); or devices name their ranks, one each
+    (``['rank0/cpu:0', 'rank1/cpu:0']``, the same list on every rank). The same
+    bits as one process with the same slices. timeout: seconds a rank waits
+    for another before raising :class:`dpcore.DistributedError` (default 60).
     """
 
-    def __init__(self, devices=None, replicas=1):
-        super().__init__(devices)
+    def __init__(self, devices=None, replicas=1, timeout=None):
+        from . import distributed
+        from .ranks import job_devices, spans_processes
+
+        self.timeout = distributed._check_timeout(distributed.DEFAULT_TIMEOUT if timeout is None else timeout)
+        replicas = _check.integer("replicas", replicas, 1, _check.MAX_DEVICES)
+        self.across_ranks = spans_processes(devices)
+        if self.across_ranks:
+            placement = job_devices("ModelParallelStrategy", devices, replicas, self.timeout)
+            ranks = sorted(q for q, _ in placement)
+            if ranks != list(range(distributed.world_size())):
+                raise ValueError(f"ModelParallelStrategy: across processes each rank holds one slice: "
+                                 f"{[f'rank{q}/{d}' for q, d in placement]} names ranks {ranks}")
+            self._devices = [f"rank{q}/{d}" for q, d in placement]
+            self.all_reduce, self.bucket_mb, self.no_gpu_reason = "auto", DEFAULT_BUCKET_MB, None
+        else:
+            super().__init__(devices)
         self.replicas = _check.integer("replicas", replicas, 1, len(self._devices))
         if len(self._devices) % self.replicas:
             raise ValueError(f"replicas={self.replicas} must divide the {len(self._devices)} devices "

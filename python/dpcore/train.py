@@ -296,8 +296,11 @@ def train(net, train_iter, test_iter=None, num_epochs=10, lr=0.1, momentum=0.0, 
                           (num_epochs, float(lr), float(momentum), float(weight_decay), bool(resident),
                            _batches_or_none(train_iter), test_iter is None, checkpoint is None, resume),
                           net._timeout)
-        per_process = distributed.allgather_object(list(net.devices), net._timeout, "dp.train's device lists")
-        devices = [f"rank{q}/{d}" for q, names in enumerate(per_process) for d in names]
+        if getattr(net._pipeline, "across_ranks", False):
+            devices = list(net.devices)  # the job's ('rankQ/dev')
+        else:
+            per_process = distributed.allgather_object(list(net.devices), net._timeout, "dp.train's device lists")
+            devices = [f"rank{q}/{d}" for q, names in enumerate(per_process) for d in names]
         verbose = verbose and distributed.rank() == 0  # one process prints
     else:
         devices = list(net.devices)
