@@ -12,6 +12,7 @@
  * abort (8.3).
  */
 #include "dist.h"
+#include "dist_nccl.h"
 
 #include <limits.h>
 #include <pthread.h>
@@ -355,6 +356,7 @@ dp_status dp_dist_finalize(void) {
     int down = 0;
     MPI_Finalized(&down);
     if (!down) {
+      dp_nccl_p2p_shutdown(); /* no GPU message is in flight: the caller's last operations returned */
       if (comm_ctl != MPI_COMM_NULL) MPI_Comm_free(&comm_ctl);
       if (comm_data != MPI_COMM_NULL) MPI_Comm_free(&comm_data);
       if (comm_p2p != MPI_COMM_NULL) MPI_Comm_free(&comm_p2p);
@@ -888,81 +890,138 @@ static dp_status p2p_data(int is_send, void *buf, int64_t bytes, int peer, int m
   return st;
 }
 
-/* The answer a receiver sends back: 0 and its description when it takes the message, 1 when not. */
+/* The answer a receiver sends back: ANSWER_TAKE and its description when it takes the message. */
 typedef struct p2p_answer {
   int64_t refuse;
   dp_dist_desc want;
 } p2p_answer;
+enum { ANSWER_TAKE, ANSWER_MISMATCH, ANSWER_SAME_GPU };
 
-static dp_status send_seq(const void *buf, const dp_dist_desc *desc, int dst, int tag, int64_t seq, double timeout,
-                          const char *what) {
-  DP_TRY(p2p_check(dst, tag, "send"));
-  DP_TRY(p2p_desc_valid(desc, "send"));
-  p2p_answer answer;
-  MPI_Request reqs[2];
-  const int peers[2] = {dst, dst};
-  const unsigned char recv[2] = {0, 1};
-  pthread_mutex_lock(&mpi_lock);
-  int rc = MPI_Isend(desc, (int)sizeof *desc, MPI_BYTE, dst, p2p_tag(tag, seq, P2P_DESC), comm_p2p, &reqs[0]);
-  if (rc == MPI_SUCCESS)
-    rc = MPI_Irecv(&answer, (int)sizeof answer, MPI_BYTE, dst, p2p_tag(tag, seq, P2P_ANSWER), comm_p2p, &reqs[1]);
-  else
-    reqs[1] = MPI_REQUEST_NULL;
-  pthread_mutex_unlock(&mpi_lock);
-  DP_TRY(mpi_call(rc, "MPI_Isend", what));
-  DP_TRY(wait_requests(reqs, peers, recv, 2, timeout, what));
-  if (answer.refuse) {
-    char mine[160], theirs[160];
-    desc_text(desc, mine, sizeof mine);
-    desc_text(&answer.want, theirs, sizeof theirs);
-    return DP_FAIL(DP_ERR_DIST, "rank %d: %s: rank %d expects %s, this rank sends %s (tag %d); nothing was sent",
-                   world.rank, what, dst, theirs, mine, tag);
-  }
-  return p2p_data(1, (void *)buf, desc_bytes(desc), dst, p2p_tag(tag, seq, P2P_DATA), timeout, what);
-}
-
-static dp_status recv_seq(void *buf, const dp_dist_desc *expect, int src, int tag, int64_t seq, double timeout,
-                          const char *what) {
-  DP_TRY(p2p_check(src, tag, "recv"));
-  DP_TRY(p2p_desc_valid(expect, "recv"));
-  dp_dist_desc got;
-  MPI_Request req;
-  const unsigned char recv = 1;
-  pthread_mutex_lock(&mpi_lock);
-  int rc = MPI_Irecv(&got, (int)sizeof got, MPI_BYTE, src, p2p_tag(tag, seq, P2P_DESC), comm_p2p, &req);
-  pthread_mutex_unlock(&mpi_lock);
-  DP_TRY(mpi_call(rc, "MPI_Irecv", what));
-  DP_TRY(wait_requests(&req, &src, &recv, 1, timeout, what));
+/* The description (sender) or the expectation (receiver) and the answer: DP_OK when the receiver takes the
+ * message, *peer_desc then the peer's side (for the sender: the receiver's expectation, its GPU). */
+static dp_status handshake(int is_send, const dp_dist_desc *desc, int peer, int tag, int64_t seq, double timeout,
+                           const char *what, dp_dist_desc *peer_desc) {
+  DP_TRY(p2p_check(peer, tag, is_send ? "send" : "recv"));
+  DP_TRY(p2p_desc_valid(desc, is_send ? "send" : "recv"));
   p2p_answer answer;
   memset(&answer, 0, sizeof answer);
-  answer.refuse = !desc_same(&got, expect);
-  answer.want = *expect;
-  pthread_mutex_lock(&mpi_lock);
-  rc = MPI_Isend(&answer, (int)sizeof answer, MPI_BYTE, src, p2p_tag(tag, seq, P2P_ANSWER), comm_p2p, &req);
-  pthread_mutex_unlock(&mpi_lock);
-  DP_TRY(mpi_call(rc, "MPI_Isend", what));
-  DP_TRY(wait_requests(&req, &src, NULL, 1, timeout, what));
-  if (answer.refuse) {
-    char mine[160], theirs[160];
-    desc_text(expect, mine, sizeof mine);
-    desc_text(&got, theirs, sizeof theirs);
-    return DP_FAIL(DP_ERR_DIST, "rank %d: %s: rank %d sends %s, this rank expects %s (tag %d); nothing was received",
-                   world.rank, what, src, theirs, mine, tag);
+  if (is_send) {
+    MPI_Request reqs[2];
+    const int peers[2] = {peer, peer};
+    const unsigned char recv[2] = {0, 1};
+    pthread_mutex_lock(&mpi_lock);
+    int rc = MPI_Isend(desc, (int)sizeof *desc, MPI_BYTE, peer, p2p_tag(tag, seq, P2P_DESC), comm_p2p, &reqs[0]);
+    if (rc == MPI_SUCCESS)
+      rc = MPI_Irecv(&answer, (int)sizeof answer, MPI_BYTE, peer, p2p_tag(tag, seq, P2P_ANSWER), comm_p2p, &reqs[1]);
+    else
+      reqs[1] = MPI_REQUEST_NULL;
+    pthread_mutex_unlock(&mpi_lock);
+    DP_TRY(mpi_call(rc, "MPI_Isend", what));
+    DP_TRY(wait_requests(reqs, peers, recv, 2, timeout, what));
+    *peer_desc = answer.want;
+  } else {
+    dp_dist_desc got;
+    MPI_Request req;
+    const unsigned char recv = 1;
+    pthread_mutex_lock(&mpi_lock);
+    int rc = MPI_Irecv(&got, (int)sizeof got, MPI_BYTE, peer, p2p_tag(tag, seq, P2P_DESC), comm_p2p, &req);
+    pthread_mutex_unlock(&mpi_lock);
+    DP_TRY(mpi_call(rc, "MPI_Irecv", what));
+    DP_TRY(wait_requests(&req, &peer, &recv, 1, timeout, what));
+    /* NCCL refuses two ranks on one GPU: said here, before either side makes a communicator */
+    answer.refuse = !desc_same(&got, desc)                                                   ? ANSWER_MISMATCH
+                    : got.device == 1 && got.gpu_uid != 0 && got.gpu_uid == desc->gpu_uid ? ANSWER_SAME_GPU
+                                                                                            : ANSWER_TAKE;
+    answer.want = *desc;
+    pthread_mutex_lock(&mpi_lock);
+    rc = MPI_Isend(&answer, (int)sizeof answer, MPI_BYTE, peer, p2p_tag(tag, seq, P2P_ANSWER), comm_p2p, &req);
+    pthread_mutex_unlock(&mpi_lock);
+    DP_TRY(mpi_call(rc, "MPI_Isend", what));
+    DP_TRY(wait_requests(&req, &peer, NULL, 1, timeout, what));
+    *peer_desc = got;
   }
-  return p2p_data(0, buf, desc_bytes(expect), src, p2p_tag(tag, seq, P2P_DATA), timeout, what);
+  if (answer.refuse == ANSWER_TAKE) return DP_OK;
+  char mine[160], theirs[160];
+  desc_text(desc, mine, sizeof mine);
+  desc_text(peer_desc, theirs, sizeof theirs);
+  if (answer.refuse == ANSWER_SAME_GPU)
+    return DP_FAIL(DP_ERR_DIST, "rank %d: %s: rank %d %s the same physical GPU (GPU %d there, GPU %d here) that this "
+                   "rank %s; NCCL refuses two ranks on one GPU: give each process a GPU of its own "
+                   "(cuda:local_rank), or copy to the host first (tag %d); nothing was %s",
+                   world.rank, what, peer, is_send ? "receives into" : "sends from", peer_desc->gpu, desc->gpu,
+                   is_send ? "sends from" : "receives into", tag, is_send ? "sent" : "received");
+  if (is_send)
+    return DP_FAIL(DP_ERR_DIST, "rank %d: %s: rank %d expects %s, this rank sends %s (tag %d); nothing was sent",
+                   world.rank, what, peer, theirs, mine, tag);
+  return DP_FAIL(DP_ERR_DIST, "rank %d: %s: rank %d sends %s, this rank expects %s (tag %d); nothing was received",
+                 world.rank, what, peer, theirs, mine, tag);
 }
 
-dp_status dp_dist_send_seq(const void *buf, const dp_dist_desc *desc, int dst, int tag, int64_t seq, double timeout,
-                           const char *what) {
-  const dp_status st = send_seq(buf, desc, dst, tag, seq, timeout, what);
+/* "rank 3: " before a message of dist_nccl.c, which does not know the ranks; the job out of step. */
+static dp_status nccl_failed(dp_status st) {
+  char text[sizeof broken];
+  snprintf(text, sizeof text, "%s", dp_error_message());
+  return mark_broken(DP_FAIL(st, "rank %d: %s", world.rank, text));
+}
+
+/* A GPU message's bytes, after the handshake: the ticket from the pair's lower rank over MPI (in the data
+ * phase's tag, which GPU messages leave unused; sender or receiver, whichever is lower), then NCCL. Both sides
+ * fail when the lower rank cannot start NCCL. */
+static dp_status gpu_data(int is_send, void *buf, const dp_dist_desc *mine, const dp_dist_desc *theirs, int peer,
+                          int mtag, void *stream, double timeout, const char *what) {
+  const int64_t bytes = desc_bytes(mine);
+  if (bytes == 0) return DP_OK;
+  const int lower = world.rank < peer;
+  dp_nccl_ticket t;
+  dp_status st = DP_OK;
+  if (lower) st = dp_nccl_p2p_ticket(peer, mine->gpu, theirs->gpu, &t);
+  MPI_Request req;
+  const unsigned char recv = (unsigned char)!lower;
+  pthread_mutex_lock(&mpi_lock);
+  const int rc = lower ? MPI_Isend(&t, (int)sizeof t, MPI_BYTE, peer, mtag, comm_p2p, &req)
+                       : MPI_Irecv(&t, (int)sizeof t, MPI_BYTE, peer, mtag, comm_p2p, &req);
+  pthread_mutex_unlock(&mpi_lock);
+  if (rc != MPI_SUCCESS) return mpi_call(rc, lower ? "MPI_Isend" : "MPI_Irecv", what);
+  const dp_status sent = wait_requests(&req, &peer, &recv, 1, timeout, what);
+  if (st != DP_OK) return st; /* the higher rank has the reason in t.why */
+  DP_TRY(sent);
+  if (t.generation < 0) {
+    t.why[sizeof t.why - 1] = '\0'; /* another process's bytes: terminated here whatever they hold */
+    return DP_FAIL(DP_ERR_DIST, "rank %d: %s: rank %d could not start NCCL (%s); nothing was %s", world.rank, what,
+                   peer, t.why, is_send ? "sent" : "received");
+  }
+  st = dp_nccl_p2p_move(is_send, lower, peer, mine->gpu, &t, buf, bytes, stream, timeout, what);
+  return st == DP_OK ? DP_OK : nccl_failed(st);
+}
+
+static dp_status p2p_message(int is_send, void *buf, const dp_dist_desc *desc, int peer, int tag, int64_t seq,
+                             void *stream, double timeout, const char *what) {
+  dp_dist_desc theirs;
+  DP_TRY(handshake(is_send, desc, peer, tag, seq, timeout, what, &theirs));
+  if (desc->device == 1) return gpu_data(is_send, buf, desc, &theirs, peer, p2p_tag(tag, seq, P2P_DATA), stream,
+                                         timeout, what);
+  return p2p_data(is_send, buf, desc_bytes(desc), peer, p2p_tag(tag, seq, P2P_DATA), timeout, what);
+}
+
+dp_status dp_dist_send_seq(const void *buf, const dp_dist_desc *desc, int dst, int tag, int64_t seq, void *stream,
+                           double timeout, const char *what) {
+  const dp_status st = p2p_message(1, (void *)buf, desc, dst, tag, seq, stream, timeout, what);
   p2p_finished(1, dst, tag);
   return st;
 }
 
-dp_status dp_dist_recv_seq(void *buf, const dp_dist_desc *expect, int src, int tag, int64_t seq, double timeout,
-                           const char *what) {
-  const dp_status st = recv_seq(buf, expect, src, tag, seq, timeout, what);
+dp_status dp_dist_recv_seq(void *buf, const dp_dist_desc *expect, int src, int tag, int64_t seq, void *stream,
+                           double timeout, const char *what) {
+  const dp_status st = p2p_message(0, buf, expect, src, tag, seq, stream, timeout, what);
   p2p_finished(0, src, tag);
+  return st;
+}
+
+dp_status dp_dist_p2p_handshake(int is_send, const dp_dist_desc *desc, int peer, int tag, int64_t seq,
+                                double timeout, const char *what) {
+  dp_dist_desc theirs;
+  const dp_status st = handshake(is_send, desc, peer, tag, seq, timeout, what, &theirs);
+  p2p_finished(is_send, peer, tag);
   return st;
 }
 
@@ -1038,14 +1097,19 @@ dp_status dp_dist_p2p_next_seq(int is_send, int peer, int tag, int64_t *seq) {
   return p2p_alone(peer, tag, is_send ? "send" : "recv");
 }
 
-dp_status dp_dist_send_seq(const void *buf, const dp_dist_desc *desc, int dst, int tag, int64_t seq, double timeout,
-                           const char *what) {
+dp_status dp_dist_send_seq(const void *buf, const dp_dist_desc *desc, int dst, int tag, int64_t seq, void *stream,
+                           double timeout, const char *what) {
   return p2p_alone(dst, tag, "send");
 }
 
-dp_status dp_dist_recv_seq(void *buf, const dp_dist_desc *expect, int src, int tag, int64_t seq, double timeout,
-                           const char *what) {
+dp_status dp_dist_recv_seq(void *buf, const dp_dist_desc *expect, int src, int tag, int64_t seq, void *stream,
+                           double timeout, const char *what) {
   return p2p_alone(src, tag, "recv");
+}
+
+dp_status dp_dist_p2p_handshake(int is_send, const dp_dist_desc *desc, int peer, int tag, int64_t seq,
+                                double timeout, const char *what) {
+  return p2p_alone(peer, tag, is_send ? "send" : "recv");
 }
 
 #endif

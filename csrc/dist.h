@@ -143,16 +143,30 @@ typedef struct dp_dist_desc {
   int32_t dtype;  /* 0 float32, 1 float64, 2 int32, 3 int64, 4 uint8 */
   int32_t device; /* 0 host memory, 1 GPU memory */
   int32_t ndim;
-  int32_t unused;
+  int32_t gpu;       /* GPU memory: the physical GPU's ordinal in its process */
+  uint64_t gpu_uid;  /* GPU memory: the GPU's UUID, hashed (dp_nccl_gpu_uid), 0 when unknown */
   int64_t shape[DP_DIST_MAX_DIMS];
 } dp_dist_desc;
 /* The sequence number of the next send to (is_send) or receive from peer with tag. */
 DP_MUST_CHECK dp_status dp_dist_p2p_next_seq(int is_send, int peer, int tag, int64_t *seq);
-/* desc's bytes from buf to rank dst. */
+/* desc's bytes from buf to rank dst. GPU memory (desc->device 1): buf is
+ * device memory of GPU desc->gpu, ready once the work queued on `stream` (its
+ * device's cudaStream_t) so far is done; the bytes move by NCCL (dist_nccl.h)
+ * after the description was accepted over MPI. stream is NULL for host memory. */
 DP_MUST_CHECK dp_status dp_dist_send_seq(const void *buf, const dp_dist_desc *desc, int dst, int tag, int64_t seq,
-                                         double timeout, const char *what);
-/* A message described as expect from rank src, into buf (expect's bytes). */
+                                         void *stream, double timeout, const char *what);
+/* A message described as expect from rank src, into buf (expect's bytes;
+ * GPU memory as for dp_dist_send_seq, written once the call returns). The
+ * receiver refuses a description other than expect, and a GPU message between
+ * two processes on one physical GPU (equal gpu_uid: NCCL refuses two ranks on
+ * one GPU). */
 DP_MUST_CHECK dp_status dp_dist_recv_seq(void *buf, const dp_dist_desc *expect, int src, int tag, int64_t seq,
-                                         double timeout, const char *what);
+                                         void *stream, double timeout, const char *what);
+/* Only the description and the answer of a send (is_send) or receive: DP_OK
+ * when the receiver accepts, the DP_ERR_DIST of dp_dist_send_seq otherwise;
+ * no byte moves either way. The peer calls it too (the protocol's first half,
+ * for the tests of the descriptions on machines without GPUs). */
+DP_MUST_CHECK dp_status dp_dist_p2p_handshake(int is_send, const dp_dist_desc *desc, int peer, int tag, int64_t seq,
+                                              double timeout, const char *what);
 
 #endif

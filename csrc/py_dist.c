@@ -12,6 +12,7 @@
 #include <time.h>
 
 #include "dist.h"
+#include "dist_nccl.h"
 
 static PyObject *info_dict(const dp_dist_info *i) {
   return Py_BuildValue("{s:i,s:i,s:i,s:i,s:O,s:O,s:i,s:O}", "rank", i->rank, "world_size", i->size, "local_rank",
@@ -94,6 +95,7 @@ typedef struct {
   dp_dist_desc desc; /* point to point */
   int peer, tag, is_send;
   int64_t seq;
+  void *stream; /* a GPU message: its device's stream */
 } coll_work;
 
 static dp_status allgather_run(void *p) {
@@ -255,13 +257,18 @@ static PyObject *mod_dist_p2p_seq(PyObject *m, PyObject *args) {
 
 static dp_status p2p_run(void *p) {
   coll_work *w = p;
-  return w->is_send ? dp_dist_send_seq(w->buf, &w->desc, w->peer, w->tag, w->seq, w->timeout, w->what)
-                    : dp_dist_recv_seq(w->buf, &w->desc, w->peer, w->tag, w->seq, w->timeout, w->what);
+  return w->is_send ? dp_dist_send_seq(w->buf, &w->desc, w->peer, w->tag, w->seq, w->stream, w->timeout, w->what)
+                    : dp_dist_recv_seq(w->buf, &w->desc, w->peer, w->tag, w->seq, w->stream, w->timeout, w->what);
 }
+
+/* The point-to-point code of a Tensor's element type (dp_dist_desc.dtype). */
+static int p2p_dtype_of(int npy_type) { return npy_type == NPY_INT64 ? 3 : npy_type == NPY_UINT8 ? 4 : 0; }
 
 /* dist_p2p(is_send, array, dtype_code, peer, tag, seq, timeout, what): the C-contiguous
  * buffer's bytes to peer (is_send) or from it into the buffer (writable), described by
- * dtype_code (dp_dist_desc) and the buffer's shape. */
+ * dtype_code (dp_dist_desc) and the buffer's shape. A Tensor on a CUDA device instead:
+ * its device memory, described by its own element type and shape (dtype_code must agree),
+ * moved by NCCL; received in place. */
 static PyObject *mod_dist_p2p(PyObject *m, PyObject *args) {
   PyObject *obj, *peer_obj, *tag_obj;
   coll_work w;
@@ -273,6 +280,30 @@ static PyObject *mod_dist_p2p(PyObject *m, PyObject *args) {
       int_arg(tag_obj, w.is_send ? "send" : "recv", "tag", INT_MIN, INT_MAX, &w.tag) < 0)
     return NULL;
   if (wait_args(w.timeout, w.what) < 0) return NULL;
+  w.seq = (int64_t)seq;
+  dp_device *dev = NULL;
+  int npy_type = 0, ndim = 0;
+  npy_intp shape[NPY_MAXDIMS];
+  const int is_tensor = tensor_memory(obj, &dev, &w.buf, &npy_type, &ndim, shape);
+  if (is_tensor < 0) return NULL;
+  if (is_tensor && dev->kind == DP_DEVICE_CUDA) {
+    if (ndim > DP_DIST_MAX_DIMS || p2p_dtype_of(npy_type) != w.desc.dtype) {
+      PyErr_Format(PyExc_ValueError, "%s: a tensor of %d dimensions (at most %d) and dtype code %d (%d given)", w.what,
+                   ndim, DP_DIST_MAX_DIMS, p2p_dtype_of(npy_type), w.desc.dtype);
+      return NULL;
+    }
+    w.desc.device = 1;
+    w.desc.gpu = dp_cuda_device_gpu(dev);
+    w.desc.gpu_uid = dp_nccl_gpu_uid(w.desc.gpu);
+    w.desc.ndim = ndim;
+    for (int i = 0; i < ndim; ++i) w.desc.shape[i] = (int64_t)shape[i];
+    w.stream = dp_cuda_device_stream(dev);
+    /* Without the device's step lock: the wait may last until the peer comes (a receive on this
+     * device meanwhile must not wait for it), and NCCL works on a stream of its own, after the
+     * work queued on the device's stream so far; obj (in args) keeps the memory alive. */
+    if (models_run_without_gil(NULL, 0, p2p_run, &w) < 0) return NULL;
+    Py_RETURN_NONE;
+  }
   Py_buffer buf;
   const int flags = PyBUF_C_CONTIGUOUS | PyBUF_ND | (w.is_send ? 0 : PyBUF_WRITABLE);
   if (PyObject_GetBuffer(obj, &buf, flags) < 0) return NULL;
@@ -284,11 +315,48 @@ static PyObject *mod_dist_p2p(PyObject *m, PyObject *args) {
   w.desc.ndim = buf.ndim;
   for (int i = 0; i < buf.ndim; ++i) w.desc.shape[i] = (int64_t)buf.shape[i];
   w.buf = buf.buf;
-  w.seq = (int64_t)seq;
   /* the buffer stays exported (and so unresizable) while the GIL is released */
   const int rc = models_run_without_gil(NULL, 0, p2p_run, &w);
   PyBuffer_Release(&buf);
   if (rc < 0) return NULL;
+  Py_RETURN_NONE;
+}
+
+static dp_status handshake_run(void *p) {
+  coll_work *w = p;
+  return dp_dist_p2p_handshake(w->is_send, &w->desc, w->peer, w->tag, w->seq, w->timeout, w->what);
+}
+
+/* dist_p2p_handshake(is_send, dtype_code, shape, device, gpu, gpu_uid, peer, tag, seq, timeout, what):
+ * only the description and the answer of a message so described (device 0 host, 1 GPU memory);
+ * no byte moves. The peer calls it too. For the tests of the protocol on machines without GPUs. */
+static PyObject *mod_dist_p2p_handshake(PyObject *m, PyObject *args) {
+  PyObject *shape_obj, *peer_obj, *tag_obj;
+  coll_work w;
+  memset(&w, 0, sizeof w);
+  long long seq;
+  unsigned long long uid;
+  if (!PyArg_ParseTuple(args, "piOiiKOOLds", &w.is_send, &w.desc.dtype, &shape_obj, &w.desc.device, &w.desc.gpu, &uid,
+                        &peer_obj, &tag_obj, &seq, &w.timeout, &w.what) ||
+      int_arg(peer_obj, "handshake", "peer", INT_MIN, INT_MAX, &w.peer) < 0 ||
+      int_arg(tag_obj, "handshake", "tag", INT_MIN, INT_MAX, &w.tag) < 0)
+    return NULL;
+  if (wait_args(w.timeout, w.what) < 0) return NULL;
+  PyObject *dims = PySequence_Fast(shape_obj, "dist_p2p_handshake: shape must be a sequence of ints");
+  if (!dims) return NULL;
+  const Py_ssize_t nd = PySequence_Fast_GET_SIZE(dims);
+  if (nd > DP_DIST_MAX_DIMS) {
+    Py_DECREF(dims);
+    PyErr_Format(PyExc_ValueError, "%s: at most %d dimensions, got %zd", w.what, DP_DIST_MAX_DIMS, nd);
+    return NULL;
+  }
+  w.desc.ndim = (int32_t)nd;
+  for (Py_ssize_t i = 0; i < nd; ++i) w.desc.shape[i] = (int64_t)PyLong_AsLongLong(PySequence_Fast_GET_ITEM(dims, i));
+  Py_DECREF(dims);
+  if (PyErr_Occurred()) return NULL;
+  w.desc.gpu_uid = (uint64_t)uid;
+  w.seq = (int64_t)seq;
+  if (models_run_without_gil(NULL, 0, handshake_run, &w) < 0) return NULL;
   Py_RETURN_NONE;
 }
 
@@ -386,6 +454,9 @@ PyMethodDef dist_functions[] = {
      "dist_p2p_seq(is_send, peer, tag) -> the sequence number of the next send to / receive from peer"},
     {"dist_p2p", mod_dist_p2p, METH_VARARGS,
      "dist_p2p(is_send, array, dtype_code, peer, tag, seq, timeout, what): point to point, described and checked"},
+    {"dist_p2p_handshake", mod_dist_p2p_handshake, METH_VARARGS,
+     "dist_p2p_handshake(is_send, dtype_code, shape, device, gpu, gpu_uid, peer, tag, seq, timeout, what): only "
+     "the description and answer of a message (the protocol's tests)"},
     {"dist_chain_benchmark", mod_dist_chain_benchmark, METH_VARARGS,
      "dist_chain_benchmark(n, k, iters, timeout) -> seconds: the rank-ordered all-reduce across the job's processes"},
     {"dist_init", mod_dist_init, METH_NOARGS, "dist_init() -> info: join the job (MPI under mpirun), idempotent"},

@@ -250,6 +250,9 @@ DP_PY_LOCAL PyObject *tensor_view_of_model(ModelObject *owner, float *data, npy_
  * a view of a busy model); 0 when obj is not a Tensor. */
 DP_PY_LOCAL int tensor_float32_data(PyObject *obj, const char *what, dp_device **dev, void **data, npy_intp *first,
                                     int64_t *size);
+/* obj a Tensor: 1, with its device, memory, NumPy element type (NPY_FLOAT32, NPY_INT64, NPY_UINT8) and shape
+ * (NPY_MAXDIMS entries); -1 with RuntimeError for a view of a busy model; 0 when obj is not a Tensor. */
+DP_PY_LOCAL int tensor_memory(PyObject *obj, dp_device **dev, void **data, int *npy_type, int *ndim, npy_intp *shape);
 /* A new float32 Tensor of `shape` on the device `like` (zero-filled), its memory in *data; NULL with the
  * exception set. */
 DP_PY_LOCAL PyObject *tensor_empty_float32(dp_device *like, int ndim, const npy_intp *shape, float **data);

@@ -121,6 +121,18 @@ int tensor_float32_data(PyObject *obj, const char *what, dp_device **dev, void *
   return 1;
 }
 
+int tensor_memory(PyObject *obj, dp_device **dev, void **data, int *npy_type, int *ndim, npy_intp *shape) {
+  if (!PyObject_TypeCheck(obj, &TensorType)) return 0;
+  TensorObject *t = (TensorObject *)obj;
+  if (tensor_check_readable(t) < 0) return -1;
+  *dev = t->dev;
+  *data = t->data;
+  *npy_type = t->dtype;
+  *ndim = t->ndim;
+  for (int i = 0; i < t->ndim; ++i) shape[i] = t->shape[i];
+  return 1;
+}
+
 static dp_status tensor_alloc_run(void *p) {
   tensor_copy_work *w = p;
   return dp_device_alloc(w->dev, w->bytes, &w->data);

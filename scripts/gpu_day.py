@@ -67,7 +67,8 @@ GROUPS = [
     ("fixtures", ["tests/test_fixtures.py", "-m", "gpu"], 60, 45),
     ("multi", ["tests/test_devices.py", "tests/test_comm.py", "tests/test_resident.py", "tests/test_pipeline.py",
                "tests/test_tensor_parallel.py", "tests/test_timeline.py", "tests/test_distributed.py",
-               "tests/test_pipeline_mpi.py", "tests/test_tensor_parallel_mpi.py", "-m", "gpu"], 90, 45),
+               "tests/test_pipeline_mpi.py", "tests/test_tensor_parallel_mpi.py", "tests/test_p2p_gpu.py",
+               "-m", "gpu"], 90, 45),
     ("book", ["tests/test_gpu.py::test_book_lenet_accuracy_on_the_gpu"], 90, 85),
 ]
 BENCH_SECONDS = 120

@@ -49,22 +49,33 @@ def exchange():
         say("in order " + " ".join(str(int(w.wait()[0])) for w in works))
 
 
-def mismatch():
-    """A receiver that expects another shape: DistributedError on both ranks, naming both
-    descriptions; the job stays in step (the next message goes through)."""
-    r = dist.rank()
+def outcome(call, label=""):
+    """Says the DistributedError call() raised, or "no error"."""
     try:
-        if r == 0:
-            dist.send(np.zeros((2, 3), np.float32), 1)
-        else:
-            dist.recv((3, 2), 0)
-        say("no error")
+        call()
+        say(f"{label}no error")
     except dist.DistributedError as e:
-        say(f"DistributedError {e}")
-    if r == 0:
+        say(f"{label}DistributedError {e}")
+
+
+def refused_then_in_step(send, receive):
+    """Rank 0 calls send(), rank 1 receive(), each saying its outcome; then a host message from 0
+    to 1 shows whether the job is still in step."""
+    outcome(send if dist.rank() == 0 else receive)
+    in_step()
+
+
+def in_step():
+    if dist.rank() == 0:
         dist.send(np.ones(4, np.float32), 1)
     else:
         say(f"after {dist.recv((4,), 0).tolist()}")
+
+
+def mismatch():
+    """A receiver that expects another shape: DistributedError on both ranks, naming both
+    descriptions; the job stays in step (the next message goes through)."""
+    refused_then_in_step(lambda: dist.send(np.zeros((2, 3), np.float32), 1), lambda: dist.recv((3, 2), 0))
 
 
 def silent():
@@ -218,9 +229,122 @@ def slots():
         say(f"received in order {got == list(range(32)) + [99]}")
 
 
+def handshake():
+    """The descriptions alone (no byte moves; no GPU needed): a GPU message against a host
+    receiver, two processes on one physical GPU (equal gpu_uid), two distinct GPUs (taken); each
+    refusal a DistributedError on both ranks, and the job goes on."""
+    from dpcore import _core
+
+    r, other = dist.rank(), 1 - dist.rank()
+    # (sender's (device, gpu, uid), receiver's (device, gpu, uid))
+    for label, send_side, recv_side in (("kinds", (1, 0, 111), (0, 0, 0)),
+                                        ("same gpu", (1, 0, 222), (1, 0, 222)),
+                                        ("two gpus", (1, 0, 333), (1, 1, 444)),
+                                        ("unknown uid", (1, 0, 0), (1, 0, 0))):
+        is_send = r == 0
+        device, gpu, uid = send_side if is_send else recv_side
+        seq = _core.dist_p2p_seq(is_send, other, 0)
+        what = f"dp.distributed.{'send(to' if is_send else 'recv(from'} rank {other}, tag 0)"
+        outcome(lambda: _core.dist_p2p_handshake(is_send, 0, (2, 3), device, gpu, uid, other, 0, seq, 30.0, what),
+                f"{label}: ")
+    in_step()
+
+
+def _gpu():
+    """This rank's GPU device: cuda:local_rank when there are GPUs enough, else cuda:0."""
+    gpus = dp._core.runtime_info()["cuda_device_count"]
+    return f"cuda:{dist.local_rank() % max(gpus, 1)}"
+
+
+def gpu_host_mismatch():
+    """A tensor on a GPU sent to a rank that receives into host memory: DistributedError on both
+    ranks naming both memories, before NCCL is touched; then a host message goes through."""
+    a = np.arange(6, dtype=np.float32).reshape(2, 3)
+    refused_then_in_step(lambda: dist.send(dp.tensor(a, "cuda:0"), 1), lambda: dist.recv((2, 3), 0))
+
+
+def gpu_same_gpu():
+    """Both ranks on the one GPU (cuda:0): NCCL refuses two ranks on one GPU, so the receiver
+    refuses the message first, a DistributedError on both ranks; the job goes on."""
+    a = np.arange(6, dtype=np.float32).reshape(2, 3)
+    refused_then_in_step(lambda: dist.send(dp.tensor(a, "cuda:0"), 1),
+                         lambda: dist.recv(dp.tensor(np.zeros((2, 3), np.float32), "cuda:0"), 0))
+
+
+def gpu_collectives():
+    """The collectives on GPU tensors (through host copies): the rank-ordered float32 sum's bits,
+    a Tensor on the same device back; broadcast and all_gather; a GPU tensor on one rank and a host
+    array on the other: the same DistributedError on both."""
+    r, P = dist.rank(), dist.world_size()
+    dev = _gpu()
+    allv = [np.random.default_rng(q).standard_normal((5, 7)).astype(np.float32) for q in range(P)]
+    want = allv[0].copy()
+    for a in allv[1:]:
+        want = want + a
+    s = dist.all_reduce(dp.tensor(allv[r], dev))
+    say(f"gpu sum {type(s).__name__} {s.device == dev} bits {np.array_equal(s.numpy(), want)}")
+    m = dist.all_reduce(dp.tensor(allv[r], dev), op="mean")
+    say(f"gpu mean bits {np.array_equal(m.numpy(), want * np.float32(1 / P))}")
+    b = dist.broadcast(dp.tensor(np.full(4, r, np.float32), dev), src=1)
+    say(f"gpu broadcast {b.device == dev} {b.numpy().tolist()}")
+    g = dist.all_gather(dp.tensor(np.full(2, r, np.int64), dev))
+    say(f"gpu all_gather {[x.numpy().tolist() for x in g]}")
+    try:
+        dist.all_reduce(dp.tensor(allv[r], dev) if r == 0 else allv[r].copy())
+        say("no error")
+    except dist.DistributedError as e:
+        say(f"DistributedError {e}")
+    say(f"after {dist.all_reduce(np.ones(2, np.float32)).tolist()}")
+
+
+def gpu_p2p():
+    """Rank r on its own GPU (cuda:local_rank): exact bytes of every tensor dtype, both directions
+    at once with isend (one communicator, its messages numbered by the lower rank), five messages
+    on one tag in order, two tags received in the other order than sent (irecv), a tensor of
+    64 MiB, an empty one."""
+    r, other = dist.rank(), 1 - dist.rank()
+    dev = _gpu()
+    f = np.arange(12, dtype=np.float32).reshape(3, 4) * 0.1
+    i = np.arange(5, dtype=np.int64) * 10**12
+    u = np.arange(200, dtype=np.uint8)
+    if r == 0:
+        for a in (f, i, u):
+            dist.send(dp.tensor(a, dev), 1)
+    else:
+        for a in (f, i, u):
+            t = dist.recv(dp.tensor(np.zeros_like(a), dev), 0)
+            say(f"gpu {a.dtype} exact {type(t).__name__} {t.device == dev} {np.array_equal(t.numpy(), a)}")
+    mine = dp.tensor(np.full((1000, 100), r, np.float32), dev)
+    w = dist.isend(mine, other)
+    theirs = dist.recv(dp.tensor(np.zeros((1000, 100), np.float32), dev), other)
+    w.wait()
+    say(f"gpu exchange {bool((theirs.numpy() == other).all())}")
+    if r == 0:
+        works = [dist.isend(dp.tensor(np.full(3, k, np.float32), dev), 1, tag=5) for k in range(5)]
+        works += [dist.isend(dp.tensor(np.full(2, 7, np.float32), dev), 1, tag=6),
+                  dist.isend(dp.tensor(np.full(2, 8, np.float32), dev), 1, tag=7)]
+        for w in works:
+            w.wait()
+    else:
+        works = [dist.irecv(dp.tensor(np.zeros(3, np.float32), dev), 0, tag=5) for _ in range(5)]
+        late = dist.irecv(dp.tensor(np.zeros(2, np.float32), dev), 0, tag=7)
+        early = dist.irecv(dp.tensor(np.zeros(2, np.float32), dev), 0, tag=6)
+        say("gpu in order " + " ".join(str(int(w.wait().numpy()[0])) for w in works))
+        say(f"gpu two tags {int(early.wait().numpy()[0])} {int(late.wait().numpy()[0])}")
+    big = np.random.default_rng(3).standard_normal(16 << 20).astype(np.float32)
+    if r == 0:
+        dist.send(dp.tensor(big, dev), 1)
+        dist.send(dp.tensor(np.zeros((0, 3), np.float32), dev), 1)
+    else:
+        say(f"gpu 64 MiB exact {np.array_equal(dist.recv(dp.tensor(np.zeros_like(big), dev), 0).numpy(), big)}")
+        say(f"gpu empty {dist.recv(dp.tensor(np.zeros((0, 3), np.float32), dev), 0).shape}")
+
+
 CASES = {"basic": basic, "exchange": exchange, "mismatch": mismatch, "silent": silent, "bad_calls": bad_calls,
          "collectives": collectives, "owner": owner,
-         "formdiff": formdiff, "hierarchical": hierarchical, "slots": slots}
+         "formdiff": formdiff, "hierarchical": hierarchical, "slots": slots,
+         "handshake": handshake, "gpu_host_mismatch": gpu_host_mismatch, "gpu_same_gpu": gpu_same_gpu,
+         "gpu_collectives": gpu_collectives, "gpu_p2p": gpu_p2p}
 
 
 if __name__ == "__main__":

@@ -102,6 +102,27 @@ def test_collectives_on_three_ranks():
         assert f"rank {r}: reduce_scatter {b}" in text, text
 
 
+def test_descriptions_name_the_memory_and_refuse_one_gpu_for_two_ranks():
+    """The CPU twin of tests/test_p2p_gpu.py: the descriptions alone (dist_p2p_handshake, no byte
+    moves), as a GPU tensor's would be made. A GPU message against a host receiver, and two
+    processes on one physical GPU (NCCL refuses two ranks on one GPU), are DistributedErrors on
+    both ranks before any communicator is made; distinct GPUs, or GPUs CUDA could not name, are
+    taken; the job goes on."""
+    text = expect("handshake", [
+        "rank 0: kinds: DistributedError rank 0: dp.distributed.send(to rank 1, tag 0): rank 1 expects "
+        "float32[2, 3] in host memory, this rank sends float32[2, 3] in GPU memory (tag 0); nothing was sent",
+        "rank 1: kinds: DistributedError rank 1: dp.distributed.recv(from rank 0, tag 0): rank 0 sends "
+        "float32[2, 3] in GPU memory, this rank expects float32[2, 3] in host memory (tag 0); nothing was received",
+        "rank 0: same gpu: DistributedError rank 0: dp.distributed.send(to rank 1, tag 0): rank 1 receives into the "
+        "same physical GPU (GPU 0 there, GPU 0 here) that this rank sends from; NCCL refuses two ranks on one GPU",
+        "rank 1: same gpu: DistributedError rank 1: dp.distributed.recv(from rank 0, tag 0): rank 0 sends from the "
+        "same physical GPU (GPU 0 there, GPU 0 here) that this rank receives into; NCCL refuses two ranks on one GPU",
+        "rank 0: two gpus: no error", "rank 1: two gpus: no error",
+        "rank 0: unknown uid: no error", "rank 1: unknown uid: no error",
+        "rank 1: after [1.0, 1.0, 1.0, 1.0]"])
+    assert "kinds: no error" not in text and "same gpu: no error" not in text, text
+
+
 @pytest.mark.parametrize("processes", [2, 3, 4])
 def test_owner_computes_all_reduce_has_the_chains_bits(processes):
     """DPCORE_DIST_ALLREDUCE=owner (dp_dist_owner_allreduce_on) against the chain and against the

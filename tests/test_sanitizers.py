@@ -49,8 +49,8 @@ ASAN_UBSAN = ["-fsanitize=address,undefined", "-fno-sanitize-recover=undefined"]
 # device registry's
 CPU_DEVICE = ["backend_cpu.c", "implicit_gemm.c", "small_gemm.c", "winograd.c", "winograd_lanes.c", "winograd_s2.c",
               "cpu_caches.c", "backend_cuda.c", "device.c"]
-MIRRORED_CORE = [*CPU_DEVICE, "collective.c", "comm.c", "dist.c", "mirrored.c", "layers.c", "model.c", "replica.c",
-                 "resident.c", "shapes.c", "status.c"]
+MIRRORED_CORE = [*CPU_DEVICE, "collective.c", "comm.c", "dist.c", "dist_nccl.c", "mirrored.c", "layers.c", "model.c",
+                 "replica.c", "resident.c", "shapes.c", "status.c"]
 REGISTRY_CORE = [*CPU_DEVICE, "layers.c", "model.c", "resident.c", "shapes.c", "status.c"]
 
 
@@ -73,8 +73,8 @@ def compile_program(tmp_path, program, core_sources, sanitizers, link_flags=()):
     return exe
 
 
-def build_and_run(tmp_path, program, core_sources, link_flags=()):
-    exe = compile_program(tmp_path, program, core_sources, ASAN_UBSAN, link_flags)
+def build_and_run(tmp_path, program, core_sources, link_flags=(), cflags=()):
+    exe = compile_program(tmp_path, program, core_sources, ASAN_UBSAN + list(cflags), link_flags)
     env = clean_env(ASAN_OPTIONS="detect_leaks=1:abort_on_error=0:halt_on_error=1",
                     UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1", OMP_NUM_THREADS="2")
     proc = subprocess.run([str(exe)], capture_output=True, text=True, env=env, timeout=300)
@@ -221,11 +221,33 @@ def run_tsan_clean(exe, program):
     assert "ThreadSanitizer" not in report, report
 
 
+# csrc/dist_nccl.c built as with CUDA and NCCL, against the fakes of tests/c/fake_cuda/ (first on the
+# include path) that tests/c/p2p_order.c defines
+FAKE_NCCL = ["-I", os.path.join(ROOT, "tests", "c", "fake_cuda"), "-DDP_HAVE_CUDA", "-DDP_HAVE_NCCL"]
+
+
+def test_gpu_messages_keep_their_order_and_deadlines_on_the_cpu(tmp_path):
+    """tests/c/p2p_order.c: the GPU messages' NCCL layer (csrc/dist_nccl.c) with CUDA and NCCL
+    faked on the host: a pair's messages queued in ticket order whatever order their threads come
+    in; NCCL's non-blocking contract kept; the lower rank's tickets; a turn that never comes, an
+    asynchronous NCCL error and a message that never finishes each a DP_ERR_DIST with the
+    communicator aborted; shutdown leaving nothing behind. The CPU twin of tests/test_p2p_gpu.py's
+    two-GPU test."""
+    build_and_run(tmp_path, "p2p_order", ["dist_nccl.c", "status.c"], ["-lpthread"], FAKE_NCCL)
+
+
+def test_gpu_messages_are_race_free_under_tsan(tmp_path):
+    """The same program under ThreadSanitizer: eight threads taking turns on one communicator."""
+    exe = compile_program(tmp_path, "p2p_order", ["dist_nccl.c", "status.c"], ["-fsanitize=thread", *FAKE_NCCL],
+                          ["-lpthread"])
+    run_tsan_clean(exe, "p2p_order")
+
+
 def test_the_mpi_library_version_is_filled_once_without_a_race(tmp_path):
     """tests/c/dist_version.c under ThreadSanitizer: eight threads ask for
     dp_dist_library_version at once (MPI_Get_library_version wrapped by the
     program, so that its writes are seen); one fill, one answer, no race."""
-    exe = compile_program(tmp_path, "dist_version", ["dist.c", "status.c"], ["-fsanitize=thread"],
+    exe = compile_program(tmp_path, "dist_version", ["dist.c", "dist_nccl.c", "status.c"], ["-fsanitize=thread"],
                           [*mpi_flags(), "-lpthread", "-Wl,--wrap=MPI_Get_library_version"])
     run_tsan_clean(exe, "dist_version")
 

@@ -202,20 +202,24 @@ _DTYPES = {"float32": 0, "float64": 1, "int32": 2, "int64": 3, "uint8": 4}
 
 
 def _host_array(t, verb):
-    """(NumPy array, rebuild) of what send / recv take: a NumPy array, or a dp.Tensor in host memory
-    (rebuild makes the dp.Tensor of a received array on the same device)."""
+    """(NumPy array, rebuild) of what the collectives take: a NumPy array, or a dp.Tensor (a tensor on a
+    GPU staged through a host copy; rebuild makes the dp.Tensor of a result array on the tensor's device)."""
     from . import parallel
 
     if isinstance(t, parallel.Tensor):
-        if not t.device.startswith("cpu"):
-            raise NotImplementedError(f"{verb}: a tensor on {t.device} across processes needs NCCL's send / recv, "
-                                      "which dpcore does not run yet; copy it to the host first (t.numpy())")
         return t.numpy(), (lambda a, dev=t.device: parallel.tensor(a, dev))
     if isinstance(t, np.ndarray):
         if t.dtype.name not in _DTYPES:
             raise TypeError(f"{verb}: arrays of {', '.join(_DTYPES)} only, got {t.dtype}")
         return t, None
     raise TypeError(f"{verb}: expected a NumPy array or a dp.Tensor, got {type(t).__name__}")
+
+
+def _memory(t):
+    """'GPU' for a dp.Tensor in GPU memory, else 'host': what the ranks of a collective must agree on."""
+    from . import parallel
+
+    return "GPU" if isinstance(t, parallel.Tensor) and not t.device.startswith("cpu") else "host"
 
 
 def _peer(verb, peer, info):
@@ -271,6 +275,23 @@ def _p2p(is_send, t, peer, tag, timeout, dtype=None):
         if dt.name not in _DTYPES:
             raise TypeError(f"recv: dtype must be one of {', '.join(_DTYPES)}, got {dt}")
         array, rebuild, fill = np.empty(tuple(int(d) for d in t), dt), None, None
+    elif _memory(t) == "GPU":
+        # GPU memory: described over MPI, the bytes by NCCL from GPU to GPU (csrc/dist_nccl.h);
+        # a receive lands in a new tensor on the same device
+        if dtype is not None:
+            raise TypeError(f"{verb}: dtype= is for a shape; an array or tensor has its own")
+        if len(t.shape) > 8:
+            raise ValueError(f"{verb}: at most 8 dimensions, got {len(t.shape)}")
+        from . import parallel
+
+        tensor = t if is_send else parallel.tensor(np.empty(t.shape, t.dtype), t.device)
+        seq = _core.dist_p2p_seq(is_send, peer, tag)
+        what = f"dp.distributed.{verb}({'to' if is_send else 'from'} rank {peer}, tag {tag})"
+
+        def run_gpu():
+            _core.dist_p2p(is_send, tensor, _DTYPES[tensor.dtype], peer, tag, seq, timeout, what)
+            return None if is_send else tensor
+        return run_gpu, what
     else:
         if dtype is not None:
             raise TypeError(f"{verb}: dtype= is for a shape; an array or tensor has its own")
@@ -296,19 +317,30 @@ def _p2p(is_send, t, peer, tag, timeout, dtype=None):
 
 
 def send(tensor, dst, tag=0, timeout=DEFAULT_TIMEOUT):
-    """Sends ``tensor`` (a NumPy array of float32/float64/int32/int64/uint8, or a dp.Tensor in
-    host memory) to rank ``dst``; returns when its bytes have left (torch.distributed.send).
-    The receiver's ``recv`` must expect the same dtype and shape: otherwise a DistributedError
-    naming both on both ranks, and nothing moves. Messages with the same ``tag`` (0-99) between
-    two ranks arrive in the order they were sent."""
+    """Sends ``tensor`` (a NumPy array of float32/float64/int32/int64/uint8, or a dp.Tensor) to rank
+    ``dst``; returns when its bytes have left (torch.distributed.send).
+    The receiver's ``recv`` must expect the same dtype, shape and kind of memory (host, or a GPU):
+    otherwise a DistributedError naming both on both ranks, and nothing moves. Messages with the
+    same ``tag`` (0-99) between two ranks arrive in the order they were sent.
+
+    A dp.Tensor on a GPU goes from GPU to GPU by NCCL (the description still over MPI): the
+    receiver passes a dp.Tensor on one of its GPUs, and each process needs a GPU of its own
+    (cuda:local_rank; NCCL refuses two ranks on one GPU, a DistributedError on both ranks here).
+    Two processes get a two-rank NCCL communicator of their own on their first such message, and
+    their GPU messages, either way, run one at a time in the order the lower rank numbers them. A
+    GPU send returns only once the receiver has the bytes (NCCL keeps no eager buffer), so
+    blocking sends and receives on different tags must come in the same order on both ranks, or
+    use isend / irecv. A peer that does not come within ``timeout`` is named in a
+    DistributedError, the communicator aborted (ncclCommAbort)."""
     run, _ = _p2p(True, tensor, dst, tag, timeout)
     run()
 
 
 def recv(tensor_or_shape, src, tag=0, timeout=DEFAULT_TIMEOUT, dtype=None):
     """Receives from rank ``src``: into ``tensor_or_shape`` when it is a NumPy array (filled in
-    place and returned), as a new dp.Tensor on the same device when it is a dp.Tensor, or as a new
-    array of that shape (``dtype``, default float32) when it is a shape."""
+    place and returned), as a new dp.Tensor on the same device when it is a dp.Tensor (on a GPU:
+    by NCCL, GPU to GPU, see ``send``), or as a new array of that shape (``dtype``, default
+    float32) when it is a shape."""
     run, _ = _p2p(False, tensor_or_shape, src, tag, timeout, dtype)
     return run()
 
@@ -335,6 +367,7 @@ def _collective_input(name, t, timeout, extra=()):
     dtype, shape and kind of memory (and `extra`), else a DistributedError on every rank."""
     timeout = _check_timeout(timeout)
     info = _join()
+    memory = _memory(t)
     array, rebuild = _host_array(t, name)
     if rebuild is None and not (array.flags.c_contiguous and array.flags.writeable):
         raise ValueError(f"{name}: the array must be C-contiguous and writable (the result is written in place)")
@@ -343,7 +376,7 @@ def _collective_input(name, t, timeout, extra=()):
     if info["world_size"] > 1:
         agree(f"dp.distributed.{name}'s arguments (collective, dtype, shape, memory{', ' if extra else ''}"
               f"{', '.join(k for k, _ in extra)})",
-              (name, array.dtype.name, array.shape, "host") + tuple(v for _, v in extra), timeout)
+              (name, array.dtype.name, array.shape, memory) + tuple(v for _, v in extra), timeout)
     return array, rebuild, timeout, info
 
 
@@ -353,7 +386,13 @@ def _result(array, rebuild):
 
 def all_reduce(tensor, op="sum", timeout=DEFAULT_TIMEOUT):
     """Every rank's ``tensor`` combined by ``op`` ('sum', 'mean', 'max'), on every rank: a NumPy
-    array is overwritten and returned, a host dp.Tensor is returned as a new Tensor.
+    array is overwritten and returned, a dp.Tensor is returned as a new Tensor on its device.
+    Every rank passes the same kind of memory (host, or a GPU).
+
+    A dp.Tensor on a GPU goes through host memory: copied to the host, combined by the same
+    rank-ordered path over MPI as host arrays (so the same bits), the result copied back to a
+    new tensor on the GPU. Deliberately not NCCL's all-reduce, whose sums are not in rank order
+    and so not bitwise the same from run to run or across job shapes.
 
     ``tensor`` may also be a list: this process's replicas (e.g. one tensor per logical
     device, in device order; each process may hold another number). Then every element of
@@ -372,6 +411,9 @@ def all_reduce(tensor, op="sum", timeout=DEFAULT_TIMEOUT):
         raise ValueError("all_reduce: an empty list of tensors")
     timeout = _check_timeout(timeout)
     info = _join()
+    memories = sorted({_memory(t) for t in items})
+    if len(memories) > 1:
+        raise ValueError("all_reduce: this process's tensors are in host and GPU memory; pass one kind")
     pairs = [_host_array(t, "all_reduce") for t in items]
     for a, rebuild in pairs:
         if rebuild is None and not (a.flags.c_contiguous and a.flags.writeable):
@@ -387,7 +429,7 @@ def all_reduce(tensor, op="sum", timeout=DEFAULT_TIMEOUT):
     P = info["world_size"]
     ks = [len(arrays)]
     if P > 1:
-        calls = allgather_object(("all_reduce", dtype.name, shape, "host", op, len(arrays)), timeout,
+        calls = allgather_object(("all_reduce", dtype.name, shape, memories[0], op, len(arrays)), timeout,
                                  "the comparison of dp.distributed.all_reduce's arguments")
         for q, c in enumerate(calls):
             if c[:5] != calls[0][:5]:
@@ -433,8 +475,9 @@ def _gather_arrays(array, timeout, what):
 
 
 def broadcast(tensor, src=0, timeout=DEFAULT_TIMEOUT):
-    """Rank ``src``'s ``tensor`` on every rank (a NumPy array overwritten and returned, a host
-    dp.Tensor returned as a new Tensor); every rank passes the same dtype and shape."""
+    """Rank ``src``'s ``tensor`` on every rank (a NumPy array overwritten and returned, a
+    dp.Tensor returned as a new Tensor on its device; a GPU's through a host copy, as in
+    all_reduce); every rank passes the same dtype, shape and kind of memory."""
     from . import _check
 
     info = _join()
@@ -446,8 +489,9 @@ def broadcast(tensor, src=0, timeout=DEFAULT_TIMEOUT):
 
 
 def all_gather(tensor, timeout=DEFAULT_TIMEOUT):
-    """Every rank's ``tensor``, as a list in rank order (NumPy arrays, or host dp.Tensors when
-    ``tensor`` is one); every rank passes the same dtype and shape."""
+    """Every rank's ``tensor``, as a list in rank order (NumPy arrays, or dp.Tensors on its device
+    when ``tensor`` is one; a GPU's through host copies, as in all_reduce); every rank passes the
+    same dtype, shape and kind of memory."""
     array, rebuild, timeout, info = _collective_input("all_gather", tensor, timeout)
     parts = _gather_arrays(array, timeout, "dp.distributed.all_gather()") if info["world_size"] > 1 \
         else [array.copy()]
