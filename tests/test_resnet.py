@@ -748,9 +748,10 @@ def test_per_replica_batchnorm_shard_with_one_value_per_channel_fails_cleanly():
 # depends on the seed (initial weights and data order) and, through the rounding of the machine's
 # kernels, acts like another seed elsewhere. `benchmarks/book_resnet.py --subset 2000 --test-subset
 # 1000 --batch-size 32 --lr 0.05 --epochs 4 --seeds 0 ... 9 --runs dpcore:d2l:float32` (SkylakeX
-# kernels, 2026-11-28): SUBSET_SEEDS below, seeds 0-9 (the suite runs seed 0). The threshold is their mean less 4 sample sd, rounded
-# down (under a normal model a run falls below it with probability ~3e-5); a network that does not
-# learn stays near 0.10, and one with a broken gradient or BatchNorm well below the threshold.
+# kernels, 2026-11-28) gave SUBSET_SEEDS (seeds 0-9; the suite runs seed 0). The threshold is their
+# mean less 4 sample sd, rounded down (under a normal model a run falls below it with probability
+# ~3e-5); a network that does not learn stays near 0.10, and one with a broken gradient or
+# BatchNorm well below the threshold.
 SUBSET_SEEDS = (0.740, 0.813, 0.774, 0.754, 0.703, 0.727, 0.740, 0.706, 0.756, 0.796)  # mean 0.751, sd 0.036
 SUBSET_ACCURACY = 0.60
 
