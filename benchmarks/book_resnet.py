@@ -166,7 +166,8 @@ def main():
     for run in dict.fromkeys(r[0] for r in rows):
         last = [accs[-1] for r, _, accs, _ in rows if r == run]
         sd = float(np.std(last, ddof=1)) if len(last) > 1 else float("nan")
-        print(f"| {run} | {len(last)} | {np.mean(last):.4f} | {sd:.4f} | {min(last):.4f} | {np.mean(last) - 4 * sd:.4f} |")
+        mean = float(np.mean(last))
+        print(f"| {run} | {len(last)} | {mean:.4f} | {sd:.4f} | {min(last):.4f} | {mean - 4 * sd:.4f} |")
     return 0
 
 

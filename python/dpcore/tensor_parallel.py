@@ -701,7 +701,8 @@ class TensorParallelRanks(TensorParallel):
             a, b = self.bounds[j][self._d]
             for _, kind, off, shape in (m.param_layout() if which == "params" else m.state_layout()):
                 g_off, g_shape = whole[(j, kind)]
-                buf[off:off + int(np.prod(shape))] = flat[g_off:g_off + int(np.prod(g_shape))].reshape(g_shape)[a:b].ravel()
+                whole_tensor = flat[g_off:g_off + int(np.prod(g_shape))].reshape(g_shape)
+                buf[off:off + int(np.prod(shape))] = whole_tensor[a:b].ravel()
             getattr(m, setter)(buf)
         self._snapshot = None
 
