@@ -636,9 +636,6 @@ class TensorParallelRanks(TensorParallel):
         """The loss, on this rank (every rank of a copy computes it from the same logits)."""
         return self.head_model
 
-    def __del__(self):
-        pass
-
     def all_models(self):
         return [m for m in self.mine if m is not None] + [self.head_model]
 
