@@ -1,7 +1,7 @@
 """The CUDA backend against the CPU backend (the oracle). Needs a CUDA GPU:
 every test is marked ``gpu`` and skipped, with the reason, where none is usable
 (``make test-gpu``, and scripts/gpu-day.sh on a borrowed GPU machine, run
-them; all passed on an H100 on 2026-11-28, docs/gpu-day.md).
+them; all passed on an H100 and on an H200 on 2026-11-28, docs/gpu-day.md).
 
 Tolerances. Small networks (every layer kind, a residual add, uint8 input, SGD
 steps) are compared with float64, not with the CPU: each value within the bound
