@@ -69,8 +69,25 @@ static PyObject *mod_dist_abort(PyObject *m, PyObject *args) {
 static PyObject *mod_dist_is_broken(PyObject *m, PyObject *unused) { return PyBool_FromLong(dp_dist_is_broken()); }
 
 static PyObject *mod_dist_library(PyObject *m, PyObject *unused) {
-  return Py_BuildValue("{s:O,s:s,s:i}", "built", dp_dist_built() ? Py_True : Py_False, "version",
-                       dp_dist_library_version(), "cuda_aware", dp_dist_cuda_aware());
+  return Py_BuildValue("{s:O,s:s,s:i,s:O}", "built", dp_dist_built() ? Py_True : Py_False, "version",
+                       dp_dist_library_version(), "cuda_aware", dp_dist_cuda_aware(), "nccl_p2p",
+                       dp_nccl_p2p_built() ? Py_True : Py_False);
+}
+
+/* dist_gpu_uid(gpu) -> the number naming physical GPU `gpu` among the job's (two processes on one GPU get
+ * the same), 0 when CUDA cannot say or dpcore was built without NCCL. */
+static PyObject *mod_dist_gpu_uid(PyObject *m, PyObject *args) {
+  int gpu;
+  if (!PyArg_ParseTuple(args, "i", &gpu)) return NULL;
+  if (gpu < 0) {
+    PyErr_Format(PyExc_ValueError, "gpu must be >= 0, got %d", gpu);
+    return NULL;
+  }
+  uint64_t uid;
+  Py_BEGIN_ALLOW_THREADS
+  uid = dp_nccl_gpu_uid(gpu); /* the first call starts CUDA */
+  Py_END_ALLOW_THREADS
+  return PyLong_FromUnsignedLongLong((unsigned long long)uid);
 }
 
 /* The timeout and what-string arguments every collective takes. */
@@ -464,7 +481,10 @@ PyMethodDef dist_functions[] = {
     {"dist_finalize", mod_dist_finalize, METH_NOARGS, "MPI_Finalize, when dpcore initialised MPI"},
     {"dist_abort", mod_dist_abort, METH_VARARGS, "dist_abort(code=1): MPI_Abort over the whole job"},
     {"dist_is_broken", mod_dist_is_broken, METH_NOARGS, "True once the processes are out of step"},
-    {"dist_library", mod_dist_library, METH_NOARGS, "{'built', 'version', 'cuda_aware'} of the MPI library"},
+    {"dist_library", mod_dist_library, METH_NOARGS,
+     "{'built', 'version', 'cuda_aware'} of the MPI library, 'nccl_p2p': GPU messages by NCCL built in"},
+    {"dist_gpu_uid", mod_dist_gpu_uid, METH_VARARGS,
+     "dist_gpu_uid(gpu) -> int naming the physical GPU among the job's (0: unknown, or no NCCL)"},
     {"dist_allgather", mod_dist_allgather, METH_VARARGS,
      "dist_allgather(data, timeout, what) -> [bytes per rank]"},
     {"dist_bcast", mod_dist_bcast, METH_VARARGS, "dist_bcast(buffer, root, timeout, what): in place"},

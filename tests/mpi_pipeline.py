@@ -60,6 +60,11 @@ CONFIGS = {
                                                devices=["rank0/cuda:0", "rank1/cuda:0"])),
     "resnet-gpu": (resnet, 12, (1, 12, 12), dict(schedule="gpipe", micro_batches=3, balance="flops",
                                                  devices=["rank0/cuda:0", "rank1/cuda:0"])),
+    # two physical GPUs: activations and gradients by NCCL from GPU to GPU
+    "lenet-2gpu": (lenet, 26, (1, 28, 28), dict(schedule="1f1b", micro_batches=4, balance="flops",
+                                                devices=["rank0/cuda:0", "rank1/cuda:1"])),
+    "resnet-2gpu": (resnet, 12, (1, 12, 12), dict(schedule="gpipe", micro_batches=3, balance="flops",
+                                                  devices=["rank0/cuda:0", "rank1/cuda:1"])),
 }
 
 
@@ -106,6 +111,7 @@ def equal(names, replicas=1):
         bits = whole(net)
         say(f"{name} digest {zlib.crc32(bits.tobytes() + repr(losses).encode()):08x}")
         say(f"{name} identical copies {net._pipeline.replicas_identical()}")
+        say(f"{name} by nccl {sorted(net._pipeline._by_nccl.items())}")
         jobs[name] = (net._pipeline.split, len(net.devices), losses, bits)
     if RANK != 0:
         return
@@ -228,7 +234,8 @@ def failure(kill):
 
 
 CASES = {"two": two, "three": three, "replicated": replicated, "hosts": lambda: equal(["lenet-gpipe", "resnet-1f1b"]),
-         "gpu": lambda: equal(["lenet-gpu", "resnet-gpu"]), "raise": lambda: failure(False),
+         "gpu": lambda: equal(["lenet-gpu", "resnet-gpu"]), "2gpu": lambda: equal(["lenet-2gpu", "resnet-2gpu"]),
+         "raise": lambda: failure(False),
          "kill": lambda: failure(True)}
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 import dpcore as dp
+from dpcore import pipeline_mpi
 from split_common import GPUS, NO_GPU
 from test_distributed import mpi_env, mpi_required  # noqa: F401  (the fixture: MPI needed, or skipped in DPCORE_MPI=0 builds)
 
@@ -213,3 +214,42 @@ def test_two_ranks_on_one_gpu_equal_one_process_on_logical_gpus():
     proc, text, _ = run("gpu", 2)
     assert proc.returncode == 0, text
     equals_one_process(text, ["lenet-gpu", "resnet-gpu"], 2)
+    for name in ("lenet-gpu", "resnet-gpu"):  # one physical GPU: NCCL would refuse, so host arrays
+        assert f"rank 0: {name} by nccl [((0, 0), False)]" in text, text
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(GPUS < 2, reason=f"needs 2 GPUs ({GPUS} here): NCCL refuses two ranks on one GPU, and between "
+                    "two GPUs a pipeline's activations and gradients go by NCCL")
+def test_two_ranks_on_two_gpus_pass_gpu_tensors_by_nccl():
+    """The NCCL twin: stage 0 on rank 0's GPU 0, stage 1 on rank 1's GPU 1, activations and
+    gradients GPU to GPU by NCCL (no host copy), LeNet 1F1B and ResNet-18 GPipe, against one
+    process over logical GPUs of GPU 0: the one-process bits (the messages move bytes
+    exactly; the GPUs are of one model)."""
+    proc, text, _ = run("2gpu", 2)
+    assert proc.returncode == 0, text
+    equals_one_process(text, ["lenet-2gpu", "resnet-2gpu"], 2)
+    for name in ("lenet-2gpu", "resnet-2gpu"):
+        for r in range(2):
+            assert f"rank {r}: {name} by nccl [((0, 0), True)]" in text, text
+
+
+def test_stage_boundaries_take_nccl_only_between_two_physical_gpus():
+    """The CPU twin of the choice both ranks make from gathered facts: NCCL only where
+    two ranks hold the two stages on two different physical GPUs, both known."""
+    owner = [[0, 1, 1, 2], [3, 3, 4, 5]]
+    uids = {(0, 0): 11, (0, 1): 22, (0, 2): 22, (0, 3): 22,  # pipeline 0: GPUs 11, 22, 22, 22
+            (1, 0): 33, (1, 1): 44, (1, 3): 0}               # pipeline 1: stage 2 on a CPU, stage 3 unknown
+    got = pipeline_mpi.nccl_boundaries(owner, uids)
+    assert got == {(0, 0): True,    # ranks 0 and 1, GPUs 11 and 22
+                   (0, 1): False,   # one rank
+                   (0, 2): False,   # ranks 1 and 2 share GPU 22: NCCL refuses one GPU for two ranks
+                   (1, 0): False,   # one rank (3)
+                   (1, 1): False,   # to a CPU stage
+                   (1, 2): False}   # from a CPU stage to an unknown GPU
+    assert pipeline_mpi.nccl_boundaries([[0, 1]], {}) == {(0, 0): False}
+    # here (no GPU, or no NCCL) no GPU is known: every boundary goes through the host
+    assert dp._core.dist_gpu_uid(0) == 0 or GPUS > 0
+    with pytest.raises(ValueError, match="gpu must be >= 0"):
+        dp._core.dist_gpu_uid(-1)
+    assert dp._core.dist_library()["nccl_p2p"] == bool(dp.build_info()["nccl_linked"])

@@ -536,15 +536,23 @@ def _private_p2p(is_send, array, peer, tag, timeout, what):
     """A callable that sends the C-contiguous host array ``array`` to rank ``peer``
     (or receives into it, in place) on dpcore's own tag ``tag``, its sequence
     number taken now (program order pairs the k-th send with the k-th receive per
-    peer and tag); ``what`` names the wait in a DistributedError."""
+    peer and tag); ``what`` names the wait in a DistributedError. ``array`` may be
+    a dp.Tensor in GPU memory: its bytes go by NCCL to the peer's GPU tensor (a
+    different physical GPU: NCCL refuses one GPU for two ranks)."""
     if tag not in PRIVATE_TAGS:
         raise ValueError(f"a private tag is in [{PRIVATE_TAGS.start}, {PRIVATE_TAGS.stop}), got {tag}")
-    if not array.flags.c_contiguous or array.dtype.name not in _DTYPES:
-        raise TypeError(f"{what}: a C-contiguous array of {', '.join(_DTYPES)}, got {array.dtype}")
+    if _memory(array) == "GPU":
+        code = _DTYPES.get(array.dtype)
+    elif not array.flags.c_contiguous:
+        code = None
+    else:
+        code = _DTYPES.get(array.dtype.name)
+    if code is None:
+        raise TypeError(f"{what}: a C-contiguous array or a GPU tensor of {', '.join(_DTYPES)}, got {array.dtype}")
     seq = _core.dist_p2p_seq(is_send, peer, tag)
 
     def run():
-        _core.dist_p2p(is_send, array, _DTYPES[array.dtype.name], peer, tag, seq, timeout, what)
+        _core.dist_p2p(is_send, array, code, peer, tag, seq, timeout, what)
         return array
     return run
 

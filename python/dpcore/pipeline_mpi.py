@@ -17,8 +17,11 @@ the same stages (``PipelineStrategy(devices=['cpu:0', 'cpu:1'])``).
 - Each rank builds only its stages (``_core.Model`` each, on its device); a
   rank may hold several, which then talk through in-process mailboxes.
 - Activations go forward and their gradients come back as host float32 arrays
-  over MPI (dp.distributed's point-to-point messages, on dpcore's own tags
-  100-255, never a user's): one tag per stage boundary and direction, so the
+  over MPI, or, between stages on two different physical GPUs, as GPU tensors
+  by NCCL (no trip through either host; two ranks sharing a GPU, which NCCL
+  refuses, use host arrays). Both are dp.distributed's point-to-point messages
+  on dpcore's own tags 100-255, never a user's: one tag per stage boundary and
+  direction, so the
   k-th send of a channel pairs with its k-th receive whatever the threads.
   Sends are asynchronous (a blocking send of stage s could wait for stage s + 1
   while it sends its gradient back: a deadlock in 1F1B).
@@ -109,6 +112,7 @@ class ProcessPipeline(StageBuffers, SplitModel):
             raise ValueError(f"PipelineStrategy: {p} stages, but this network can be cut only at {len(cuts)} "
                              f"layer(s) ({cuts}): at most {len(cuts) + 1} stages")
         mine = [(r, s) for r in range(R) for s in range(p) if self.owner[r][s] == self.rank]
+        self._devices = {(r, s): placement[r * p + s][1] for r, s in mine}
         shared = distributed._cpu_shared_by(info["local_size"])
 
         def threads_of(d):
@@ -137,26 +141,31 @@ class ProcessPipeline(StageBuffers, SplitModel):
         except Exception as e:  # noqa: BLE001 - raised here, and named on the other ranks
             failure = e
         self.models = [list(self.local_models.values())]  # SplitModel's rows: this rank's stages
-        # every stage's flat buffers, from the ranks that hold it (or what kept a rank from building its stages)
+        # every stage's flat buffers, from the ranks that hold it, and the physical GPU of each stage on
+        # one (or what kept a rank from building its stages)
         described = distributed.allgather_object(
             f"{type(failure).__name__}: {failure}" if failure is not None else
-            {s: (m.nparams, len(m.get_state()), m.param_layout(), m.state_layout())
-             for (r, s), m in self.local_models.items()}, self._timeout, "the stages' buffer sizes")
+            ({s: (m.nparams, len(m.get_state()), m.param_layout(), m.state_layout())
+              for (r, s), m in self.local_models.items()},
+             {(r, s): _core.dist_gpu_uid(device_gpu(placement[r * p + s][1])) for r, s in mine
+              if device_kind(placement[r * p + s][1]) == "cuda"}), self._timeout, "the stages' buffer sizes")
         if failure is not None:
             raise failure
         for q, d in enumerate(described):
             if isinstance(d, str):
                 raise DistributedError(f"PipelineStrategy: rank {q} could not build its stages: {d}")
-        self._stage_buffers = [next(d[s] for d in described if s in d) for s in range(p)]
+        self._stage_buffers = [next(d[0][s] for d in described if s in d[0]) for s in range(p)]
+        self._by_nccl = nccl_boundaries(self.owner, {k: v for d in described for k, v in d[1].items()})
         self._param_offsets = np.cumsum([0] + [b[0] for b in self._stage_buffers]).tolist()
         self._state_offsets = np.cumsum([0] + [b[1] for b in self._stage_buffers]).tolist()
         self._hand_over = {}
         for r, s in mine:
             row = [d.split("/", 1)[1] for d in self.stage_devices[r]]
             fwd, bwd = hand_over(row)[s]
-            # a dp.Tensor only to a stage of this process; host arrays over MPI
-            self._hand_over[(r, s)] = (fwd and s + 1 < p and self.owner[r][s + 1] == self.rank,
-                                       bwd and s > 0 and self.owner[r][s - 1] == self.rank)
+            # a dp.Tensor to a stage of this process, or by NCCL to another GPU; else host arrays over MPI
+            self._hand_over[(r, s)] = (
+                fwd and s + 1 < p and (self.owner[r][s + 1] == self.rank or self._by_nccl[(r, s)]),
+                bwd and s > 0 and (self.owner[r][s - 1] == self.rank or self._by_nccl[(r, s - 1)]))
         self._tags = self._channel_tags()
         self._shapes = shapes
         self._specs, self._sources = [tuple(t) for t in specs], sources
@@ -345,8 +354,11 @@ class ProcessPipeline(StageBuffers, SplitModel):
             t = s - 1 if kind == "F" else s + 1
             if owner[t] == me:
                 return boxes[(r, t, kind)].get(k)
-            shape = self._in_shapes[s] if kind == "F" else self._out_shapes[s]
-            into = np.empty((len(mbs[k]),) + shape, np.float32)
+            shape = (len(mbs[k]),) + (self._in_shapes[s] if kind == "F" else self._out_shapes[s])
+            if self._by_nccl[(r, min(s, t))]:
+                into = Tensor(np.empty(shape, np.float32), self._devices[(r, s)])
+            else:
+                into = np.empty(shape, np.float32)
             what = (f"pipeline stage {s} on rank {me}: the {'activations' if kind == 'F' else 'gradient'} of "
                     f"micro-batch {k} from stage {t} on rank {owner[t]}")
             tag = self._tags[(r, min(s, t))] + (kind == "B")
@@ -361,8 +373,9 @@ class ProcessPipeline(StageBuffers, SplitModel):
                     f"micro-batch {k} to stage {t} on rank {owner[t]}")
             tag = self._tags[(r, min(s, t))] + (kind == "B")
             shape = self._out_shapes[s] if kind == "F" else self._in_shapes[s]
-            sends[kind].add(distributed._private_p2p(True, _host_array(value, (len(mbs[k]),) + shape), owner[t], tag,
-                                                     self._timeout, what), what)
+            if not self._by_nccl[(r, min(s, t))]:
+                value = _host_array(value, (len(mbs[k]),) + shape)
+            sends[kind].add(distributed._private_p2p(True, value, owner[t], tag, self._timeout, what), what)
         return receive, send
 
     def train_step(self, X, y, lr, momentum=0.0, weight_decay=0.0):
@@ -489,6 +502,17 @@ class ProcessPipeline(StageBuffers, SplitModel):
                     _set_grads(self.local_models[(r, s)], total)
                     if mean is not None:
                         self.local_models[(r, s)].set_state(mean)
+
+
+def nccl_boundaries(owner, gpu_uids):
+    """{(pipeline r, boundary s): whether stages s and s + 1 exchange GPU tensors by
+    NCCL}: yes where they are on two ranks and two different physical GPUs
+    (gpu_uids: {(r, s): dist_gpu_uid of the stage's GPU}, stages on GPUs only; 0
+    where unknown or built without NCCL). The same on every rank, from gathered
+    facts: both sides of a message must take the same path."""
+    return {(r, s): (row[s] != row[s + 1] and gpu_uids.get((r, s), 0) != 0 and gpu_uids.get((r, s + 1), 0) != 0
+                     and gpu_uids[(r, s)] != gpu_uids[(r, s + 1)])
+            for r, row in enumerate(owner) for s in range(len(row) - 1)}
 
 
 def _host_array(value, shape):
