@@ -7,7 +7,7 @@ rank.
     mpirun -np 2|3|4 python tests/mpi_tensor_parallel.py CASE[,CASE...] [DIR]
 
 CASE: equal, replicas (4 ranks: 2 copies x 2), checkpoint (writes into DIR), failure, killed, gpu
-(every rank's slices on GPU 0).
+(every rank's slices on GPU 0), gpu-replicas (4 ranks on GPU 0: 2 copies x 2).
 """
 import os
 import sys
@@ -106,6 +106,12 @@ def run(case):
         gpus = [f"rank{q}/cuda:0" for q in range(world)]
         compare("lenet gpu", lenet, (1, 28, 28), 1, kind="cuda", devices=gpus)
         compare("resnet gpu", resnet, (1, 12, 12), 1, n=7, kind="cuda", devices=gpus)
+    elif case == "gpu-replicas":
+        # 2 copies x 2 ranks, every slice on GPU 0: the copies' gradients summed on the host and
+        # written back into GPU memory, against 4 logical GPUs of GPU 0 in one process
+        gpus = [f"rank{q}/cuda:0" for q in range(world)]
+        compare("lenet gpu x2", lenet, (1, 28, 28), 2, kind="cuda", devices=gpus)
+        compare("resnet gpu x2", resnet, (1, 12, 12), 2, n=7, kind="cuda", devices=gpus)
     elif case == "replicas":
         compare("lenet x2", lenet, (1, 28, 28), 2)
         net = compare("resnet x2", resnet, (1, 12, 12), 2, n=7)

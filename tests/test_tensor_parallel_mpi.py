@@ -91,3 +91,14 @@ def test_two_ranks_on_one_gpu_equal_one_process_on_logical_gpus():
     proc, text, _ = run(["gpu"], 2)
     assert proc.returncode == 0, text
     equal_lines(text, ["lenet gpu", "resnet gpu"], 2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(GPUS == 0, reason=NO_GPU)
+def test_two_copies_of_two_ranks_on_one_gpu_equal_one_process_on_logical_gpus():
+    """The GPU twin of replicas=2 across processes: 4 ranks on GPU 0, each copy's gradients
+    summed over the copies on the host in copy order and written back into GPU memory (0 + g),
+    against one process over 4 logical GPUs of GPU 0: bitwise."""
+    proc, text, _ = run(["gpu-replicas"], 4)
+    assert proc.returncode == 0, text
+    equal_lines(text, ["lenet gpu x2", "resnet gpu x2"], 4)

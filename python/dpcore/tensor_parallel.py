@@ -499,10 +499,6 @@ class TensorParallelRanks(TensorParallel):
         self._pos = self._ranks.index(self._rank)
         self._g, self._d = divmod(self._pos, k)
         self.local_device = check_device(self.all_devices[self._pos].split("/", 1)[1])
-        if R > 1 and device_kind(self.local_device) != "cpu":
-            raise NotImplementedError(f"ModelParallelStrategy across processes with replicas={R} sums the copies' "
-                                      f"gradients in host memory: CPU devices only so far (this rank has "
-                                      f"{self.local_device})")
         shared = distributed._cpu_shared_by(info["local_size"])
         if not threads and shared > 1 and device_kind(self.local_device) == "cpu":
             # mpirun did not bind the processes: the host's ranks share its cores
@@ -792,9 +788,11 @@ class TensorParallelRanks(TensorParallel):
             total += grads[q]
         ran_ranks = [q for g, q in enumerate(copies) if ran[g]]
         mean = np.mean(np.stack([states[q] for q in ran_ranks]), axis=0, dtype=np.float64).astype(np.float32)
+        from .pipeline_mpi import _set_grads
+
         at = st = 0
         for m in models:
-            m.grads_tensor()._view()[...] = total[at:at + m.nparams]  # CPU memory (checked when built)
+            _set_grads(m, total[at:at + m.nparams])  # in place on a CPU; on a GPU 0 + g, the same bits
             at += m.nparams
             n = len(m.get_state())
             if n:
