@@ -67,7 +67,7 @@ def child(framework, steps):
             net.train_step(X, y, lr=LR)
             if i >= WARMUP:
                 times.append(time.perf_counter() - start)
-        version = dp.__version__
+        version = f"{dp.__version__} (precision {dp.get_precision()!r})"
         import floor  # benchmarks/floor.py: the same threads, after the timed steps
         result_floor = {"sgemm_gflops": floor.sgemm_gflops(threads=int(os.environ["OMP_NUM_THREADS"])),
                         "flops_per_image": floor.training_flops_per_image(net)}
