@@ -541,13 +541,9 @@ def _private_p2p(is_send, array, peer, tag, timeout, what):
     different physical GPU: NCCL refuses one GPU for two ranks)."""
     if tag not in PRIVATE_TAGS:
         raise ValueError(f"a private tag is in [{PRIVATE_TAGS.start}, {PRIVATE_TAGS.stop}), got {tag}")
-    if _memory(array) == "GPU":
-        code = _DTYPES.get(array.dtype)
-    elif not array.flags.c_contiguous:
-        code = None
-    else:
-        code = _DTYPES.get(array.dtype.name)
-    if code is None:
+    gpu = _memory(array) == "GPU"
+    code = _DTYPES.get(array.dtype if gpu else array.dtype.name)
+    if code is None or not (gpu or array.flags.c_contiguous):
         raise TypeError(f"{what}: a C-contiguous array or a GPU tensor of {', '.join(_DTYPES)}, got {array.dtype}")
     seq = _core.dist_p2p_seq(is_send, peer, tag)
 

@@ -21,8 +21,8 @@ the same stages (``PipelineStrategy(devices=['cpu:0', 'cpu:1'])``).
   by NCCL (no trip through either host; two ranks sharing a GPU, which NCCL
   refuses, use host arrays). Both are dp.distributed's point-to-point messages
   on dpcore's own tags 100-255, never a user's: one tag per stage boundary and
-  direction, so the
-  k-th send of a channel pairs with its k-th receive whatever the threads.
+  direction, so the k-th send of a channel pairs with its k-th receive
+  whatever the threads.
   Sends are asynchronous (a blocking send of stage s could wait for stage s + 1
   while it sends its gradient back: a deadlock in 1F1B).
 - Every rank passes the same batches: each step first checks (N and a CRC-32
@@ -132,7 +132,7 @@ class ProcessPipeline(StageBuffers, SplitModel):
         self.local_models, failure = {}, None
         try:
             for r, s in mine:
-                d = placement[r * p + s][1]
+                d = self._devices[(r, s)]
                 b, e = bounds[s]
                 st_specs, st_sources = stage_layers(specs, sources, b, e)
                 self.local_models[(r, s)] = _core.Model(
@@ -147,8 +147,8 @@ class ProcessPipeline(StageBuffers, SplitModel):
             f"{type(failure).__name__}: {failure}" if failure is not None else
             ({s: (m.nparams, len(m.get_state()), m.param_layout(), m.state_layout())
               for (r, s), m in self.local_models.items()},
-             {(r, s): _core.dist_gpu_uid(device_gpu(placement[r * p + s][1])) for r, s in mine
-              if device_kind(placement[r * p + s][1]) == "cuda"}), self._timeout, "the stages' buffer sizes")
+             {rs: _core.dist_gpu_uid(device_gpu(d)) for rs, d in self._devices.items() if device_kind(d) == "cuda"}),
+            self._timeout, "the stages' buffer sizes")
         if failure is not None:
             raise failure
         for q, d in enumerate(described):
