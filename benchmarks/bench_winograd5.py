@@ -40,6 +40,7 @@ GEOMETRIES = [
 def measure(args):
     core = sorted(os.sched_getaffinity(0))[0]
     os.sched_setaffinity(0, {core})
+    os.environ["DPCORE_FFT"] = "0"  # the off arm: the implicit GEMM, as when this A/B was made (bench_fft.py: the FFT's)
     import dpcore as dp
     geometries = [(name, C, H, O, 5, 1, p) for name, C, H, O, p in GEOMETRIES]
     return core, dp.__version__, ab_layers(geometries, "DPCORE_WINOGRAD_F35", args.batch, args.rounds, args.reps)

@@ -1,6 +1,8 @@
 """Where the CPU path's rounding error comes from: each convolution variant's
 forward pass, input gradient and weight gradient against float64, on the
-shapes LeNet and ResNet-18 train with, beside the GEMM path (DPCORE_WINOGRAD=0)
+shapes LeNet and ResNet-18 train with (and the FFT, csrc/fft_lanes.h, which the
+default precision runs on LeNet's 5x5 layers), beside the GEMM path
+(DPCORE_WINOGRAD=0 DPCORE_FFT=0)
 and PyTorch float32 (when the benchmark venv has it: benchmarks/setup_bench_env.sh).
 
     benchmarks/.venv-bench/bin/python benchmarks/winograd_error.py [--seeds 3] [--markdown]
@@ -25,7 +27,9 @@ import dpcore as dp  # noqa: E402
 
 # (name, variant, N, C, H, W, O, K, stride, pad, extra environment)
 SHAPES = [
-    ("LeNet conv2 20->50 13x13 5x5", "F(3x3,5x5)", 64, 20, 13, 13, 50, 5, 1, 0, {}),
+    ("LeNet conv2 20->50 13x13 5x5", "F(3x3,5x5)", 64, 20, 13, 13, 50, 5, 1, 0, {"DPCORE_WINOGRAD_F35": "1"}),
+    ("LeNet conv2 20->50 13x13 5x5", "FFT 16x16", 64, 20, 13, 13, 50, 5, 1, 0, {"DPCORE_FFT": "1"}),
+    ("book LeNet 6->16 14x14 5x5", "FFT 16x16", 64, 6, 14, 14, 16, 5, 1, 0, {"DPCORE_FFT": "1"}),
     ("ResNet 64->64 24x24 3x3", "F(2x2,3x3)", 16, 64, 24, 24, 64, 3, 1, 1, {}),
     ("ResNet 64->64 24x24 3x3", "F(4x4,3x3)", 16, 64, 24, 24, 64, 3, 1, 1, {"DPCORE_WINOGRAD_F43": "1"}),
     ("ResNet 128->128 12x12 3x3", "F(2x2,3x3)", 16, 128, 12, 12, 128, 3, 1, 1, {}),
@@ -34,7 +38,7 @@ SHAPES = [
     ("ResNet 64->128 24x24 3x3 s2", "stride-2", 16, 64, 24, 24, 128, 3, 2, 1, {"DPCORE_WINOGRAD_S2": "1"}),
     ("ResNet 128->256 12x12 3x3 s2", "stride-2", 16, 128, 12, 12, 256, 3, 2, 1, {"DPCORE_WINOGRAD_S2": "1"}),
 ]
-SWITCHES = ("DPCORE_WINOGRAD", "DPCORE_WINOGRAD_F43", "DPCORE_WINOGRAD_S2")
+SWITCHES = ("DPCORE_WINOGRAD", "DPCORE_WINOGRAD_F35", "DPCORE_WINOGRAD_F43", "DPCORE_WINOGRAD_S2", "DPCORE_FFT")
 
 
 def make(N, C, H, W, O, K, stride, pad, seed):
@@ -110,7 +114,7 @@ def main():
             x, w, dy = make(N, C, H, W, O, K, stride, pad, seed)
             ref = reference(x, w, dy, stride, pad)
             got = {"fast": run_dpcore(x, w, dy, stride, pad, {"DPCORE_WINOGRAD": "1", **env}),
-                   "gemm": run_dpcore(x, w, dy, stride, pad, {"DPCORE_WINOGRAD": "0"})}
+                   "gemm": run_dpcore(x, w, dy, stride, pad, {"DPCORE_WINOGRAD": "0", "DPCORE_FFT": "0"})}
             if have_torch:
                 got["torch"] = run_torch(x, w, dy, stride, pad)
             for c in cols:

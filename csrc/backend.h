@@ -73,6 +73,14 @@ typedef struct dp_conv_geom {
   int C, H, W, O, KH, KW, stride, pad, OH, OW;
 } dp_conv_geom;
 
+/* The gradients of an empty batch: dw (O, C, KH, KW) and db (O, may be NULL)
+ * zero (the CPU's convolution forms' backward passes for N = 0). */
+static inline void dp_conv_zero_grads(const dp_conv_geom *g, float *dw, float *db) {
+  for (int64_t i = 0; i < (int64_t)g->O * g->C * g->KH * g->KW; ++i) dw[i] = 0.0f;
+  if (db)
+    for (int o = 0; o < g->O; ++o) db[o] = 0.0f;
+}
+
 /* Pool geometry lives with its kernels. */
 #include "dp_kernels.h"
 

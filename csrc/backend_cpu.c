@@ -27,6 +27,7 @@
 #include "small_gemm.h"
 #include "winograd.h"
 #include "winograd_lanes.h"
+#include "fft_lanes.h"
 #include "winograd_s2.h"
 
 typedef struct cpu_ctx {
@@ -658,6 +659,13 @@ static dp_status cpu_conv2d_forward(dp_device *dev, const dp_conv_geom *g, int64
     DP_TRY(cpu_scratch(dev, dp_s2_scratch_floats(g, N, dev->nthreads, DP_S2_FORWARD), &buf));
     return dp_s2_forward(g, N, x, w, b, y, dev->nthreads, buf);
   }
+  int fft;
+  DP_TRY(dp_fft_takes(g, &fft));
+  if (fft) { /* csrc/fft_lanes.h */
+    float *buf;
+    DP_TRY(cpu_scratch(dev, dp_fft_scratch_floats(g, N, dev->nthreads, DP_FFT_FORWARD), &buf));
+    return dp_fft_forward(g, N, x, w, b, y, dev->nthreads, buf);
+  }
   if (conv_is_direct(g)) return conv_direct_forward(dev, g, N, x, w, b, y);
   int igemm;
   DP_TRY(dp_igemm_takes(g, &igemm));
@@ -744,6 +752,13 @@ static dp_status cpu_conv2d_backward(dp_device *dev, const dp_conv_geom *g, int6
     float *buf;
     DP_TRY(cpu_scratch(dev, dp_s2_scratch_floats(g, N, dev->nthreads, DP_S2_BACKWARD), &buf));
     return dp_s2_backward(g, N, x, w, dy, dx, dw, db, dev->nthreads, buf);
+  }
+  int fft;
+  DP_TRY(dp_fft_takes(g, &fft));
+  if (fft) { /* csrc/fft_lanes.h */
+    float *buf;
+    DP_TRY(cpu_scratch(dev, dp_fft_scratch_floats(g, N, dev->nthreads, DP_FFT_BACKWARD), &buf));
+    return dp_fft_backward(g, N, x, w, dy, dx, dw, db, dev->nthreads, buf);
   }
   if (conv_is_direct(g)) return conv_direct_backward(dev, g, N, x, w, dy, dx, dw, db);
   /* the implicit GEMM's dw and db (csrc/implicit_gemm.h), and its dx where it

@@ -16,6 +16,7 @@
 #include "dp_limits.h"
 #include "small_gemm.h"
 #include "winograd_lanes.h"
+#include "fft_lanes.h"
 #include "dp_build_config.h"
 #ifdef DP_HAVE_CUDA
 #include "dp_cuda.h"
@@ -266,13 +267,14 @@ static PyObject *mod_get_fast_convolutions(PyObject *m, PyObject *unused) {
 
 /* debug_counters() -> {'groups_created': replica thread groups made by this process,
  * 'gemm_blas' / 'gemm_own': dp_gemm calls sent to the BLAS / to dpcore's kernel,
- * 'winograd_f35' / 'winograd_f43': passes run by those Winograd forms} */
+ * 'winograd_f35' / 'winograd_f43': passes run by those Winograd forms, 'fft': by fft_lanes.h, 'fft_redone': its forward outputs recomputed directly} */
 static PyObject *mod_debug_counters(PyObject *m, PyObject *unused) {
   long long blas, own, f35, f43;
   dp_gemm_counts(&blas, &own);
   dp_wl_counts(&f35, &f43);
-  return Py_BuildValue("{s:l,s:L,s:L,s:L,s:L}", "groups_created", dp_group_created_count(), "gemm_blas", blas,
-                       "gemm_own", own, "winograd_f35", f35, "winograd_f43", f43);
+  return Py_BuildValue("{s:l,s:L,s:L,s:L,s:L,s:L,s:L}", "groups_created", dp_group_created_count(), "gemm_blas",
+                       blas, "gemm_own", own, "winograd_f35", f35, "winograd_f43", f43, "fft", dp_fft_count(),
+                       "fft_redone", dp_fft_redone());
 }
 
 /* set_cuda_options(deterministic, allow_tf32): the process-wide CUDA settings

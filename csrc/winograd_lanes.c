@@ -273,8 +273,7 @@ dp_status dp_wl_forward(const dp_conv_geom *g, int64_t N, const float *x, const 
 dp_status dp_wl_backward(const dp_conv_geom *g, int64_t N, const float *x, const float *w, const float *dy,
                          float *dx, float *dw, float *db, int nthreads, float *scratch) {
   if (N <= 0) {
-    memset(dw, 0, sizeof(float) * (size_t)g->O * (size_t)g->C * (size_t)g->KH * (size_t)g->KW);
-    if (db) memset(db, 0, sizeof(float) * (size_t)g->O);
+    dp_conv_zero_grads(g, dw, db);
     return DP_OK;
   }
   const wl_geom q = wl_make(g, N, nthreads);

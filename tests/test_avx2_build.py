@@ -8,7 +8,7 @@ Here the extension is built with -march=haswell (AVX2 + FMA, no AVX-512:
 checked in the library's machine code) without CUDA into a temporary folder,
 and the numeric test files run against it in a subprocess, with their own
 derived bounds and the PyTorch fixtures' tolerances: the convolutions (GEMM,
-implicit GEMM, both Winograd kinds, stride 2), LeNet and ResNet-18, the
+implicit GEMM, both Winograd kinds, stride 2, the FFT), LeNet and ResNet-18, the
 fusions. Skipped, with the reason, on a CPU without AVX2 and FMA (where such
 a build cannot run).
 
@@ -30,10 +30,11 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 NUMERIC_FILES = ["test_conv_cpu.py", "test_implicit_gemm.py", "test_winograd.py", "test_winograd_lanes.py",
-                 "test_winograd_s2.py", "test_lenet.py", "test_resnet.py", "test_fusion.py", "test_fixtures.py"]
+                 "test_winograd_s2.py", "test_fft.py", "test_lenet.py", "test_resnet.py", "test_fusion.py", "test_fixtures.py"]
 # the benchmark scripts' runs and the Sandybridge subprocess: the plain run's, on its own build
 DESELECT = ["test_winograd.py::test_benchmark_quick_run", "test_winograd_lanes.py::test_benchmark_quick_run",
-            "test_implicit_gemm.py::test_benchmark_quick_run", "test_winograd.py::test_on_the_blas_gemm"]
+            "test_implicit_gemm.py::test_benchmark_quick_run", "test_fft.py::test_benchmark_quick_run",
+            "test_winograd.py::test_on_the_blas_gemm"]
 GENERIC_FILES = NUMERIC_FILES
 GENERIC_K = "not resnet and not ResNet"  # ResNet-18's fixtures and fusions: minutes in SSE2 code
 
@@ -67,7 +68,7 @@ def test_build_passes_the_numeric_tests(tmp_path, name):
             dis = subprocess.run([objdump, "-d", lib], capture_output=True, text=True).stdout
             assert register not in dis, f"{lib}: {register} registers in the {cflags} build"
     run_env = dict(os.environ, PYTHONPATH=str(target))
-    for k in ("DPCORE_WINOGRAD", "DPCORE_WINOGRAD_F43", "DPCORE_OWN_GEMM", "DPCORE_FUSE"):
+    for k in ("DPCORE_WINOGRAD", "DPCORE_WINOGRAD_F43", "DPCORE_OWN_GEMM", "DPCORE_FUSE", "DPCORE_FFT"):
         run_env.pop(k, None)
     probe = subprocess.run([sys.executable, "-c", "import dpcore; print(dpcore.__file__); "
                             "print(dpcore.build_info()['cpu_gemm'])"], env=run_env, capture_output=True, text=True,

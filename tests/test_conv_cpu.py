@@ -49,6 +49,7 @@ ops = dp.ops
 def gemm_paths(monkeypatch):
     """The GEMM path, the implicit GEMM and the direct loops (this file's subject and bound)."""
     monkeypatch.setenv("DPCORE_WINOGRAD", "0")
+    monkeypatch.setenv("DPCORE_FFT", "0")       # the FFT (fft_lanes.h) is not a GEMM path either
 
 
 def windows(x, KH, KW, stride, pad):

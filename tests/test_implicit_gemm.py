@@ -51,6 +51,7 @@ def abs_sums(x, w, b, dy, stride, pad):
 def igemm_on(monkeypatch):
     monkeypatch.setenv("DPCORE_IMPLICIT_GEMM", "1")
     monkeypatch.setenv("DPCORE_WINOGRAD", "0")   # the 64-channel 3x3 cases and the 5x5 ones below, Winograd's otherwise
+    monkeypatch.setenv("DPCORE_FFT", "0")       # the FFT (fft_lanes.h) is not a GEMM path either
 
 
 def check(case, seed):
@@ -132,6 +133,7 @@ def test_the_switch_reaches_the_kernel(monkeypatch):
     same scratch offsets (backend_cpu.c: the switch only decides igemm; the plan, the buffers and
     the dx GEMMs do not read it): the same bits by construction, on any GEMM."""
     monkeypatch.setenv("DPCORE_WINOGRAD", "0")
+    monkeypatch.setenv("DPCORE_FFT", "0")       # the FFT (fft_lanes.h) is not a GEMM path either
 
     def calls(case, v):
         N, C, H, W, O, K, stride, pad = case
@@ -167,6 +169,7 @@ def test_the_implicit_gemm_and_dpcores_gemm_kernel_give_the_same_bits(monkeypatc
     in turn, then add the bias: the forward passes agree to the bit (LeNet's
     500 taps: three whole blocks and a short one)."""
     monkeypatch.setenv("DPCORE_WINOGRAD", "0")
+    monkeypatch.setenv("DPCORE_FFT", "0")       # the FFT (fft_lanes.h) is not a GEMM path either
     monkeypatch.setenv("DPCORE_OWN_GEMM", "1")
     for case in [(4, 20, 13, 13, 50, 5, 1, 0), (3, 7, 11, 9, 19, 3, 2, 1)]:
         before = dp._core.debug_counters()
@@ -178,6 +181,7 @@ def test_the_implicit_gemm_and_dpcores_gemm_kernel_give_the_same_bits(monkeypatc
 
 def test_a_bad_switch_value_is_an_error(monkeypatch):
     monkeypatch.setenv("DPCORE_WINOGRAD", "0")   # LeNet's 20 -> 50, Winograd F(3x3, 5x5)'s otherwise
+    monkeypatch.setenv("DPCORE_FFT", "0")       # the FFT (fft_lanes.h) is not a GEMM path either
     monkeypatch.setenv("DPCORE_IMPLICIT_GEMM", "on")
     x, w, b, dy = make(1, 20, 13, 13, 50, 5, 1, 0, seed=1)
     with pytest.raises(ValueError, match="DPCORE_IMPLICIT_GEMM"):
@@ -213,6 +217,7 @@ def test_lenet_trains_the_same_on_one_and_two_replicas(monkeypatch, logical_cpus
     losses fall."""
     monkeypatch.setenv("DPCORE_IMPLICIT_GEMM", "1")
     monkeypatch.setenv("DPCORE_WINOGRAD", "0")
+    monkeypatch.setenv("DPCORE_FFT", "0")       # the FFT (fft_lanes.h) is not a GEMM path either
     assert_lenet_one_and_two_replicas_agree(logical_cpus)
 
 

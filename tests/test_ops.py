@@ -103,6 +103,7 @@ def gamma64(k):
 def no_winograd(monkeypatch):
     """The GEMM paths, the implicit GEMM and the direct loops: the conv bounds' subject."""
     monkeypatch.setenv("DPCORE_WINOGRAD", "0")
+    monkeypatch.setenv("DPCORE_FFT", "0")       # the FFT (fft_lanes.h) is not a GEMM path either
 
 
 def abs64(*arrays):

@@ -8,15 +8,15 @@ error is ~5x, its gradients' 13-16x float32 GEMM's (benchmarks/winograd_error.py
 benchmarks/RESULTS.md). In LeNet trained from the book's initialisation, a 5x
 larger forward error flips ReLU units whose pre-activation lies within it of 0,
 and each flip moves the weights by far more than rounding: after three SGD
-steps the weights' distance to float64 was ~100x the GEMM path's. So the
-checks are (1) that the default runs no F(3x3, 5x5) pass and "fast" does
-(debug_counters: what the switch switches, not a difference in rounding), and
-(2) that LeNet's three book steps in the default precision land within 2x of
-the float32 GEMM path's distance to a float64 NumPy reference (tests/test_lenet.py's,
-itself checked against finite differences) -- on LeNet the default *is* that
-path, so the 2x holds by construction and the test guards it; the fast
-precision's distance is printed beside it, not asserted (how many units flip is
-the data's accident).
+steps the weights' distance to float64 was ~100x the GEMM path's. The default
+runs that layer by FFT (csrc/fft_lanes.h: a unitary transform, float32 GEMM's
+error per pass, tests/test_fft.py). So the checks are (1) that the default
+runs no F(3x3, 5x5) pass and "fast" does (debug_counters: what the switch
+switches, not a difference in rounding), and (2) that LeNet's three book steps
+in the default precision (the FFT on the 5x5 layer) land within 2x of the
+float32 GEMM path's distance to a float64 NumPy reference (tests/test_lenet.py's,
+itself checked against finite differences); the fast precision's distance is
+printed beside it, not asserted (how many units flip is the data's accident).
 
 On a GPU the precision sets TF32 and cuDNN's non-deterministic algorithms
 (tests/test_gpu.py checks what those do); here, the settings' round trip.
@@ -36,7 +36,7 @@ import test_lenet as tl
 def default_precision(monkeypatch):
     """Every test starts from, and leaves behind, the documented defaults, with
     the A/B switches of the convolution forms unset."""
-    for name in ("DPCORE_WINOGRAD", "DPCORE_WINOGRAD_F35", "DPCORE_WINOGRAD_F43", "DPCORE_IMPLICIT_GEMM"):
+    for name in ("DPCORE_WINOGRAD", "DPCORE_WINOGRAD_F35", "DPCORE_WINOGRAD_F43", "DPCORE_IMPLICIT_GEMM", "DPCORE_FFT"):
         monkeypatch.delenv(name, raising=False)
     dp.set_precision("float32")
     yield
@@ -173,16 +173,21 @@ def book_steps(steps=3, n=97, lr=0.1, mu=0.9, wd=1e-3):
 
 def test_default_lenet_is_as_close_to_float64_as_the_gemm_path(monkeypatch):
     """The weights after three book steps, ||w - w64|| / ||w64 - w0|| over every tensor,
-    and the evaluation logits' max relative error: the default within 2x of the float32
-    GEMM path's (DPCORE_WINOGRAD=0), which itself stays a float32 distance from float64
-    (below 1e-4: the one-step gradient bound of tests/test_lenet.py, GRAD_TOL 5e-5, over
-    the ~1e-1 relative movement of three steps, with room for a ReLU unit that flips)."""
-    before = f35_passes()
+    and the evaluation logits' max relative error: the default (the FFT on the 5x5 layer)
+    within 2x of the float32 GEMM path's (DPCORE_WINOGRAD=0 DPCORE_FFT=0), which itself
+    stays a float32 distance from float64 (below 1e-4: the one-step gradient bound of
+    tests/test_lenet.py, GRAD_TOL 5e-5, over the ~1e-1 relative movement of three steps,
+    with room for a ReLU unit that flips)."""
+    before, fft_before = f35_passes(), dp._core.debug_counters()["fft"]
     default = book_steps()
-    assert f35_passes() == before
+    assert f35_passes() == before and dp._core.debug_counters()["fft"] > fft_before
     monkeypatch.setenv("DPCORE_WINOGRAD", "0")
+    monkeypatch.setenv("DPCORE_FFT", "0")
+    fft_before = dp._core.debug_counters()["fft"]
     gemm = book_steps()
+    assert dp._core.debug_counters()["fft"] == fft_before
     monkeypatch.delenv("DPCORE_WINOGRAD")
+    monkeypatch.delenv("DPCORE_FFT")
     dp.set_precision("fast")
     fast = book_steps()
     print(f"\nLeNet, 3 book steps, distance to float64 (weights, logits): default {default[0]:.2g}, "

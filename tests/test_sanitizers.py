@@ -47,7 +47,7 @@ ASAN_UBSAN = ["-fsanitize=address,undefined", "-fno-sanitize-recover=undefined"]
 # the CPU backend's files with device.c (dp_device_destroy; the registry, which names the CUDA backend's
 # entries too); the core of the replica threads (replicas, collectives, comm, mirrored runners), and the
 # device registry's
-CPU_DEVICE = ["backend_cpu.c", "implicit_gemm.c", "small_gemm.c", "winograd.c", "winograd_lanes.c", "winograd_s2.c",
+CPU_DEVICE = ["backend_cpu.c", "implicit_gemm.c", "small_gemm.c", "winograd.c", "winograd_lanes.c", "winograd_s2.c", "fft_lanes.c",
               "cpu_caches.c", "backend_cuda.c", "device.c"]
 MIRRORED_CORE = [*CPU_DEVICE, "collective.c", "comm.c", "dist.c", "dist_nccl.c", "mirrored.c", "layers.c", "model.c",
                  "replica.c", "resident.c", "shapes.c", "status.c"]

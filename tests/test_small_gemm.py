@@ -82,6 +82,7 @@ def check(case, seed):
 def gemm_path(monkeypatch):
     """Nothing on the Winograd paths (the im2col GEMMs are this file's subject)."""
     monkeypatch.setenv("DPCORE_WINOGRAD", "0")
+    monkeypatch.setenv("DPCORE_FFT", "0")       # the FFT (fft_lanes.h) is not a GEMM path either
 
 
 @pytest.mark.parametrize("own", ["1", "0"], ids=["own_gemm", "blas"])
