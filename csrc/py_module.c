@@ -311,7 +311,7 @@ static PyMethodDef module_methods[] = {
     {"set_fast_convolutions", mod_set_fast_convolutions, METH_VARARGS,
      "set_fast_convolutions(flag): let the CPU take the convolution forms of larger rounding error"},
     {"get_fast_convolutions", mod_get_fast_convolutions, METH_NOARGS, "get_fast_convolutions() -> bool"},
-    {"debug_counters", mod_debug_counters, METH_NOARGS, "debug_counters() -> {'groups_created': n, 'gemm_blas': n, 'gemm_own': n, 'winograd_f35': n, 'winograd_f43': n}"},
+    {"debug_counters", mod_debug_counters, METH_NOARGS, "debug_counters() -> {'groups_created': n, 'gemm_blas': n, 'gemm_own': n, 'winograd_f35': n, 'winograd_f43': n, 'fft': n, 'fft_redone': n}"},
     {"set_cuda_options", mod_set_cuda_options, METH_VARARGS,
      "set_cuda_options(deterministic, allow_tf32): process-wide settings of every CUDA device"},
     {"get_cuda_options", mod_get_cuda_options, METH_NOARGS, "get_cuda_options() -> (deterministic, allow_tf32)"},
