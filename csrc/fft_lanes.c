@@ -575,33 +575,32 @@ static void fl_backward(const fl_geom *q, int64_t N, const float *x, const float
       }
     }
   }
-  /* dW = the threads' partials in thread order; dw = its inverse's r x r corner / 256, 16 pairs a lane */
-  const int64_t pairs = (int64_t)q->O * q->C, blocks = (pairs + L - 1) / L, rr = (int64_t)q->r * q->r;
+  /* dW = the threads' partials in thread order; dw = its inverse's r x r corner / 256. A block: one
+   * input channel and up to 16 consecutive output channels, one a lane (acc's rows are contiguous
+   * in o: whole vectors). */
+  const int64_t rr = (int64_t)q->r * q->r, blocks = q->C * q->nop;
 #pragma omp parallel num_threads(q->nt)
   {
     const int th = omp_get_thread_num();
     float *Pout = per + th * tf + 2 * PLANE, *Wt = Pout + PLANE;
 #pragma omp for schedule(static)
     for (int64_t blk = 0; blk < blocks; ++blk) {
-      const int64_t p0 = blk * L, n = pairs - p0 < L ? pairs - p0 : L;
-      for (int p = 0; p < NP; ++p)
-        for (int64_t l = 0; l < L; ++l) {
-          float re = 0.0f, im = 0.0f;
-          if (l < n) {
-            const int64_t o = (p0 + l) / q->C, c = (p0 + l) % q->C;
-            for (int t = 0; t < q->nt; ++t) {
-              const float *a = per + t * tf + acc_at + ((int64_t)p * C2 + 2 * c) * ow + o;
-              re += a[0];
-              im += a[ow];
-            }
-          }
-          Wt[p * 2 * L + l] = re;
-          Wt[p * 2 * L + L + l] = im;
+      const int64_t c = blk / q->nop, o0 = (blk % q->nop) * 16, n = q->O - o0 < 16 ? q->O - o0 : 16;
+      for (int p = 0; p < NP; ++p) {
+        const float *a = per + acc_at + ((int64_t)p * C2 + 2 * c) * ow + o0;
+        v16 re = LD(a), im = LD(a + ow);
+        for (int t = 1; t < q->nt; ++t) {
+          re += LD(a + t * tf);
+          im += LD(a + t * tf + ow);
         }
+        ST(Wt + p * 2 * L, re);
+        ST(Wt + p * 2 * L + L, im);
+      }
       irfft2(Wt, 2 * L, L, q->r, 1.0f / 256.0f, Pout);
       for (int64_t l = 0; l < n; ++l)
         for (int a = 0; a < q->r; ++a)
-          for (int b2 = 0; b2 < q->r; ++b2) dw[(p0 + l) * rr + a * q->r + b2] = Pout[(a * FS + b2) * L + l];
+          for (int b2 = 0; b2 < q->r; ++b2)
+            dw[((o0 + l) * q->C + c) * rr + a * q->r + b2] = Pout[(a * FS + b2) * L + l];
     }
   }
   if (db) {
