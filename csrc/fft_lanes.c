@@ -36,6 +36,7 @@
 #include "fft_lanes.h"
 #include "gemm_kernel.h"
 #include "lanes.h"
+#include "winograd.h" /* dp_bias_grad_by_channel */
 
 #define L 16
 #define FS 16          /* the transform's side */
@@ -235,8 +236,9 @@ dp_status dp_fft_takes(const dp_conv_geom *g, int *takes) {
   return DP_OK;
 }
 
-/* the filter's transform and the per-thread floats of each pass */
+/* the filter's transform (and, forward, the filters' l1 norms after it) and the per-thread floats of each pass */
 static int64_t fl_u_floats(const fl_geom *q) { return r16((int64_t)NP * q->O * q->C * 4) + r16((int64_t)q->O * q->C); }
+static float *fl_w1(const fl_geom *q, float *U) { return U + r16((int64_t)NP * q->O * q->C * 4); }
 static int64_t fl_idx_floats(const fl_geom *q) {
   const int64_t k = 2 * (int64_t)(q->C > q->O ? q->C : q->O);
   return r16(k > 32 ? k : 32);
@@ -260,8 +262,7 @@ size_t dp_fft_scratch_floats(const dp_conv_geom *g, int64_t N, int nthreads, int
 /* Uf (forward) or Ud (dx) from w, 16 (o, c) pairs a lane; each thread's plane
  * and Wt its own. A worksharing loop of a parallel region (ends in its
  * barrier). */
-static void fl_filter_transform(const fl_geom *q, const float *w, int dx, float *U, float *plane, float *Wt,
-                                float *W1) {
+static void fl_filter_transform(const fl_geom *q, const float *w, int dx, float *U, float *plane, float *Wt) {
   const int64_t pairs = (int64_t)q->O * q->C, blocks = (pairs + L - 1) / L, rr = (int64_t)q->r * q->r;
   const int64_t C2 = 2 * (int64_t)q->C, O2 = 2 * (int64_t)q->O;
   const float s = 1.0f / 256.0f;
@@ -277,10 +278,10 @@ static void fl_filter_transform(const fl_geom *q, const float *w, int dx, float 
     rfft2(plane, q->r, Wt, 2 * L, L);
     for (int64_t l = 0; l < n; ++l) {
       const int64_t o = (p0 + l) / q->C, c = (p0 + l) % q->C;
-      if (W1) {
+      if (!dx) { /* fl_forward's ||w_oc||_1 */
         double a = 0.0;
         for (int64_t k = 0; k < rr; ++k) a += fabs((double)w[(p0 + l) * rr + k]);
-        W1[p0 + l] = (float)a;
+        fl_w1(q, U)[p0 + l] = (float)a;
       }
       for (int p = 0; p < NP; ++p) {
         const float wr = Wt[p * 2 * L + l] * s, wi = Wt[p * 2 * L + L + l] * s;
@@ -390,7 +391,8 @@ static void fl_direct(const fl_geom *q, const float *P, const float *wo, float b
  * the exact result's sign. Typically a fraction of a percent are. */
 static void fl_forward(const fl_geom *q, int64_t N, const float *x, const float *w, const float *b, float *y,
                        float *scratch) {
-  float *U = scratch, *W1 = scratch + r16((int64_t)NP * q->O * q->C * 4);
+  float *U = scratch;
+  const float *W1 = fl_w1(q, U);
   int32_t *idx = (int32_t *)(void *)(U + fl_u_floats(q));
   float *per = scratch + fl_u_floats(q) + fl_idx_floats(q);
   const int64_t C2 = 2 * (int64_t)q->C, rr = (int64_t)q->r * q->r;
@@ -404,7 +406,7 @@ static void fl_forward(const fl_geom *q, int64_t N, const float *x, const float 
     float *Pin = per + th * tf, *Pout = Pin + q->C * PLANE, *Wt = Pout + PLANE, *V = Wt + WT_FLOATS;
     float *M = V + r16((int64_t)NP * C2 * L), *XN = M + r16((int64_t)NP * 2 * OB * L);
     long long redone = 0;
-    fl_filter_transform(q, w, 0, U, Pin, Wt, W1);
+    fl_filter_transform(q, w, 0, U, Pin, Wt);
     memset(Pin, 0, sizeof(float) * (size_t)(q->C * PLANE)); /* the borders, never written below */
     for (int64_t k = q->nch * th / q->nt; k < q->nch * (th + 1) / q->nt; ++k) {
       int64_t n0, cnt;
@@ -516,7 +518,7 @@ static void fl_backward(const fl_geom *q, int64_t N, const float *x, const float
     float *Pin = per + th * tf, *Pdy = Pin + PLANE, *Pout = Pdy + PLANE, *Wt = Pout + PLANE;
     float *Xe = Wt + WT_FLOATS, *Dv = Xe + xe_sz, *Dt = Dv + dv_sz, *tile = Dt + dt_sz;
     float *Z = tile + 16 * DP_MK_ROWS, *acc = Pin + acc_at;
-    if (dx) fl_filter_transform(q, w, 1, U, Pin, Wt, NULL);
+    if (dx) fl_filter_transform(q, w, 1, U, Pin, Wt);
     memset(Pin, 0, sizeof(float) * (size_t)(2 * PLANE));
     memset(Dt, 0, sizeof(float) * (size_t)dt_sz);
     memset(acc, 0, sizeof(float) * (size_t)acc_sz);
@@ -603,17 +605,7 @@ static void fl_backward(const fl_geom *q, int64_t N, const float *x, const float
             dw[((o0 + l) * q->C + c) * rr + a * q->r + b2] = Pout[(a * FS + b2) * L + l];
     }
   }
-  if (db) {
-#pragma omp parallel for num_threads(q->nt) schedule(static)
-    for (int o = 0; o < q->O; ++o) {
-      double sum = 0.0;
-      for (int64_t n = 0; n < N; ++n) {
-        const float *r = dy + n * out_sz + o * P;
-        for (int64_t i = 0; i < P; ++i) sum += r[i];
-      }
-      db[o] = (float)sum;
-    }
-  }
+  if (db) dp_bias_grad_by_channel(dy, N, q->O, P, db, q->nt);
 }
 
 dp_status dp_fft_forward(const dp_conv_geom *g, int64_t N, const float *x, const float *w, const float *b, float *y,

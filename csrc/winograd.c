@@ -1785,3 +1785,15 @@ void dp_winograd_bias_grad(const float *dy, int64_t N, int O, int64_t P, double 
     db[o] = (float)sum;
   }
 }
+
+void dp_bias_grad_by_channel(const float *dy, int64_t N, int O, int64_t P, float *db, int nthreads) {
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+  for (int o = 0; o < O; ++o) {
+    double sum = 0.0;
+    for (int64_t n = 0; n < N; ++n) {
+      const float *r = dy + (n * O + o) * P;
+      for (int64_t i = 0; i < P; ++i) sum += r[i];
+    }
+    db[o] = (float)sum;
+  }
+}

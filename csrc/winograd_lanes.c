@@ -23,6 +23,7 @@
 #include "gemm_kernel.h"
 #include "lanes.h"
 #include "winograd_lanes.h"
+#include "winograd.h" /* dp_bias_grad_by_channel */
 
 /* F(3x3, 5x5): fewer input channels than this keep the other paths: the
  * products' sum over C is the kernel's K, and with a handful of channels the
