@@ -4,7 +4,7 @@ book's own PyTorch code, on the same device: test accuracy and seconds per epoch
 tell whether a gap to the book's 0.91-0.93 is noise or the recipe.
 
     python benchmarks/book_resnet.py [--epochs 10] [--device cuda|cpu] [--seeds 0]
-        [--runs dpcore:d2l:float32,dpcore:torch:float32,dpcore:d2l:fast,torch:d2l]
+        [--runs dpcore:d2l:float32,dpcore:torch:float32,dpcore:d2l:fast,torch:d2l,torch:d2l:tf32]
         [--subset N]   # the first N training and test images only (a quick look; not the book's number)
         [--test-subset M] [--batch-size B] [--lr LR]   # a shorter recipe over several seeds
 
@@ -17,7 +17,8 @@ train() re-draws every conv and dense weight from N(0, 0.01): ResNet18(init='d2l
 'torch' PyTorch's default initialisation (dpcore's ResNet18 before); PRECISION is
 dp.set_precision's. torch: the chapter's code (d2l's resnet18 as
 tests/fixtures/make_fixtures.py builds it, init_weights N(0, 0.01), SGD, evaluation in
-eval mode), 'torch' skips init_weights. Each run is its own subprocess (fresh state,
+eval mode), 'torch' skips init_weights; PRECISION 'tf32' turns TF32 on in PyTorch (the peer of
+dpcore's 'fast'), else it is off. Each run is its own subprocess (fresh state,
 no framework sharing a process with the other). Prints one line per epoch, a table, and
 per run over the seeds the last epoch's mean accuracy, its sample standard deviation and
 mean - 4 sd (the bound a test of one seed can hold).
@@ -62,7 +63,7 @@ def run_dpcore(init, precision, args):
     return list(h.test_acc), list(h.epoch_seconds)
 
 
-def run_torch(init, args):
+def run_torch(init, precision, args):
     import torch
     spec = importlib.util.spec_from_file_location("make_fixtures", os.path.join(ROOT, "tests", "fixtures",
                                                                                   "make_fixtures.py"))
@@ -71,8 +72,11 @@ def run_torch(init, args):
     torch.manual_seed(args.seed)
     device = torch.device("cuda" if args.device == "cuda" else "cpu")
     if device.type == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = False
-        torch.backends.cudnn.allow_tf32 = False
+        # PRECISION 'tf32' is the peer of dpcore's 'fast': TF32 in convolutions and matmuls
+        # (cuDNN's algorithms are not deterministic in either, PyTorch's default).
+        tf32 = precision == "tf32"
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+        torch.backends.cudnn.allow_tf32 = tf32
     net = mf.build_models()["resnet18"]()
     if init == "d2l":
         def init_weights(m):
@@ -114,7 +118,7 @@ def run_torch(init, args):
 def child(args):
     parts = args.child.split(":")
     if parts[0] == "torch":
-        accs, secs = run_torch(parts[1], args)
+        accs, secs = run_torch(parts[1], parts[2] if len(parts) > 2 else "float32", args)
     else:
         accs, secs = run_dpcore(parts[1], parts[2] if len(parts) > 2 else "float32", args)
     print("RESULT " + json.dumps({"run": args.child, "test_acc": accs, "epoch_seconds": secs}), flush=True)
