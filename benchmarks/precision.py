@@ -12,7 +12,9 @@ then the evaluation logits of 256 test images. Reported per run:
 ||w - w64|| / ||w64 - w0|| over every parameter tensor (the weights' distance
 relative to how far they moved) and max |logits - logits64| / max |logits64|;
 the median over --seeds initialisations, and each as a multiple of PyTorch
-float32's.
+float32's (PyTorch's default, oneDNN's convolutions), and PyTorch float32 with
+oneDNN off (its im2col + GEMM convolutions) beside it: two float32 orders of the
+same sums, the spread a sound float32 implementation can land in.
 """
 import argparse
 import importlib.util
@@ -37,7 +39,15 @@ def make_dpcore(model, seed):
     return dp.models.ResNet18(seed=seed, init="d2l", devices=["cpu:0"])
 
 
-def run_torch(model, weights, batches, Xt, dtype, lr, mu, wd):
+def run_torch(model, weights, batches, Xt, dtype, lr, mu, wd, onednn=True):
+    torch.backends.mkldnn.enabled = onednn
+    try:
+        return _run_torch(model, weights, batches, Xt, dtype, lr, mu, wd)
+    finally:
+        torch.backends.mkldnn.enabled = True
+
+
+def _run_torch(model, weights, batches, Xt, dtype, lr, mu, wd):
     net = TORCH_MODELS[model]().to(dtype)
     state = net.state_dict()
     net.load_state_dict({k: torch.from_numpy(weights[k].astype(np.float64)).to(dtype) if k in weights else v
@@ -87,7 +97,8 @@ def main():
     lr, mu, wd = 0.1, 0.9, 1e-3
     X, y, Xtest, _ = dp.data._load_fashion_mnist_arrays(None)
     Xt = Xtest[:256].reshape(-1, 1, 28, 28)
-    runs = {"dpcore float32 (default)": [], "dpcore fast": [], "PyTorch float32": []}
+    runs = {"dpcore float32 (default)": [], "dpcore fast": [], "PyTorch float32": [],
+            "PyTorch float32, oneDNN off": []}
     for seed in range(args.seeds):
         w0 = make_dpcore(args.model, seed).get_weights()
         start = seed * args.steps * args.batch
@@ -100,6 +111,10 @@ def main():
                                         ref, w064))
         runs["PyTorch float32"].append(distances(run_torch(args.model, w0, batches, Xt, torch.float32, lr, mu, wd),
                                                  ref, w064))
+        # the same float32 training by PyTorch's other CPU convolutions (im2col + GEMM): how
+        # far two sound float32 orders of the same sums land apart is the noise floor here
+        runs["PyTorch float32, oneDNN off"].append(distances(
+            run_torch(args.model, w0, batches, Xt, torch.float32, lr, mu, wd, onednn=False), ref, w064))
     peer = np.median(np.array(runs["PyTorch float32"]), axis=0)
     print(f"{args.model}, dpcore's init (seed 0..{args.seeds - 1}), {args.steps} SGD steps of {args.batch} "
           f"Fashion-MNIST images, median of {args.seeds} seeds; distance to PyTorch float64")
@@ -108,6 +123,10 @@ def main():
     for name, vals in runs.items():
         m = np.median(np.array(vals), axis=0)
         print(f"| {name} | {m[0]:.2e} | {m[0] / peer[0]:.1f}x | {m[1]:.2e} | {m[1] / peer[1]:.1f}x |")
+    # the medians hide how heavy-tailed these distances are (ReLU flips): every seed's
+    print("\nper seed: weights | eval logits")
+    for name, vals in runs.items():
+        print(f"{name}: " + ", ".join(f"{w:.2e} | {lg:.2e}" for w, lg in vals))
 
 
 if __name__ == "__main__":
