@@ -150,6 +150,17 @@ struct dp_backend {
                                                   float *r, float *y);
   DP_MUST_CHECK dp_status (*avgpool_relu_backward)(dp_device *dev, const dp_pool_geom *g, int64_t N, const float *r,
                                                    const float *dy, float *dx);
+  /* A convolution whose output only a ReLU fused with an average pooling
+   * reads: its backward pass from the pooling's output gradient dp, its own
+   * output gradient relu_backward(y, avgpool_backward(dp)) (y its output)
+   * formed a sample at a time in cache and never written; dx (may be NULL),
+   * dw, db as conv2d_backward gives them, to the bit. *done = 0, nothing
+   * written, where the backend has no such form for g and pg (the model then
+   * runs avgpool_relu_backward and conv2d_backward). */
+  DP_MUST_CHECK dp_status (*conv2d_relu_avgpool_backward)(dp_device *dev, const dp_conv_geom *g,
+                                                          const dp_pool_geom *pg, int64_t N, const float *x,
+                                                          const float *w, const float *y, const float *dp, float *dx,
+                                                          float *dw, float *db, int *done);
   /* arg (N,C,OH,OW) receives the winner's offset within its input plane */
   DP_MUST_CHECK dp_status (*maxpool_forward)(dp_device *dev, const dp_pool_geom *g, int64_t N, const float *x, float *y,
                                              int32_t *arg);
@@ -297,6 +308,9 @@ DP_MUST_CHECK dp_status dp_cuda_wait_idle(dp_device *dev, double timeout);
  * one's memory lost), and the last one's CUDA error name in last_error (""
  * when none; may be NULL). */
 unsigned long long dp_cuda_failed_frees(char *last_error, size_t len);
+
+/* Backward passes the CPU ran as conv2d_relu_avgpool_backward (debug_counters) */
+long long dp_cpu_conv_relu_pool_count(void);
 /* The statistics of a CUDA device's arena (csrc/arena.c over its cudaMalloc
  * chunks). DP_ERR_VALUE for another kind of device; DP_ERR_UNSUPPORTED without CUDA. */
 DP_MUST_CHECK dp_status dp_cuda_memory_stats(dp_device *dev, dp_arena_stats *out);

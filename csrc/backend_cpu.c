@@ -15,6 +15,7 @@
 #include <math.h>
 #include <omp.h>
 #include <sched.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -517,8 +518,16 @@ static dp_status conv_direct_forward(dp_device *dev, const dp_conv_geom *g, int6
  * by more than the replica tests allow); db the sums of dy. dx (if wanted) as described above. */
 #define DIRECT_LANES 32
 
+static int pool_is_2x2(const dp_pool_geom *g);
+static void avgpool_relu_backward_2x2(const dp_pool_geom *g, const float *restrict r, const float *restrict dy,
+                                      float *restrict dx);
+
+/* pg non-NULL (a 2x2 pooling, cpu_conv2d_relu_avgpool_backward): dy is not
+ * given but formed a sample at a time from the pooling's output gradient dp
+ * and the convolution's output y, by the fused op's own plane function */
 static dp_status conv_direct_backward(dp_device *dev, const dp_conv_geom *g, int64_t N, const float *x,
-                                      const float *w, const float *dy, float *dx, float *dw, float *db) {
+                                      const float *w, const float *dy, const dp_pool_geom *pg, const float *y,
+                                      const float *dp, float *dx, float *dw, float *db) {
   const direct_geom d = direct_geom_make(1, g->H + 2 * g->pad, g->W + 2 * g->pad, g->KH, g->KW);
   const int ph = g->KH - 1 - g->pad, pw = g->KW - 1 - g->pad; /* dy's padding for dx */
   const direct_geom dt = direct_geom_make(g->O, g->OH + 2 * ph, g->OW + 2 * pw, g->KH, g->KW);
@@ -526,10 +535,11 @@ static dp_status conv_direct_backward(dp_device *dev, const dp_conv_geom *g, int
   const int64_t in_sz = (int64_t)g->H * g->W, out_sz = g->O * P;
   const int64_t xp_sz = direct_input_floats(&d), dyw_sz = g->O * d.len;
   const int64_t dyp_sz = dx ? direct_input_floats(&dt) : 0, wide_sz = dx ? DIRECT_OUTS * dt.len : 0;
-  /* per thread: the lanes of dw, db's sums, xp, dy on the wide grid, and for
-   * dx dy padded and a wide row */
+  const int64_t dys_sz = pg ? out_sz : 0, pool_sz = pg ? (int64_t)pg->OH * pg->OW : 0;
+  /* per thread: the lanes of dw, db's sums, xp, dy on the wide grid, for dx
+   * dy padded, with pg the sample's dy, and for dx a wide row */
   const int64_t lanes_sz = 2 * wsz * DIRECT_LANES; /* in floats; the lanes are doubles */
-  const int64_t per_thread = (lanes_sz + g->O + xp_sz + dyw_sz + dyp_sz + wide_sz + 1) & ~(int64_t)1;
+  const int64_t per_thread = (lanes_sz + g->O + xp_sz + dyw_sz + dyp_sz + dys_sz + wide_sz + 1) & ~(int64_t)1;
   const int nt = direct_threads(N, dev->nthreads);
   float *scratch;
   DP_TRY(cpu_scratch(dev, (size_t)(nt * per_thread + (dx ? wsz : 0)), &scratch));
@@ -540,14 +550,17 @@ static dp_status conv_direct_backward(dp_device *dev, const dp_conv_geom *g, int
     /* per_thread is even and the scratch 64-byte aligned: the lanes are aligned doubles */
     double *lanes = (double *)(void *)(scratch + t * per_thread);
     float *pdb = scratch + t * per_thread + lanes_sz, *xp = pdb + g->O, *dyw = xp + xp_sz;
-    float *dyp = dyw + dyw_sz, *wide = dyp + dyp_sz;
+    float *dyp = dyw + dyw_sz, *dys = dyp + dyp_sz, *wide = dys + dys_sz;
     memset(scratch + t * per_thread, 0, sizeof(float) * (size_t)(per_thread - wide_sz));
     if (dx) {
 #pragma omp for schedule(static)
       for (int64_t i = 0; i < wsz; ++i) wt[i] = w[(i / taps) * taps + taps - 1 - i % taps];
     }
     for (int64_t n = N * t / nt; n < N * (t + 1) / nt; ++n) {
-      const float *dyn = dy + n * out_sz;
+      const float *dyn = pg ? dys : dy + n * out_sz;
+      if (pg)
+        for (int o = 0; o < g->O; ++o)
+          avgpool_relu_backward_2x2(pg, y + n * out_sz + o * P, dp + (n * g->O + o) * pool_sz, dys + o * P);
       direct_pad_input(&d, x + n * in_sz, g->H, g->W, g->pad, g->pad, xp);
       for (int o = 0; o < g->O; ++o) {
         float sum = 0.0f;
@@ -760,7 +773,7 @@ static dp_status cpu_conv2d_backward(dp_device *dev, const dp_conv_geom *g, int6
     DP_TRY(cpu_scratch(dev, dp_fft_scratch_floats(g, N, dev->nthreads, DP_FFT_BACKWARD), &buf));
     return dp_fft_backward(g, N, x, w, dy, dx, dw, db, dev->nthreads, buf);
   }
-  if (conv_is_direct(g)) return conv_direct_backward(dev, g, N, x, w, dy, dx, dw, db);
+  if (conv_is_direct(g)) return conv_direct_backward(dev, g, N, x, w, dy, NULL, NULL, NULL, dx, dw, db);
   /* the implicit GEMM's dw and db (csrc/implicit_gemm.h), and its dx where it
    * measured faster; otherwise dx below without the dw half (no im2col of x) */
   int igemm;
@@ -879,6 +892,32 @@ static dp_status cpu_conv2d_backward(dp_device *dev, const dp_conv_geom *g, int6
   return DP_OK;
 }
 
+/* Backward passes of a direct convolution that fed a fused ReLU + pooling
+ * straight from the pooling's output gradient (backend.h), for the count of
+ * debug_counters()['conv_relu_pool'] */
+static _Atomic long long conv_pool_fused;
+long long dp_cpu_conv_relu_pool_count(void) { return atomic_load_explicit(&conv_pool_fused, memory_order_relaxed); }
+
+static dp_status cpu_conv2d_relu_avgpool_backward(dp_device *dev, const dp_conv_geom *g, const dp_pool_geom *pg,
+                                                  int64_t N, const float *x, const float *w, const float *y,
+                                                  const float *dp, float *dx, float *dw, float *db, int *done) {
+  *done = 0;
+  /* only where cpu_conv2d_backward itself would take the direct loops (the
+   * same bits): no form it tries first takes g */
+  if (!conv_is_direct(g) || !pool_is_2x2(pg)) return DP_OK;
+  int other;
+  DP_TRY(dp_wl_takes(g, dev->fast_conv, &other));
+  if (!other) DP_TRY(dp_winograd_takes(g, &other));
+  if (!other) DP_TRY(dp_s2_takes(g, N, &other));
+  if (!other) DP_TRY(dp_fft_takes(g, &other));
+  if (other) return DP_OK;
+  cpu_enter(dev);
+  DP_TRY(conv_direct_backward(dev, g, N, x, w, NULL, pg, y, dp, dx, dw, db));
+  atomic_fetch_add_explicit(&conv_pool_fused, 1, memory_order_relaxed);
+  *done = 1;
+  return DP_OK;
+}
+
 /* ---- dense ---------------------------------------------------------------- */
 
 static dp_status cpu_dense_forward(dp_device *dev, int64_t N, int nin, int nout, const float *x, const float *w,
@@ -981,6 +1020,23 @@ static void avgpool_forward_2x2(const dp_pool_geom *g, const float *restrict x, 
       sum = _mm512_add_ps(sum, _mm512_permutex2var_ps(b0, ev, b1));
       sum = _mm512_add_ps(sum, _mm512_permutex2var_ps(b0, od, b1));
       _mm512_mask_storeu_ps(dst + ow, dp_lanes_upto(n), _mm512_mul_ps(sum, _mm512_set1_ps(inv)));
+    }
+#elif defined(__AVX2__)
+    /* 8 outputs a step, the same sums in the same order; a row's evens and
+     * odds come out as the pairs of outputs (0 1) (4 5) (2 3) (6 7), which one
+     * permutation puts back. A last partial step is taken as the row's last 8
+     * (the overlap written twice with the same values: AMD's masked stores are
+     * slow); a row under 8 by the scalar loop */
+    for (; g->OW >= 8 && ow < g->OW; ow += 8) {
+      if (ow + 8 > g->OW) ow = g->OW - 8;
+      const __m256 a0 = _mm256_loadu_ps(r0 + 2 * ow), a1 = _mm256_loadu_ps(r0 + 2 * ow + 8);
+      const __m256 b0 = _mm256_loadu_ps(r1 + 2 * ow), b1 = _mm256_loadu_ps(r1 + 2 * ow + 8);
+      __m256 sum = _mm256_add_ps(_mm256_setzero_ps(), _mm256_shuffle_ps(a0, a1, 0x88));
+      sum = _mm256_add_ps(sum, _mm256_shuffle_ps(a0, a1, 0xDD));
+      sum = _mm256_add_ps(sum, _mm256_shuffle_ps(b0, b1, 0x88));
+      sum = _mm256_add_ps(sum, _mm256_shuffle_ps(b0, b1, 0xDD));
+      sum = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(sum), 0xD8));
+      _mm256_storeu_ps(dst + ow, _mm256_mul_ps(sum, _mm256_set1_ps(inv)));
     }
 #endif
     for (; ow < g->OW; ++ow)
@@ -1100,6 +1156,23 @@ static void avgpool_relu_backward_2x2(const dp_pool_geom *g, const float *restri
         const __mmask16 kh = _mm512_cmp_ps_mask(xh, _mm512_setzero_ps(), _CMP_NLE_UQ);
         _mm512_mask_storeu_ps(dd[k] + 2 * ow, ml, _mm512_maskz_mov_ps(kl, vl));
         _mm512_mask_storeu_ps(dd[k] + 2 * ow + 16, mh, _mm512_maskz_mov_ps(kh, vh));
+      }
+    }
+#elif defined(__AVX2__)
+    /* 8 of dy a step into 16 of each row (each value twice: unpack, then the
+     * halves' exchange; a last partial step as the forward's); relu_backward's
+     * mask: not (r <= 0), NaN kept */
+    for (; g->OW >= 8 && ow < g->OW; ow += 8) {
+      if (ow + 8 > g->OW) ow = g->OW - 8;
+      const __m256 v = _mm256_mul_ps(_mm256_add_ps(_mm256_setzero_ps(), _mm256_loadu_ps(src + ow)), _mm256_set1_ps(inv));
+      const __m256 lo = _mm256_unpacklo_ps(v, v), hi = _mm256_unpackhi_ps(v, v);
+      const __m256 vl = _mm256_permute2f128_ps(lo, hi, 0x20), vh = _mm256_permute2f128_ps(lo, hi, 0x31);
+      const float *rr[2] = {r0, r1};
+      float *dd[2] = {d0, d1};
+      for (int k = 0; k < 2; ++k) {
+        const __m256 xl = _mm256_loadu_ps(rr[k] + 2 * ow), xh = _mm256_loadu_ps(rr[k] + 2 * ow + 8);
+        _mm256_storeu_ps(dd[k] + 2 * ow, _mm256_and_ps(_mm256_cmp_ps(xl, _mm256_setzero_ps(), _CMP_NLE_UQ), vl));
+        _mm256_storeu_ps(dd[k] + 2 * ow + 8, _mm256_and_ps(_mm256_cmp_ps(xh, _mm256_setzero_ps(), _CMP_NLE_UQ), vh));
       }
     }
 #endif
@@ -1474,6 +1547,7 @@ static const dp_backend cpu_backend = {
     .avgpool_backward = cpu_avgpool_backward,
     .relu_avgpool_forward = cpu_relu_avgpool_forward,
     .avgpool_relu_backward = cpu_avgpool_relu_backward,
+    .conv2d_relu_avgpool_backward = cpu_conv2d_relu_avgpool_backward,
     .maxpool_forward = cpu_maxpool_forward,
     .maxpool_backward = cpu_maxpool_backward,
     .softmax_xent = cpu_softmax_xent,

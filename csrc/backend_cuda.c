@@ -720,6 +720,14 @@ static dp_status cuda_avgpool_relu_backward(dp_device *dev, const dp_pool_geom *
   return cuda_relu_backward(dev, N * g->C * (int64_t)g->H * g->W, r, dx, dx); /* element-wise: in place is safe */
 }
 
+/* cuDNN's convolutions read a whole dy: no fused form here (the model runs the two ops) */
+static dp_status cuda_conv2d_relu_avgpool_backward(dp_device *dev, const dp_conv_geom *g, const dp_pool_geom *pg,
+                                                   int64_t N, const float *x, const float *w, const float *y,
+                                                   const float *dp, float *dx, float *dw, float *db, int *done) {
+  *done = 0;
+  return DP_OK;
+}
+
 static dp_status cuda_maxpool_forward(dp_device *dev, const dp_pool_geom *g, int64_t N, const float *x, float *y,
                                       int32_t *arg) {
   CUDA_ENTER(dev, c);
@@ -1068,6 +1076,7 @@ static const dp_backend cuda_backend = {
     .avgpool_backward = cuda_avgpool_backward,
     .relu_avgpool_forward = cuda_relu_avgpool_forward,
     .avgpool_relu_backward = cuda_avgpool_relu_backward,
+    .conv2d_relu_avgpool_backward = cuda_conv2d_relu_avgpool_backward,
     .maxpool_forward = cuda_maxpool_forward,
     .maxpool_backward = cuda_maxpool_backward,
     .softmax_xent = cuda_softmax_xent,

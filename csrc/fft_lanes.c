@@ -318,8 +318,31 @@ long long dp_fft_redone(void) { return atomic_load_explicit(&fft_redone, memory_
 
 /* Output (i, j) of one output channel for the chunk's 16 samples, b + sum
  * over c, u, v of P[c][i + u][j + v] w[c][u][v] (P the chunk's zero-bordered
- * input in lanes): each channel's r*r terms summed, then the channels' sums,
- * a float32 GEMM's accuracy (fl_forward's outputs that need a sign). */
+ * input in lanes): each channel's r*r terms summed (in vectors: in 4 chains
+ * of every fourth tap, then pairwise), then the channels' sums, a float32 GEMM's
+ * accuracy (fl_forward's outputs that need a sign). */
+/* fl_direct's vector of the machine's width (macros: a function taking or
+ * returning a vector changes the ABI where the build lacks the extension) */
+#if defined(__AVX512F__)
+#define FL_VEC __m512
+#define FL_ZERO _mm512_setzero_ps()
+#define FL_LOAD(p) _mm512_loadu_ps(p)
+#define FL_SET1(x) _mm512_set1_ps(x)
+#define FL_ADD(a, b) _mm512_add_ps(a, b)
+#define FL_FMA(a, b, c) _mm512_fmadd_ps(a, b, c)
+#elif defined(__AVX__)
+#define FL_VEC __m256
+#define FL_ZERO _mm256_setzero_ps()
+#define FL_LOAD(p) _mm256_loadu_ps(p)
+#define FL_SET1(x) _mm256_set1_ps(x)
+#define FL_ADD(a, b) _mm256_add_ps(a, b)
+#if defined(__FMA__)
+#define FL_FMA(a, b, c) _mm256_fmadd_ps(a, b, c)
+#else
+#define FL_FMA(a, b, c) _mm256_add_ps(c, _mm256_mul_ps(a, b))
+#endif
+#endif
+
 static void fl_direct(const fl_geom *q, const float *P, const float *wo, float bias, int i, int j, unsigned lanes,
                       float out[L]) {
   /* in vectors of the machine's width (GCC's code for a 16-float vector on a machine with 8-float
@@ -343,24 +366,30 @@ static void fl_direct(const fl_geom *q, const float *P, const float *wo, float b
 #endif
     for (int c = 0; c < q->C; ++c) {
       const float *pc = P + (int64_t)c * PLANE + h, *wc = wo + (int64_t)c * q->r * q->r;
-#if defined(__AVX512F__)
-      __m512 part = _mm512_setzero_ps();
-      for (int u = 0; u < q->r; ++u)
-        for (int v = 0; v < q->r; ++v)
-          part = _mm512_fmadd_ps(_mm512_loadu_ps(pc + ((i + u) * FS + j + v) * L), _mm512_set1_ps(wc[u * q->r + v]), part);
-      acc = _mm512_add_ps(acc, part);
-#elif defined(__AVX__)
-      __m256 part = _mm256_setzero_ps();
-      for (int u = 0; u < q->r; ++u)
-        for (int v = 0; v < q->r; ++v) {
-          const __m256 a = _mm256_loadu_ps(pc + ((i + u) * FS + j + v) * L), b = _mm256_set1_ps(wc[u * q->r + v]);
-#if defined(__FMA__)
-          part = _mm256_fmadd_ps(a, b, part);
-#else
-          part = _mm256_add_ps(part, _mm256_mul_ps(a, b));
-#endif
-        }
-      acc = _mm256_add_ps(acc, part);
+#if defined(__AVX512F__) || defined(__AVX__)
+      /* the taps in 4 chains (tap t into chain t % 4), added pairwise: 4
+       * multiply-adds in flight where one chain waited on each */
+      FL_VEC p0 = FL_ZERO, p1 = FL_ZERO, p2 = FL_ZERO, p3 = FL_ZERO;
+      const int taps = q->r * q->r;
+      int t = 0, u = 0, v = 0; /* tap t = u * r + v */
+#define FL_TAP(p)                                                                \
+  do {                                                                           \
+    p = FL_FMA(FL_LOAD(pc + ((i + u) * FS + j + v) * L), FL_SET1(wc[t]), p);     \
+    ++t;                                                                         \
+    if (++v == q->r) {                                                           \
+      v = 0;                                                                     \
+      ++u;                                                                       \
+    }                                                                            \
+  } while (0)
+      while (t + 4 <= taps) {
+        FL_TAP(p0);
+        FL_TAP(p1);
+        FL_TAP(p2);
+        FL_TAP(p3);
+      }
+      while (t < taps) FL_TAP(p0);
+#undef FL_TAP
+      acc = FL_ADD(acc, FL_ADD(FL_ADD(p0, p1), FL_ADD(p2, p3)));
 #else
       float part[W] = {0};
       for (int u = 0; u < q->r; ++u)

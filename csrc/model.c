@@ -754,9 +754,22 @@ static dp_status backward(dp_model *m, int64_t N, const dp_collective *coll) {
            * (dready stays 0, and its own turn below only reports it done) */
           float *rdx = gradient_target(m, relu->src);
           if (rdx) {
-            /* the relu's input for its mask (backend.h: its output is not kept) */
-            DP_TRY(be->avgpool_relu_backward(dev, &g, N, output_of(m, relu->src), dy, rdx));
-            DP_TRY(gradient_delivered(m, relu->src, N));
+            int done = 0;
+            const int c = relu->src; /* a convolution only the relu reads: its backward pass from dy here */
+            if (m->layers[c].kind == DP_LAYER_CONV2D && readers_of(m, c) == 1 && !m->dready[c]) {
+              const dp_layer *cl = &m->layers[c];
+              const dp_conv_geom cg = conv_geom(cl);
+              DP_TRY(be->conv2d_relu_avgpool_backward(dev, &cg, &g, N, output_of(m, cl->src), m->params + cl->w_off,
+                                                      output_of(m, c), dy, gradient_target(m, cl->src),
+                                                      m->grads + cl->w_off, m->grads + cl->b_off, &done));
+              /* its own turn then finds dready[c] == 0 and only reports it done */
+              if (done) DP_TRY(gradient_delivered(m, cl->src, N));
+            }
+            if (!done) {
+              /* the relu's input for its mask (backend.h: its output is not kept) */
+              DP_TRY(be->avgpool_relu_backward(dev, &g, N, output_of(m, relu->src), dy, rdx));
+              DP_TRY(gradient_delivered(m, relu->src, N));
+            }
           }
           DP_TRY(dp_collective_grad_ready(coll, i));
           continue;

@@ -267,14 +267,15 @@ static PyObject *mod_get_fast_convolutions(PyObject *m, PyObject *unused) {
 
 /* debug_counters() -> {'groups_created': replica thread groups made by this process,
  * 'gemm_blas' / 'gemm_own': dp_gemm calls sent to the BLAS / to dpcore's kernel,
- * 'winograd_f35' / 'winograd_f43': passes run by those Winograd forms, 'fft': by fft_lanes.h, 'fft_redone': its forward outputs recomputed directly} */
+ * 'winograd_f35' / 'winograd_f43': passes run by those Winograd forms, 'fft': by fft_lanes.h, 'fft_redone': its forward outputs recomputed directly,
+ * 'conv_relu_pool': backward passes of a direct convolution run from its fused ReLU + pooling's output gradient} */
 static PyObject *mod_debug_counters(PyObject *m, PyObject *unused) {
   long long blas, own, f35, f43;
   dp_gemm_counts(&blas, &own);
   dp_wl_counts(&f35, &f43);
-  return Py_BuildValue("{s:l,s:L,s:L,s:L,s:L,s:L,s:L}", "groups_created", dp_group_created_count(), "gemm_blas",
-                       blas, "gemm_own", own, "winograd_f35", f35, "winograd_f43", f43, "fft", dp_fft_count(),
-                       "fft_redone", dp_fft_redone());
+  return Py_BuildValue("{s:l,s:L,s:L,s:L,s:L,s:L,s:L,s:L}", "groups_created", dp_group_created_count(),
+                       "gemm_blas", blas, "gemm_own", own, "winograd_f35", f35, "winograd_f43", f43, "fft",
+                       dp_fft_count(), "fft_redone", dp_fft_redone(), "conv_relu_pool", dp_cpu_conv_relu_pool_count());
 }
 
 /* set_cuda_options(deterministic, allow_tf32): the process-wide CUDA settings
@@ -311,7 +312,7 @@ static PyMethodDef module_methods[] = {
     {"set_fast_convolutions", mod_set_fast_convolutions, METH_VARARGS,
      "set_fast_convolutions(flag): let the CPU take the convolution forms of larger rounding error"},
     {"get_fast_convolutions", mod_get_fast_convolutions, METH_NOARGS, "get_fast_convolutions() -> bool"},
-    {"debug_counters", mod_debug_counters, METH_NOARGS, "debug_counters() -> {'groups_created': n, 'gemm_blas': n, 'gemm_own': n, 'winograd_f35': n, 'winograd_f43': n, 'fft': n, 'fft_redone': n}"},
+    {"debug_counters", mod_debug_counters, METH_NOARGS, "debug_counters() -> {'groups_created': n, 'gemm_blas': n, 'gemm_own': n, 'winograd_f35': n, 'winograd_f43': n, 'fft': n, 'fft_redone': n, 'conv_relu_pool': n}"},
     {"set_cuda_options", mod_set_cuda_options, METH_VARARGS,
      "set_cuda_options(deterministic, allow_tf32): process-wide settings of every CUDA device"},
     {"get_cuda_options", mod_get_cuda_options, METH_NOARGS, "get_cuda_options() -> (deterministic, allow_tf32)"},

@@ -17,7 +17,10 @@ and the batchnorm's is not (its backward reads its input, the relu's backward
 the relu's output); the same bits as the two ops apart, checked the same way.
 So does an add whose only reader is the relu right after it (a residual
 block's end) as add_relu: the add's output is never written (its backward
-reads no output, the relu's its own).
+reads no output, the relu's its own). And on the CPU a direct (single-channel)
+convolution whose only reader is a relu fused with a 2x2 pool runs its
+backward pass from the pool's gradient (conv2d_relu_avgpool_backward): the
+same bits, counted by debug_counters()['conv_relu_pool'].
 """
 import numpy as np
 import pytest
@@ -75,6 +78,29 @@ def test_lenet_shapes_fused_and_bit_identical(monkeypatch):
     assert fused_pairs(nets[0]) == []
     assert fused_pairs(nets[1]) == [(1, 2), (4, 5)]
     assert_same_bits(nets, (1, 28, 28))
+
+
+def relu_pool_convs(run):
+    """How many convolution backward passes `run()` ran straight from a fused ReLU + pool's gradient."""
+    before = dp._core.debug_counters()["conv_relu_pool"]
+    out = run()
+    return out, dp._core.debug_counters()["conv_relu_pool"] - before
+
+
+@pytest.mark.parametrize("layers, shape", [
+    (LENET, (1, 28, 28)),  # the first conv (no dx): dw and db from the pool's gradient
+    # a single-channel conv inside the network: its dx too, and a plane of odd size (the pool drops a row)
+    ([("conv2d", 1, 3, 1, 1), ("conv2d", 5, 3, 1, 0), ("relu",), ("avgpool", 2, 2, 0), ("flatten",), ("dense", 10)],
+     (2, 11, 9)),
+], ids=["lenet", "inner-conv"])
+def test_direct_conv_backward_from_the_pool_is_bit_identical(monkeypatch, layers, shape):
+    """A direct (single-channel) convolution whose only reader is a ReLU fused with a 2x2 average
+    pool runs its backward pass from the pool's output gradient (backend.h:
+    conv2d_relu_avgpool_backward): its own output gradient is formed a sample at a time and never
+    written. The same bits as every layer on its own, and it did run (and not unfused)."""
+    (nets, runs) = relu_pool_convs(lambda: train_both(monkeypatch, layers, shape))
+    assert runs == 3  # three steps of the fused model; the unfused one adds none
+    assert_same_bits(nets, shape)
 
 
 def test_lenet_model_is_fused():
