@@ -70,6 +70,22 @@ typedef float v16u __attribute__((vector_size(64), aligned(4), may_alias));
 
 static int64_t r16(int64_t n) { return (n + 15) & ~(int64_t)15; }
 
+/* The transforms' vector: TW of a pixel's L lanes at a time, the lanes apart
+ * (each lane's arithmetic is the same whatever TW). All 16 where a 16-float
+ * vector is one register (AVX-512) or where the code is scalar anyway; 8 with
+ * AVX's 16 registers of 8 floats, where a 16-float vector is two and the
+ * 16-point FFT's 32 live values spilled (the transforms were 13 % of an AVX2
+ * build's LeNet epoch, about half that in halves). */
+#if defined(__AVX__) && !defined(__AVX512F__)
+#define TW 8
+#else
+#define TW 16
+#endif
+typedef float tv __attribute__((vector_size(TW * 4)));
+typedef float tvu __attribute__((vector_size(TW * 4), aligned(4), may_alias));
+#define TLD(p) ((tv)(*(const tvu *)(const void *)(p)))
+#define TST(p, v) (*(tvu *)(void *)(p) = (v))
+
 /* ---- the 16-point complex FFT on lanes ------------------------------------ */
 
 /* cos and sin of 2 pi m / 16 for the twiddles m = n2 * k1 that occur */
@@ -81,9 +97,9 @@ static const float TW_SIN[10] = {0.0f, 0.382683432365089772f, 0.7071067811865475
                                  -0.382683432365089772f};
 
 /* the 4-point DFT of (x0, x1, x2, x3) in place; inv: the inverse's sign */
-static inline void dft4(v16 *r0, v16 *i0, v16 *r1, v16 *i1, v16 *r2, v16 *i2, v16 *r3, v16 *i3, int inv) {
-  const v16 ar = *r0 + *r2, ai = *i0 + *i2, br = *r0 - *r2, bi = *i0 - *i2;
-  const v16 cr = *r1 + *r3, ci = *i1 + *i3, dr = *r1 - *r3, di = *i1 - *i3;
+static inline void dft4(tv *r0, tv *i0, tv *r1, tv *i1, tv *r2, tv *i2, tv *r3, tv *i3, int inv) {
+  const tv ar = *r0 + *r2, ai = *i0 + *i2, br = *r0 - *r2, bi = *i0 - *i2;
+  const tv cr = *r1 + *r3, ci = *i1 + *i3, dr = *r1 - *r3, di = *i1 - *i3;
   *r0 = ar + cr, *i0 = ai + ci;
   *r2 = ar - cr, *i2 = ai - ci;
   if (!inv) { /* y1 = b - i d, y3 = b + i d */
@@ -98,7 +114,7 @@ static inline void dft4(v16 *r0, v16 *i0, v16 *r1, v16 *i1, v16 *r2, v16 *i2, v1
 /* X[k] = sum over n of x[n] e^(-+2 pi i n k / 16), in place, natural order:
  * n = 4 n1 + n2, k = k1 + 4 k2; 4-point DFTs over n1, twiddles
  * e^(-+2 pi i n2 k1 / 16), 4-point DFTs over n2. */
-static inline __attribute__((always_inline)) void fft16(v16 re[FS], v16 im[FS], int inv) {
+static inline __attribute__((always_inline)) void fft16(tv re[FS], tv im[FS], int inv) {
 #pragma GCC unroll 4
   for (int n2 = 0; n2 < 4; ++n2)
     dft4(&re[n2], &im[n2], &re[4 + n2], &im[4 + n2], &re[8 + n2], &im[8 + n2], &re[12 + n2], &im[12 + n2], inv);
@@ -108,7 +124,7 @@ static inline __attribute__((always_inline)) void fft16(v16 re[FS], v16 im[FS], 
 #pragma GCC unroll 4
     for (int k1 = 1; k1 < 4; ++k1) {
       const int m = n2 * k1, at = 4 * k1 + n2;
-      const v16 r = re[at], i = im[at];
+      const tv r = re[at], i = im[at];
       if (m == 4) {
         re[at] = inv ? -i : i;
         im[at] = inv ? r : -r;
@@ -118,11 +134,11 @@ static inline __attribute__((always_inline)) void fft16(v16 re[FS], v16 im[FS], 
         im[at] = i * c + r * s;
       }
     }
-  v16 tr[FS], ti[FS];
+  tv tr[FS], ti[FS];
 #pragma GCC unroll 4
   for (int k1 = 0; k1 < 4; ++k1) {
-    v16 a0r = re[4 * k1], a0i = im[4 * k1], a1r = re[4 * k1 + 1], a1i = im[4 * k1 + 1];
-    v16 a2r = re[4 * k1 + 2], a2i = im[4 * k1 + 2], a3r = re[4 * k1 + 3], a3i = im[4 * k1 + 3];
+    tv a0r = re[4 * k1], a0i = im[4 * k1], a1r = re[4 * k1 + 1], a1i = im[4 * k1 + 1];
+    tv a2r = re[4 * k1 + 2], a2i = im[4 * k1 + 2], a3r = re[4 * k1 + 3], a3i = im[4 * k1 + 3];
     dft4(&a0r, &a0i, &a1r, &a1i, &a2r, &a2i, &a3r, &a3i, inv);
     tr[k1] = a0r, ti[k1] = a0i;
     tr[k1 + 4] = a1r, ti[k1 + 4] = a1i;
@@ -137,34 +153,36 @@ static inline __attribute__((always_inline)) void fft16(v16 re[FS], v16 im[FS], 
  * u * FV + v's real part stored at out + p * ps, its imaginary part at
  * out + p * ps + ims. */
 static void rfft2(const float *plane, int nr, float *out, int64_t ps, int64_t ims) {
-  v16 tr[FS][FV], ti[FS][FV];
-  for (int i = 0; i < FS; i += 2) {
-    if (i >= nr) {
-      for (int k = 0; k < FV; ++k) tr[i][k] = ti[i][k] = tr[i + 1][k] = ti[i + 1][k] = (v16){0};
-      continue;
+  for (int h = 0; h < L; h += TW) { /* TW lanes at a time */
+    tv tr[FS][FV], ti[FS][FV];
+    for (int i = 0; i < FS; i += 2) {
+      if (i >= nr) {
+        for (int k = 0; k < FV; ++k) tr[i][k] = ti[i][k] = tr[i + 1][k] = ti[i + 1][k] = (tv){0};
+        continue;
+      }
+      tv zr[FS], zi[FS];
+      for (int j = 0; j < FS; ++j) {
+        zr[j] = TLD(plane + (i * FS + j) * L + h);
+        zi[j] = i + 1 < nr ? TLD(plane + ((i + 1) * FS + j) * L + h) : (tv){0};
+      }
+      fft16(zr, zi, 0);
+      /* rows i and i + 1 apart: A[k] = (Z[k] + conj Z[-k]) / 2, B[k] = (Z[k] - conj Z[-k]) / 2i */
+      for (int k = 0; k < FV; ++k) {
+        const int m = (FS - k) & (FS - 1);
+        tr[i][k] = 0.5f * (zr[k] + zr[m]);
+        ti[i][k] = 0.5f * (zi[k] - zi[m]);
+        tr[i + 1][k] = 0.5f * (zi[k] + zi[m]);
+        ti[i + 1][k] = 0.5f * (zr[m] - zr[k]);
+      }
     }
-    v16 zr[FS], zi[FS];
-    for (int j = 0; j < FS; ++j) {
-      zr[j] = LD(plane + (i * FS + j) * L);
-      zi[j] = i + 1 < nr ? LD(plane + ((i + 1) * FS + j) * L) : (v16){0};
-    }
-    fft16(zr, zi, 0);
-    /* rows i and i + 1 apart: A[k] = (Z[k] + conj Z[-k]) / 2, B[k] = (Z[k] - conj Z[-k]) / 2i */
-    for (int k = 0; k < FV; ++k) {
-      const int m = (FS - k) & (FS - 1);
-      tr[i][k] = 0.5f * (zr[k] + zr[m]);
-      ti[i][k] = 0.5f * (zi[k] - zi[m]);
-      tr[i + 1][k] = 0.5f * (zi[k] + zi[m]);
-      ti[i + 1][k] = 0.5f * (zr[m] - zr[k]);
-    }
-  }
-  for (int v = 0; v < FV; ++v) {
-    v16 cr[FS], ci[FS];
-    for (int u = 0; u < FS; ++u) cr[u] = tr[u][v], ci[u] = ti[u][v];
-    fft16(cr, ci, 0);
-    for (int u = 0; u < FS; ++u) {
-      ST(out + (u * FV + v) * ps, cr[u]);
-      ST(out + (u * FV + v) * ps + ims, ci[u]);
+    for (int v = 0; v < FV; ++v) {
+      tv cr[FS], ci[FS];
+      for (int u = 0; u < FS; ++u) cr[u] = tr[u][v], ci[u] = ti[u][v];
+      fft16(cr, ci, 0);
+      for (int u = 0; u < FS; ++u) {
+        TST(out + (u * FV + v) * ps + h, cr[u]);
+        TST(out + (u * FV + v) * ps + ims + h, ci[u]);
+      }
     }
   }
 }
@@ -172,32 +190,34 @@ static void rfft2(const float *plane, int nr, float *out, int64_t ps, int64_t im
 /* The inverse (unnormalised, times scale): rows [0, nro) of the real plane
  * whose half spectrum is at src as rfft2 stores it. */
 static void irfft2(const float *src, int64_t ps, int64_t ims, int nro, float scale, float *plane) {
-  v16 tr[FS][FV], ti[FS][FV];
-  for (int v = 0; v < FV; ++v) {
-    v16 cr[FS], ci[FS];
-    for (int u = 0; u < FS; ++u) {
-      cr[u] = LD(src + (u * FV + v) * ps);
-      ci[u] = LD(src + (u * FV + v) * ps + ims);
+  for (int h = 0; h < L; h += TW) { /* TW lanes at a time */
+    tv tr[FS][FV], ti[FS][FV];
+    for (int v = 0; v < FV; ++v) {
+      tv cr[FS], ci[FS];
+      for (int u = 0; u < FS; ++u) {
+        cr[u] = TLD(src + (u * FV + v) * ps + h);
+        ci[u] = TLD(src + (u * FV + v) * ps + ims + h);
+      }
+      fft16(cr, ci, 1);
+      for (int u = 0; u < FS; ++u) tr[u][v] = cr[u], ti[u][v] = ci[u];
     }
-    fft16(cr, ci, 1);
-    for (int u = 0; u < FS; ++u) tr[u][v] = cr[u], ti[u][v] = ci[u];
-  }
-  for (int i = 0; i < nro; i += 2) {
-    /* Z = A + i B over the full row, A and B rows i and i + 1 (Hermitian:
-     * A[16 - k] = conj A[k]; bins 0 and 8 real) */
-    v16 zr[FS], zi[FS];
-    zr[0] = tr[i][0], zi[0] = tr[i + 1][0];
-    zr[8] = tr[i][8], zi[8] = tr[i + 1][8];
-    for (int k = 1; k < 8; ++k) {
-      zr[k] = tr[i][k] - ti[i + 1][k];
-      zi[k] = ti[i][k] + tr[i + 1][k];
-      zr[FS - k] = tr[i][k] + ti[i + 1][k];
-      zi[FS - k] = tr[i + 1][k] - ti[i][k];
-    }
-    fft16(zr, zi, 1);
-    for (int j = 0; j < FS; ++j) {
-      ST(plane + (i * FS + j) * L, zr[j] * scale);
-      if (i + 1 < nro) ST(plane + ((i + 1) * FS + j) * L, zi[j] * scale);
+    for (int i = 0; i < nro; i += 2) {
+      /* Z = A + i B over the full row, A and B rows i and i + 1 (Hermitian:
+       * A[16 - k] = conj A[k]; bins 0 and 8 real) */
+      tv zr[FS], zi[FS];
+      zr[0] = tr[i][0], zi[0] = tr[i + 1][0];
+      zr[8] = tr[i][8], zi[8] = tr[i + 1][8];
+      for (int k = 1; k < 8; ++k) {
+        zr[k] = tr[i][k] - ti[i + 1][k];
+        zi[k] = ti[i][k] + tr[i + 1][k];
+        zr[FS - k] = tr[i][k] + ti[i + 1][k];
+        zi[FS - k] = tr[i + 1][k] - ti[i][k];
+      }
+      fft16(zr, zi, 1);
+      for (int j = 0; j < FS; ++j) {
+        TST(plane + (i * FS + j) * L + h, zr[j] * scale);
+        if (i + 1 < nro) TST(plane + ((i + 1) * FS + j) * L + h, zi[j] * scale);
+      }
     }
   }
 }
