@@ -311,6 +311,7 @@ unsigned long long dp_cuda_failed_frees(char *last_error, size_t len);
 
 /* Backward passes the CPU ran as conv2d_relu_avgpool_backward (debug_counters) */
 long long dp_cpu_conv_relu_pool_count(void);
+
 /* The statistics of a CUDA device's arena (csrc/arena.c over its cudaMalloc
  * chunks). DP_ERR_VALUE for another kind of device; DP_ERR_UNSUPPORTED without CUDA. */
 DP_MUST_CHECK dp_status dp_cuda_memory_stats(dp_device *dev, dp_arena_stats *out);

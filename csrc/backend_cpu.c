@@ -742,38 +742,57 @@ static dp_conv_geom conv_dx_geom(const dp_conv_geom *g) {
   return t;
 }
 
+/* The form cpu_conv2d_backward takes for g: the first of these whose test takes it */
+typedef enum { CONV_BWD_WL, CONV_BWD_WINOGRAD, CONV_BWD_S2, CONV_BWD_FFT, CONV_BWD_DIRECT, CONV_BWD_GEMM } conv_bwd_form;
+
+static dp_status conv_backward_form(dp_device *dev, const dp_conv_geom *g, int64_t N, conv_bwd_form *form) {
+  int takes;
+  DP_TRY(dp_wl_takes(g, dev->fast_conv, &takes));
+  *form = CONV_BWD_WL;
+  if (!takes) {
+    DP_TRY(dp_winograd_takes(g, &takes));
+    *form = CONV_BWD_WINOGRAD;
+  }
+  if (!takes) {
+    DP_TRY(dp_s2_takes(g, N, &takes));
+    *form = CONV_BWD_S2;
+  }
+  if (!takes) {
+    DP_TRY(dp_fft_takes(g, &takes));
+    *form = CONV_BWD_FFT;
+  }
+  if (!takes) *form = conv_is_direct(g) ? CONV_BWD_DIRECT : CONV_BWD_GEMM;
+  return DP_OK;
+}
+
 static dp_status cpu_conv2d_backward(dp_device *dev, const dp_conv_geom *g, int64_t N, const float *x, const float *w,
                                      const float *dy, float *dx, float *dw, float *db, dp_conv_keep *keep) {
   cpu_enter(dev);
-  int winograd;
-  DP_TRY(dp_wl_takes(g, dev->fast_conv, &winograd));
-  if (winograd) { /* csrc/winograd_lanes.h */
+  conv_bwd_form form;
+  DP_TRY(conv_backward_form(dev, g, N, &form));
+  if (form == CONV_BWD_WL) { /* csrc/winograd_lanes.h */
     float *wino;
     DP_TRY(cpu_scratch(dev, dp_wl_scratch_floats(g, N, dev->nthreads, DP_WL_BACKWARD), &wino));
     return dp_wl_backward(g, N, x, w, dy, dx, dw, db, dev->nthreads, wino);
   }
-  DP_TRY(dp_winograd_takes(g, &winograd));
-  if (winograd) { /* csrc/winograd.h */
+  if (form == CONV_BWD_WINOGRAD) { /* csrc/winograd.h */
     float *wino;
     DP_TRY(cpu_scratch(dev, dp_winograd_scratch_floats(g, N, dev->nthreads), &wino));
     const float *u = keep && keep->valid && keep->u && keep->floats == dp_winograd_u_floats(g) ? keep->u : NULL;
     if (dx) DP_TRY(dp_winograd_backward_dx(g, N, w, dy, dx, dev->nthreads, wino, u));
     return dp_winograd_backward_dw(g, N, x, dy, dw, db, dev->nthreads, wino);
   }
-  DP_TRY(dp_s2_takes(g, N, &winograd));
-  if (winograd) { /* csrc/winograd_s2.h */
+  if (form == CONV_BWD_S2) { /* csrc/winograd_s2.h */
     float *buf;
     DP_TRY(cpu_scratch(dev, dp_s2_scratch_floats(g, N, dev->nthreads, DP_S2_BACKWARD), &buf));
     return dp_s2_backward(g, N, x, w, dy, dx, dw, db, dev->nthreads, buf);
   }
-  int fft;
-  DP_TRY(dp_fft_takes(g, &fft));
-  if (fft) { /* csrc/fft_lanes.h */
+  if (form == CONV_BWD_FFT) { /* csrc/fft_lanes.h */
     float *buf;
     DP_TRY(cpu_scratch(dev, dp_fft_scratch_floats(g, N, dev->nthreads, DP_FFT_BACKWARD), &buf));
     return dp_fft_backward(g, N, x, w, dy, dx, dw, db, dev->nthreads, buf);
   }
-  if (conv_is_direct(g)) return conv_direct_backward(dev, g, N, x, w, dy, NULL, NULL, NULL, dx, dw, db);
+  if (form == CONV_BWD_DIRECT) return conv_direct_backward(dev, g, N, x, w, dy, NULL, NULL, NULL, dx, dw, db);
   /* the implicit GEMM's dw and db (csrc/implicit_gemm.h), and its dx where it
    * measured faster; otherwise dx below without the dw half (no im2col of x) */
   int igemm;
@@ -902,15 +921,10 @@ static dp_status cpu_conv2d_relu_avgpool_backward(dp_device *dev, const dp_conv_
                                                   int64_t N, const float *x, const float *w, const float *y,
                                                   const float *dp, float *dx, float *dw, float *db, int *done) {
   *done = 0;
-  /* only where cpu_conv2d_backward itself would take the direct loops (the
-   * same bits): no form it tries first takes g */
-  if (!conv_is_direct(g) || !pool_is_2x2(pg)) return DP_OK;
-  int other;
-  DP_TRY(dp_wl_takes(g, dev->fast_conv, &other));
-  if (!other) DP_TRY(dp_winograd_takes(g, &other));
-  if (!other) DP_TRY(dp_s2_takes(g, N, &other));
-  if (!other) DP_TRY(dp_fft_takes(g, &other));
-  if (other) return DP_OK;
+  /* only where cpu_conv2d_backward itself would take the direct loops (the same bits) */
+  conv_bwd_form form;
+  DP_TRY(conv_backward_form(dev, g, N, &form));
+  if (form != CONV_BWD_DIRECT || !pool_is_2x2(pg)) return DP_OK;
   cpu_enter(dev);
   DP_TRY(conv_direct_backward(dev, g, N, x, w, NULL, pg, y, dp, dx, dw, db));
   atomic_fetch_add_explicit(&conv_pool_fused, 1, memory_order_relaxed);

@@ -15,7 +15,7 @@ static const struct {
     DP_ENTRY(u8_to_unit), DP_ENTRY(gather_rows), DP_ENTRY(conv2d_forward), DP_ENTRY(conv2d_backward), DP_ENTRY(dense_forward),
     DP_ENTRY(dense_backward), DP_ENTRY(relu_forward), DP_ENTRY(relu_backward), DP_ENTRY(avgpool_forward),
     DP_ENTRY(avgpool_backward), DP_ENTRY(relu_avgpool_forward), DP_ENTRY(avgpool_relu_backward),
-    DP_ENTRY(conv2d_relu_avgpool_backward),     DP_ENTRY(maxpool_forward), DP_ENTRY(maxpool_backward), DP_ENTRY(softmax_xent),
+    DP_ENTRY(conv2d_relu_avgpool_backward), DP_ENTRY(maxpool_forward), DP_ENTRY(maxpool_backward), DP_ENTRY(softmax_xent),
     DP_ENTRY(sgd_update), DP_ENTRY(loss_flag), DP_ENTRY(restore_unless_allowed), DP_ENTRY(add), DP_ENTRY(add_relu), DP_ENTRY(scale), DP_ENTRY(global_avgpool_forward),
     DP_ENTRY(global_avgpool_backward), DP_ENTRY(bn_sums), DP_ENTRY(bn_finalize), DP_ENTRY(bn_apply), DP_ENTRY(bn_apply_relu),
     DP_ENTRY(bn_backward_sums), DP_ENTRY(bn_backward_dx), DP_ENTRY(metrics_read), DP_ENTRY(synchronize), DP_ENTRY(stream_create),

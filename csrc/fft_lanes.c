@@ -70,19 +70,19 @@ typedef float v16u __attribute__((vector_size(64), aligned(4), may_alias));
 
 static int64_t r16(int64_t n) { return (n + 15) & ~(int64_t)15; }
 
-/* The transforms' vector: TW of a pixel's L lanes at a time, the lanes apart
- * (each lane's arithmetic is the same whatever TW). All 16 where a 16-float
+/* The transforms' vector: TV_LANES of a pixel's L lanes at a time, the lanes apart
+ * (each lane's arithmetic is the same whatever TV_LANES). All 16 where a 16-float
  * vector is one register (AVX-512) or where the code is scalar anyway; 8 with
  * AVX's 16 registers of 8 floats, where a 16-float vector is two and the
  * 16-point FFT's 32 live values spilled (the transforms were 13 % of an AVX2
  * build's LeNet epoch, about half that in halves). */
 #if defined(__AVX__) && !defined(__AVX512F__)
-#define TW 8
+#define TV_LANES 8
 #else
-#define TW 16
+#define TV_LANES 16
 #endif
-typedef float tv __attribute__((vector_size(TW * 4)));
-typedef float tvu __attribute__((vector_size(TW * 4), aligned(4), may_alias));
+typedef float tv __attribute__((vector_size(TV_LANES * 4)));
+typedef float tvu __attribute__((vector_size(TV_LANES * 4), aligned(4), may_alias));
 #define TLD(p) ((tv)(*(const tvu *)(const void *)(p)))
 #define TST(p, v) (*(tvu *)(void *)(p) = (v))
 
@@ -153,7 +153,7 @@ static inline __attribute__((always_inline)) void fft16(tv re[FS], tv im[FS], in
  * u * FV + v's real part stored at out + p * ps, its imaginary part at
  * out + p * ps + ims. */
 static void rfft2(const float *plane, int nr, float *out, int64_t ps, int64_t ims) {
-  for (int h = 0; h < L; h += TW) { /* TW lanes at a time */
+  for (int h = 0; h < L; h += TV_LANES) { /* TV_LANES lanes at a time */
     tv tr[FS][FV], ti[FS][FV];
     for (int i = 0; i < FS; i += 2) {
       if (i >= nr) {
@@ -190,7 +190,7 @@ static void rfft2(const float *plane, int nr, float *out, int64_t ps, int64_t im
 /* The inverse (unnormalised, times scale): rows [0, nro) of the real plane
  * whose half spectrum is at src as rfft2 stores it. */
 static void irfft2(const float *src, int64_t ps, int64_t ims, int nro, float scale, float *plane) {
-  for (int h = 0; h < L; h += TW) { /* TW lanes at a time */
+  for (int h = 0; h < L; h += TV_LANES) { /* TV_LANES lanes at a time */
     tv tr[FS][FV], ti[FS][FV];
     for (int v = 0; v < FV; ++v) {
       tv cr[FS], ci[FS];
@@ -344,14 +344,18 @@ long long dp_fft_redone(void) { return atomic_load_explicit(&fft_redone, memory_
 /* fl_direct's vector of the machine's width (macros: a function taking or
  * returning a vector changes the ABI where the build lacks the extension) */
 #if defined(__AVX512F__)
+#define FL_W 16
 #define FL_VEC __m512
+#define FL_STORE(p, v) _mm512_storeu_ps(p, v)
 #define FL_ZERO _mm512_setzero_ps()
 #define FL_LOAD(p) _mm512_loadu_ps(p)
 #define FL_SET1(x) _mm512_set1_ps(x)
 #define FL_ADD(a, b) _mm512_add_ps(a, b)
 #define FL_FMA(a, b, c) _mm512_fmadd_ps(a, b, c)
 #elif defined(__AVX__)
+#define FL_W 8
 #define FL_VEC __m256
+#define FL_STORE(p, v) _mm256_storeu_ps(p, v)
 #define FL_ZERO _mm256_setzero_ps()
 #define FL_LOAD(p) _mm256_loadu_ps(p)
 #define FL_SET1(x) _mm256_set1_ps(x)
@@ -361,6 +365,8 @@ long long dp_fft_redone(void) { return atomic_load_explicit(&fft_redone, memory_
 #else
 #define FL_FMA(a, b, c) _mm256_add_ps(c, _mm256_mul_ps(a, b))
 #endif
+#else
+#define FL_W 4 /* scalar loops over FL_W lanes */
 #endif
 
 static void fl_direct(const fl_geom *q, const float *P, const float *wo, float bias, int i, int j, unsigned lanes,
@@ -368,25 +374,16 @@ static void fl_direct(const fl_geom *q, const float *P, const float *wo, float b
   /* in vectors of the machine's width (GCC's code for a 16-float vector on a machine with 8-float
    * ones kept this loop's sums on the stack: 4x slower than the FFT itself on an AVX2 build), only
    * those holding a lane of `lanes`, with fused multiply-adds where the machine has them */
-#if defined(__AVX512F__)
-  enum { W = 16 };
-#elif defined(__AVX__)
-  enum { W = 8 };
+  for (int h = 0; h < L; h += FL_W) {
+    if (!((lanes >> h) & ((1u << FL_W) - 1u))) continue;
+#if defined(FL_VEC)
+    FL_VEC acc = FL_ZERO;
 #else
-  enum { W = 4 };
-#endif
-  for (int h = 0; h < L; h += W) {
-    if (!((lanes >> h) & ((1u << W) - 1u))) continue;
-#if defined(__AVX512F__)
-    __m512 acc = _mm512_setzero_ps();
-#elif defined(__AVX__)
-    __m256 acc = _mm256_setzero_ps();
-#else
-    float acc[W] = {0};
+    float acc[FL_W] = {0};
 #endif
     for (int c = 0; c < q->C; ++c) {
       const float *pc = P + (int64_t)c * PLANE + h, *wc = wo + (int64_t)c * q->r * q->r;
-#if defined(__AVX512F__) || defined(__AVX__)
+#if defined(FL_VEC)
       /* the taps in 4 chains (tap t into chain t % 4), added pairwise: 4
        * multiply-adds in flight where one chain waited on each */
       FL_VEC p0 = FL_ZERO, p1 = FL_ZERO, p2 = FL_ZERO, p3 = FL_ZERO;
@@ -411,19 +408,17 @@ static void fl_direct(const fl_geom *q, const float *P, const float *wo, float b
 #undef FL_TAP
       acc = FL_ADD(acc, FL_ADD(FL_ADD(p0, p1), FL_ADD(p2, p3)));
 #else
-      float part[W] = {0};
+      float part[FL_W] = {0};
       for (int u = 0; u < q->r; ++u)
         for (int v = 0; v < q->r; ++v)
-          for (int l = 0; l < W; ++l) part[l] += pc[((i + u) * FS + j + v) * L + l] * wc[u * q->r + v];
-      for (int l = 0; l < W; ++l) acc[l] += part[l];
+          for (int l = 0; l < FL_W; ++l) part[l] += pc[((i + u) * FS + j + v) * L + l] * wc[u * q->r + v];
+      for (int l = 0; l < FL_W; ++l) acc[l] += part[l];
 #endif
     }
-#if defined(__AVX512F__)
-    _mm512_storeu_ps(out + h, _mm512_add_ps(acc, _mm512_set1_ps(bias)));
-#elif defined(__AVX__)
-    _mm256_storeu_ps(out + h, _mm256_add_ps(acc, _mm256_set1_ps(bias)));
+#if defined(FL_VEC)
+    FL_STORE(out + h, FL_ADD(acc, FL_SET1(bias)));
 #else
-    for (int l = 0; l < W; ++l) out[h + l] = acc[l] + bias;
+    for (int l = 0; l < FL_W; ++l) out[h + l] = acc[l] + bias;
 #endif
   }
 }

@@ -756,7 +756,7 @@ static dp_status backward(dp_model *m, int64_t N, const dp_collective *coll) {
           if (rdx) {
             int done = 0;
             const int c = relu->src; /* a convolution only the relu reads: its backward pass from dy here */
-            if (c >= 0 && m->layers[c].kind == DP_LAYER_CONV2D && readers_of(m, c) == 1 && !m->dready[c]) {
+            if (c >= 0 && m->layers[c].kind == DP_LAYER_CONV2D && readers_of(m, c) == 1) {
               const dp_layer *cl = &m->layers[c];
               const dp_conv_geom cg = conv_geom(cl);
               DP_TRY(be->conv2d_relu_avgpool_backward(dev, &cg, &g, N, output_of(m, cl->src), m->params + cl->w_off,
