@@ -32,8 +32,9 @@ BATCH, LR, WARMUP = 64, 0.05, 2
 
 def batch():
     import numpy as np
-    X = common.read_idx(os.path.join(common.DEFAULT_DATA_DIR, "train-images-idx3-ubyte.gz"))[:BATCH]
-    y = common.read_idx(os.path.join(common.DEFAULT_DATA_DIR, "train-labels-idx1-ubyte.gz"))[:BATCH]
+    root = os.environ.get("DPCORE_DATA", common.DEFAULT_DATA_DIR)  # as dp.data finds it
+    X = common.read_idx(os.path.join(root, "train-images-idx3-ubyte.gz"))[:BATCH]
+    y = common.read_idx(os.path.join(root, "train-labels-idx1-ubyte.gz"))[:BATCH]
     return (X[:, None].astype(np.float32) / 255.0), y.astype(np.int64)
 
 

@@ -24,7 +24,8 @@ back (at most 8, two folders deep). So:
      ends its group only), each group with a time budget and every test with a timeout;
   6. with the time left: bench_gpu.py (dpcore against the image's PyTorch on the same GPU),
      gpu_profile.py (both with and without deterministic cuDNN, each one's kernels by time) and
-     compute-sanitizer's memcheck over the smoke group;
+     compute-sanitizer's memcheck over the smoke group, then the CPU benchmarks against PyTorch
+     pinned to two of the host's vCPUs (one core's two threads, then two cores);
   7. summary.txt (machine, build, each group's counts and failures' first lines, the
      benchmark), build.log (the machine in full, the build), tests.log, bench.log, memcheck.log,
      junit.tar.gz, RESULTS-gpu.md (the benchmark's section) and also.log (--also) are written to
@@ -73,6 +74,9 @@ GROUPS = [
 ]
 BENCH_SECONDS = 120
 MEMCHECK_SECONDS = 90
+# the CPU step (issue 31's Intel measurement): each benchmark's share of a pair's time, and the
+# least worth starting
+CPU_MIN_SECONDS = 60
 # what the build, the checks and the summary need after the last group
 RESERVE_SECONDS = 15
 
@@ -91,6 +95,7 @@ class Day:
         self.notes = []       # what the summary must say (skips, stops, fallbacks)
         self.bench = None
         self.memcheck = None
+        self.cpu = None
         os.makedirs(self.out, exist_ok=True)
         if os.path.exists(self.work):
             shutil.rmtree(self.work)
@@ -448,6 +453,42 @@ class Day:
         if len(self.groups) > before:
             self.groups[-1] = self.groups[-1][:1] + (self.groups[-1][1] + "; " + self.memcheck,) + self.groups[-1][2:]
 
+    # ---- the host's CPU: dpcore against PyTorch on two of its vCPUs ----
+    def cpu_run(self):
+        """The CPU benchmarks (bench_resnet_cpu.py, bench_lenet_cpu.py: dpcore against the image's
+        PyTorch in the same run) pinned to two vCPUs as a 2-vCPU cloud machine has them: one
+        core's two hardware threads first, then two physical cores. GPU machines' hosts are
+        Intel Xeons, which this project's development machines are not. Output in bench.log."""
+        facts = cpu_facts()
+        self.facts["host_cpu"] = facts
+        pairs = cpu_pairs()
+        self.cpu = []
+        if not pairs:
+            self.cpu.append("not run: fewer than two usable vCPUs")
+            return
+        env = dict(self.env, CUDA_VISIBLE_DEVICES="")
+        for what, pair in pairs:
+            for name, script, args in (("ResNet-18 step", "benchmarks/bench_resnet_cpu.py",
+                                        ["--steps", "4", "--rounds", "2"]),
+                                       ("LeNet epoch", "benchmarks/bench_lenet_cpu.py",
+                                        ["--epochs", "1", "--rounds", "1"])):
+                seconds = self.left() - RESERVE_SECONDS
+                label = f"{name}, vCPUs {pair[0]},{pair[1]} ({what})"
+                if seconds < CPU_MIN_SECONDS:
+                    self.cpu.append(f"{label}: not run (out of time)")
+                    continue
+                log = os.path.join(self.out, "bench.log")
+                offset = os.path.getsize(log)
+                pin = ("import os, sys; os.sched_setaffinity(0, {%d, %d}); os.execv(sys.argv[1], sys.argv[1:])"
+                       % pair)
+                st, secs = self.run([self.python, "-c", pin, self.python, script, "--threads", "2"] + args,
+                                    "bench.log", seconds, env=env)
+                with open(log, errors="replace") as f:
+                    f.seek(offset)
+                    head = cpu_headline(f.read())
+                status = "TIMED OUT" if st is None else ("done" if st == 0 else f"status {st}")
+                self.cpu.append(f"{label}: {status} in {secs:.0f} s" + (f"; {head}" if head else ""))
+
     def commit(self):
         """The tree's commit: git's where the tree has its .git, else GPU_DAY_COMMIT (the device
         machine gets a copy of the working tree without its history)."""
@@ -500,6 +541,8 @@ class Day:
             L += ["", f"== benchmark (bench_gpu.py, same GPU, same run): {self.bench[0]}"] + self.bench[1]
         if self.memcheck:
             L += ["", "== compute-sanitizer memcheck over the smoke tests: " + self.memcheck]
+        if self.cpu:
+            L += ["", "== the host's CPU against PyTorch (bench.log): " + self.facts.get("host_cpu", "?")] + self.cpu
         if self.notes:
             L += ["", "== notes"] + ["- " + n for n in self.notes]
         L += ["", f"total: {time.monotonic() - self.start:.0f} s; exit status {self.code}",
@@ -522,6 +565,8 @@ class Day:
                               "the benchmark, memcheck); every GPU test and each group's selection collected")
                 else:
                     self.fail(1, "a group's selection collects no test, or collection failed (tests.log)")
+                if self.args.only and "cpu" in self.args.only:
+                    self.cpu_run()  # needs no device
             else:
                 only = self.args.only
                 for name, args, budget, per_test in GROUPS:
@@ -531,12 +576,75 @@ class Day:
                     self.bench_run()
                 if only is None or "memcheck" in only:
                     self.memcheck_run()
+                if only is None or "cpu" in only:
+                    self.cpu_run()
                 for cmd in self.args.also:
                     self.also_run(cmd)
                 if self.memcheck and not self.memcheck.startswith(("ERROR SUMMARY: 0 ", "not run")):
                     self.code = 1
         self.summary()
         return self.code
+
+
+def cpu_pairs(sysfs="/sys/devices/system/cpu", allowed=None):
+    """[(what, (a, b))]: two usable vCPUs that are one core's hardware threads, then two on
+    different cores of one package, each where the machine has them (from sysfs topology)."""
+    allowed = sorted(allowed if allowed is not None else os.sched_getaffinity(0))
+    topo = {}
+    for c in allowed:
+        d = os.path.join(sysfs, f"cpu{c}", "topology")
+        try:
+            topo[c] = (open(os.path.join(d, "physical_package_id")).read().strip(),
+                       open(os.path.join(d, "core_id")).read().strip())
+        except OSError:
+            topo[c] = ("?", str(c))
+    pairs = []
+    same = [(a, b) for i, a in enumerate(allowed) for b in allowed[i + 1:] if topo[a] == topo[b]]
+    if same:
+        pairs.append(("one core's two threads", same[0]))
+    apart = [(a, b) for i, a in enumerate(allowed) for b in allowed[i + 1:]
+             if topo[a][0] == topo[b][0] and topo[a][1] != topo[b][1]]
+    if apart:
+        pairs.append(("two cores", apart[0]))
+    return pairs
+
+
+def cpu_headline(text):
+    """A CPU benchmark's result as dpcore's time over PyTorch's (issue 31's measure), from its output."""
+    m = re.search(r"dpcore images/s / PyTorch images/s: ([\d.]+)\** \(best steps; ([\d.]+) on the medians", text)
+    if m and float(m.group(1)) > 0 and float(m.group(2)) > 0:
+        return (f"dpcore / PyTorch step time {1 / float(m.group(1)):.3f}x (best steps), "
+                f"{1 / float(m.group(2)):.3f}x (medians)")
+    m = re.search(r"ratio dpcore_seconds / torch_seconds: ([\d.]+) \(best epochs\), ([\d.]+) \(means\)", text)
+    if m:
+        return f"dpcore / PyTorch epoch time {m.group(1)}x (best epochs), {m.group(2)}x (means)"
+    return ""
+
+
+def cpu_facts(sysfs="/sys/devices/system/cpu"):
+    """The CPU's model, vector extensions and cache sizes in one line."""
+    model, flags = "?", set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name") and model == "?":
+                    model = line.split(":", 1)[1].strip()
+                elif line.startswith("flags") and not flags:
+                    flags = set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    isa = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "no AVX2"
+    caches = []
+    for i in range(4):
+        d = os.path.join(sysfs, "cpu0", "cache", f"index{i}")
+        try:
+            level, kind = open(os.path.join(d, "level")).read().strip(), open(os.path.join(d, "type")).read().strip()
+            size = open(os.path.join(d, "size")).read().strip()
+        except OSError:
+            continue
+        if kind != "Instruction":
+            caches.append(f"L{level} {size}")
+    return f"{model}, {isa}, {os.cpu_count()} vCPUs, " + (", ".join(caches) or "caches ?")
 
 
 def version_key(path):
@@ -713,14 +821,14 @@ def parse_args(argv=None):
     p.add_argument("--budget", type=float, default=float(os.environ.get("GPU_DAY_BUDGET", 450)),
                    help="seconds for the whole run (default 450: 7.5 minutes)")
     p.add_argument("--only", type=lambda t: [x for x in t.split(",") if x],
-                   help="a short rerun: these steps only, comma-separated (%s, bench, memcheck)"
+                   help="a short rerun: these steps only, comma-separated (%s, bench, memcheck, cpu)"
                    % ", ".join(g[0] for g in GROUPS))
     p.add_argument("--also", action="append", default=[],
                    help="a shell command to run last in the day's build (PYTHONPATH, LD_LIBRARY_PATH), "
                    "with the time left; output in also.log")
     p.add_argument("--verbose", action="store_true", help="echo every command's output")
     args = p.parse_args(argv)
-    names = [g[0] for g in GROUPS] + ["bench", "memcheck"]
+    names = [g[0] for g in GROUPS] + ["bench", "memcheck", "cpu"]
     if args.only is not None and (not args.only or set(args.only) - set(names)):
         p.error(f"--only {','.join(args.only)}: expected some of {', '.join(names)}")
     return args

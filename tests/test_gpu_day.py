@@ -209,3 +209,33 @@ def test_a_group_reports_passes_failures_and_a_hung_test(tmp_path):
     day.summary()
     text = (tmp_path / "out" / "summary.txt").read_text()
     assert "standin   FAILED" in text and "overrun   TIMED OUT" in text and "rel 0.5 above the bound" in text
+
+
+def test_the_cpu_step_pins_one_cores_two_threads_then_two_cores(tmp_path):
+    """The host's CPU is measured as a 2-vCPU cloud machine has it: a core's two hardware
+    threads (siblings in sysfs), then two cores of one package; vCPUs outside the affinity
+    mask are never picked."""
+    def cpu(n, package, core):
+        touch(tmp_path / f"cpu{n}" / "topology" / "physical_package_id", f"{package}\n")
+        touch(tmp_path / f"cpu{n}" / "topology" / "core_id", f"{core}\n")
+    # a 2-socket host: vCPU n and n + 4 are one core's threads
+    for n in range(8):
+        cpu(n, n % 4 // 2, n % 2)
+    assert gpu_day.cpu_pairs(str(tmp_path), range(8)) == [("one core's two threads", (0, 4)), ("two cores", (0, 1))]
+    assert gpu_day.cpu_pairs(str(tmp_path), [2, 3, 6]) == [("one core's two threads", (2, 6)), ("two cores", (2, 3))]
+    # no hyperthreads (this development VM), or threads of one core only, or a single vCPU
+    assert gpu_day.cpu_pairs(str(tmp_path), [0, 1]) == [("two cores", (0, 1))]
+    assert gpu_day.cpu_pairs(str(tmp_path), [1, 5]) == [("one core's two threads", (1, 5))]
+    assert gpu_day.cpu_pairs(str(tmp_path), [0, 2]) == []  # two packages: not a 2-vCPU machine
+    assert gpu_day.cpu_pairs(str(tmp_path), [3]) == []
+
+
+def test_the_cpu_steps_summary_line_is_dpcores_time_over_pytorchs():
+    resnet = ("| dpcore | 0.609 | 105.0 |\n\n**dpcore images/s / PyTorch images/s: 1.60** (best steps; 2.00 on the "
+              "medians of all 12 timed steps each; goal >= 1.0: met)\n")
+    assert gpu_day.cpu_headline(resnet) == \
+        "dpcore / PyTorch step time 0.625x (best steps), 0.500x (medians)"
+    lenet = "ratio dpcore_seconds / torch_seconds: 0.297 (best epochs), 0.301 (means); goal <= 1.0\n"
+    assert gpu_day.cpu_headline(lenet) == "dpcore / PyTorch epoch time 0.297x (best epochs), 0.301x (means)"
+    assert gpu_day.cpu_headline("Traceback (most recent call last):\n") == ""
+    assert gpu_day.parse_args(["--only", "cpu"]).only == ["cpu"]
