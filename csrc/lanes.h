@@ -95,17 +95,20 @@ static inline void dp_to_lanes(const float *src, int64_t sstride, int64_t cnt, i
       for (int k = 0; k < n; ++k) _mm512_storeu_ps(d + k * 16, c[k]);
     }
 #elif defined(__AVX2__)
-  /* 8 pixels of 8 samples an 8x8 register transpose, each half of the lanes apart */
+  /* 8 pixels of 8 samples an 8x8 register transpose, each half of the lanes apart; a row's last
+   * partial block, where the row has 8 pixels, as the whole 8 ending at its end (pixels before
+   * it copied twice: the same values) */
   for (int i = 0; i < h; ++i)
-    for (int j0 = 0; j0 < w; j0 += 8) {
-      const int n = w - j0 < 8 ? w - j0 : 8;
+    for (int jb = 0; jb < w; jb += 8) {
+      const int whole = w - jb >= 8 || w < 8, j0 = whole ? jb : w - 8, n = whole && w - jb < 8 ? w - jb : 8;
       const __m256i m = dp_lanes8_upto(n);
       float *d = dst + ((i + off) * dwp + j0 + off) * 16;
       for (int half = 0; half < 2; ++half) {
         __m256 r[8];
         for (int l = 0; l < 8; ++l) {
           const int64_t s = 8 * half + l;
-          r[l] = s < cnt ? _mm256_maskload_ps(src + s * sstride + (int64_t)i * w + j0, m) : _mm256_setzero_ps();
+          const float *p = src + s * sstride + (int64_t)i * w + j0;
+          r[l] = s >= cnt ? _mm256_setzero_ps() : n == 8 ? _mm256_loadu_ps(p) : _mm256_maskload_ps(p, m);
         }
         dp_transpose8(r);
         for (int k = 0; k < n; ++k) _mm256_storeu_ps(d + k * 16 + 8 * half, r[k]);
@@ -137,17 +140,23 @@ static inline void dp_from_lanes(const float *src, int64_t swp, int off, int h, 
         _mm512_mask_storeu_ps(dst + s * sstride + (int64_t)i * w + j0, m, r[s]);
     }
 #elif defined(__AVX2__)
+  /* blocks as dp_to_lanes's: a masked store is slow on AMD's cores, so only rows under 8 pixels take one */
   for (int i = 0; i < h; ++i)
-    for (int j0 = 0; j0 < w; j0 += 8) {
-      const int n = w - j0 < 8 ? w - j0 : 8;
+    for (int jb = 0; jb < w; jb += 8) {
+      const int whole = w - jb >= 8 || w < 8, j0 = whole ? jb : w - 8, n = whole && w - jb < 8 ? w - jb : 8;
       const __m256i m = dp_lanes8_upto(n);
       const float *s0 = src + ((i + off) * swp + j0 + off) * 16;
       for (int half = 0; half < 2 && 8 * half < cnt; ++half) {
         __m256 r[8];
         for (int k = 0; k < 8; ++k) r[k] = k < n ? _mm256_loadu_ps(s0 + k * 16 + 8 * half) : _mm256_setzero_ps();
         dp_transpose8(r);
-        for (int l = 0; l < 8 && 8 * half + l < cnt; ++l)
-          _mm256_maskstore_ps(dst + (8 * half + l) * sstride + (int64_t)i * w + j0, m, r[l]);
+        for (int l = 0; l < 8 && 8 * half + l < cnt; ++l) {
+          float *p = dst + (8 * half + l) * sstride + (int64_t)i * w + j0;
+          if (n == 8)
+            _mm256_storeu_ps(p, r[l]);
+          else
+            _mm256_maskstore_ps(p, m, r[l]);
+        }
       }
     }
 #else

@@ -1789,11 +1789,18 @@ void dp_winograd_bias_grad(const float *dy, int64_t N, int O, int64_t P, double 
 void dp_bias_grad_by_channel(const float *dy, int64_t N, int O, int64_t P, float *db, int nthreads) {
 #pragma omp parallel for num_threads(nthreads) schedule(static)
   for (int o = 0; o < O; ++o) {
-    double sum = 0.0;
+    /* in double, 16 lanes as dp_winograd_bias_grad's (one chain of dependent adds was 3% of
+     * the AVX2 build's LeNet step) */
+    double lane[16] = {0.0};
     for (int64_t n = 0; n < N; ++n) {
       const float *r = dy + (n * O + o) * P;
-      for (int64_t i = 0; i < P; ++i) sum += r[i];
+      int64_t i = 0;
+      for (; i + 16 <= P; i += 16)
+        for (int l = 0; l < 16; ++l) lane[l] += (double)r[i + l];
+      for (int l = 0; i < P; ++i, ++l) lane[l] += (double)r[i];
     }
-    db[o] = (float)sum;
+    for (int width = 8; width > 0; width /= 2)
+      for (int l = 0; l < width; ++l) lane[l] += lane[l + width];
+    db[o] = (float)lane[0];
   }
 }

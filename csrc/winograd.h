@@ -88,8 +88,8 @@ static inline int64_t dp_sample_groups(int64_t N) { return N < DP_SAMPLE_GROUPS 
  * loops are worksharing loops. */
 void dp_winograd_bias_grad(const float *dy, int64_t N, int O, int64_t P, double *part, float *db);
 
-/* db[o] = the sum of dy (N, O, P) over n and p in double, in sample order, a
- * parallel loop over o on nthreads threads (the bias gradient of
+/* db[o] = the sum of dy (N, O, P) over n and p in double (16 lanes, as
+ * dp_winograd_bias_grad's), a parallel loop over o on nthreads threads (the bias gradient of
  * winograd_lanes.c's and fft_lanes.c's layers; called outside a parallel
  * region). */
 void dp_bias_grad_by_channel(const float *dy, int64_t N, int O, int64_t P, float *db, int nthreads);
