@@ -36,7 +36,6 @@
 #include "fft_lanes.h"
 #include "gemm_kernel.h"
 #include "lanes.h"
-#include "winograd.h" /* dp_bias_grad_by_channel */
 
 #define L 16
 #define FS 16          /* the transform's side */
@@ -271,7 +270,8 @@ static int64_t fl_thread_floats(const fl_geom *q, int pass) {
     return (q->C + 1) * PLANE + WT_FLOATS + r16((int64_t)NP * 2 * q->C * L) + r16((int64_t)NP * 2 * OB * L) +
            r16((int64_t)q->C * L);
   return 3 * PLANE + WT_FLOATS + r16((int64_t)NP * 4 * q->C * L) + r16((int64_t)NP * 2 * q->O * L) +
-         r16(q->nop * 32 * 16) + 16 * DP_MK_ROWS + r16((int64_t)NP * 6 * L) + r16((int64_t)NP * 2 * q->C * q->nop * 16);
+         r16(q->nop * 32 * 16) + 16 * DP_MK_ROWS + r16((int64_t)NP * 6 * L) + r16((int64_t)NP * 2 * q->C * q->nop * 16) +
+         2 * (int64_t)q->O * L; /* the bias gradient's double lanes */
 }
 
 size_t dp_fft_scratch_floats(const dp_conv_geom *g, int64_t N, int nthreads, int pass) {
@@ -555,17 +555,19 @@ static void fl_backward(const fl_geom *q, int64_t N, const float *x, const float
   const int64_t xe_sz = r16((int64_t)NP * 4 * q->C * L), dv_sz = r16((int64_t)NP * O2 * L);
   const int64_t dt_sz = r16(q->nop * 32 * 16), z_sz = r16((int64_t)NP * 6 * L);
   const int64_t acc_at = 3 * PLANE + WT_FLOATS + xe_sz + dv_sz + dt_sz + 16 * DP_MK_ROWS + z_sz;
-  const int64_t acc_sz = (int64_t)NP * C2 * ow;
+  const int64_t acc_sz = (int64_t)NP * C2 * ow, db_at = acc_at + acc_sz;
 #pragma omp parallel num_threads(q->nt)
   {
     const int th = omp_get_thread_num();
     float *Pin = per + th * tf, *Pdy = Pin + PLANE, *Pout = Pdy + PLANE, *Wt = Pout + PLANE;
     float *Xe = Wt + WT_FLOATS, *Dv = Xe + xe_sz, *Dt = Dv + dv_sz, *tile = Dt + dt_sz;
     float *Z = tile + 16 * DP_MK_ROWS, *acc = Pin + acc_at;
+    double *dbl = (double *)(void *)(Pin + db_at); /* (O, L): this thread's bias gradient, a sample a lane */
     if (dx) fl_filter_transform(q, w, 1, U, Pin, Wt);
     memset(Pin, 0, sizeof(float) * (size_t)(2 * PLANE));
     memset(Dt, 0, sizeof(float) * (size_t)dt_sz);
     memset(acc, 0, sizeof(float) * (size_t)acc_sz);
+    if (db) memset(dbl, 0, sizeof(double) * (size_t)(q->O * L));
     for (int64_t k = q->nch * th / q->nt; k < q->nch * (th + 1) / q->nt; ++k) {
       int64_t n0, cnt;
       fl_chunk(N, k, &n0, &cnt);
@@ -581,6 +583,10 @@ static void fl_backward(const fl_geom *q, int64_t N, const float *x, const float
       }
       for (int o = 0; o < q->O; ++o) {
         dp_to_lanes(dy + n0 * out_sz + o * P, out_sz, cnt, q->OH, q->OW, Pdy, FS, 0);
+        if (db) /* dy's pixels in double, where they are read anyway (a pass of its own reread dy from L3) */
+          for (int i = 0; i < q->OH; ++i)
+            for (int j = 0; j < q->OW; ++j)
+              for (int s = 0; s < L; ++s) dbl[o * L + s] += (double)Pdy[(i * FS + j) * L + s];
         rfft2(Pdy, q->OH, Dv + 2 * (int64_t)o * L, O2 * L, L);
       }
       /* dW[p] (2C, O) += Xe[p] rows . Dt[p] (K = 32: the lanes' real parts, then their imaginary parts) */
@@ -649,7 +655,18 @@ static void fl_backward(const fl_geom *q, int64_t N, const float *x, const float
             dw[((o0 + l) * q->C + c) * rr + a * q->r + b2] = Pout[(a * FS + b2) * L + l];
     }
   }
-  if (db) dp_bias_grad_by_channel(dy, N, q->O, P, db, q->nt);
+  /* db: each thread's lanes added pairwise, the threads' sums in thread order */
+  for (int o = 0; db && o < q->O; ++o) {
+    double total = 0.0;
+    for (int t = 0; t < q->nt; ++t) {
+      double lane[L];
+      memcpy(lane, (const double *)(const void *)(per + t * tf + db_at) + o * L, sizeof lane);
+      for (int width = L / 2; width > 0; width /= 2)
+        for (int l = 0; l < width; ++l) lane[l] += lane[l + width];
+      total += lane[0];
+    }
+    db[o] = (float)total;
+  }
 }
 
 dp_status dp_fft_forward(const dp_conv_geom *g, int64_t N, const float *x, const float *w, const float *b, float *y,
