@@ -189,6 +189,8 @@ static dp_status create_impl(dp_model **models, int k, int sync_batchnorm, dp_co
         return DP_FAIL(DP_ERR_VALUE, "mirrored: replicas %d and %d are both on %s", q, r, b->dev->name);
     devs[r] = b->dev;
   }
+  int pin_threads;
+  DP_TRY(dp_pin_threads_enabled(&pin_threads));
   dp_mirrored *m = calloc(1, sizeof *m);
   int *threads = malloc(sizeof(int) * (size_t)k);
   if (!m || !threads || !(m->models = malloc(sizeof *m->models * (size_t)k))) {
@@ -208,7 +210,7 @@ static dp_status create_impl(dp_model **models, int k, int sync_batchnorm, dp_co
   for (int r = 0; r < k; ++r) {
     m->models[r] = models[r];
     threads[r] = models[r]->dev->nthreads;
-    if (pin) pin[r] = k > 1 && dp_pin_threads_enabled() && models[r]->dev->kind == DP_DEVICE_CPU &&
+    if (pin) pin[r] = k > 1 && pin_threads && models[r]->dev->kind == DP_DEVICE_CPU &&
                               models[r]->dev->nthreads == dp_cpu_device_share(models[r]->dev->index)
                           ? models[r]->dev->index
                           : -1;

@@ -308,10 +308,11 @@ static int readers_of(const dp_model *m, int i) {
 /* Marks each relu whose output only the next layer, an avgpool, reads: the
  * two run as one op (backend.h), which writes the relu's output but not its
  * output gradient. DPCORE_FUSE=0 in the environment turns this off (the
- * A/B of benchmarks/bench_layers.py; tests/test_fusion.py). */
-static void mark_fusions(dp_model *m) {
-  const char *env = getenv("DPCORE_FUSE");
-  const int on = !(env && strcmp(env, "0") == 0);
+ * A/B of benchmarks/bench_layers.py; tests/test_fusion.py); a value other
+ * than "0", "1" or empty is DP_ERR_VALUE, not silently on. */
+static dp_status mark_fusions(dp_model *m) {
+  int on;
+  DP_TRY(dp_env_switch("DPCORE_FUSE", 1, &on));
   for (int i = 0; i < m->nlayers; ++i) {
     dp_layer *l = &m->layers[i];
     l->fused = 0;
@@ -340,6 +341,7 @@ static void mark_fusions(dp_model *m) {
     if (l->kind == DP_LAYER_ADD && next->kind == DP_LAYER_RELU && next->src == i && !next->fused)
       l->fused = readers_of(m, i) == 1;
   }
+  return DP_OK;
 }
 
 dp_status dp_model_finalize(dp_model *m) {
@@ -374,7 +376,7 @@ dp_status dp_model_finalize(dp_model *m) {
                    "supported", (long long)off, (long long)state, DP_MAX_PARAMS);
   m->nparams = off;
   m->nstate = state;
-  mark_fusions(m);
+  DP_TRY(mark_fusions(m));
   /* a failure leaves no buffer behind, so that finalize may be called again */
   dp_status st = alloc_flat_buffers(m, max_state);
   if (st != DP_OK) free_flat_buffers(m);

@@ -93,7 +93,9 @@ static PyObject *mod_dist_gpu_uid(PyObject *m, PyObject *args) {
 /* The timeout and what-string arguments every collective takes. */
 static int wait_args(double timeout, const char *what) {
   if (!(timeout > 0.0) || !isfinite(timeout)) {
-    PyErr_Format(PyExc_ValueError, "timeout must be a finite number of seconds > 0, got %g", timeout);
+    char text[96]; /* PyErr_Format has no %g */
+    snprintf(text, sizeof text, "timeout must be a finite number of seconds > 0, got %g", timeout);
+    PyErr_SetString(PyExc_ValueError, text);
     return -1;
   }
   return what ? 0 : -1;

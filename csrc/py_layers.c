@@ -11,6 +11,7 @@
 
 #include <limits.h>
 #include <stdio.h>
+#include <string.h>
 
 /* One layer spec: (kind, *args), its arguments named and typed by the
  * layer kinds' table (layers.c). Returns -1 with a Python exception for a
@@ -20,11 +21,13 @@ static int layer_from_tuple(dp_model *m, PyObject *spec, dp_status *st) {
     PyErr_SetString(PyExc_TypeError, "each layer must be a tuple (name, *args)");
     return -1;
   }
-  const char *name = PyUnicode_AsUTF8(PyTuple_GET_ITEM(spec, 0));
+  Py_ssize_t len;
+  const char *name = PyUnicode_AsUTF8AndSize(PyTuple_GET_ITEM(spec, 0), &len);
   if (!name) return -1;
-  const int kind = dp_layer_kind_find(name);
+  /* the whole name: "relu\0x" is not relu */
+  const int kind = strlen(name) == (size_t)len ? dp_layer_kind_find(name) : -1;
   if (kind < 0) {
-    PyErr_Format(PyExc_ValueError, "unknown layer kind '%s'", name);
+    PyErr_Format(PyExc_ValueError, "unknown layer kind %R", PyTuple_GET_ITEM(spec, 0));
     return -1;
   }
   const dp_layer_kind_info *info = dp_layer_kind_info_of((dp_layer_kind)kind);

@@ -209,6 +209,8 @@ static PyObject *set_flat(ModelObject *self, PyObject *arg, const char *what, in
     PyErr_Format(PyExc_ValueError, "%s must have %lld elements, got %ld", what, (long long)n, (long)PyArray_DIM(a, 0));
     goto done;
   }
+  /* again: converting a strided array may have let another thread start a call on the model */
+  if (model_check_idle(self) < 0) goto done;
   dp_status st = set(self->model, (const float *)PyArray_DATA(a));
   if (st != DP_OK) {
     raise_from_status(st);
@@ -219,6 +221,62 @@ done:
   Py_DECREF(a);
   return ret;
 }
+
+/* set_replicas(models, params, state, velocity=None): the same flat buffers
+ * on every model, all or none: every array is checked against every model and
+ * every model found idle before the first copy, and the GIL is held from the
+ * check to the last copy, so another thread's call cannot start in between
+ * and leave the replicas holding different parameters. */
+static PyObject *mod_set_replicas(PyObject *mod, PyObject *args) {
+  PyObject *models_obj, *arrays[3] = {NULL, NULL, Py_None};
+  if (!PyArg_ParseTuple(args, "OOO|O", &models_obj, &arrays[0], &arrays[1], &arrays[2])) return NULL;
+  static const char *names[3] = {"params", "state", "velocity"};
+  static const flat_setter setters[3] = {dp_model_set_params, dp_model_set_state, dp_model_set_velocity};
+  PyObject *models = items_of(models_obj, "models must be a sequence of Models");
+  if (!models) return NULL;
+  PyArrayObject *a[3] = {NULL, NULL, NULL};
+  PyObject *ret = NULL;
+  const Py_ssize_t k = PySequence_Fast_GET_SIZE(models);
+  for (int b = 0; b < 3; ++b)
+    if (arrays[b] != Py_None && !(a[b] = as_float32(arrays[b], 1, names[b]))) goto done;
+  for (Py_ssize_t r = 0; r < k; ++r) {
+    PyObject *o = PySequence_Fast_GET_ITEM(models, r);
+    if (!PyObject_TypeCheck(o, &ModelType)) {
+      PyErr_Format(PyExc_TypeError, "models: item %zd is %s, not a Model", r, Py_TYPE(o)->tp_name);
+      goto done;
+    }
+    const dp_model *m = ((ModelObject *)o)->model;
+    if (!model_ready((ModelObject *)o)) goto done;
+    for (int b = 0; b < 3; ++b) {
+      const int64_t n = b == 1 ? m->nstate : m->nparams;
+      if (a[b] && PyArray_DIM(a[b], 0) != n) {
+        PyErr_Format(PyExc_ValueError, "%s must have %lld elements, got %lld", names[b], (long long)n,
+                     (long long)PyArray_DIM(a[b], 0));
+        goto done;
+      }
+    }
+  }
+  for (Py_ssize_t r = 0; r < k; ++r)
+    for (int b = 0; b < 3; ++b) {
+      if (!a[b]) continue;
+      const dp_status st = setters[b](((ModelObject *)PySequence_Fast_GET_ITEM(models, r))->model,
+                                      (const float *)PyArray_DATA(a[b]));
+      if (st != DP_OK) {
+        raise_from_status(st);
+        goto done;
+      }
+    }
+  ret = Py_NewRef(Py_None);
+done:
+  for (int b = 0; b < 3; ++b) Py_XDECREF(a[b]);
+  Py_DECREF(models);
+  return ret;
+}
+
+PyMethodDef model_functions[] = {
+    {"set_replicas", mod_set_replicas, METH_VARARGS,
+     "set_replicas(models, params, state, velocity=None): the same flat buffers on every model, all or none"},
+    {NULL, NULL, 0, NULL}};
 
 static PyObject *Model_get_params(ModelObject *self, PyObject *unused) {
   if (!model_ready(self)) return NULL;

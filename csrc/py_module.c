@@ -335,7 +335,7 @@ PyMODINIT_FUNC PyInit__core(void) {
   if (!m) return NULL;
   if (PyModule_AddFunctions(m, tensor_functions) < 0 || PyModule_AddFunctions(m, ops_functions) < 0 ||
       PyModule_AddFunctions(m, device_functions) < 0 || PyModule_AddFunctions(m, dist_functions) < 0 ||
-      PyModule_AddFunctions(m, layer_functions) < 0 ||
+      PyModule_AddFunctions(m, layer_functions) < 0 || PyModule_AddFunctions(m, model_functions) < 0 ||
       PyModule_AddObjectRef(m, "Model", (PyObject *)&ModelType) < 0 ||
       PyModule_AddObjectRef(m, "Tensor", (PyObject *)&TensorType) < 0 ||
       PyModule_AddObjectRef(m, "Mirrored", (PyObject *)&MirroredType) < 0 ||

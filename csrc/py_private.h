@@ -123,6 +123,7 @@ typedef struct {
 
 DP_PY_LOCAL extern PyTypeObject ModelType;
 DP_PY_LOCAL extern PyTypeObject ResidentType;
+DP_PY_LOCAL extern PyMethodDef model_functions[]; /* set_replicas */
 
 /* 1 when the model is initialized and no call runs on it without the GIL;
  * else 0 with RuntimeError set. Every method that touches the model checks it. */

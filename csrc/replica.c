@@ -74,10 +74,7 @@ static atomic_long groups_created;
 
 long dp_group_created_count(void) { return atomic_load(&groups_created); }
 
-int dp_pin_threads_enabled(void) {
-  const char *v = getenv("DPCORE_PIN_THREADS");
-  return v && v[0] == '1' && v[1] == '\0';
-}
+dp_status dp_pin_threads_enabled(int *on) { return dp_env_switch("DPCORE_PIN_THREADS", 0, on); }
 
 /* The cores of logical CPU device `index` of `count`: the index-th contiguous
  * block of this process's allowed cores, blocks sized as the devices' thread

@@ -24,8 +24,9 @@ DP_MUST_CHECK dp_status dp_group_create(int k, const int *threads, const int *cp
 /* Whether mirrored CPU replicas are pinned to their cores
  * (DPCORE_PIN_THREADS="1"). Off by default: pinning showed no gain
  * (benchmarks/RESULTS.md, "Environment A/B"), and a pinned replica cannot
- * move off a core that another process is using. */
-int dp_pin_threads_enabled(void);
+ * move off a core that another process is using. A value other than "0",
+ * "1" or empty is DP_ERR_VALUE. */
+DP_MUST_CHECK dp_status dp_pin_threads_enabled(int *on);
 void dp_group_destroy(dp_group *g);
 /* How many groups this process has made (a debug counter: tests check that
  * repeated collectives reuse their threads). */

@@ -489,10 +489,9 @@ def test_the_file_is_plain_safetensors(tmp_path):
 
 
 def test_save_refuses_what_load_would_refuse(tmp_path):
-    net = dp.models.Sequential([("flatten",), ("dense", 2), ("dense", 2)], input_shape=(1, 2, 2), names=["a", "b", "b"])
-    with pytest.raises(ValueError, match=r"cannot save this model: .*two tensors are named 'b\.weight'"):
-        net.save(tmp_path / "dup.safetensors")
-    assert os.listdir(tmp_path) == []
+    # a model whose tensors' names repeat is refused where it is built (tests/test_hostile_audit.py)
+    with pytest.raises(ValueError, match=r"both have a tensor named 'b\.weight'"):
+        dp.models.Sequential([("flatten",), ("dense", 2), ("dense", 2)], input_shape=(1, 2, 2), names=["a", "b", "b"])
     n = 1200  # with 300-character names: some 1.5 MB of header
     many = dp.models.Sequential([("flatten",)] + [("dense", 1)] * n, input_shape=(1, 1, 1),
                                 names=[f"{i:0300d}" for i in range(n + 1)])

@@ -31,4 +31,15 @@ def as_labels(y, n):
         raise TypeError(f"labels must be integers, got dtype {y.dtype}")
     if y.shape != (n,):
         raise ValueError(f"labels must have shape ({n},) to match the images, got {y.shape}")
+    return int64_labels(y)
+
+
+def int64_labels(y, what="label"):
+    """Integer labels (or other integers: ``what`` names them) as C-contiguous int64; a
+    uint64 value beyond int64 is refused as itself (the conversion would wrap it to a
+    negative number the caller never gave)."""
+    if y.dtype == np.uint64 and y.size:
+        big = np.flatnonzero(y > np.iinfo(np.int64).max)
+        if big.size:
+            raise ValueError(f"{what} {int(y.flat[big[0]])} at index {int(big[0])} is outside int64's range")
     return np.ascontiguousarray(y, dtype=np.int64)

@@ -61,6 +61,7 @@ import os
 import re
 import secrets
 import socket
+import stat
 import sys
 from collections import OrderedDict, namedtuple
 
@@ -113,6 +114,8 @@ TRAINING_FORMAT = "dpcore-training-1"
 _TRAINING_KEY = "dpcore_training"
 _TRAINING_SUM_KEY = "dpcore_training_sha256"
 _MOMENTUM_PREFIX = "__momentum__."
+#: the prefix of the momentum tensors' names, which no model tensor may have
+MOMENTUM_PREFIX = _MOMENTUM_PREFIX
 _TRAINING_KEYS = ("format", "epoch", "hyper", "data", "history", "sha256")
 _HISTORY_KEYS = ("train_loss", "train_acc", "test_acc", "epoch_seconds", "devices")
 # a training section: its state (the JSON object) and its momentum tensors (name -> _Stored)
@@ -254,6 +257,10 @@ def _training_section(text, digest, where):
     if not (isinstance(data, dict) and sorted(data) == ["batch_size", "epochs_started", "num_examples", "seed"]
             and all(v is None or (_is_int(v) and v >= 0) for v in data.values())):
         bad("data must hold seed, batch_size, num_examples and epochs_started, each an integer >= 0 or null")
+    # a dp.data iterator's order (all three known) or none at all: dp.train restores all three or none
+    if len({data[k] is None for k in ("batch_size", "num_examples", "epochs_started")}) != 1 or (
+            data["batch_size"] is None and data["seed"] is not None) or data["batch_size"] == 0:
+        bad("data must hold batch_size >= 1, num_examples and epochs_started all, or all null (and then no seed)")
     if not (isinstance(history, dict) and sorted(history) == sorted(_HISTORY_KEYS)):
         bad(f"history must hold {list(_HISTORY_KEYS)}")
     for key in _HISTORY_KEYS:
@@ -515,11 +522,31 @@ def _parse(data, where="<bytes>", allow_nonfinite=False):
     return header.arch, out
 
 
+def _open_regular(where):
+    """``where`` opened for reading in binary, refused unless it is a regular file:
+    a FIFO or a character device would block the reader or never end.
+    Opened without blocking and checked on the descriptor, so that nothing
+    swapped in between a check and the open is read."""
+    fd = os.open(where, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    try:
+        mode = os.fstat(fd).st_mode
+        if stat.S_ISDIR(mode):
+            raise IsADirectoryError(errno.EISDIR, "is a directory, not a checkpoint file", where)
+        if not stat.S_ISREG(mode):
+            _fail(where, "not a regular file (a FIFO, device or socket); a checkpoint is a regular file")
+        if hasattr(os, "set_blocking"):
+            os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
 def read(path, allow_nonfinite=False):
     """(architecture, OrderedDict name -> float32 array) of a checkpoint file,
     checked as :func:`load` checks it, without building a model."""
     where = os.fsdecode(path)  # a str for messages (a bytes path decodes reversibly)
-    with open(where, "rb") as f:
+    with _open_regular(where) as f:
         data = f.read()
     return _parse(data, where, allow_nonfinite)
 
@@ -544,7 +571,7 @@ def load(path, devices=None, allow_nonfinite=False):
     allow_nonfinite = _check.boolean("allow_nonfinite", allow_nonfinite)
     if devices is not None:  # so that the file is not blamed for a bad argument
         devices = [check_device(d) for d in _check.device_names("devices", devices)]
-    with open(where, "rb") as f:
+    with _open_regular(where) as f:
         file_bytes = os.fstat(f.fileno()).st_size
         n = _header_length(f.read(8), file_bytes, where)
         raw = f.read(n)
@@ -643,7 +670,7 @@ def load_training(net, path):
     a file without a training section, or of another architecture, raises
     DataError."""
     where = os.fsdecode(path)
-    with open(where, "rb") as f:
+    with _open_regular(where) as f:
         data = memoryview(f.read()).cast("B")
     n = _header_length(data[:8], len(data), where)
     header = _parse_header(data[8:8 + n], len(data) - 8 - n, where)
@@ -669,9 +696,11 @@ def load_training(net, path):
             raw = data[start + s.begin:start + s.end]
             _check_tensor(where, tensor, raw, digest, False)
             buffers[into][offset:offset + (s.end - s.begin) // 4] = np.frombuffer(raw, dtype="<f4")
-    net._load_buffers(buffers["params"], buffers["state"])
-    for replica in net._replicas:
-        replica.set_velocity(buffers["velocity"])
+    if net._timeout:  # across processes: rank 0's weights first (a collective that zeroes the momentum), then it
+        net._load_buffers(buffers["params"], buffers["state"])
+        net._set_replicas(velocity=buffers["velocity"])
+    else:  # all three in one call: an interruption leaves the model as it was or wholly restored
+        net._set_replicas(params=buffers["params"], state=buffers["state"], velocity=buffers["velocity"])
     return {k: v for k, v in state.items() if k != "sha256"}
 
 
@@ -680,8 +709,9 @@ _HOST = hashlib.sha256(socket.gethostname().encode("utf-8", "replace")).hexdiges
 
 def _temp_prefix(base):
     """'.<target>.dpcore-': a temporary's name starts with its target's (hashed when long)."""
-    if len(base.encode("utf-8", "surrogateescape")) > 120:
-        base = base[:60] + "~" + hashlib.sha256(base.encode("utf-8", "surrogateescape")).hexdigest()[:16]
+    raw = base.encode("utf-8", "surrogateescape")
+    if len(raw) > 120:  # cut in bytes: the temporary's name must fit NAME_MAX (255 bytes) as the target's does
+        base = raw[:60].decode("utf-8", "ignore") + "~" + hashlib.sha256(raw).hexdigest()[:16]
     return f".{base}.dpcore-"
 
 
@@ -738,6 +768,8 @@ def atomic_write(path, chunks):
     On any error (or KeyboardInterrupt) the temporary is removed and path is
     untouched."""
     path = os.fspath(path)
+    if os.path.isdir(path):  # named before a temporary is written (rename would say so, naming the temporary)
+        raise IsADirectoryError(errno.EISDIR, "is a directory; give a file name", path)
     directory, base = os.path.split(os.path.abspath(path))
     prefix = _temp_prefix(base)
     _remove_stale_temps(directory, prefix)

@@ -586,6 +586,8 @@ def _as_examples(X) -> np.ndarray:
     if X is None or isinstance(X, (str, bytes)):
         raise TypeError(f"X must be an array of examples, got {type(X).__name__} {_check.shown(X)}")
     X = np.asarray(X)
+    if X.dtype.kind == "f" and not X.dtype.isnative:  # big-endian float32 is float32: kept, in native order
+        X = X.astype(X.dtype.newbyteorder("="))
     if X.dtype in _FLOAT32_CONVERTED_DTYPES:
         X = X.astype(np.float32)
     elif X.dtype not in _KEPT_EXAMPLE_DTYPES:

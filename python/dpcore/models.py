@@ -99,6 +99,7 @@ class Sequential:
         self._names = [str(i) for i in range(len(self._specs))] if names is None else list(names)
         if len(self._names) != len(self._specs):
             raise ValueError(f"names must have one entry per layer ({len(self._specs)}), got {len(self._names)}")
+        self._check_tensor_names()
         if init is not _SKIP_INIT:
             _check.one_of("init", init, _INIT_MODES)
             init_std = _check.real("init_std", init_std, 0.0)
@@ -142,6 +143,23 @@ class Sequential:
             self._init_params(init, init_std, seed)
         if self._timeout:
             self._mirrored.broadcast_across()  # rank 0's parameters everywhere, checked
+
+    def _check_tensor_names(self):
+        """Every tensor's name ('<layer name>.<tensor>') unique and not one that a
+        training checkpoint reserves: get_weights, set_weights and the files key
+        the tensors by these names, so a repeat would silently drop one."""
+        seen = {}
+        for i, (spec, name) in enumerate(zip(self._specs, self._names)):
+            kind = _LAYER_KINDS.get(spec[0]) if spec and isinstance(spec[0], str) else None
+            for tensor in (kind["tensors"] if kind else ()):  # an unknown kind: the core refuses it
+                full = f"{name}.{tensor[0]}"
+                if full in seen:
+                    raise ValueError(f"names: layers {seen[full]} and {i} both have a tensor named {full!r}; give "
+                                     f"each layer with tensors its own name, got names={_check.shown(self._names)}")
+                if full.startswith(checkpoint.MOMENTUM_PREFIX):
+                    raise ValueError(f"names: layer {i}'s tensor {full!r} starts with {checkpoint.MOMENTUM_PREFIX!r}, "
+                                     "which training checkpoints reserve for the momentum buffers")
+                seen[full] = i
 
     def _build_pipeline(self, strategy, input_shape, threads, sync_batchnorm, init, init_std, seed):
         """The network cut into the stages of a PipelineStrategy (dpcore.pipeline), or
@@ -238,8 +256,20 @@ class Sequential:
 
     def _set_flat(self, flat):
         """The same parameters on every replica (one copy each)."""
-        for replica in self._replicas:
-            replica.set_params(flat)
+        self._set_replicas(params=flat)
+
+    def _set_replicas(self, params=None, state=None, velocity=None):
+        """The flat buffers given onto every replica. A model's replicas in one
+        call of the core, all or none: another thread's step cannot slip in
+        between two replicas and leave them with different weights."""
+        if all(isinstance(replica, _core.Model) for replica in self._replicas):
+            _core.set_replicas(self._replicas, params, state, velocity)
+            return
+        for replica in self._replicas:  # a pipeline's stages: its own Python objects
+            for setter, flat in ((replica.set_params, params), (replica.set_state, state),
+                                 (replica.set_velocity, velocity)):
+                if flat is not None:
+                    setter(flat)
 
     def _entries(self):
         """(name, buffer, offset, shape) of every parameter and running statistic,
@@ -401,9 +431,7 @@ class Sequential:
 
     def _load_buffers(self, params, state):
         """Whole flat parameter and state buffers onto every replica."""
-        self._set_flat(params)
-        for replica in self._replicas:
-            replica.set_state(state)
+        self._set_replicas(params=params, state=state)
         if self._timeout and self._mirrored is not None:
             # collective: rank 0's weights win, so the replicas never diverge
             self._mirrored.broadcast_across()
@@ -456,6 +484,8 @@ class Sequential:
         try:
             batches = iter(data)
         except TypeError:
+            if hasattr(type(data), "__iter__"):  # iterable: the TypeError is its own __iter__'s, not ours to rename
+                raise
             raise TypeError(f"{what} must be an iterable of (images, labels) batches, e.g. "
                             f"dp.data.from_arrays(X, y, batch_size), got {type(data).__name__} "
                             f"{_check.shown(data)}") from None
@@ -478,6 +508,10 @@ class Sequential:
         """Mean loss and accuracy over a dataset iterator: Metrics(loss, accuracy, num_examples).
         progress: a bar as dp.train shows one (:mod:`dpcore.progress`); None:
         for a set of at least ``EVALUATE_BAR_BATCHES`` batches (when its length is known)."""
+        return self._evaluate(data_iter, progress, "data_iter")
+
+    def _evaluate(self, data_iter, progress, what):
+        """evaluate, its messages naming the argument ``what`` (dp.train's test_iter)."""
         from . import progress as _progress
 
         try:
@@ -489,7 +523,7 @@ class Sequential:
         bar = _progress.bar(_check.boolean("progress", progress), batches, "evaluate", unit="batch")
         loss, correct, n = 0.0, 0, 0
         try:
-            for X, y in self._labelled_batches(data_iter, "data_iter"):
+            for X, y in self._labelled_batches(data_iter, what):
                 batch_loss, batch_correct = (self._mirrored or self._model).evaluate(X, y)
                 loss += batch_loss
                 correct += batch_correct
@@ -498,7 +532,7 @@ class Sequential:
         finally:
             bar.close()
         if n == 0:
-            raise ValueError("data_iter yielded no samples: evaluate needs at least one")
+            raise ValueError(f"{what} yielded no samples: evaluate needs at least one")
         return Metrics(loss / n, correct / n, n)
 
     def make_resident(self, X, y):

@@ -8,6 +8,7 @@ PyTorch conventions (weights (O, C, KH, KW) and (O, I), biases (O,)).
 import numpy as np
 
 from . import _check, _core
+from .batches import int64_labels
 
 __all__ = [
     "conv2d", "conv2d_backward", "dense", "dense_backward", "relu", "relu_backward", "avg_pool2d",
@@ -93,7 +94,7 @@ def softmax_cross_entropy(logits, labels, reduction="mean"):
     labels = np.asarray(labels)
     if labels.dtype.kind not in "iu":
         raise TypeError(f"labels must be integers, got dtype {labels.dtype}")
-    labels = np.ascontiguousarray(labels, dtype=np.int64)
+    labels = int64_labels(labels)
     n = logits.shape[0] if logits.ndim == 2 else 0
     scale = 1.0 / n if (reduction == "mean" and n) else 1.0
     loss_sum, correct, dlogits = _core.softmax_cross_entropy(logits, labels, scale)
@@ -101,5 +102,9 @@ def softmax_cross_entropy(logits, labels, reduction="mean"):
 
 
 def sgd_update(w, g, v, lr, momentum=0.0, weight_decay=0.0):
-    """In place: v = momentum*v + g + weight_decay*w; w -= lr*v (torch.optim.SGD)."""
+    """In place: v = momentum*v + g + weight_decay*w; w -= lr*v (torch.optim.SGD).
+    w, g and v have one shape (as a parameter, its gradient and its momentum do)."""
+    shapes = [np.shape(a) if isinstance(a, np.ndarray) else None for a in (w, g, v)]
+    if None not in shapes and len(set(shapes)) > 1:  # the core sees flat buffers; a transposed g would pass it
+        raise ValueError(f"w, g and v must have the same shape, got {shapes[0]}, {shapes[1]} and {shapes[2]}")
     _core.sgd_update(w, g, v, *_check.sgd_arguments(lr, momentum, weight_decay, lr_zero=True))

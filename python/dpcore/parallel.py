@@ -12,6 +12,7 @@ devices gives empty shards. dp.train splits every batch the same way.
 import numpy as np
 
 from . import _check, _core
+from .batches import int64_labels
 from .devices import check_device
 
 __all__ = ["Tensor", "tensor", "broadcast", "scatter", "split_batch", "gather", "all_reduce"]
@@ -31,7 +32,7 @@ def tensor(data, device="cpu:0"):
     if a.dtype == np.uint8:
         pass
     elif a.dtype.kind in "iu":
-        a = a.astype(np.int64)
+        a = int64_labels(a, "data: value")
     elif a.dtype.kind == "f":
         a = a.astype(np.float32)
     else:

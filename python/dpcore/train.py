@@ -249,6 +249,11 @@ def train(net, train_iter, test_iter=None, num_epochs=10, lr=0.1, momentum=0.0, 
     _check_iterable("train_iter", train_iter)
     if test_iter is not None:
         _check_iterable("test_iter", test_iter)
+    # an empty dp.data iterator is refused now, not after an epoch of training
+    for name, it in (("train_iter", train_iter), ("test_iter", test_iter)):
+        if isinstance(it, ArrayIterator) and len(it) == 0:
+            raise ValueError(f"{name} yields no batches ({it.num_examples} examples, batch_size {it.batch_size}"
+                             f"{', drop_last=True' if it.drop_last else ''}): an epoch needs at least one")
     num_epochs = _check.integer("num_epochs", num_epochs, 0)
     lr, momentum, weight_decay = _check.sgd_arguments(lr, momentum, weight_decay)
     verbose = _check.boolean("verbose", verbose)
@@ -376,7 +381,7 @@ def _epochs(net, train_iter, test_iter, first_epoch, num_epochs, lr, momentum, w
         line = (f"epoch {epoch + 1}/{num_epochs}: loss {history.train_loss[-1]:.3f}, "
                 f"train acc {history.train_acc[-1]:.3f}")
         if test_iter is not None:
-            history.test_acc.append(net.evaluate(test_iter, progress=False).accuracy)
+            history.test_acc.append(net._evaluate(test_iter, False, "test_iter").accuracy)
             line += f", test acc {history.test_acc[-1]:.3f}"
         if verbose:
             print(f"{line}, {seconds:.1f} sec", flush=True)
