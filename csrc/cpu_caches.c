@@ -16,7 +16,7 @@ static int in_range(int64_t v) { return v >= DP_L2_MIN && v <= DP_L2_MAX; }
 static int64_t parse_size(const char *s) {
   char *end;
   long long v = strtoll(s, &end, 10);
-  if (end == s || v <= 0) return -1;
+  if (end == s || v <= 0 || v > DP_L2_MAX) return -1; /* past the range whatever the unit: no shift overflows */
   if (*end == 'K' || *end == 'k') v <<= 10;
   else if (*end == 'M' || *end == 'm') v <<= 20;
   else if (*end != '\0' && *end != '\n') return -1;
@@ -60,6 +60,14 @@ static void probe(void) {
 #ifdef _SC_LEVEL2_CACHE_SIZE
   if (in_range(v = (int64_t)sysconf(_SC_LEVEL2_CACHE_SIZE))) l2_bytes = v, l2_source = "sysconf";
 #endif
+}
+
+dp_status dp_cpu_l2_env_check(void) {
+  const char *env = getenv("DPCORE_L2_BYTES");
+  if (env && env[0] && !in_range(parse_size(env)))
+    return DP_FAIL(DP_ERR_VALUE, "DPCORE_L2_BYTES must be a size from 128K to 64M (e.g. 2M, 1048576) or unset, got \"%.40s\"",
+                   env);
+  return DP_OK;
 }
 
 int64_t dp_cpu_l2_bytes(void) {

@@ -1,4 +1,6 @@
 #include "model.h"
+
+#include "cpu_caches.h"
 #include "dp_limits.h"
 
 #include <float.h>
@@ -344,6 +346,21 @@ static dp_status mark_fusions(dp_model *m) {
   return DP_OK;
 }
 
+/* Every on/off switch of the environment and DPCORE_L2_BYTES well formed,
+ * when a model is built: each is read where its path is considered, and a
+ * model that never takes that path (LeNet and DPCORE_OWN_GEMM) would
+ * otherwise train with a malformed value unnoticed. */
+static dp_status check_environment(void) {
+  static const char *const switches[] = {"DPCORE_FFT", "DPCORE_FUSE", "DPCORE_HUGE_PAGES", "DPCORE_IMPLICIT_GEMM",
+                                         "DPCORE_OWN_GEMM", "DPCORE_PIN_THREADS", "DPCORE_WINOGRAD",
+                                         "DPCORE_WINOGRAD_F35", "DPCORE_WINOGRAD_F43", "DPCORE_WINOGRAD_S2"};
+  for (size_t i = 0; i < sizeof switches / sizeof switches[0]; ++i) {
+    int on;
+    DP_TRY(dp_env_switch(switches[i], 0, &on));
+  }
+  return dp_cpu_l2_env_check();
+}
+
 dp_status dp_model_finalize(dp_model *m) {
   if (m->finalized) return DP_OK;
   if (!m->dev) return DP_FAIL(DP_ERR_VALUE, "a model without a device is only laid out, never finalized");
@@ -376,6 +393,7 @@ dp_status dp_model_finalize(dp_model *m) {
                    "supported", (long long)off, (long long)state, DP_MAX_PARAMS);
   m->nparams = off;
   m->nstate = state;
+  DP_TRY(check_environment());
   DP_TRY(mark_fusions(m));
   /* a failure leaves no buffer behind, so that finalize may be called again */
   dp_status st = alloc_flat_buffers(m, max_state);

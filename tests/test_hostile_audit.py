@@ -163,6 +163,32 @@ def test_a_malformed_pinning_switch_is_an_error(monkeypatch, logical_cpus):
     assert dp.models.LeNet(devices=["cpu:0", "cpu:1"]).train_step(X, y, lr=0.1)[0] > 0
 
 
+@pytest.mark.parametrize("name, value", [("DPCORE_OWN_GEMM", "2"), ("DPCORE_IMPLICIT_GEMM", "on"),
+                                         ("DPCORE_WINOGRAD_S2", "true"), ("DPCORE_HUGE_PAGES", " 1")])
+def test_a_malformed_switch_is_an_error_where_the_model_is_built(monkeypatch, name, value):
+    """Each switch was read only where its path is considered: LeNet, whose layers never ask for
+    the GEMM kernel, trained with DPCORE_OWN_GEMM=2 unnoticed. Every switch is checked when a
+    model is built."""
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=name):
+        dp.models.LeNet()
+    monkeypatch.setenv(name, "0")
+    X, y = small_batch()
+    assert dp.models.LeNet().train_step(X, y, lr=0.1)[0] > 0
+
+
+def test_a_malformed_cache_size_is_an_error_where_the_model_is_built(monkeypatch):
+    """DPCORE_L2_BYTES that is not a size in [128K, 64M] was passed over silently for sysfs's
+    value; "99999999999999999999M" also shifted a saturated strtoll (undefined behaviour)."""
+    for value in ("garbage", "2G", "99999999999999999999M", "-1M", "64K", "3 M"):
+        monkeypatch.setenv("DPCORE_L2_BYTES", value)
+        with pytest.raises(ValueError, match="DPCORE_L2_BYTES"):
+            dp.models.LeNet()
+    for value in ("2M", "1048576", "512k", ""):
+        monkeypatch.setenv("DPCORE_L2_BYTES", value)
+        dp.models.LeNet()
+
+
 # ---- data ------------------------------------------------------------------------------------------
 
 def test_from_arrays_takes_big_endian_floats():
