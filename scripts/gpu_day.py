@@ -457,8 +457,9 @@ class Day:
     def cpu_run(self):
         """The CPU benchmarks (bench_resnet_cpu.py, bench_lenet_cpu.py: dpcore against the image's
         PyTorch in the same run) pinned to two vCPUs as a 2-vCPU cloud machine has them: one
-        core's two hardware threads first, then two physical cores. GPU machines' hosts are
-        Intel Xeons, which this project's development machines are not. Output in bench.log."""
+        core's two hardware threads first, then two physical cores; then bench_layers.py on the
+        first pair. GPU machines' hosts are Intel Xeons, which this project's development
+        machines are not. Output in bench.log."""
         facts = cpu_facts()
         self.facts["host_cpu"] = facts
         pairs = cpu_pairs()
@@ -466,28 +467,31 @@ class Day:
         if not pairs:
             self.cpu.append("not run: fewer than two usable vCPUs")
             return
+        runs = [(f"{name}, vCPUs {pair[0]},{pair[1]} ({what})", pair, [script, "--threads", "2"] + args)
+                for what, pair in pairs
+                for name, script, args in (("ResNet-18 step", "benchmarks/bench_resnet_cpu.py",
+                                            ["--steps", "4", "--rounds", "2"]),
+                                           ("LeNet epoch", "benchmarks/bench_lenet_cpu.py",
+                                            ["--epochs", "1", "--rounds", "1"]))]
+        # then each layer against PyTorch's (the per-layer table that finds a slow layer), on the first pair
+        what, pair = pairs[0]
+        runs.append((f"per layer (bench_layers.py), vCPUs {pair[0]},{pair[1]} ({what})", pair,
+                     ["benchmarks/bench_layers.py", "--rounds", "2"]))
         env = dict(self.env, CUDA_VISIBLE_DEVICES="")
-        for what, pair in pairs:
-            for name, script, args in (("ResNet-18 step", "benchmarks/bench_resnet_cpu.py",
-                                        ["--steps", "4", "--rounds", "2"]),
-                                       ("LeNet epoch", "benchmarks/bench_lenet_cpu.py",
-                                        ["--epochs", "1", "--rounds", "1"])):
-                seconds = self.left() - RESERVE_SECONDS
-                label = f"{name}, vCPUs {pair[0]},{pair[1]} ({what})"
-                if seconds < CPU_MIN_SECONDS:
-                    self.cpu.append(f"{label}: not run (out of time)")
-                    continue
-                log = os.path.join(self.out, "bench.log")
-                offset = os.path.getsize(log)
-                pin = ("import os, sys; os.sched_setaffinity(0, {%d, %d}); os.execv(sys.argv[1], sys.argv[1:])"
-                       % pair)
-                st, secs = self.run([self.python, "-c", pin, self.python, script, "--threads", "2"] + args,
-                                    "bench.log", seconds, env=env)
-                with open(log, errors="replace") as f:
-                    f.seek(offset)
-                    head = cpu_headline(f.read())
-                status = "TIMED OUT" if st is None else ("done" if st == 0 else f"status {st}")
-                self.cpu.append(f"{label}: {status} in {secs:.0f} s" + (f"; {head}" if head else ""))
+        log = os.path.join(self.out, "bench.log")
+        for label, pair, cmd in runs:
+            seconds = self.left() - RESERVE_SECONDS
+            if seconds < CPU_MIN_SECONDS:
+                self.cpu.append(f"{label}: not run (out of time)")
+                continue
+            offset = os.path.getsize(log)
+            pin = "import os, sys; os.sched_setaffinity(0, {%d, %d}); os.execv(sys.argv[1], sys.argv[1:])" % pair
+            st, secs = self.run([self.python, "-c", pin, self.python] + cmd, "bench.log", seconds, env=env)
+            with open(log, errors="replace") as f:
+                f.seek(offset)
+                head = cpu_headline(f.read())
+            status = "TIMED OUT" if st is None else ("done" if st == 0 else f"status {st}")
+            self.cpu.append(f"{label}: {status} in {secs:.0f} s" + (f"; {head}" if head else ""))
 
     def commit(self):
         """The tree's commit: git's where the tree has its .git, else GPU_DAY_COMMIT (the device
@@ -576,7 +580,8 @@ class Day:
                     self.bench_run()
                 if only is None or "memcheck" in only:
                     self.memcheck_run()
-                if only is None or "cpu" in only:
+                # the --also commands are the developer's plan for the time left: the CPU step only when named then
+                if (only is None and not self.args.also) or (only is not None and "cpu" in only):
                     self.cpu_run()
                 for cmd in self.args.also:
                     self.also_run(cmd)
@@ -618,6 +623,10 @@ def cpu_headline(text):
     m = re.search(r"ratio dpcore_seconds / torch_seconds: ([\d.]+) \(best epochs\), ([\d.]+) \(means\)", text)
     if m:
         return f"dpcore / PyTorch epoch time {m.group(1)}x (best epochs), {m.group(2)}x (means)"
+    layers = re.findall(r"^### (LeNet|ResNet-18)[^\n]*\n(?:(?!### )[^\n]*\n)*?- conv / dense layers: .*?"
+                        r"\(\*\*dpcore / PyTorch ([\d.]+)x\*\*", text, re.M)
+    if layers:
+        return "conv / dense layers' time against PyTorch's: " + ", ".join(f"{n} {r}x" for n, r in layers)
     return ""
 
 

@@ -237,5 +237,10 @@ def test_the_cpu_steps_summary_line_is_dpcores_time_over_pytorchs():
         "dpcore / PyTorch step time 0.625x (best steps), 0.500x (medians)"
     lenet = "ratio dpcore_seconds / torch_seconds: 0.297 (best epochs), 0.301 (means); goal <= 1.0\n"
     assert gpu_day.cpu_headline(lenet) == "dpcore / PyTorch epoch time 0.297x (best epochs), 0.301x (means)"
+    layers = ("### LeNet, batch 256\n\n| layer |\n- conv / dense layers: dpcore 22.4 ms, PyTorch 46.9 ms (**dpcore / "
+              "PyTorch 0.48x**; PyTorch / floor 2.75x)\n\n### ResNet-18 (28x28), batch 32\n\n| 0 | conv2d |\n"
+              "- conv / dense layers: dpcore 369.2 ms, PyTorch 521.7 ms (**dpcore / PyTorch 0.71x**; PyTorch / floor "
+              "1.19x)\n")
+    assert gpu_day.cpu_headline(layers) == "conv / dense layers' time against PyTorch's: LeNet 0.48x, ResNet-18 0.71x"
     assert gpu_day.cpu_headline("Traceback (most recent call last):\n") == ""
     assert gpu_day.parse_args(["--only", "cpu"]).only == ["cpu"]
