@@ -21,6 +21,7 @@
 
 #if defined(__AVX512F__)
 #define DP_SG_KERNEL 2 /* dp_small_gemm_built's answer */
+#define DP_SG_DEFAULT 1 /* DPCORE_OWN_GEMM unset: the kernel (level with OpenBLAS's AVX-512 kernels or faster) */
 #define MR 8
 #define NR 32
 #define MB 128 /* rows a block (A's block, 128 KiB at K = 256, in the L2 cache) */
@@ -144,6 +145,10 @@ static inline void transpose_block(const float *src, int64_t ld, float *out, int
  * pack both operands on every call: benchmarks/RESULTS.md, "An AVX2-only
  * machine". */
 #define DP_SG_KERNEL 1
+/* DPCORE_OWN_GEMM unset: the BLAS. On an AMD Zen 4 core held to AVX2 this kernel ran ResNet-18's
+ * step at half the rate of OpenBLAS's Haswell kernels (benchmarks/RESULTS.md, "The AVX2 GEMM
+ * kernel on a Zen 4 core"); DPCORE_OWN_GEMM=1 takes it. */
+#define DP_SG_DEFAULT 0
 #define MR 6
 #define NR 16
 #define MB 120 /* a multiple of 6 */
@@ -243,7 +248,7 @@ _Static_assert(KC % KB == 0, "the NT packing's K block is a whole number of accu
 int dp_small_gemm_built(void) { return DP_SG_KERNEL; }
 
 dp_status dp_small_gemm_on(int *on) {
-  DP_TRY(dp_env_switch("DPCORE_OWN_GEMM", 1, on));
+  DP_TRY(dp_env_switch("DPCORE_OWN_GEMM", DP_SG_DEFAULT, on));
   return DP_OK;
 }
 

@@ -40,7 +40,7 @@ GENERIC_K = "not resnet and not ResNet"  # ResNet-18's fixtures and fusions: min
 
 BUILDS = {
     # name: (CFLAGS, CPU flags it needs, the register its code must not name, build_info's cpu_gemm, files, -k)
-    "avx2": ("-march=haswell", {"avx2", "fma"}, "zmm", "dpcore AVX2 6x16 (DPCORE_OWN_GEMM=0: the BLAS)",
+    "avx2": ("-march=haswell", {"avx2", "fma"}, "zmm", "the BLAS (DPCORE_OWN_GEMM=1: dpcore AVX2 6x16)",
              NUMERIC_FILES, None),
     "generic": ("-march=x86-64", set(), "ymm", "the BLAS", GENERIC_FILES, GENERIC_K),
 }
