@@ -661,9 +661,7 @@ static void fl_backward(const fl_geom *q, int64_t N, const float *x, const float
     for (int t = 0; t < q->nt; ++t) {
       double lane[L];
       memcpy(lane, (const double *)(const void *)(per + t * tf + db_at) + o * L, sizeof lane);
-      for (int width = L / 2; width > 0; width /= 2)
-        for (int l = 0; l < width; ++l) lane[l] += lane[l + width];
-      total += lane[0];
+      total += dp_lanes16_total(lane);
     }
     db[o] = (float)total;
   }

@@ -9,6 +9,14 @@
 
 #include <stdint.h>
 
+/* The sum of 16 double lanes, added pairwise (lane l + lane l + 8, then + 4, ...): the bias
+ * gradients' order (winograd.c, fft_lanes.c). Folds lane in place. */
+static inline double dp_lanes16_total(double lane[16]) {
+  for (int width = 8; width > 0; width /= 2)
+    for (int l = 0; l < width; ++l) lane[l] += lane[l + width];
+  return lane[0];
+}
+
 #if defined(__AVX512F__)
 #include <immintrin.h>
 

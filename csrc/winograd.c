@@ -1758,18 +1758,12 @@ dp_status dp_winograd_backward_dw(const dp_conv_geom *g, int64_t N, const float 
 }
 
 /* row r's P values added into 16 double lanes (value i into lane i % 16): 16 chains where
- * one chain of dependent adds measured 3% of the ResNet-18 step; lanes_total adds them pairwise */
+ * one chain of dependent adds measured 3% of the ResNet-18 step; dp_lanes16_total adds them */
 static void lanes_add_row(const float *r, int64_t P, double lane[16]) {
   int64_t i = 0;
   for (; i + 16 <= P; i += 16)
     for (int l = 0; l < 16; ++l) lane[l] += (double)r[i + l];
   for (int l = 0; i < P; ++i, ++l) lane[l] += (double)r[i];
-}
-
-static double lanes_total(double lane[16]) {
-  for (int width = 8; width > 0; width /= 2)
-    for (int l = 0; l < width; ++l) lane[l] += lane[l + width];
-  return lane[0];
 }
 
 void dp_winograd_bias_grad(const float *dy, int64_t N, int O, int64_t P, double *part, float *db) {
@@ -1782,7 +1776,7 @@ void dp_winograd_bias_grad(const float *dy, int64_t N, int O, int64_t P, double 
       for (int o = 0; o < O; ++o) {
         double lane[16] = {0.0};
         lanes_add_row(dy + (n * O + o) * P, P, lane);
-        pg[o] += lanes_total(lane);
+        pg[o] += dp_lanes16_total(lane);
       }
   }
 #pragma omp for schedule(static)
@@ -1804,6 +1798,6 @@ void dp_bias_grad_by_channel(const float *dy, int64_t N, int O, int64_t P, float
     double lane[OB8][16] = {{0.0}};
     for (int64_t n = 0; n < N; ++n)
       for (int t = 0; t < on; ++t) lanes_add_row(dy + (n * O + o0 + t) * P, P, lane[t]);
-    for (int t = 0; t < on; ++t) db[o0 + t] = (float)lanes_total(lane[t]);
+    for (int t = 0; t < on; ++t) db[o0 + t] = (float)dp_lanes16_total(lane[t]);
   }
 }
