@@ -251,8 +251,13 @@ def extension():
     # -ffp-contract=off: no FMA contraction (GCC's default under -std=c11 anyway, said here because
     # the DP_HD bodies are bit-identical to the GPU's only so; see --fmad=false below)
     # -Werror=unused-result: a dp_status (DP_MUST_CHECK) that is dropped does not build
+    # -fno-wrapv: CPython's CFLAGS, which every extension inherits, carry -fwrapv, under which a
+    # signed overflow is defined (it wraps). The C core is written to C11, where it is undefined
+    # (the sanitizer build's UBSan checks it, the C test programs compile it so), and -fwrapv
+    # costs: with it GCC 12 stored the AVX2 GEMM kernel's 12 accumulators to the stack after
+    # every FMA of its k loop (half the kernel's rate on AMD Zen 3)
     cflags = ["-std=c11", "-Wall", "-Wextra", "-Wno-unused-parameter", "-Werror=unused-result", "-fopenmp",
-              "-D_GNU_SOURCE", "-ffp-contract=off"]
+              "-D_GNU_SOURCE", "-ffp-contract=off", "-fno-wrapv"]
     cflags += ["-O0", "-g"] if debug else ["-O3"]
     if os.environ.get("DPCORE_NATIVE", "1") != "0":
         cflags.append("-march=native")  # built from source on the machine that runs it
@@ -262,11 +267,8 @@ def extension():
         # is no check); the runtime is GCC's shared libasan/libubsan, preloaded into Python.
         # The optimization stays the shipped build's (-O3): the sanitizers check the code that
         # runs, vectorized loops and their tails included; -g names the inlined frames.
-        # -fno-wrapv: CPython's CFLAGS, which every extension inherits, carry -fwrapv, under
-        # which a signed overflow is defined (it wraps) and UBSan never checks one; the C core
-        # is written to C11, where it is undefined, as the C test programs compile it.
-        cflags += ["-fsanitize=address,undefined", "-fno-sanitize-recover=undefined", "-fno-omit-frame-pointer", "-g",
-                   "-fno-wrapv"]
+        # (-fno-wrapv above: under -fwrapv UBSan would never check a signed overflow)
+        cflags += ["-fsanitize=address,undefined", "-fno-sanitize-recover=undefined", "-fno-omit-frame-pointer", "-g"]
         ldflags += ["-fsanitize=address,undefined"]
     macros = [("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")]
     libdirs, libs, objs, incs = [], [], [blas["library"]], [blas["include"]]
@@ -331,7 +333,7 @@ def extension():
         define_macros=macros, extra_compile_args=cflags, extra_link_args=ldflags + ["-Wl,-rpath," + d for d in rpath],
         libraries=libs, library_dirs=libdirs, extra_objects=objs,
         depends=glob.glob("csrc/*.h") + glob.glob("csrc/*.inc") + glob.glob("kernels/*.h") + glob.glob("kernels/*.cu")
-        + glob.glob("kernels/*.cuh") + [header],
+        + glob.glob("kernels/*.cuh") + [header, os.path.join(HERE, "setup.py")],  # its flags too
     )
 
 

@@ -200,7 +200,7 @@ static PyObject *mod_runtime_info(PyObject *m, PyObject *unused) {
                        "cudnn_version", (Py_ssize_t)dp_cudnn_version(), "mpi_library", dp_dist_library_version(),
                        "mpi_cuda_aware", dp_dist_cuda_aware(), "cpu_gemm",
                        dp_small_gemm_built() == 2   ? "dpcore AVX-512 8x32 (DPCORE_OWN_GEMM=0: the BLAS)"
-                       : dp_small_gemm_built() == 1 ? "the BLAS (DPCORE_OWN_GEMM=1: dpcore AVX2 6x16)"
+                       : dp_small_gemm_built() == 1 ? "dpcore AVX2 6x16 (DPCORE_OWN_GEMM=0: the BLAS)"
                                                     : "the BLAS");
 }
 

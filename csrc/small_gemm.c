@@ -21,7 +21,6 @@
 
 #if defined(__AVX512F__)
 #define DP_SG_KERNEL 2 /* dp_small_gemm_built's answer */
-#define DP_SG_DEFAULT 1 /* DPCORE_OWN_GEMM unset: the kernel (level with OpenBLAS's AVX-512 kernels or faster) */
 #define MR 8
 #define NR 32
 #define MB 128 /* rows a block (A's block, 128 KiB at K = 256, in the L2 cache) */
@@ -145,30 +144,30 @@ static inline void transpose_block(const float *src, int64_t ld, float *out, int
  * pack both operands on every call: benchmarks/RESULTS.md, "An AVX2-only
  * machine". */
 #define DP_SG_KERNEL 1
-/* DPCORE_OWN_GEMM unset: the BLAS. On an AMD Zen 4 core held to AVX2 this kernel ran ResNet-18's
- * step at half the rate of OpenBLAS's Haswell kernels (benchmarks/RESULTS.md, "The AVX2 GEMM
- * kernel on a Zen 4 core"); DPCORE_OWN_GEMM=1 takes it. */
-#define DP_SG_DEFAULT 0
 #define MR 6
 #define NR 16
 #define MB 120 /* a multiple of 6 */
 #define TB 8
 
 /* C[0..R)[cols] (+)= A[0..R)[0..K) . B[0..K)[cols], R <= 6 (a constant at
- * each call, as wide and full), K <= DP_GEMM_KB (one accumulation block, as
- * the AVX-512 kernel's: from zero, then C's value added where acc): A's
- * element (r, k) at A[r * rs + k * ks]; full: 16 columns, plain loads and
- * stores; else the columns of m0 (and, wide, m1 from column 8) under masks */
+ * each call, as wide, bfull and cfull), K <= DP_GEMM_KB (one accumulation
+ * block, as the AVX-512 kernel's: from zero, then C's value added where acc):
+ * A's element (r, k) at A[r * rs + k * ks]; bfull: B's rows read whole (16
+ * floats, or 8 where not wide) by plain loads, else the columns of m0 (and,
+ * wide, m1 from column 8) under masks; cfull the same for C. The k loop holds
+ * 12 accumulators, B's two vectors and the broadcast: masked loads in it
+ * would need both masks too, 17 values for 16 registers, so a wide partial
+ * panel is read from a zero-padded copy (panel) and only C is masked */
 static inline __attribute__((always_inline)) void mk16(const int R, int64_t K, const float *A, int64_t rs, int64_t ks,
                                                        const float *B, int64_t ldb, float *C, int64_t ldc,
                                                        __m256i m0, __m256i m1, int acc, const int wide,
-                                                       const int full) {
+                                                       const int bfull, const int cfull) {
   __m256 c[MR][2];
   for (int r = 0; r < R; ++r) c[r][0] = c[r][1] = _mm256_setzero_ps();
   for (int64_t k = 0; k < K; ++k) {
     const float *bk = B + k * ldb, *ak = A + k * ks;
-    const __m256 b0 = full ? _mm256_loadu_ps(bk) : _mm256_maskload_ps(bk, m0);
-    const __m256 b1 = !wide ? b0 : full ? _mm256_loadu_ps(bk + 8) : _mm256_maskload_ps(bk + 8, m1);
+    const __m256 b0 = bfull ? _mm256_loadu_ps(bk) : _mm256_maskload_ps(bk, m0);
+    const __m256 b1 = !wide ? b0 : bfull ? _mm256_loadu_ps(bk + 8) : _mm256_maskload_ps(bk + 8, m1);
     for (int r = 0; r < R; ++r) {
       const __m256 s = _mm256_broadcast_ss(ak + r * rs);
       c[r][0] = _mm256_fmadd_ps(s, b0, c[r][0]);
@@ -176,14 +175,15 @@ static inline __attribute__((always_inline)) void mk16(const int R, int64_t K, c
     }
   }
   for (int r = 0; r < R && acc; ++r) {
-    c[r][0] = _mm256_add_ps(full ? _mm256_loadu_ps(C + r * ldc) : _mm256_maskload_ps(C + r * ldc, m0), c[r][0]);
+    c[r][0] = _mm256_add_ps(cfull ? _mm256_loadu_ps(C + r * ldc) : _mm256_maskload_ps(C + r * ldc, m0), c[r][0]);
     if (wide)
-      c[r][1] = _mm256_add_ps(full ? _mm256_loadu_ps(C + r * ldc + 8) : _mm256_maskload_ps(C + r * ldc + 8, m1), c[r][1]);
+      c[r][1] =
+          _mm256_add_ps(cfull ? _mm256_loadu_ps(C + r * ldc + 8) : _mm256_maskload_ps(C + r * ldc + 8, m1), c[r][1]);
   }
   for (int r = 0; r < R; ++r) {
-    if (full) {
+    if (cfull) {
       _mm256_storeu_ps(C + r * ldc, c[r][0]);
-      _mm256_storeu_ps(C + r * ldc + 8, c[r][1]);
+      if (wide) _mm256_storeu_ps(C + r * ldc + 8, c[r][1]);
     } else {
       _mm256_maskstore_ps(C + r * ldc, m0, c[r][0]);
       if (wide) _mm256_maskstore_ps(C + r * ldc + 8, m1, c[r][1]);
@@ -191,37 +191,52 @@ static inline __attribute__((always_inline)) void mk16(const int R, int64_t K, c
   }
 }
 
-/* rows [0, M) of C against one panel of nj <= 16 columns */
+/* rows [0, M) in blocks of 6, the last rows a block of their own size */
+static inline __attribute__((always_inline)) void mk_rows(int64_t M, int64_t K, const float *A, int64_t rs,
+                                                          int64_t ks, const float *B, int64_t ldb, float *C,
+                                                          int64_t ldc, __m256i m0, __m256i m1, int acc,
+                                                          const int wide, const int bfull, const int cfull) {
+  int64_t i = 0;
+  for (; i + MR <= M; i += MR) mk16(MR, K, A + i * rs, rs, ks, B, ldb, C + i * ldc, ldc, m0, m1, acc, wide, bfull, cfull);
+  switch (M - i) {
+    case 5:
+      mk16(5, K, A + i * rs, rs, ks, B, ldb, C + i * ldc, ldc, m0, m1, acc, wide, bfull, cfull);
+      break;
+    case 4:
+      mk16(4, K, A + i * rs, rs, ks, B, ldb, C + i * ldc, ldc, m0, m1, acc, wide, bfull, cfull);
+      break;
+    case 3:
+      mk16(3, K, A + i * rs, rs, ks, B, ldb, C + i * ldc, ldc, m0, m1, acc, wide, bfull, cfull);
+      break;
+    case 2:
+      mk16(2, K, A + i * rs, rs, ks, B, ldb, C + i * ldc, ldc, m0, m1, acc, wide, bfull, cfull);
+      break;
+    case 1:
+      mk16(1, K, A + i * rs, rs, ks, B, ldb, C + i * ldc, ldc, m0, m1, acc, wide, bfull, cfull);
+      break;
+    default:
+      break;
+  }
+}
+
+/* rows [0, M) of C against one panel of nj <= 16 columns, K <= DP_GEMM_KB */
 static inline __attribute__((always_inline)) void panel(int64_t M, int64_t nj, int64_t K, const float *A, int64_t rs,
                                                         int64_t ks, const float *B, int64_t ldb, float *C,
                                                         int64_t ldc, int acc) {
   const __m256i m0 = dp_lanes8_upto(nj), m1 = dp_lanes8_upto(nj - 8);
-  int64_t i = 0;
   if (nj == NR) {
-    for (; i + MR <= M; i += MR) mk16(MR, K, A + i * rs, rs, ks, B, ldb, C + i * ldc, ldc, m0, m1, acc, 1, 1);
+    mk_rows(M, K, A, rs, ks, B, ldb, C, ldc, m0, m1, acc, 1, 1, 1);
   } else if (nj > 8) {
-    for (; i + MR <= M; i += MR) mk16(MR, K, A + i * rs, rs, ks, B, ldb, C + i * ldc, ldc, m0, m1, acc, 1, 0);
+    /* B's nj columns in a 16-wide copy, the lanes past nj zero: the loop's loads plain; each used
+     * lane's FMAs as the masked form's, so the same bits */
+    float pad[DP_GEMM_KB * NR] __attribute__((aligned(32)));
+    for (int64_t k = 0; k < K; ++k) {
+      memcpy(pad + k * NR, B + k * ldb, sizeof(float) * (size_t)nj);
+      memset(pad + k * NR + nj, 0, sizeof(float) * (size_t)(NR - nj));
+    }
+    mk_rows(M, K, A, rs, ks, pad, NR, C, ldc, m0, m1, acc, 1, 1, 0);
   } else {
-    for (; i + MR <= M; i += MR) mk16(MR, K, A + i * rs, rs, ks, B, ldb, C + i * ldc, ldc, m0, m1, acc, 0, 0);
-  }
-  switch (M - i) { /* the last rows, a block of their own size */
-    case 5:
-      mk16(5, K, A + i * rs, rs, ks, B, ldb, C + i * ldc, ldc, m0, m1, acc, 1, 0);
-      break;
-    case 4:
-      mk16(4, K, A + i * rs, rs, ks, B, ldb, C + i * ldc, ldc, m0, m1, acc, 1, 0);
-      break;
-    case 3:
-      mk16(3, K, A + i * rs, rs, ks, B, ldb, C + i * ldc, ldc, m0, m1, acc, 1, 0);
-      break;
-    case 2:
-      mk16(2, K, A + i * rs, rs, ks, B, ldb, C + i * ldc, ldc, m0, m1, acc, 1, 0);
-      break;
-    case 1:
-      mk16(1, K, A + i * rs, rs, ks, B, ldb, C + i * ldc, ldc, m0, m1, acc, 1, 0);
-      break;
-    default:
-      break;
+    mk_rows(M, K, A, rs, ks, B, ldb, C, ldc, m0, m1, acc, 0, 0, 0);
   }
 }
 
@@ -248,7 +263,7 @@ _Static_assert(KC % KB == 0, "the NT packing's K block is a whole number of accu
 int dp_small_gemm_built(void) { return DP_SG_KERNEL; }
 
 dp_status dp_small_gemm_on(int *on) {
-  DP_TRY(dp_env_switch("DPCORE_OWN_GEMM", DP_SG_DEFAULT, on));
+  DP_TRY(dp_env_switch("DPCORE_OWN_GEMM", 1, on));
   return DP_OK;
 }
 

@@ -45,9 +45,8 @@
  * the switch says), else 0 */
 int dp_small_gemm_built(void);
 
-/* 1 where this build has a kernel and DPCORE_OWN_GEMM asks for it (unset: yes with AVX-512F,
- * no with AVX2 and FMA, whose kernel measured slower than OpenBLAS's on a Zen 4 core); else 0:
- * the callers use the BLAS. Fails only for a malformed switch. */
+/* 1 where this build has a kernel (AVX-512F, or AVX2 and FMA) and DPCORE_OWN_GEMM is not 0;
+ * else 0: the callers use the BLAS. Fails only for a malformed switch. */
 DP_MUST_CHECK dp_status dp_small_gemm_on(int *on);
 
 /* floats of the packing buffer a B^T product needs on the kernel: a panel of

@@ -100,7 +100,7 @@ static void check_product(int mode, int64_t M, int64_t N, int64_t K, int accumul
 int main(void) {
   int on = -1;
   CHECK(dp_small_gemm_on(&on) == DP_OK);
-  CHECK(on == (dp_small_gemm_built() == 2)); /* the default: the AVX-512 kernel; the AVX2 one only when asked */
+  CHECK(on == (dp_small_gemm_built() != 0)); /* the default: the kernel, where built */
   if (!dp_small_gemm_built()) {
     printf("small_gemm_check: the kernel is not built (no AVX-512, no AVX2 + FMA): nothing else to check\n");
     printf(failures ? "small_gemm_check: FAILED\n" : "small_gemm_check: ok\n");
