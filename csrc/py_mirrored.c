@@ -125,6 +125,15 @@ static int mirrored_batch_datasets(PyObject *self, PyObject *R, dp_resident **da
   for (Py_ssize_t r = 0; r < k; ++r)
     if (!(data[r] = resident_of(PyTuple_GET_ITEM(residents, r), (ModelObject *)PyTuple_GET_ITEM(models, r))))
       goto fail;
+  /* one dataset: each replica would otherwise train on its own data under the same rows */
+  for (Py_ssize_t r = 1; r < k; ++r)
+    if (resident_dataset(PyTuple_GET_ITEM(residents, r)) != resident_dataset(PyTuple_GET_ITEM(residents, 0))) {
+      PyErr_Format(PyExc_ValueError,
+                   "residents: replica %zd's Resident holds another dataset than replica 0's (from another "
+                   "make_resident call): pass the list one make_resident(X, y) returned",
+                   r);
+      goto fail;
+    }
   *keep = residents;
   return 0;
 fail:

@@ -782,6 +782,7 @@ typedef struct {
   PyObject_HEAD
   PyObject *owner; /* the ModelObject whose device holds the data (kept alive); set first by __init__ */
   dp_resident *data;
+  PyObject *dataset; /* the token its copies on the other replicas share (make_resident's), or NULL: its own */
 } ResidentObject;
 
 static void resident_destroy_in_dealloc(void *data) { dp_resident_destroy(data); }
@@ -791,6 +792,7 @@ static void Resident_dealloc(ResidentObject *self) {
   if (self->data)
     device_free_in_dealloc(self->data->dev, resident_destroy_in_dealloc, self->data, 0, "a Resident dataset");
   Py_XDECREF(self->owner);
+  Py_XDECREF(self->dataset);
   Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
@@ -810,12 +812,14 @@ static dp_status resident_run(void *p) {
                             dp_model_num_classes(m), &w->out);
 }
 
-/* Resident(model, images, labels): images (N, C, H, W) uint8 or float32 as
- * the model takes them, labels (N,) int64 in [0, num_classes). */
+/* Resident(model, images, labels, dataset=None): images (N, C, H, W) uint8 or
+ * float32 as the model takes them, labels (N,) int64 in [0, num_classes);
+ * dataset: any object, the same for the copies of one dataset on the replicas
+ * of a Mirrored (resident_dataset). */
 static int Resident_init(ResidentObject *self, PyObject *args, PyObject *kwds) {
-  static char *kwlist[] = {"model", "images", "labels", NULL};
-  PyObject *model, *X, *Y;
-  if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!OO", kwlist, &ModelType, &model, &X, &Y)) return -1;
+  static char *kwlist[] = {"model", "images", "labels", "dataset", NULL};
+  PyObject *model, *X, *Y, *dataset = Py_None;
+  if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!OO|O", kwlist, &ModelType, &model, &X, &Y, &dataset)) return -1;
   /* owner is set before the copy runs without the GIL, so that a second
    * __init__ meanwhile is refused too */
   if (self->data || self->owner) {
@@ -836,6 +840,7 @@ static int Resident_init(ResidentObject *self, PyObject *args, PyObject *kwds) {
     goto done;
   }
   self->data = w.out;
+  if (dataset != Py_None) self->dataset = Py_NewRef(dataset);
   rc = 0;
 done:
   Py_XDECREF(xa);
@@ -871,6 +876,11 @@ PyTypeObject ResidentType = {
     .tp_init = (initproc)Resident_init,
     .tp_new = PyType_GenericNew,
 };
+
+const void *resident_dataset(PyObject *obj) {
+  const ResidentObject *r = (const ResidentObject *)obj;
+  return r->dataset ? (const void *)r->dataset : (const void *)r;
+}
 
 dp_resident *resident_of(PyObject *obj, const ModelObject *mo) {
   if (!PyObject_TypeCheck(obj, &ResidentType) || !((ResidentObject *)obj)->data) {

@@ -131,6 +131,10 @@ DP_PY_LOCAL int model_ready(ModelObject *self);
 /* The dataset of an initialized Resident on model mo's device, or NULL with
  * TypeError/ValueError set. Borrowed: the Resident object owns it. */
 DP_PY_LOCAL dp_resident *resident_of(PyObject *obj, const ModelObject *mo);
+/* What identifies an initialized Resident's dataset (resident_of first): the
+ * token Resident(..., dataset=) was given, else the Resident itself; copies of
+ * one dataset on the replicas compare equal. */
+DP_PY_LOCAL const void *resident_dataset(PyObject *obj);
 
 /* ---- the one way to release the GIL (py_common.c) --------------------------- */
 

@@ -127,6 +127,24 @@ def test_a_resident_dataset_belongs_to_its_device():
         a.train_step_rows([X, X], np.array([0, 1]), lr=0.1)
 
 
+def test_residents_of_two_make_resident_calls_are_refused():
+    """Each replica would train on its own dataset under the same rows (a silent
+    divergence from the one-device step), so a mixed list is an error, before any work."""
+    X, y = data(n=20)
+    X2, y2 = X[::-1].copy(), y[::-1].copy()
+    net = dp.models.LeNet(devices=["cpu:0", "cpu:1"])
+    first, second = net.make_resident(X, y), net.make_resident(X2, y2)
+    before = net._model.get_params()
+    for mixed in ([first[0], second[1]], (second[0], first[1])):
+        with pytest.raises(ValueError, match="another dataset than replica 0's"):
+            net.train_step_rows(mixed, np.array([0, 1, 2]), lr=0.1)
+    np.testing.assert_array_equal(net._model.get_params(), before)
+    # one call's list, as a copy or a tuple, is one dataset
+    for same in (list(first), tuple(second)):
+        loss, _ = net.train_step_rows(same, np.array([0, 1, 2]), lr=0.1)
+        assert np.isfinite(loss)
+
+
 def test_bad_labels_are_refused_when_made_resident():
     X, y = data(n=20)
     y[7] = 10

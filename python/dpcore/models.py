@@ -542,7 +542,8 @@ class Sequential:
         replica."""
         X = as_images(X, self.input_shape)
         y = as_labels(y, len(X))
-        return [_core.Resident(replica, X, y) for replica in self._replicas]
+        dataset = object()  # the copies' shared token: train_step_rows refuses residents of two calls
+        return [_core.Resident(replica, X, y, dataset=dataset) for replica in self._replicas]
 
     def train_step_rows(self, residents, rows, lr, momentum=0.0, weight_decay=0.0):
         """One SGD step on rows ``rows`` (int64 indices) of the dataset made
