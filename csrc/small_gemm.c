@@ -156,8 +156,10 @@ static inline void transpose_block(const float *src, int64_t ld, float *out, int
  * floats, or 8 where not wide) by plain loads, else the columns of m0 (and,
  * wide, m1 from column 8) under masks; cfull the same for C. The k loop holds
  * 12 accumulators, B's two vectors and the broadcast: masked loads in it
- * would need both masks too, 17 values for 16 registers, so a wide partial
- * panel is read from a zero-padded copy (panel) and only C is masked */
+ * would need both masks too, 17 values for 16 registers (GCC 12 then stored
+ * accumulators to the stack in the loop: 414 such stores in kernel_gemm), so
+ * a wide partial panel is read from a zero-padded copy (panel) and only C is
+ * masked */
 static inline __attribute__((always_inline)) void mk16(const int R, int64_t K, const float *A, int64_t rs, int64_t ks,
                                                        const float *B, int64_t ldb, float *C, int64_t ldc,
                                                        __m256i m0, __m256i m1, int acc, const int wide,

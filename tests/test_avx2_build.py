@@ -49,7 +49,7 @@ BUILDS = {
 def assert_no_vector_stores_to_stack(disassembly, function):
     """Under CPython's -fwrapv GCC 12 kept small_gemm.c's AVX2 accumulators in
     registers but also stored each to the stack after every FMA of the k loop
-    (613 such stores in the file; the kernel at half its rate on AMD Zen 3)."""
+    (613 such stores in the function; the kernel at half its rate on AMD Zen 3)."""
     lines = disassembly.split(f"<{function}>:\n", 1)
     assert len(lines) == 2, f"no symbol {function} in the library"
     body = lines[1].split("\n\n", 1)[0]
