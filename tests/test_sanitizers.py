@@ -7,11 +7,14 @@ only dpcore's allocations, with whole stacks); each is built here with
 with no sanitizer report. The whole suite, Python and binding included, runs
 under ASan and UBSan in `make test-asan` (scripts/sanitized-pytest.sh).
 """
+import atexit
+import concurrent.futures
 import os
 import shlex
 import shutil
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
@@ -54,9 +57,40 @@ MIRRORED_CORE = [*CPU_DEVICE, "collective.c", "comm.c", "dist.c", "dist_nccl.c",
 REGISTRY_CORE = [*CPU_DEVICE, "layers.c", "model.c", "resident.c", "shapes.c", "status.c"]
 
 
+# Objects compiled once a session for each (source, compiler flags): the programs here share most of
+# the core, and compiling it once a program was most of these tests' time. Compiled on every core.
+_OBJECTS = {}
+_OBJECT_DIR = []
+
+
+def _is_link_only(flag):
+    return flag.startswith(("-l", "-L", "-Wl,"))
+
+
+def _objects(cc, sources, cflags):
+    """The object of each source built with cflags (compiled now if this session has not)."""
+    if not _OBJECT_DIR:
+        _OBJECT_DIR.append(tempfile.mkdtemp(prefix="dpcore-sanitizer-objects."))
+        atexit.register(shutil.rmtree, _OBJECT_DIR[0], True)
+    key = tuple(cflags)
+    todo = [src for src in dict.fromkeys(sources) if (src, key) not in _OBJECTS]
+
+    def compile_one(src):
+        obj = os.path.join(_OBJECT_DIR[0], f"{len(_OBJECTS) + todo.index(src)}-{os.path.basename(src)}.o")
+        subprocess.run([cc, *cflags, "-c", src, "-o", obj], check=True, env=clean_env())
+        return obj
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
+        built = list(pool.map(compile_one, todo))
+    _OBJECTS.update(((src, key), obj) for src, obj in zip(todo, built))
+    return [_OBJECTS[(src, key)] for src in sources]
+
+
 def compile_program(tmp_path, program, core_sources, sanitizers, link_flags=()):
     """tests/c/<program>.c with the named csrc/ files, built with the given
-    -fsanitize flags (and link_flags after the objects); returns the executable."""
+    -fsanitize flags (and link_flags after the objects; those that are not the
+    linker's, -D, -I, -march, reach every source's compilation too, as on one
+    gcc command line); returns the executable."""
     cc = shutil.which("gcc") or shutil.which("cc")
     paths = blas_paths()
     if cc is None or paths is None:
@@ -66,10 +100,12 @@ def compile_program(tmp_path, program, core_sources, sanitizers, link_flags=()):
     # trace.c: the step timeline's recorder, which the model, the collectives and the barrier call
     core_sources = list(core_sources) + (["trace.c"] if {"model.c", "collective.c"} & set(core_sources) else [])
     sources = [os.path.join(ROOT, "tests", "c", program + ".c")] + [os.path.join(ROOT, "csrc", f) for f in core_sources]
-    cmd = [cc, "-std=c11", "-O1", "-g", "-fno-omit-frame-pointer", *sanitizers, "-fopenmp", "-D_GNU_SOURCE", "-Wall",
-           "-Wextra", "-Wno-unused-parameter", "-Werror", "-I", os.path.join(ROOT, "csrc"), "-I",
-           os.path.join(ROOT, "kernels"), "-I", inc, *sources, lib, "-lm", *link_flags, "-o", str(exe)]
-    subprocess.run(cmd, check=True, env=clean_env())
+    cflags = ["-std=c11", "-O1", "-g", "-fno-omit-frame-pointer", *sanitizers, "-fopenmp", "-D_GNU_SOURCE", "-Wall",
+              "-Wextra", "-Wno-unused-parameter", "-Werror", "-I", os.path.join(ROOT, "csrc"), "-I",
+              os.path.join(ROOT, "kernels"), "-I", inc, *(f for f in link_flags if not _is_link_only(f))]
+    objects = _objects(cc, sources, cflags)
+    subprocess.run([cc, *sanitizers, "-fopenmp", *objects, lib, "-lm", *link_flags, "-o", str(exe)], check=True,
+                   env=clean_env())
     return exe
 
 

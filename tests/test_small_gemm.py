@@ -203,6 +203,16 @@ def skip_without_avx2_fma():
         pytest.skip("this CPU has no AVX2 + FMA: a -march=haswell program cannot run here")
 
 
+def skip_where_native_is_avx2(native_test):
+    """The -march=haswell twins of the native programs run the AVX2 forms on an AVX-512 machine;
+    on a CPU with AVX2 and no AVX-512, -march=native compiles those same forms, which the native
+    test runs."""
+    skip_without_avx2_fma()
+    from dpcore._blas_kernels import cpu_flags
+    if "avx512f" not in cpu_flags():
+        pytest.skip(f"this CPU has no AVX-512: its -march=native program is the AVX2 build, which {native_test} runs")
+
+
 def run_native_c_check(tmp_path, program, core_sources, march="native", **env):
     """tests/c/<program>.c with the named csrc/ files, built for this CPU (-march=native, as the
     extension is: its AVX-512 code, where the CPU has it; or the given -march) under ASan and
@@ -238,7 +248,7 @@ def test_kernel_against_float64_under_the_sanitizers(tmp_path):
 def test_avx2_kernel_against_float64_under_the_sanitizers(tmp_path):
     """The same check of the AVX2 + FMA kernel (6x16 block; what an AVX2-only machine's
     -march=native build runs), built with -march=haswell on a CPU that has AVX2 and FMA."""
-    skip_without_avx2_fma()
+    skip_where_native_is_avx2("test_kernel_against_float64_under_the_sanitizers")
     report = run_native_c_check(tmp_path, "small_gemm_check", ["small_gemm.c", "status.c"], march="haswell")
     assert "not built" not in report, report
 
@@ -257,7 +267,7 @@ def test_winograd_avx2_forms_bits_do_not_depend_on_the_thread_count(tmp_path):
     masked to the rows and tiles), under ASan and UBSan, on a CPU that has AVX2 and FMA. The
     bits' independence of the threads is the kernel's (the BLAS blocks by the call): the
     kernel asked for (DPCORE_OWN_GEMM=1) whatever the environment says."""
-    skip_without_avx2_fma()
+    skip_where_native_is_avx2("test_winograd_bits_do_not_depend_on_the_thread_count")
     run_native_c_check(tmp_path, "winograd_threads", ["winograd.c", "small_gemm.c", "status.c", "cpu_caches.c"], march="haswell",
                        DPCORE_OWN_GEMM="1")
 
@@ -275,6 +285,6 @@ def test_stride2_winograd_avx2_forms(tmp_path):
     """The same program built with -march=haswell (an AVX2-only machine's build: the AVX2
     GEMM kernel, the lane planes' 8x8 register transposes, the filter transform 8 pairs a
     vector), under ASan and UBSan, on a CPU that has AVX2 and FMA; the kernel asked for, as above."""
-    skip_without_avx2_fma()
+    skip_where_native_is_avx2("test_stride2_winograd_bits_and_blocks")
     run_native_c_check(tmp_path, "winograd_s2_threads", ["winograd.c", "small_gemm.c", "status.c", "cpu_caches.c"], march="haswell",
                        DPCORE_OWN_GEMM="1")
