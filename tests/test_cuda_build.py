@@ -195,7 +195,9 @@ def test_core_compiles_warning_free(variant, tmp_path):
             pytest.fail("needs Open MPI's mpicc (scripts/bootstrap.sh installs libopenmpi-dev)")
         cmd += ["-DDP_HAVE_MPI"] + subprocess.run([mpicc, "-showme:compile"], capture_output=True, text=True,
                                                    check=True).stdout.split()
-    for src in c_sources():
-        proc = subprocess.run(cmd + [src], capture_output=True, text=True)
+    import concurrent.futures
+    with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:  # a file a core
+        procs = list(pool.map(lambda src: subprocess.run(cmd + [src], capture_output=True, text=True), c_sources()))
+    for src, proc in zip(c_sources(), procs):
         assert proc.returncode == 0, f"{src} ({variant}):\n{proc.stderr}"
 
