@@ -196,8 +196,9 @@ def test_core_compiles_warning_free(variant, tmp_path):
         cmd += ["-DDP_HAVE_MPI"] + subprocess.run([mpicc, "-showme:compile"], capture_output=True, text=True,
                                                    check=True).stdout.split()
     import concurrent.futures
+    sources = c_sources()
     with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:  # a file a core
-        procs = list(pool.map(lambda src: subprocess.run(cmd + [src], capture_output=True, text=True), c_sources()))
-    for src, proc in zip(c_sources(), procs):
+        procs = list(pool.map(lambda src: subprocess.run(cmd + [src], capture_output=True, text=True), sources))
+    for src, proc in zip(sources, procs):
         assert proc.returncode == 0, f"{src} ({variant}):\n{proc.stderr}"
 

@@ -8,6 +8,7 @@ the build for one arch, the CUDA-backend check, every GPU test collected) under 
 Python and Python 3.12, up to the first step that needs a device; and that it stops, loudly,
 when the build has no CUDA backend.
 """
+import functools
 import glob
 import importlib.util
 import os
@@ -120,6 +121,7 @@ def test_junit_counts_and_failures_first(tmp_path):
     assert gpu_day.read_junit(str(tmp_path / "missing.xml")) == ({}, [])
 
 
+@functools.lru_cache(maxsize=None)
 def python312():
     """pyenv's 3.12 (the GPU image's version), or None where this machine has none."""
     for c in sorted(glob.glob(os.path.expanduser("~/.pyenv/versions/3.12*/bin/python3"))) + [shutil.which("python3.12")]:

@@ -73,16 +73,12 @@ def _objects(cc, sources, cflags):
         _OBJECT_DIR.append(tempfile.mkdtemp(prefix="dpcore-sanitizer-objects."))
         atexit.register(shutil.rmtree, _OBJECT_DIR[0], True)
     key = tuple(cflags)
-    todo = [src for src in dict.fromkeys(sources) if (src, key) not in _OBJECTS]
-
-    def compile_one(src):
-        obj = os.path.join(_OBJECT_DIR[0], f"{len(_OBJECTS) + todo.index(src)}-{os.path.basename(src)}.o")
-        subprocess.run([cc, *cflags, "-c", src, "-o", obj], check=True, env=clean_env())
-        return obj
-
+    todo = {src: os.path.join(_OBJECT_DIR[0], f"{len(_OBJECTS) + i}-{os.path.basename(src)}.o")
+            for i, src in enumerate(s for s in dict.fromkeys(sources) if (s, key) not in _OBJECTS)}
     with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
-        built = list(pool.map(compile_one, todo))
-    _OBJECTS.update(((src, key), obj) for src, obj in zip(todo, built))
+        list(pool.map(lambda src: subprocess.run([cc, *cflags, "-c", src, "-o", todo[src]], check=True,
+                                                 env=clean_env()), todo))
+    _OBJECTS.update(((src, key), obj) for src, obj in todo.items())
     return [_OBJECTS[(src, key)] for src in sources]
 
 
