@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 import dpcore as dp
+from build_order import compile_order, heavy_first
 
 ROOT = Path(__file__).resolve().parent.parent
 INFO = dp.build_info()
@@ -157,7 +158,16 @@ def test_logical_gpus_need_a_gpu():
 
 
 def c_sources():
-    return sorted(str(p) for p in (ROOT / "csrc").glob("*.c"))
+    """csrc/*.c, in the order the build starts their compiles (the heaviest first)."""
+    return compile_order(str(p) for p in (ROOT / "csrc").glob("*.c"))
+
+
+def test_the_sources_the_build_compiles_first_exist():
+    """A renamed or removed source left in setup.py's HEAVY_FIRST would quietly fall back to name
+    order: the long compiles last, one core idle while they end."""
+    names = heavy_first()
+    assert len(set(names)) == len(names) and names
+    assert not [n for n in names if not (ROOT / "csrc" / n).is_file()]
 
 
 @pytest.mark.parametrize("variant", ["cpu", "cpu-mpi", "cuda-mpi"])

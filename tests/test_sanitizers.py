@@ -18,6 +18,8 @@ import tempfile
 
 import pytest
 
+from build_order import compile_order
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -74,7 +76,7 @@ def _objects(cc, sources, cflags):
         atexit.register(shutil.rmtree, _OBJECT_DIR[0], True)
     key = tuple(cflags)
     todo = {src: os.path.join(_OBJECT_DIR[0], f"{len(_OBJECTS) + i}-{os.path.basename(src)}.o")
-            for i, src in enumerate(s for s in dict.fromkeys(sources) if (s, key) not in _OBJECTS)}
+            for i, src in enumerate(s for s in compile_order(dict.fromkeys(sources)) if (s, key) not in _OBJECTS)}
     with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
         list(pool.map(lambda src: subprocess.run([cc, *cflags, "-c", src, "-o", todo[src]], check=True,
                                                  env=clean_env()), todo))
