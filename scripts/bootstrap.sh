@@ -5,6 +5,8 @@
 #   scripts/bootstrap.sh            # system packages (when root), .venv, pip install .
 #   VENV=/path/to/venv scripts/bootstrap.sh
 #   DPCORE_CUDA=0 DPCORE_MPI=0 DPCORE_SANITIZE=1 VENV=...   the build knobs of setup.py
+#   DPCORE_DEPS_ONLY=1 VENV=...  the system packages, the venv and its requirements, no build
+#                                 (touches nothing in the source tree: CI runs it beside tests)
 #
 # System packages: OpenBLAS (CBLAS, OpenMP build: the same libgomp our kernels
 # use, so BLAS and dpcore never run two competing thread pools), Debian's
@@ -54,6 +56,10 @@ else
   # them, rather than pip compiling every module of every package now (a quarter of the time)
   "$vpy" -m pip install -q --disable-pip-version-check --no-compile -r "$here/requirements-dev.txt"
   nodeps=
+fi
+if [ "${DPCORE_DEPS_ONLY:-0}" = 1 ]; then
+  echo "bootstrap: $venv has the requirements (DPCORE_DEPS_ONLY=1: dpcore is not built)"
+  exit 0
 fi
 echo "bootstrap: building and installing dpcore"
 "$vpy" -m pip install -q --disable-pip-version-check --no-build-isolation $nodeps "$here"
