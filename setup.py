@@ -27,6 +27,7 @@ import numpy
 from setuptools import Extension, setup
 from setuptools.command.build import build
 from setuptools.command.build_ext import build_ext
+from setuptools.command.egg_info import egg_info
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_CUDA_ARCHS = ["75", "80", "86", "89", "90"]  # sm_XX cubins, plus PTX for the newest
@@ -187,6 +188,19 @@ def parallel_compile(compiler, jobs):
             list(pool.map(one, [objects[i] for i in compile_order(sources)]))
         return objects
     compiler.compile = compile
+
+
+class EggInfo(egg_info):
+    """A wheel's build (pip install .) writes its egg-info under build/<variant> as well, not into
+    python/: two builds of other variants from one tree at once (CI builds the sanitized extension
+    while the suite builds others) would otherwise rewrite the same python/dpcore.egg-info under
+    each other. Other commands (sdist, develop) keep setuptools' place for it."""
+
+    def finalize_options(self):
+        if self.egg_base is None and "bdist_wheel" in self.distribution.commands:
+            self.egg_base = os.path.join("build", VARIANT)
+            os.makedirs(self.egg_base, exist_ok=True)
+        super().finalize_options()
 
 
 class BuildExt(build_ext):
@@ -355,4 +369,4 @@ def extension():
     )
 
 
-setup(ext_modules=[extension()], cmdclass={"build": Build, "build_ext": BuildExt})
+setup(ext_modules=[extension()], cmdclass={"build": Build, "build_ext": BuildExt, "egg_info": EggInfo})

@@ -19,7 +19,8 @@
 #                mmap'd arenas: ASan sees them (an overflow from dpcore into a
 #                Python object is caught) and LeakSanitizer scans them (a dpcore
 #                buffer owned by a live Python object is reachable, not leaked).
-#   detect_leaks=1 in pytest's own process; 0 in its children (they inherit the
+#   detect_leaks=1 in pytest's own process (and its xdist workers, which run
+#                the tests: DPCORE_SANITIZED_WORKERS below); 0 in their children (they inherit the
 #                ASAN_OPTIONS that scripts/sanitizer-site/sitecustomize.py sets):
 #                they are also gcc and the like, whose own leaks at exit are not
 #                dpcore's and would fail them. (So a leak only a child Python
@@ -84,6 +85,26 @@ SHIM
   chmod +x "$shims/$launcher"
 done
 export PATH="$shims:$PATH"
+# DPCORE_SANITIZED_WORKERS=N (N > 1; make test-asan sets 2): the tests in N pytest-xdist workers,
+# a test file to a worker at a time (--dist loadfile: a file's tests share one process, as in a
+# serial run). Most of this run's time is the sanitized code of one thread in one process, so a
+# second worker uses the core the first leaves idle. The workers start through a wrapper that gives
+# them pytest's own options (leak check on) in place of the children's, which sitecustomize.py set
+# in the controller's environment; each worker's leaks are checked at its exit.
+workers=()
+nworkers=${DPCORE_SANITIZED_WORKERS:-1}
+case "$nworkers" in ''|*[!0-9]*) echo "sanitized-pytest: DPCORE_SANITIZED_WORKERS=$nworkers: a count" >&2; exit 2;; esac
+if [ "$nworkers" -gt 1 ]; then
+  "$venv/bin/python" -c 'import xdist' 2>/dev/null ||
+    { echo "sanitized-pytest: DPCORE_SANITIZED_WORKERS=$nworkers needs pytest-xdist in $venv" >&2; exit 2; }
+  cat > "$shims/python-worker" <<WORKER
+#!/bin/sh
+# written by scripts/sanitized-pytest.sh: a pytest-xdist worker, with pytest's own ASAN_OPTIONS
+ASAN_OPTIONS='$common:detect_leaks=1' exec '$(cd "$venv" && pwd)/bin/python' "\$@"
+WORKER
+  chmod +x "$shims/python-worker"
+  workers=(--tx "$nworkers*popen//python=$shims/python-worker" --dist loadfile)
+fi
 # LeakSanitizer's own tracer (the thread that stops the others for the leak
 # check at pytest's exit) has crashed now and then after every test passed
 # ("Tracer caught signal 11 ... LeakSanitizer has encountered a fatal error":
@@ -112,7 +133,7 @@ while :; do
   rc=0
   # LD_PRELOAD for Python and what it starts, not for this script's own tools
   LD_PRELOAD="$asan $ubsan" ASAN_OPTIONS="$common:detect_leaks=1" "$venv/bin/python" -m pytest \
-    --junit-xml="$junit/junit.$attempt.xml" "$@" || rc=$?
+    --junit-xml="$junit/junit.$attempt.xml" "${workers[@]}" "$@" || rc=$?
   if [ "$rc" != 0 ] && [ "$attempt" = 1 ] && tracer_crashed && tests_all_passed "$junit/junit.$attempt.xml"; then
     echo "sanitized-pytest: every test passed, but LeakSanitizer's tracer crashed at pytest's exit" \
       "(no report; the leak check did not run): the run once more" >&2

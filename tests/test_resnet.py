@@ -772,12 +772,15 @@ def test_resnet18_short_book_experiment_on_a_subset():
     train_iter = dp.data.from_arrays(X, y.astype(np.int64), batch_size=32, shuffle=True, seed=0)
     test_iter = dp.data.from_arrays(Xt, yt, batch_size=256)
     start = time.time()
-    history = dp.train(net, train_iter, test_iter, num_epochs=4, lr=0.05, verbose=False, progress=False)
-    print(f"\nResNet-18 (d2l init), 4 epochs of 2,000 images at batch 32: test accuracy per epoch "
-          f"{[round(a, 4) for a in history.test_acc]}, {time.time() - start:.0f} s")
+    # evaluated once, after the last epoch (what the threshold is about; the test pass in evaluation
+    # mode changes no weight or statistic, so the epochs train as with a test_iter)
+    history = dp.train(net, train_iter, None, num_epochs=4, lr=0.05, verbose=False, progress=False)
+    accuracy = net.evaluate(test_iter, progress=False).accuracy
+    print(f"\nResNet-18 (d2l init), 4 epochs of 2,000 images at batch 32: training loss per epoch "
+          f"{[round(a, 4) for a in history.train_loss]}, test accuracy {accuracy:.4f}, {time.time() - start:.0f} s")
     assert np.isfinite(history.train_loss).all()
     assert history.train_loss[-1] < 0.7 * history.train_loss[0], history.train_loss
-    assert history.test_acc[-1] >= SUBSET_ACCURACY, history.test_acc
+    assert accuracy >= SUBSET_ACCURACY, accuracy
 
 
 # ---------------------------------------------------------------------------

@@ -10,6 +10,7 @@ under ASan and UBSan in `make test-asan` (scripts/sanitized-pytest.sh).
 import atexit
 import concurrent.futures
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -84,11 +85,13 @@ def _objects(cc, sources, cflags):
     return [_OBJECTS[(src, key)] for src in sources]
 
 
-def compile_program(tmp_path, program, core_sources, sanitizers, link_flags=()):
+def compile_program(tmp_path, program, core_sources, sanitizers, link_flags=(), source_flags=None):
     """tests/c/<program>.c with the named csrc/ files, built with the given
     -fsanitize flags (and link_flags after the objects; those that are not the
     linker's, -D, -I, -march, reach every source's compilation too, as on one
-    gcc command line); returns the executable."""
+    gcc command line); source_flags: {file name: flags} for those sources'
+    compilations alone (and the link: -pthread and the like). Returns the
+    executable."""
     cc = shutil.which("gcc") or shutil.which("cc")
     paths = blas_paths()
     if cc is None or paths is None:
@@ -98,12 +101,20 @@ def compile_program(tmp_path, program, core_sources, sanitizers, link_flags=()):
     # trace.c: the step timeline's recorder, which the model, the collectives and the barrier call
     core_sources = list(core_sources) + (["trace.c"] if {"model.c", "collective.c"} & set(core_sources) else [])
     sources = [os.path.join(ROOT, "tests", "c", program + ".c")] + [os.path.join(ROOT, "csrc", f) for f in core_sources]
-    cflags = ["-std=c11", "-O1", "-g", "-fno-omit-frame-pointer", *sanitizers, "-fopenmp", "-D_GNU_SOURCE", "-Wall",
-              "-Wextra", "-Wno-unused-parameter", "-Werror", "-I", os.path.join(ROOT, "csrc"), "-I",
-              os.path.join(ROOT, "kernels"), "-I", inc, *(f for f in link_flags if not _is_link_only(f))]
-    objects = _objects(cc, sources, cflags)
-    subprocess.run([cc, *sanitizers, "-fopenmp", *objects, lib, "-lm", *link_flags, "-o", str(exe)], check=True,
-                   env=clean_env())
+    # -fno-var-tracking: no locations of local variables (a report's stack keeps its lines and
+    # inlined frames), a quarter less compile time (setup.py's sanitized build does the same)
+    cflags = ["-std=c11", "-O1", "-g", "-fno-var-tracking", "-fno-omit-frame-pointer", *sanitizers, "-fopenmp",
+              "-D_GNU_SOURCE", "-Wall", "-Wextra", "-Wno-unused-parameter", "-Werror", "-I", os.path.join(ROOT, "csrc"),
+              "-I", os.path.join(ROOT, "kernels"), "-I", inc, *(f for f in link_flags if not _is_link_only(f))]
+    source_flags = source_flags or {}
+    own = {src: tuple(source_flags.get(os.path.basename(src), ())) for src in sources}
+    objects = {}
+    for extra in dict.fromkeys(own.values()):
+        group = [src for src in sources if own[src] == extra]
+        objects.update(zip(group, _objects(cc, group, cflags + list(extra))))
+    extra_link = [f for flags in source_flags.values() for f in flags if f == "-pthread"]
+    subprocess.run([cc, *sanitizers, "-fopenmp", *(objects[src] for src in sources), lib, "-lm", *link_flags,
+                    *dict.fromkeys(extra_link), "-o", str(exe)], check=True, env=clean_env())
     return exe
 
 
@@ -170,17 +181,35 @@ def test_a_replica_group_whose_locks_cannot_be_made_is_a_runtime_error(tmp_path)
                               "--wrap=pthread_mutex_destroy,--wrap=pthread_cond_destroy", "-lpthread"])
 
 
+# The sources that read DP_HAVE_MPI or include <mpi.h> (a test below checks that no other does):
+# only they are compiled with MPI's flags, so the MPI program shares the other objects with the
+# programs before it
+MPI_SOURCES = ("comm.c", "dist.c", "dist_mpi.c")
+
+
 def mpi_flags():
-    """-DDP_HAVE_MPI and Open MPI's compile and link flags (mpicc -showme), for compile_program's
-    link_flags: -D and -I apply to every source wherever they stand on gcc's command line."""
+    """(-DDP_HAVE_MPI and Open MPI's compile flags, its link flags), from mpicc -showme."""
     mpicc = shutil.which("mpicc")
     if mpicc is None:
         pytest.fail("the MPI sanitizer tests need Open MPI's mpicc (scripts/bootstrap.sh installs it)")
-    flags = ["-DDP_HAVE_MPI"]
-    for what in ("-showme:compile", "-showme:link"):
-        flags += shlex.split(subprocess.run([mpicc, what], check=True, capture_output=True, text=True,
-                                            env=clean_env()).stdout)
-    return flags
+    compile_flags, link_flags = (shlex.split(subprocess.run([mpicc, what], check=True, capture_output=True, text=True,
+                                                            env=clean_env()).stdout)
+                                 for what in ("-showme:compile", "-showme:link"))
+    return ["-DDP_HAVE_MPI", *compile_flags], link_flags
+
+
+def test_only_the_mpi_sources_see_mpi():
+    """MPI_SOURCES are all the C files that read DP_HAVE_MPI or include mpi.h: the others' objects,
+    compiled without MPI's flags, are the same in an MPI build."""
+    seen = set()
+    for folder in ("csrc", "kernels", os.path.join("tests", "c")):
+        for name in os.listdir(os.path.join(ROOT, folder)):
+            if name.endswith((".c", ".h", ".cu")):
+                with open(os.path.join(ROOT, folder, name), encoding="utf-8") as f:
+                    text = f.read()
+                if "DP_HAVE_MPI" in text or re.search(r"#\s*include\s*<mpi\.h>", text):
+                    seen.add(name)
+    assert seen == set(MPI_SOURCES), seen
 
 
 # Open MPI's own allocations that it never frees (LeakSanitizer reports them at
@@ -217,7 +246,10 @@ def test_mpi_processes_are_clean_under_asan_ubsan(tmp_path):
     mpirun = shutil.which("mpirun")
     if mpirun is None:
         pytest.fail("the MPI sanitizer test needs Open MPI's mpirun (scripts/bootstrap.sh installs it)")
-    exe = compile_program(tmp_path, "dist_mpi", MIRRORED_CORE, ASAN_UBSAN, [*mpi_flags(), "-lpthread"])
+    mpi_compile, mpi_link = mpi_flags()
+    exe = compile_program(tmp_path, "dist_mpi", MIRRORED_CORE, ASAN_UBSAN,
+                          [*(f for f in mpi_link if _is_link_only(f)), "-lpthread"],
+                          {name: mpi_compile + [f for f in mpi_link if not _is_link_only(f)] for name in MPI_SOURCES})
     suppressions = tmp_path / "lsan_open_mpi.supp"
     suppressions.write_text(MPI_LSAN_SUPPRESSIONS)
     # fast_unwind_on_malloc=0: Open MPI's libraries are built without frame
@@ -281,8 +313,9 @@ def test_the_mpi_library_version_is_filled_once_without_a_race(tmp_path):
     """tests/c/dist_version.c under ThreadSanitizer: eight threads ask for
     dp_dist_library_version at once (MPI_Get_library_version wrapped by the
     program, so that its writes are seen); one fill, one answer, no race."""
+    mpi_compile, mpi_link = mpi_flags()
     exe = compile_program(tmp_path, "dist_version", ["dist.c", "dist_nccl.c", "status.c"], ["-fsanitize=thread"],
-                          [*mpi_flags(), "-lpthread", "-Wl,--wrap=MPI_Get_library_version"])
+                          [*mpi_compile, *mpi_link, "-lpthread", "-Wl,--wrap=MPI_Get_library_version"])
     run_tsan_clean(exe, "dist_version")
 
 
