@@ -37,8 +37,16 @@ train-mpi: setup
 # The fuzzers run 10 s per harness here, 30 s in test-asan (the harnesses under the sanitizers,
 # where a finding in the C loaders shows; test-cpu-only replays their corpus only);
 # DPCORE_FUZZ_SECONDS set outside wins.
+# TEST_WORKERS: the pytest-xdist workers of make test (0: none, the tests in pytest's process), a
+# test file to a worker at a time, the long files first (tests/conftest.py). Most tests run in one
+# thread, so two workers use a 2-core machine's second core (the suite less the two experiments:
+# 662 s against 880-970 s in one process here). The minutes-long experiments (-m slow) train on
+# every core: they run after, alone (beside another worker they took 3-4x their time).
+TEST_WORKERS ?= 2
+XDIST = -n $(1) --dist loadfile --no-loadscope-reorder
 test: setup
-	DPCORE_FUZZ_SECONDS=$${DPCORE_FUZZ_SECONDS:-10} $(PY) -m pytest -q -ra tests
+	DPCORE_FUZZ_SECONDS=$${DPCORE_FUZZ_SECONDS:-10} $(PY) -m pytest -q -ra $(call XDIST,$(TEST_WORKERS)) -m "not slow" tests
+	$(PY) -m pytest -q -ra -m slow tests
 
 # The same suite on a CPU-only build without MPI (DPCORE_CUDA=0 DPCORE_MPI=0), as on a machine
 # without the CUDA toolkit and Open MPI: every process is a world of one. The build-independent
@@ -49,7 +57,7 @@ test: setup
 # sanitizers; the committed corpus replays here).
 test-cpu-only:
 	DPCORE_CUDA=0 DPCORE_MPI=0 VENV=.venv-cpu scripts/bootstrap.sh
-	.venv-cpu/bin/python -m pytest -q -ra -m "not slow" $(BENCH_SCRIPT_DESELECT) \
+	.venv-cpu/bin/python -m pytest -q -ra $(call XDIST,$(TEST_WORKERS)) -m "not slow" $(BENCH_SCRIPT_DESELECT) \
 	  $(BUILD_INDEPENDENT_DESELECT) $(CPU_ONLY_DESELECT) --deselect tests/test_fuzz.py::test_fuzz_for_a_bounded_time tests
 
 # The whole suite under AddressSanitizer + UndefinedBehaviorSanitizer (LeakSanitizer in pytest's

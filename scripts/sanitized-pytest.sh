@@ -103,7 +103,7 @@ if [ "$nworkers" -gt 1 ]; then
 ASAN_OPTIONS='$common:detect_leaks=1' exec '$(cd "$venv" && pwd)/bin/python' "\$@"
 WORKER
   chmod +x "$shims/python-worker"
-  workers=(--tx "$nworkers*popen//python=$shims/python-worker" --dist loadfile)
+  workers=(--tx "$nworkers*popen//python=$shims/python-worker" --dist loadfile --no-loadscope-reorder)
 fi
 # LeakSanitizer's own tracer (the thread that stops the others for the leak
 # check at pytest's exit) has crashed now and then after every test passed

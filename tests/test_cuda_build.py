@@ -170,6 +170,14 @@ def test_the_sources_the_build_compiles_first_exist():
     assert not [n for n in names if not (ROOT / "csrc" / n).is_file()]
 
 
+def test_the_test_files_run_first_exist():
+    """The same for the test files tests/conftest.py starts first (LONG_FILES): a renamed one
+    would run in name order again, perhaps last, alone in its worker."""
+    from conftest import LONG_FILES
+    assert len(set(LONG_FILES)) == len(LONG_FILES) and LONG_FILES
+    assert not [n for n in LONG_FILES if not (ROOT / "tests" / n).is_file()]
+
+
 @pytest.mark.parametrize("variant", ["cpu", "cpu-mpi", "cuda-mpi"])
 def test_core_compiles_warning_free(variant, tmp_path):
     """Every csrc/*.c under -O2 -Wall -Wextra -Werror (-O2: some warnings, such as
