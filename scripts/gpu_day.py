@@ -302,6 +302,9 @@ class Day:
         self.env["PYTHONPATH"] = site + (":" + self.env["PYTHONPATH"] if self.env.get("PYTHONPATH") else "")
         self.env["PYTHONDONTWRITEBYTECODE"] = "1"
         self.env.setdefault("DPCORE_BUILD_JOBS", str(os.cpu_count() or 1))
+        # its own build trees (kept for a rerun): the rehearsal in CI runs beside other builds from
+        # the same checkout, one of them (CPU-only, without MPI) this day's variant under DPCORE_CUDA=0
+        self.env.setdefault("DPCORE_BUILD_DIR", os.path.join(HERE, "build", "gpu-day"))
         st, secs = self.run([self.python, "-m", "pip", "install", "--no-deps", "--no-build-isolation",
                              "--disable-pip-version-check", "--no-cache-dir", "--target", site, "--upgrade", HERE],
                             "build.log", min(self.left() - RESERVE_SECONDS, 420))
