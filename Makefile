@@ -40,13 +40,15 @@ train-mpi: setup
 # TEST_WORKERS: the pytest-xdist workers of make test (0: none, the tests in pytest's process), a
 # test file to a worker at a time, the long files first (tests/conftest.py). Most tests run in one
 # thread, so two workers use a 2-core machine's second core (the suite less the two experiments:
-# 662 s against 880-970 s in one process here). The minutes-long experiments (-m slow) train on
-# every core: they run after, alone (beside another worker they took 3-4x their time).
+# 662 s against 880-970 s in one process here). The minutes-long experiments (-m slow) and the
+# tests that use every core (-m alone: builds, OpenMP training, threads spinning at barriers) run
+# after, by themselves: beside another worker they took 2-5x their time.
 TEST_WORKERS ?= 2
 XDIST = -n $(1) --dist loadfile --no-loadscope-reorder
 test: setup
-	DPCORE_FUZZ_SECONDS=$${DPCORE_FUZZ_SECONDS:-10} $(PY) -m pytest -q -ra $(call XDIST,$(TEST_WORKERS)) -m "not slow" tests
-	$(PY) -m pytest -q -ra -m slow tests
+	DPCORE_FUZZ_SECONDS=$${DPCORE_FUZZ_SECONDS:-10} $(PY) -m pytest -q -ra $(call XDIST,$(TEST_WORKERS)) \
+	  -m "not slow and not alone" tests
+	$(PY) -m pytest -q -ra -m "slow or alone" tests
 
 # The same suite on a CPU-only build without MPI (DPCORE_CUDA=0 DPCORE_MPI=0), as on a machine
 # without the CUDA toolkit and Open MPI: every process is a world of one. The build-independent

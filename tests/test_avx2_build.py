@@ -77,6 +77,7 @@ def own_build_is_avx2(want_gemm):
     return True
 
 
+@pytest.mark.alone  # builds on every core, then trains in OpenMP loops: beside another worker, 2x its time
 @pytest.mark.parametrize("name", sorted(BUILDS))
 def test_build_passes_the_numeric_tests(tmp_path, name):
     cflags, needs, register, want_gemm, files, keyword = BUILDS[name]

@@ -319,6 +319,7 @@ def test_the_mpi_library_version_is_filled_once_without_a_race(tmp_path):
     run_tsan_clean(exe, "dist_version")
 
 
+@pytest.mark.alone  # its replica threads spin at barriers: beside another worker, 5x its time
 def test_replica_threads_barriers_and_all_reduce_are_race_free_under_tsan(tmp_path):
     """tests/c/tsan_stress.c built with -fsanitize=thread: replica groups of 2
     to 8 threads through thousands of barriers (spinning and sleeping) and
