@@ -90,8 +90,7 @@ def compile_program(tmp_path, program, core_sources, sanitizers, link_flags=(), 
     -fsanitize flags (and link_flags after the objects; those that are not the
     linker's, -D, -I, -march, reach every source's compilation too, as on one
     gcc command line); source_flags: {file name: flags} for those sources'
-    compilations alone (and the link: -pthread and the like). Returns the
-    executable."""
+    compilations alone. Returns the executable."""
     cc = shutil.which("gcc") or shutil.which("cc")
     paths = blas_paths()
     if cc is None or paths is None:
@@ -112,9 +111,8 @@ def compile_program(tmp_path, program, core_sources, sanitizers, link_flags=(), 
     for extra in dict.fromkeys(own.values()):
         group = [src for src in sources if own[src] == extra]
         objects.update(zip(group, _objects(cc, group, cflags + list(extra))))
-    extra_link = [f for flags in source_flags.values() for f in flags if f == "-pthread"]
     subprocess.run([cc, *sanitizers, "-fopenmp", *(objects[src] for src in sources), lib, "-lm", *link_flags,
-                    *dict.fromkeys(extra_link), "-o", str(exe)], check=True, env=clean_env())
+                    "-o", str(exe)], check=True, env=clean_env())
     return exe
 
 
@@ -247,9 +245,8 @@ def test_mpi_processes_are_clean_under_asan_ubsan(tmp_path):
     if mpirun is None:
         pytest.fail("the MPI sanitizer test needs Open MPI's mpirun (scripts/bootstrap.sh installs it)")
     mpi_compile, mpi_link = mpi_flags()
-    exe = compile_program(tmp_path, "dist_mpi", MIRRORED_CORE, ASAN_UBSAN,
-                          [*(f for f in mpi_link if _is_link_only(f)), "-lpthread"],
-                          {name: mpi_compile + [f for f in mpi_link if not _is_link_only(f)] for name in MPI_SOURCES})
+    exe = compile_program(tmp_path, "dist_mpi", MIRRORED_CORE, ASAN_UBSAN, [*mpi_link, "-lpthread"],
+                          {name: mpi_compile for name in MPI_SOURCES})
     suppressions = tmp_path / "lsan_open_mpi.supp"
     suppressions.write_text(MPI_LSAN_SUPPRESSIONS)
     # fast_unwind_on_malloc=0: Open MPI's libraries are built without frame
